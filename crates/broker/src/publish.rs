@@ -1,0 +1,196 @@
+//! Publishing with confirms.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+use sas_messages::CONTENT_TYPE_JSON;
+use serde::Serialize;
+
+use crate::error::timed;
+use crate::BrokerError;
+
+/// A channel in confirm mode: every publish waits for the broker's ack.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+    timeout: Duration,
+}
+
+impl Publisher {
+    /// Opens a dedicated publishing channel and puts it in confirm mode.
+    ///
+    /// # Errors
+    /// When the channel cannot be opened in time.
+    pub async fn open(connection: &Connection, timeout: Duration) -> Result<Self, BrokerError> {
+        let channel = timed(
+            "opening a publishing channel",
+            timeout,
+            connection.create_channel(),
+        )
+        .await?;
+        timed(
+            "enabling publisher confirms",
+            timeout,
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        Ok(Self { channel, timeout })
+    }
+
+    /// Publishes `body` and waits for the broker to confirm it.
+    ///
+    /// With `mandatory`, a message no queue accepts is an error rather than
+    /// silently dropped: requests to agents and replies are mandatory, status
+    /// messages to a client queue that may be gone are not.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the broker refuses, returns or does not confirm the message in time.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        mandatory: bool,
+    ) -> Result<(), BrokerError> {
+        let options = BasicPublishOptions {
+            mandatory,
+            ..BasicPublishOptions::default()
+        };
+        let confirm = timed(
+            "publishing",
+            self.timeout,
+            self.channel
+                .basic_publish(exchange, routing_key, options, body, properties),
+        )
+        .await?;
+        match timed("waiting for a publisher confirm", self.timeout, confirm).await? {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(_returned)) => Err(BrokerError::Unroutable {
+                routing_key: routing_key.to_owned(),
+            }),
+            Confirmation::Nack(_) => Err(BrokerError::Nacked {
+                routing_key: routing_key.to_owned(),
+            }),
+        }
+    }
+
+    /// Serializes `message` as JSON and publishes it with [`json_properties`].
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`].
+    pub async fn publish_json<T: Serialize>(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &T,
+        properties: BasicProperties,
+        mandatory: bool,
+    ) -> Result<(), BrokerError> {
+        let body = serde_json::to_vec(message).expect("wire types always serialize");
+        self.publish(exchange, routing_key, &body, properties, mandatory)
+            .await
+    }
+}
+
+/// Persistent JSON message properties with a message id and a timestamp.
+pub fn json_properties(message_id: &str) -> BasicProperties {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    BasicProperties::default()
+        .with_content_type(CONTENT_TYPE_JSON.into())
+        .with_delivery_mode(2)
+        .with_message_id(message_id.into())
+        .with_timestamp(now)
+}
+
+/// Builds an AMQP header table from string pairs.
+pub fn string_headers<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (key, value) in pairs {
+        table.insert(
+            ShortString::from(key.to_owned()),
+            AMQPValue::LongString(value.to_owned().into()),
+        );
+    }
+    table
+}
+
+/// Reads a string header (long or short string), if present.
+pub fn header_str(properties: &BasicProperties, key: &str) -> Option<String> {
+    let headers = properties.headers().as_ref()?;
+    match headers.inner().get(key)? {
+        AMQPValue::LongString(value) => {
+            Some(String::from_utf8_lossy(value.as_bytes()).into_owned())
+        }
+        AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// The publisher of whatever connection is up, shared with tasks that live
+/// longer than one connection.
+#[derive(Clone, Default)]
+pub struct SharedPublisher {
+    current: Arc<RwLock<Option<Publisher>>>,
+}
+
+impl SharedPublisher {
+    pub(crate) fn set(&self, publisher: Option<Publisher>) {
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = publisher;
+    }
+
+    /// The current publisher.
+    ///
+    /// # Errors
+    /// [`BrokerError::NotConnected`] while no connection is up.
+    pub fn get(&self) -> Result<Publisher, BrokerError> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or(BrokerError::NotConnected)
+    }
+}
+
+impl Publisher {
+    /// Sends a status message to the status exchange (routing key
+    /// `order.<id>`, where `sasctl watch` listens) and to the client's
+    /// `reply_to` queue, if the order named one. Neither is mandatory: nobody
+    /// may be listening.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`].
+    pub async fn publish_status(
+        &self,
+        names: &sas_messages::QueueNames,
+        reply_to: Option<&str>,
+        status: &sas_messages::OrderStatus,
+    ) -> Result<(), BrokerError> {
+        let properties = || {
+            json_properties(&uuid::Uuid::now_v7().to_string()).with_headers(string_headers([(
+                sas_messages::headers::ORDER_ID,
+                status.order_id.as_str(),
+            )]))
+        };
+        self.publish_json(
+            &names.status_exchange(),
+            &sas_messages::QueueNames::status_routing_key(&status.order_id),
+            status,
+            properties(),
+            false,
+        )
+        .await?;
+        if let Some(queue) = reply_to {
+            self.publish_json("", queue, status, properties(), false)
+                .await?;
+        }
+        Ok(())
+    }
+}

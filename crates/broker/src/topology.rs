@@ -1,0 +1,168 @@
+//! Declaring queues and exchanges.
+//!
+//! Every service declares what it uses, with the same arguments (a queue
+//! declared twice with different arguments is refused by RabbitMQ), so the
+//! services can start in any order.
+
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{Channel, Connection, ExchangeKind};
+
+use crate::error::timed;
+use crate::{AmqpSettings, BrokerError};
+
+fn quorum_arguments(settings: &AmqpSettings, dead_letter: bool) -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    if dead_letter {
+        arguments.insert(
+            ShortString::from("x-delivery-limit"),
+            AMQPValue::LongInt(i32::try_from(settings.delivery_limit).unwrap_or(i32::MAX)),
+        );
+        arguments.insert(
+            ShortString::from("x-dead-letter-exchange"),
+            AMQPValue::LongString(LongString::from(settings.names().dead_letter_exchange())),
+        );
+    }
+    arguments
+}
+
+async fn declare_queue(
+    channel: &Channel,
+    settings: &AmqpSettings,
+    name: &str,
+    dead_letter: bool,
+) -> Result<(), BrokerError> {
+    timed(
+        "declaring a queue",
+        settings.operation_timeout(),
+        channel.queue_declare(
+            name,
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            quorum_arguments(settings, dead_letter),
+        ),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn declare_exchange(
+    channel: &Channel,
+    settings: &AmqpSettings,
+    name: &str,
+    kind: ExchangeKind,
+) -> Result<(), BrokerError> {
+    timed(
+        "declaring an exchange",
+        settings.operation_timeout(),
+        channel.exchange_declare(
+            name,
+            kind,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        ),
+    )
+    .await
+}
+
+async fn bind(
+    channel: &Channel,
+    settings: &AmqpSettings,
+    queue: &str,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), BrokerError> {
+    timed(
+        "binding a queue",
+        settings.operation_timeout(),
+        channel.queue_bind(
+            queue,
+            exchange,
+            routing_key,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await
+}
+
+/// Declares what every service shares: the dead-letter exchange with its two
+/// queues (one kept for operators, one the supervisor records from) and the
+/// status exchange.
+///
+/// # Errors
+/// When a declaration is refused or times out.
+pub async fn declare_common(channel: &Channel, settings: &AmqpSettings) -> Result<(), BrokerError> {
+    let names = settings.names();
+    let exchange = names.dead_letter_exchange();
+    declare_exchange(channel, settings, &exchange, ExchangeKind::Fanout).await?;
+    for queue in [names.dead_letters(), names.dead_letter_records()] {
+        declare_queue(channel, settings, &queue, false).await?;
+        bind(channel, settings, &queue, &exchange, "").await?;
+    }
+    declare_exchange(
+        channel,
+        settings,
+        &names.status_exchange(),
+        ExchangeKind::Topic,
+    )
+    .await
+}
+
+/// Declares a work queue: a durable quorum queue with the delivery limit and
+/// the dead-letter exchange, so a poison message never blocks it.
+///
+/// # Errors
+/// When the declaration is refused (for example, the queue exists with other
+/// arguments) or times out.
+pub async fn declare_work_queue(
+    channel: &Channel,
+    settings: &AmqpSettings,
+    name: &str,
+) -> Result<(), BrokerError> {
+    declare_queue(channel, settings, name, true).await
+}
+
+/// Deletes every queue and exchange of a prefix: test teardown, and operators
+/// removing a deployment.
+///
+/// # Errors
+/// When the broker cannot be reached.
+pub async fn delete_all(
+    connection: &Connection,
+    settings: &AmqpSettings,
+    agents: &[&str],
+) -> Result<(), BrokerError> {
+    let names = settings.names();
+    let timeout = settings.operation_timeout();
+    let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
+    for queue in names.all_queues(agents.iter().copied()) {
+        timed(
+            "deleting a queue",
+            timeout,
+            channel.queue_delete(&queue, QueueDeleteOptions::default()),
+        )
+        .await?;
+    }
+    for exchange in names.all_exchanges() {
+        timed(
+            "deleting an exchange",
+            timeout,
+            channel.exchange_delete(&exchange, ExchangeDeleteOptions::default()),
+        )
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,34 @@
+//! Wire contracts shared by every service and the CLI.
+//!
+//! Nothing else in the workspace defines a message type or a queue name: the
+//! scheduler, agents, supervisor and `sasctl` all depend on this crate, and the
+//! README documents each type here with a JSON example so that any AMQP client
+//! can take part.
+//!
+//! - [`names`]: queue, exchange and header names (with a deployment prefix).
+//! - [`order`]: the order a client submits, and its validation.
+//! - [`step`]: the request an agent receives and the reply it sends back.
+//! - [`status`]: progress events sent to the client.
+//! - [`decode`]: strict decoding of bytes into a message, with reasons fit for a
+//!   dead-letter header.
+
+pub mod decode;
+pub mod names;
+pub mod order;
+pub mod status;
+pub mod step;
+
+pub use decode::{decode, DecodeError};
+pub use names::{headers, QueueNames};
+pub use order::{OrderLine, SubmitOrder};
+pub use status::{OrderStatus, StatusEvent};
+pub use step::{StepKind, StepOutcome, StepReply, StepRequest};
+
+/// The only `schema_version` this build reads and writes.
+///
+/// A message carrying another version is dead-lettered rather than guessed at,
+/// so that a rolling upgrade never misreads a field.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// `content_type` set on every message we publish.
+pub const CONTENT_TYPE_JSON: &str = "application/json";

@@ -1,0 +1,122 @@
+//! Queue, exchange and header names.
+//!
+//! Every name takes the deployment's prefix, so that several deployments (and
+//! parallel test runs) can share one broker without seeing each other's messages.
+
+/// Builds every queue and exchange name of one deployment from its prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueNames {
+    prefix: String,
+}
+
+impl QueueNames {
+    /// Names for the deployment whose names start with `prefix` (may be empty).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix every name starts with.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Quorum queue where clients publish [`crate::SubmitOrder`] messages.
+    pub fn orders(&self) -> String {
+        format!("{}sas.orders", self.prefix)
+    }
+
+    /// Durable quorum queue shared by every scheduler instance, named in the
+    /// `reply_to` of every step request: a reply survives the death of the
+    /// scheduler that sent the request.
+    pub fn scheduler_replies(&self) -> String {
+        format!("{}sas.scheduler.replies", self.prefix)
+    }
+
+    /// Quorum queue of step requests for the agent named `agent`; its replicas
+    /// are competing consumers on it.
+    pub fn agent_requests(&self, agent: &str) -> String {
+        format!("{}sas.agent.{agent}", self.prefix)
+    }
+
+    /// Fanout exchange every queue dead-letters into, and where services publish
+    /// messages they reject (with a reason header).
+    pub fn dead_letter_exchange(&self) -> String {
+        format!("{}sas.dead-letter", self.prefix)
+    }
+
+    /// Queue that keeps dead letters for operators to inspect or replay.
+    pub fn dead_letters(&self) -> String {
+        format!("{}sas.dead-letters", self.prefix)
+    }
+
+    /// Queue the supervisor drains to record each dead letter in the state
+    /// store and settle the order it belongs to.
+    pub fn dead_letter_records(&self) -> String {
+        format!("{}sas.dead-letters.record", self.prefix)
+    }
+
+    /// Topic exchange that receives every [`crate::OrderStatus`] with the routing
+    /// key [`QueueNames::status_routing_key`]; `sasctl watch` binds to it.
+    pub fn status_exchange(&self) -> String {
+        format!("{}sas.status", self.prefix)
+    }
+
+    /// Routing key of one order's status messages on the status exchange.
+    pub fn status_routing_key(order_id: &str) -> String {
+        format!("order.{order_id}")
+    }
+
+    /// Every queue a deployment with these `agents` declares; used by teardown
+    /// in tests and by operators cleaning up a prefix.
+    pub fn all_queues<'a>(&self, agents: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        let mut queues = vec![
+            self.orders(),
+            self.scheduler_replies(),
+            self.dead_letters(),
+            self.dead_letter_records(),
+        ];
+        queues.extend(agents.into_iter().map(|agent| self.agent_requests(agent)));
+        queues
+    }
+
+    /// Every exchange a deployment declares.
+    pub fn all_exchanges(&self) -> Vec<String> {
+        vec![self.dead_letter_exchange(), self.status_exchange()]
+    }
+}
+
+/// AMQP header names set by this system.
+pub mod headers {
+    /// Why a message was dead-lettered, in words an operator can act on.
+    pub const DEAD_LETTER_REASON: &str = "x-sas-reason";
+    /// Queue the dead-lettered message was consumed from.
+    pub const DEAD_LETTER_SOURCE_QUEUE: &str = "x-sas-source-queue";
+    /// Order a message belongs to, when known, so a dead letter can settle it.
+    pub const ORDER_ID: &str = "x-sas-order-id";
+    /// W3C trace context, so one order's spans join up across services.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// Reason RabbitMQ itself gives when it dead-letters (e.g. `delivery_limit`).
+    pub const FIRST_DEATH_REASON: &str = "x-first-death-reason";
+    /// Queue RabbitMQ itself dead-lettered from.
+    pub const FIRST_DEATH_QUEUE: &str = "x-first-death-queue";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_carries_the_prefix() {
+        let names = QueueNames::new("t42.");
+        for name in names
+            .all_queues(["inventory"])
+            .into_iter()
+            .chain(names.all_exchanges())
+        {
+            assert!(name.starts_with("t42.sas."), "{name}");
+        }
+        assert_eq!(names.agent_requests("payment"), "t42.sas.agent.payment");
+    }
+}

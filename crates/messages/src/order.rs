@@ -1,0 +1,177 @@
+//! The order a client submits to the orders queue.
+
+use serde::{Deserialize, Serialize};
+
+use crate::SCHEMA_VERSION;
+
+/// Longest accepted order id, SKU or customer id, in bytes.
+pub const MAX_ID_LEN: usize = 64;
+/// Most lines one order may carry.
+pub const MAX_LINES: usize = 100;
+
+/// A client's order, published as JSON to [`crate::QueueNames::orders`].
+///
+/// Unknown fields are refused: a misspelt `reply_to` would otherwise silently
+/// leave a client without status messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitOrder {
+    /// Must equal [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// The client's id for the order: submitting the same id twice is a no-op.
+    pub order_id: String,
+    /// Who is buying; passed to the payment service.
+    pub customer_id: String,
+    /// What to reserve and ship.
+    pub items: Vec<OrderLine>,
+    /// Amount to charge, in the currency's minor unit.
+    pub amount_cents: i64,
+    /// ISO 4217 code, three upper-case letters.
+    pub currency: String,
+    /// Queue that receives [`crate::OrderStatus`] messages for this order, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
+}
+
+/// One line of an order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrderLine {
+    /// Stock keeping unit.
+    pub sku: String,
+    /// How many, at least one.
+    pub quantity: u32,
+}
+
+/// Why an order was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid order: {0}")]
+pub struct InvalidOrder(pub String);
+
+fn check_id(field: &str, value: &str) -> Result<(), InvalidOrder> {
+    let ok = !value.is_empty()
+        && value.len() <= MAX_ID_LEN
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidOrder(format!(
+            "{field} must be 1 to {MAX_ID_LEN} characters of A-Z, a-z, 0-9, '-', '_', '.', ':' (got {value:?})"
+        )))
+    }
+}
+
+impl SubmitOrder {
+    /// Checks what the type system cannot: version, id syntax, quantities.
+    ///
+    /// # Errors
+    /// [`InvalidOrder`] naming the first offending field.
+    pub fn validate(&self) -> Result<(), InvalidOrder> {
+        if self.schema_version != SCHEMA_VERSION {
+            return Err(InvalidOrder(format!(
+                "unsupported schema_version {} (this system reads {SCHEMA_VERSION})",
+                self.schema_version
+            )));
+        }
+        check_id("order_id", &self.order_id)?;
+        check_id("customer_id", &self.customer_id)?;
+        if self.items.is_empty() || self.items.len() > MAX_LINES {
+            return Err(InvalidOrder(format!(
+                "items must hold 1 to {MAX_LINES} lines (got {})",
+                self.items.len()
+            )));
+        }
+        for (index, line) in self.items.iter().enumerate() {
+            check_id(&format!("items[{index}].sku"), &line.sku)?;
+            if line.quantity == 0 {
+                return Err(InvalidOrder(format!(
+                    "items[{index}].quantity must be at least 1"
+                )));
+            }
+        }
+        if self.amount_cents < 0 {
+            return Err(InvalidOrder(format!(
+                "amount_cents must not be negative (got {})",
+                self.amount_cents
+            )));
+        }
+        if self.currency.len() != 3 || !self.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(InvalidOrder(format!(
+                "currency must be three upper-case letters (got {:?})",
+                self.currency
+            )));
+        }
+        if let Some(reply_to) = &self.reply_to {
+            if reply_to.is_empty() || reply_to.len() > 255 {
+                return Err(InvalidOrder(
+                    "reply_to must be a queue name of 1 to 255 bytes".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn sample() -> SubmitOrder {
+    SubmitOrder {
+        schema_version: SCHEMA_VERSION,
+        order_id: "ord-1".into(),
+        customer_id: "cust-1".into(),
+        items: vec![OrderLine {
+            sku: "sku-1".into(),
+            quantity: 2,
+        }],
+        amount_cents: 1999,
+        currency: "EUR".into(),
+        reply_to: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_well_formed_order_is_valid() {
+        sample().validate().unwrap();
+    }
+
+    #[test]
+    fn an_order_id_with_spaces_is_refused_naming_the_field() {
+        let mut order = sample();
+        order.order_id = "has space".into();
+        let error = order.validate().unwrap_err();
+        assert!(error.0.contains("order_id"), "{error}");
+    }
+
+    #[test]
+    fn a_zero_quantity_is_refused_naming_the_line() {
+        let mut order = sample();
+        order.items[0].quantity = 0;
+        assert!(order
+            .validate()
+            .unwrap_err()
+            .0
+            .contains("items[0].quantity"));
+    }
+
+    #[test]
+    fn another_schema_version_is_refused() {
+        let mut order = sample();
+        order.schema_version = 2;
+        assert!(order.validate().unwrap_err().0.contains("schema_version"));
+    }
+
+    #[test]
+    fn an_empty_order_and_a_lower_case_currency_are_refused() {
+        let mut order = sample();
+        order.items.clear();
+        assert!(order.validate().is_err());
+        let mut order = sample();
+        order.currency = "eur".into();
+        assert!(order.validate().is_err());
+    }
+}

@@ -1,0 +1,20 @@
+//! What every service binary does the same way.
+//!
+//! - [`settings`]: defaults, then a file, then `SAS_*` environment variables.
+//! - [`telemetry`]: structured logs, text or JSON.
+//! - [`ops`]: the operations HTTP endpoint: `/metrics`, `/healthz`, `/readyz`.
+//! - [`shutdown`]: a cancellation token fired by SIGTERM or SIGINT.
+//! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
+//!   operations endpoint, run until a signal, exit code.
+
+pub mod ops;
+pub mod retry;
+pub mod service;
+pub mod settings;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use ops::{OpsServer, Readiness};
+pub use retry::retry_transient;
+pub use service::{run_service, HasLog, ServiceArgs};
+pub use settings::{load_settings, HttpSettings, LogFormat, LogSettings, Validate};

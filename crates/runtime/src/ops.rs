@@ -1,0 +1,89 @@
+//! The operations HTTP endpoint every service serves: `/metrics` in the
+//! Prometheus text format, `/healthz` (the process is alive), `/readyz` (it
+//! can reach what it needs: 503 otherwise).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio_util::sync::CancellationToken;
+
+/// Tells whether the service can do its work now (broker connected, database reachable).
+pub type Readiness = Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// A running operations endpoint.
+pub struct OpsServer {
+    /// The address it listens on (useful when configured with port 0).
+    pub local_addr: SocketAddr,
+}
+
+#[derive(Clone)]
+struct OpsState {
+    metrics: PrometheusHandle,
+    readiness: Readiness,
+}
+
+/// Installs the Prometheus recorder and serves the endpoint on `listen` until `shutdown`.
+///
+/// # Errors
+/// When the address cannot be bound or a recorder is already installed.
+pub async fn serve(
+    listen: &str,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> anyhow::Result<OpsServer> {
+    let metrics = PrometheusBuilder::new()
+        .set_buckets(&[
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        ])?
+        .install_recorder()?;
+    let upkeep = metrics.clone();
+    let upkeep_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => upkeep.run_upkeep(),
+                () = upkeep_shutdown.cancelled() => return,
+            }
+        }
+    });
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(|State(state): State<OpsState>| async move { state.metrics.render() }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(|State(state): State<OpsState>| async move {
+                match (state.readiness)().await {
+                    Ok(()) => (StatusCode::OK, "ready".to_owned()),
+                    Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, reason),
+                }
+            }),
+        )
+        .with_state(OpsState { metrics, readiness });
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
+    let local_addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let result = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+        if let Err(error) = result {
+            tracing::error!(error = %error, "operations endpoint stopped");
+        }
+    });
+    tracing::info!(%local_addr, "operations endpoint: /metrics /healthz /readyz");
+    Ok(OpsServer { local_addr })
+}

@@ -1,0 +1,144 @@
+//! `sasctl orders`, `alerts`, `dead-letters`: read the state store.
+
+use std::process::ExitCode;
+
+use sas_store::{ProcessState, Store};
+
+fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// `sasctl orders list`.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn list(
+    store: &Store,
+    state: Option<ProcessState>,
+    limit: i64,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let orders = store.list_orders(state, limit).await?;
+    if json {
+        print_json(&orders)?;
+    } else {
+        println!(
+            "{:<40} {:<13} {:>8} {:<24} LAST ERROR",
+            "ORDER", "STATE", "FAILURES", "UPDATED"
+        );
+        for order in orders {
+            println!(
+                "{:<40} {:<13} {:>8} {:<24} {}",
+                order.order_id,
+                order.state.as_str(),
+                order.failure_count,
+                order.updated_at.format("%Y-%m-%d %H:%M:%S%.3f"),
+                order.last_error.as_deref().unwrap_or("")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `sasctl orders show`: exit 1 when there is no such order.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let Some(detail) = store.order_detail(order_id).await? else {
+        eprintln!("no order {order_id}");
+        return Ok(ExitCode::FAILURE);
+    };
+    if json {
+        print_json(&detail)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let s = &detail.summary;
+    println!("order       {}", s.order_id);
+    println!("state       {}", s.state);
+    println!("locked by   {}", s.locked_by.as_deref().unwrap_or("-"));
+    println!(
+        "complete by {}",
+        s.complete_by.map_or("-".to_owned(), |t| t.to_rfc3339())
+    );
+    println!("failures    {}", s.failure_count);
+    println!("last error  {}", s.last_error.as_deref().unwrap_or("-"));
+    println!("\nSTEPS");
+    for step in &detail.steps {
+        println!(
+            "  {} {:<16} {:<10} {:<13} attempt {} key {}{}",
+            step.position,
+            step.name,
+            step.agent,
+            step.state.as_str(),
+            step.attempt,
+            step.idempotency_key,
+            step.last_error
+                .as_deref()
+                .map(|e| format!("  ({e})"))
+                .unwrap_or_default()
+        );
+    }
+    println!("\nHISTORY");
+    for entry in &detail.history {
+        println!(
+            "  {}  {:<20} {:<24} {} {}",
+            entry.at.format("%H:%M:%S%.3f"),
+            entry.actor,
+            entry.event,
+            entry.step.as_deref().unwrap_or(""),
+            entry.detail.as_deref().unwrap_or("")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `sasctl alerts`.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn alerts(store: &Store, all: bool, json: bool) -> anyhow::Result<ExitCode> {
+    let alerts = store.alerts(all, 1000).await?;
+    if json {
+        print_json(&alerts)?;
+    } else if alerts.is_empty() {
+        println!("no alerts");
+    } else {
+        for alert in alerts {
+            println!(
+                "#{} {} {} order {}: {}",
+                alert.id,
+                alert.raised_at.format("%Y-%m-%d %H:%M:%S"),
+                alert.kind,
+                alert.order_id.as_deref().unwrap_or("-"),
+                alert.message
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `sasctl dead-letters`.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn dead_letters(store: &Store, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
+    let letters = store.dead_letters(limit).await?;
+    if json {
+        print_json(&letters)?;
+    } else {
+        for letter in letters {
+            println!(
+                "#{} {} from {} order {}: {}\n    {}",
+                letter.id,
+                letter.at.format("%Y-%m-%d %H:%M:%S"),
+                letter.source_queue.as_deref().unwrap_or("-"),
+                letter.order_id.as_deref().unwrap_or("-"),
+                letter.reason,
+                letter.body.chars().take(200).collect::<String>()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

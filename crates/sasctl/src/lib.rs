@@ -1,0 +1,171 @@
+//! `sasctl`: submit orders, watch them, inspect the state store.
+//!
+//! - [`submit`]: publish one order, a file of orders, or N generated ones.
+//! - [`watch`]: follow one order's status messages live.
+//! - [`inspect`]: orders, alerts and dead letters from the state store.
+
+pub mod inspect;
+pub mod submit;
+pub mod watch;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use sas_broker::AmqpSettings;
+use sas_store::{DatabaseSettings, ProcessState, Store};
+
+/// Operate a Scheduler Agent Supervisor deployment: submit orders, watch
+/// them, inspect orders, alerts and dead letters.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None)]
+pub struct Cli {
+    /// Where the deployment is.
+    #[command(flatten)]
+    pub target: Target,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Connection settings, named like the services' environment variables.
+#[derive(Debug, Clone, Args)]
+pub struct Target {
+    /// RabbitMQ URL.
+    #[arg(
+        long,
+        global = true,
+        env = "SAS_AMQP__URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    pub amqp_url: String,
+    /// Queue name prefix of the deployment.
+    #[arg(long, global = true, env = "SAS_AMQP__PREFIX", default_value = "")]
+    pub prefix: String,
+    /// Postgres URL of the state store.
+    #[arg(
+        long,
+        global = true,
+        env = "SAS_DATABASE__URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/sas"
+    )]
+    pub database_url: String,
+}
+
+impl Target {
+    /// AMQP settings for a short-lived client.
+    pub fn amqp(&self) -> AmqpSettings {
+        AmqpSettings {
+            url: self.amqp_url.clone(),
+            prefix: self.prefix.clone(),
+            prefetch: 64,
+            operation_timeout_ms: 10_000,
+            delivery_limit: 3,
+            max_message_bytes: 65_536,
+            reconnect_base_ms: 200,
+            reconnect_max_ms: 5_000,
+        }
+    }
+
+    /// A store handle.
+    ///
+    /// # Errors
+    /// When the URL is not a Postgres URL.
+    pub fn store(&self) -> anyhow::Result<Store> {
+        let settings = DatabaseSettings {
+            url: self.database_url.clone(),
+            password: None,
+            max_connections: 4,
+            acquire_timeout_ms: 5_000,
+            statement_timeout_ms: 10_000,
+        };
+        settings.validate().map_err(anyhow::Error::msg)?;
+        Ok(Store::connect_lazy(&settings, "sasctl")?)
+    }
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Publish orders to the orders queue (one, a file of them, or N generated).
+    Submit(submit::SubmitArgs),
+    /// Follow one order's status messages live until it ends.
+    Watch {
+        /// Order id.
+        order_id: String,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout_secs: u64,
+    },
+    /// List or show orders.
+    #[command(subcommand)]
+    Orders(OrdersCommand),
+    /// Operator alerts (unresolved ones unless --all).
+    Alerts {
+        /// Include resolved alerts.
+        #[arg(long)]
+        all: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Recorded dead letters, newest first.
+    DeadLetters {
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `sasctl orders ...`
+#[derive(Debug, Subcommand)]
+pub enum OrdersCommand {
+    /// The most recently changed orders.
+    List {
+        /// Only orders in this state (pending, processing, processed, error, compensating, compensated).
+        #[arg(long)]
+        state: Option<ProcessState>,
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One order: state, steps, attempts, history.
+    Show {
+        /// Order id.
+        order_id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a command; the exit code is 0 on success, 1 on failure, and for
+/// `watch`, 3 when the order ended unsuccessfully.
+///
+/// # Errors
+/// When the broker or the database cannot be reached, or input is invalid.
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Submit(args) => submit::run(&cli.target, args).await,
+        Command::Watch {
+            order_id,
+            timeout_secs,
+        } => watch::run(&cli.target, &order_id, Duration::from_secs(timeout_secs)).await,
+        Command::Orders(OrdersCommand::List { state, limit, json }) => {
+            inspect::list(&cli.target.store()?, state, limit, json).await
+        }
+        Command::Orders(OrdersCommand::Show { order_id, json }) => {
+            inspect::show(&cli.target.store()?, &order_id, json).await
+        }
+        Command::Alerts { all, json } => inspect::alerts(&cli.target.store()?, all, json).await,
+        Command::DeadLetters { limit, json } => {
+            inspect::dead_letters(&cli.target.store()?, limit, json).await
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! `sasctl submit`: publish orders to the orders queue with confirms.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use futures_util::{stream, StreamExt};
+use sas_broker::publish::json_properties;
+use sas_broker::{topology, Publisher};
+use sas_messages::{OrderLine, SubmitOrder, SCHEMA_VERSION};
+
+use crate::Target;
+
+/// Arguments of `sasctl submit`.
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// How many orders to generate.
+    #[arg(long, default_value_t = 1)]
+    pub count: usize,
+    /// Submit the orders in this JSON file (one object, or an array) instead of generating them.
+    #[arg(long, conflicts_with = "count")]
+    pub file: Option<PathBuf>,
+    /// Order id of a single generated order (default: ord-<uuid>).
+    #[arg(long)]
+    pub order_id: Option<String>,
+    /// Customer of generated orders.
+    #[arg(long, default_value = "cust-1")]
+    pub customer_id: String,
+    /// SKU of generated orders (one starting OUT-OF-STOCK is refused by inventory).
+    #[arg(long, default_value = "SKU-1")]
+    pub sku: String,
+    /// Quantity of generated orders.
+    #[arg(long, default_value_t = 1)]
+    pub quantity: u32,
+    /// Amount of generated orders, in cents (above the payment limit it is declined).
+    #[arg(long, default_value_t = 2499)]
+    pub amount_cents: i64,
+    /// Currency of generated orders.
+    #[arg(long, default_value = "EUR")]
+    pub currency: String,
+    /// Queue that receives the orders' status messages.
+    #[arg(long)]
+    pub reply_to: Option<String>,
+    /// Follow the order until it ends (a single order only).
+    #[arg(long)]
+    pub watch: bool,
+    /// Publishes awaiting confirmation at once.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Orders per second; 0 publishes as fast as the broker confirms.
+    #[arg(long, default_value_t = 0)]
+    pub rate: u64,
+}
+
+fn generated(args: &SubmitArgs, index: usize) -> SubmitOrder {
+    let order_id = match (&args.order_id, args.count) {
+        (Some(id), 1) => id.clone(),
+        (Some(id), _) => format!("{id}-{index}"),
+        (None, _) => format!("ord-{}", uuid::Uuid::now_v7().simple()),
+    };
+    SubmitOrder {
+        schema_version: SCHEMA_VERSION,
+        order_id,
+        customer_id: args.customer_id.clone(),
+        items: vec![OrderLine {
+            sku: args.sku.clone(),
+            quantity: args.quantity,
+        }],
+        amount_cents: args.amount_cents,
+        currency: args.currency.clone(),
+        reply_to: args.reply_to.clone(),
+    }
+}
+
+fn from_file(path: &PathBuf) -> anyhow::Result<Vec<SubmitOrder>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let items = match value {
+        serde_json::Value::Array(items) => items,
+        one => vec![one],
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(index, item)| {
+            serde_json::from_value(item)
+                .with_context(|| format!("order {index} of {}", path.display()))
+        })
+        .collect()
+}
+
+/// Publishes the orders; prints each order id on stdout.
+///
+/// # Errors
+/// When an order is invalid or the broker does not confirm it.
+pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> {
+    let orders = match &args.file {
+        Some(path) => from_file(path)?,
+        None => (0..args.count)
+            .map(|index| generated(&args, index))
+            .collect(),
+    };
+    for order in &orders {
+        order
+            .validate()
+            .with_context(|| format!("order {}", order.order_id))?;
+    }
+    anyhow::ensure!(
+        !(args.watch && orders.len() != 1),
+        "--watch follows a single order"
+    );
+
+    let settings = target.amqp();
+    let connection = sas_broker::connect(&settings, "sasctl")
+        .await
+        .context("cannot connect to RabbitMQ")?;
+    let channel = connection.create_channel().await?;
+    topology::declare_common(&channel, &settings).await?;
+    topology::declare_work_queue(&channel, &settings, &settings.names().orders()).await?;
+    let publisher = Publisher::open(&connection, settings.operation_timeout()).await?;
+
+    let watcher = if args.watch {
+        Some(crate::watch::Watcher::start(&connection, &settings, &orders[0].order_id).await?)
+    } else {
+        None
+    };
+
+    let queue = settings.names().orders();
+    let started = Instant::now();
+    let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
+    let results: Vec<anyhow::Result<String>> = stream::iter(orders.into_iter().enumerate())
+        .map(|(index, order)| {
+            let (publisher, queue) = (publisher.clone(), queue.clone());
+            async move {
+                if let Some(pace) = pace {
+                    tokio::time::sleep_until((started + pace * index as u32).into()).await;
+                }
+                publisher
+                    .publish_json("", &queue, &order, json_properties(&order.order_id), true)
+                    .await
+                    .with_context(|| format!("order {} was not confirmed", order.order_id))?;
+                Ok(order.order_id)
+            }
+        })
+        .buffer_unordered(args.concurrency.max(1))
+        .collect()
+        .await;
+    let mut submitted = 0usize;
+    for result in results {
+        let order_id = result?;
+        println!("{order_id}");
+        submitted += 1;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    eprintln!(
+        "submitted {submitted} order(s) to {queue} in {elapsed:.2}s ({:.0}/s)",
+        submitted as f64 / elapsed.max(1e-9)
+    );
+    match watcher {
+        Some(watcher) => watcher.follow(Duration::from_secs(300)).await,
+        None => Ok(ExitCode::SUCCESS),
+    }
+}

@@ -1,0 +1,50 @@
+//! Claiming orders the supervisor sent back (after their backoff), and
+//! compensations nobody holds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sas_broker::{BrokerError, Publisher};
+
+use crate::publish::publish_progress;
+use crate::Scheduler;
+
+impl Scheduler {
+    /// Claims ready orders every `claim_interval_ms` (at once again when a
+    /// claim came back full), until shutdown.
+    ///
+    /// This is not on the path of a new order, which the intake starts
+    /// directly; it only serves retries, whose backoff is measured in
+    /// hundreds of milliseconds or more.
+    ///
+    /// # Errors
+    /// When a request cannot be published: the connection is presumed lost.
+    pub async fn claim_loop(self: Arc<Self>, publisher: Publisher) -> Result<(), BrokerError> {
+        let interval = Duration::from_millis(self.settings.scheduler.claim_interval_ms);
+        let batch = self.settings.scheduler.claim_batch;
+        loop {
+            let claimed = match self.store.claim_ready(&self.id, batch).await {
+                Ok(claimed) => claimed,
+                Err(error) => {
+                    tracing::warn!(error = %error, "cannot claim ready orders");
+                    Vec::new()
+                }
+            };
+            let full = claimed.len() as i64 == batch;
+            for progress in &claimed {
+                if let Some(dispatch) = &progress.dispatch {
+                    tracing::info!(order_id = %dispatch.order_id, step = %dispatch.step, attempt = dispatch.attempt, "claimed order");
+                }
+                metrics::counter!("sas_orders_claimed_total").increment(1);
+                publish_progress(&publisher, &self.names, progress).await?;
+            }
+            if full {
+                continue;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = self.shutdown.cancelled() => return Ok(()),
+            }
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! Intake: a submitted order becomes an order with its process record.
+
+use sas_broker::consume::{Consumed, Delivery};
+use sas_broker::Publisher;
+use sas_messages::{decode, SubmitOrder};
+use sas_store::intake::Intake;
+
+use crate::publish::publish_progress;
+use crate::Scheduler;
+
+impl Scheduler {
+    /// Handles one message of the orders queue.
+    ///
+    /// Invalid input is dead-lettered with the reason. A valid order is stored
+    /// with its process record and its first step started, in one transaction
+    /// idempotent on the order id; the message is acknowledged only after
+    /// that commit and after the first request is confirmed by the broker.
+    pub async fn handle_order(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
+        let order: SubmitOrder = match decode(&delivery.body, self.settings.amqp.max_message_bytes)
+        {
+            Ok(order) => order,
+            Err(error) => return reject(error.to_string()),
+        };
+        if let Err(error) = order.validate() {
+            return reject(error.to_string());
+        }
+        let steps = self.workflow.new_steps();
+        let stored = sas_runtime::retry_transient(
+            &self.shutdown,
+            "storing an order",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || {
+                self.store
+                    .insert_order(&order, &self.workflow.name, &steps, &self.id)
+            },
+        )
+        .await;
+        let intake = match stored {
+            None => return Consumed::Requeue,
+            Some(Ok(intake)) => intake,
+            Some(Err(error)) => {
+                tracing::error!(order_id = %order.order_id, error = %error, "cannot store order");
+                return Consumed::Requeue;
+            }
+        };
+        match intake {
+            Intake::Accepted(progress) => {
+                metrics::counter!("sas_orders_received_total").increment(1);
+                tracing::info!(order_id = %order.order_id, redelivered = delivery.redelivered, "order received");
+                match publish_progress(publisher, &self.names, &progress).await {
+                    Ok(()) => Consumed::Ack,
+                    Err(error) => {
+                        // Committed but not announced: the redelivery will be a
+                        // duplicate, and the supervisor retries the first step
+                        // once its deadline passes.
+                        tracing::warn!(order_id = %order.order_id, error = %error, "order stored but its first request was not confirmed");
+                        Consumed::Requeue
+                    }
+                }
+            }
+            Intake::Duplicate => {
+                metrics::counter!("sas_orders_duplicate_total").increment(1);
+                tracing::info!(order_id = %order.order_id, "duplicate submission ignored");
+                Consumed::Ack
+            }
+            Intake::Conflict => reject(format!(
+                "order_id {:?} is already used by an order with different content",
+                order.order_id
+            )),
+        }
+    }
+}
+
+fn reject(reason: String) -> Consumed {
+    metrics::counter!("sas_orders_rejected_total").increment(1);
+    Consumed::DeadLetter(reason)
+}

@@ -1,0 +1,190 @@
+//! The Scheduler of the Scheduler Agent Supervisor pattern.
+//!
+//! It owns the workflow: it takes in submitted orders ([`intake`]), sends each
+//! step to its agent and advances on the agent's reply ([`replies`]), and
+//! claims the orders the supervisor sent back for another try ([`claim`]).
+//! Every state change is a transaction in the state store; requests and
+//! status messages are published only after it commits ([`publish`]).
+//!
+//! Any number of schedulers may run: they compete on the orders queue, share
+//! one durable reply queue, and the store's row locks make sure no two of them
+//! change the same order at once.
+
+pub mod claim;
+pub mod intake;
+pub mod publish;
+pub mod replies;
+pub mod settings;
+pub mod workflow;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use sas_broker::lapin::Connection;
+use sas_broker::{topology, BrokerError, Publisher, Session};
+use sas_messages::QueueNames;
+use sas_store::Store;
+use tokio_util::sync::CancellationToken;
+
+pub use settings::Settings;
+pub use workflow::Workflow;
+
+/// What every handler of one scheduler instance shares.
+pub struct Scheduler {
+    /// Instance id, recorded as LockedBy and as the actor in history.
+    pub id: String,
+    /// The settings it was started with.
+    pub settings: Settings,
+    /// The workflow new orders follow.
+    pub workflow: Workflow,
+    /// The state store.
+    pub store: Store,
+    /// Queue and exchange names.
+    pub names: QueueNames,
+    /// Fired on SIGTERM: handlers stop retrying and hand their message back.
+    pub shutdown: CancellationToken,
+}
+
+/// Runs a scheduler until `shutdown`, then drains in-flight messages.
+///
+/// # Errors
+/// When the workflow file or the settings are unusable. Broker and database
+/// outages are not errors: the scheduler waits for them to come back.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let id = if settings.scheduler.id.is_empty() {
+        format!(
+            "scheduler-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        )
+    } else {
+        settings.scheduler.id.clone()
+    };
+    let workflow = Workflow::load(&settings.scheduler.workflow_file)?;
+    let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
+    let session = Session::new(settings.amqp.clone(), id.clone());
+    let readiness_session = session.clone();
+    let readiness_store = store.clone();
+    sas_runtime::ops::serve(
+        &settings.http.listen,
+        Arc::new(move || {
+            let session = readiness_session.clone();
+            let store = readiness_store.clone();
+            Box::pin(async move { readiness(&session, &store).await })
+        }),
+        shutdown.clone(),
+    )
+    .await?;
+
+    let Some(migrated) = sas_runtime::retry_transient(
+        &shutdown,
+        "applying migrations",
+        |e: &sas_store::StoreError| e.is_transient(),
+        || store.migrate(),
+    )
+    .await
+    else {
+        return Ok(());
+    };
+    migrated.context("cannot apply database migrations")?;
+
+    tracing::info!(scheduler = %id, workflow = %workflow.name, steps = workflow.steps.len(), "scheduler starting");
+    let scheduler = Arc::new(Scheduler {
+        id,
+        names: settings.amqp.names(),
+        settings,
+        workflow,
+        store,
+        shutdown: shutdown.clone(),
+    });
+    session
+        .run(shutdown, |connection, publisher| {
+            let scheduler = scheduler.clone();
+            async move { scheduler.work(connection, publisher).await }
+        })
+        .await;
+    Ok(())
+}
+
+/// Ready when both the broker and the database can be reached.
+pub(crate) async fn readiness(session: &Session, store: &Store) -> Result<(), String> {
+    if !session.is_connected() {
+        return Err("not connected to RabbitMQ".into());
+    }
+    if !store.is_reachable().await {
+        return Err("cannot reach Postgres".into());
+    }
+    Ok(())
+}
+
+impl Scheduler {
+    /// Everything the scheduler does on one broker connection: declare its
+    /// topology, then consume orders and replies and claim retries, until
+    /// shutdown (Ok) or a failure of the connection (Err).
+    async fn work(
+        self: Arc<Self>,
+        connection: Arc<Connection>,
+        publisher: Publisher,
+    ) -> Result<(), BrokerError> {
+        self.declare(&connection).await?;
+        let drain = Duration::from_millis(self.settings.scheduler.drain_ms);
+        let amqp = &self.settings.amqp;
+        let (orders_queue, replies_queue) = (self.names.orders(), self.names.scheduler_replies());
+        let orders = {
+            let me = self.clone();
+            let publisher = publisher.clone();
+            sas_broker::consume::consume(
+                &connection,
+                amqp,
+                &orders_queue,
+                publisher.clone(),
+                self.shutdown.clone(),
+                drain,
+                move |delivery| {
+                    let me = me.clone();
+                    let publisher = publisher.clone();
+                    async move { me.handle_order(delivery, &publisher).await }
+                },
+            )
+        };
+        let replies = {
+            let me = self.clone();
+            let publisher = publisher.clone();
+            sas_broker::consume::consume(
+                &connection,
+                amqp,
+                &replies_queue,
+                publisher.clone(),
+                self.shutdown.clone(),
+                drain,
+                move |delivery| {
+                    let me = me.clone();
+                    let publisher = publisher.clone();
+                    async move { me.handle_reply(delivery, &publisher).await }
+                },
+            )
+        };
+        let claims = self.clone().claim_loop(publisher.clone());
+        tokio::try_join!(orders, replies, claims)?;
+        Ok(())
+    }
+
+    async fn declare(&self, connection: &Connection) -> Result<(), BrokerError> {
+        let amqp = &self.settings.amqp;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "opening a channel",
+                source,
+            })?;
+        topology::declare_common(&channel, amqp).await?;
+        topology::declare_work_queue(&channel, amqp, &self.names.orders()).await?;
+        topology::declare_work_queue(&channel, amqp, &self.names.scheduler_replies()).await?;
+        for agent in self.workflow.agents() {
+            topology::declare_work_queue(&channel, amqp, &self.names.agent_requests(agent)).await?;
+        }
+        let _ = channel.close(200, "declared").await;
+        Ok(())
+    }
+}

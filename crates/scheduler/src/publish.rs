@@ -1,0 +1,78 @@
+//! Publishing what a committed transition asks for.
+
+use sas_broker::publish::{json_properties, string_headers};
+use sas_broker::{BrokerError, Publisher};
+use sas_messages::{headers, QueueNames, StepRequest, SCHEMA_VERSION};
+use sas_store::{Dispatch, Progress};
+
+/// Publishes a transition's status messages, then its step request.
+///
+/// The request is mandatory: if the agent's queue is missing it is an error,
+/// not a silently dropped step. Status messages go out first, so a client
+/// sees `received` before the first `step_completed`.
+///
+/// # Errors
+/// When the broker does not confirm a message. The transition is committed
+/// anyway: a request that was never sent is retried by the supervisor once
+/// its deadline passes.
+pub async fn publish_progress(
+    publisher: &Publisher,
+    names: &QueueNames,
+    progress: &Progress,
+) -> Result<(), BrokerError> {
+    for status in &progress.statuses {
+        publisher
+            .publish_status(names, progress.reply_to.as_deref(), status)
+            .await?;
+        metrics::counter!("sas_status_messages_total", "event" => format!("{:?}", status.event))
+            .increment(1);
+    }
+    if let Some(dispatch) = &progress.dispatch {
+        publish_request(publisher, names, dispatch).await?;
+    }
+    Ok(())
+}
+
+/// Publishes one step request to its agent's queue, with `correlation_id` =
+/// attempt id and `reply_to` = the shared scheduler reply queue.
+///
+/// # Errors
+/// When the broker does not confirm it.
+pub async fn publish_request(
+    publisher: &Publisher,
+    names: &QueueNames,
+    dispatch: &Dispatch,
+) -> Result<(), BrokerError> {
+    let request = StepRequest {
+        schema_version: SCHEMA_VERSION,
+        order_id: dispatch.order_id.clone(),
+        step: dispatch.step.clone(),
+        kind: dispatch.kind,
+        action: dispatch.action.clone(),
+        attempt_id: dispatch.attempt_id,
+        attempt: u32::try_from(dispatch.attempt).unwrap_or(0),
+        idempotency_key: dispatch.idempotency_key.clone(),
+        complete_by: dispatch.complete_by,
+        payload: dispatch.payload.clone(),
+    };
+    let attempt_id = dispatch.attempt_id.to_string();
+    let properties = json_properties(&attempt_id)
+        .with_correlation_id(attempt_id.as_str().into())
+        .with_reply_to(names.scheduler_replies().into())
+        .with_headers(string_headers([(
+            headers::ORDER_ID,
+            dispatch.order_id.as_str(),
+        )]));
+    publisher
+        .publish_json(
+            "",
+            &names.agent_requests(&dispatch.agent),
+            &request,
+            properties,
+            true,
+        )
+        .await?;
+    metrics::counter!("sas_step_requests_total", "agent" => dispatch.agent.clone(), "kind" => format!("{:?}", dispatch.kind)).increment(1);
+    tracing::debug!(order_id = %dispatch.order_id, correlation_id = %attempt_id, step = %dispatch.step, agent = %dispatch.agent, "step request sent");
+    Ok(())
+}

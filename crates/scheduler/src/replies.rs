@@ -1,0 +1,71 @@
+//! Replies: an agent's answer advances the workflow, unless it is stale.
+
+use sas_broker::consume::{Consumed, Delivery};
+use sas_broker::Publisher;
+use sas_messages::{decode, StepOutcome, StepReply};
+use sas_store::progress::ReplyOutcome;
+
+use crate::publish::publish_progress;
+use crate::Scheduler;
+
+impl Scheduler {
+    /// Handles one message of the shared reply queue.
+    ///
+    /// A reply whose attempt id is not the step's current attempt (the
+    /// supervisor gave the step to a new attempt, or the reply is a
+    /// duplicate) is acknowledged, counted and ignored. Otherwise the
+    /// reply is applied in one transaction and the next request published.
+    pub async fn handle_reply(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
+        let reply: StepReply = match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
+            Ok(reply) => reply,
+            Err(error) => return Consumed::DeadLetter(error.to_string()),
+        };
+        let attempt_id = reply.attempt_id.to_string();
+        if delivery.correlation_id() != Some(attempt_id.as_str()) {
+            return Consumed::DeadLetter(format!(
+                "correlation_id {:?} does not match the reply's attempt_id {attempt_id}",
+                delivery.correlation_id()
+            ));
+        }
+        let outcome = match sas_runtime::retry_transient(
+            &self.shutdown,
+            "recording a reply",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || self.store.record_reply(&reply, &self.id),
+        )
+        .await
+        {
+            None => return Consumed::Requeue,
+            Some(Ok(outcome)) => outcome,
+            Some(Err(error)) => {
+                tracing::error!(order_id = %reply.order_id, correlation_id = %attempt_id, error = %error, "cannot record reply");
+                return Consumed::Requeue;
+            }
+        };
+        match outcome {
+            ReplyOutcome::Stale { reason } => {
+                metrics::counter!("sas_stale_replies_total").increment(1);
+                tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, reason = %reason, "stale reply ignored");
+                Consumed::Ack
+            }
+            ReplyOutcome::Applied(progress) => {
+                let label = match &reply.outcome {
+                    StepOutcome::Succeeded { .. } => "succeeded",
+                    StepOutcome::Failed {
+                        permanent: true, ..
+                    } => "failed_permanent",
+                    StepOutcome::Failed { .. } => "failed_transient",
+                };
+                metrics::counter!("sas_replies_total", "outcome" => label).increment(1);
+                tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, "reply applied");
+                match publish_progress(publisher, &self.names, &progress).await {
+                    Ok(()) => Consumed::Ack,
+                    Err(error) => {
+                        tracing::warn!(order_id = %reply.order_id, error = %error, "reply applied but the next request was not confirmed; the supervisor will retry it");
+                        Consumed::Requeue
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! The scheduler's settings (defaults in `defaults.toml`).
+
+use sas_broker::AmqpSettings;
+use sas_runtime::{HttpSettings, LogSettings, Validate};
+use sas_store::DatabaseSettings;
+use serde::Deserialize;
+
+/// Compiled-in defaults.
+pub const DEFAULTS: &str = include_str!("../defaults.toml");
+
+/// Every setting of the scheduler.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Logs.
+    pub log: LogSettings,
+    /// Operations endpoint.
+    pub http: HttpSettings,
+    /// RabbitMQ.
+    pub amqp: AmqpSettings,
+    /// Postgres.
+    pub database: DatabaseSettings,
+    /// The scheduler itself.
+    pub scheduler: SchedulerSettings,
+}
+
+/// The `[scheduler]` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSettings {
+    /// Instance id recorded as LockedBy; empty picks `scheduler-<random>`.
+    pub id: String,
+    /// Workflow definition file; empty uses the built-in order workflow.
+    pub workflow_file: String,
+    /// Interval between claims of orders the supervisor sent back, in milliseconds.
+    pub claim_interval_ms: u64,
+    /// Most orders claimed in one transaction.
+    pub claim_batch: i64,
+    /// Longest wait for in-flight messages at shutdown, in milliseconds.
+    pub drain_ms: u64,
+}
+
+impl Validate for Settings {
+    fn validate(&self) -> Result<(), String> {
+        self.amqp.validate()?;
+        self.database.validate()?;
+        if self.scheduler.claim_interval_ms == 0 {
+            return Err("scheduler.claim_interval_ms must be positive".into());
+        }
+        if !(1..=1000).contains(&self.scheduler.claim_batch) {
+            return Err("scheduler.claim_batch must be between 1 and 1000".into());
+        }
+        Ok(())
+    }
+}
+
+impl sas_runtime::HasLog for Settings {
+    fn log(&self) -> &LogSettings {
+        &self.log
+    }
+}

@@ -1,0 +1,168 @@
+//! Types of the state store: states, step definitions, and what a transition
+//! asks the caller to do next.
+
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sas_messages::{OrderStatus, StepKind};
+use serde::Serialize;
+use uuid::Uuid;
+
+/// The pattern's ProcessState of an order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
+#[sqlx(type_name = "process_state", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum ProcessState {
+    /// Waiting for a scheduler to claim it (new, or sent back by the supervisor).
+    Pending,
+    /// Held by a scheduler (`locked_by`), a step in flight until `complete_by`.
+    Processing,
+    /// Every step succeeded. Terminal.
+    Processed,
+    /// Could neither finish nor be undone; an alert was raised. Terminal until resubmitted.
+    Error,
+    /// Undoing completed steps in reverse order.
+    Compensating,
+    /// Every completed step was undone. Terminal.
+    Compensated,
+}
+
+impl ProcessState {
+    /// Every state, in lifecycle order (for metrics and listings).
+    pub const ALL: [Self; 6] = [
+        Self::Pending,
+        Self::Processing,
+        Self::Processed,
+        Self::Error,
+        Self::Compensating,
+        Self::Compensated,
+    ];
+
+    /// The name used in the database and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Processing => "processing",
+            Self::Processed => "processed",
+            Self::Error => "error",
+            Self::Compensating => "compensating",
+            Self::Compensated => "compensated",
+        }
+    }
+
+    /// True for states no scheduler or supervisor will move an order out of.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Processed | Self::Error | Self::Compensated)
+    }
+}
+
+impl fmt::Display for ProcessState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ProcessState {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|state| state.as_str() == text)
+            .ok_or_else(|| {
+                format!("unknown state {text:?}: expected one of pending, processing, processed, error, compensating, compensated")
+            })
+    }
+}
+
+/// The state of one step of an order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, sqlx::Type)]
+#[sqlx(type_name = "step_state", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum StepState {
+    /// Not yet attempted.
+    NotStarted,
+    /// An attempt of the action is in flight (its outcome may be unknown).
+    Running,
+    /// The action succeeded; `result` holds what compensation needs.
+    Completed,
+    /// The action failed permanently: nothing was applied.
+    Failed,
+    /// An attempt of the compensation is in flight.
+    Compensating,
+    /// The compensation succeeded.
+    Compensated,
+}
+
+impl StepState {
+    /// The name used in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotStarted => "not_started",
+            Self::Running => "running",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Compensating => "compensating",
+            Self::Compensated => "compensated",
+        }
+    }
+}
+
+impl fmt::Display for StepState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One step of a workflow definition, copied onto each order at intake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewStep {
+    /// Step name, unique in the workflow (`reserve_stock`).
+    pub name: String,
+    /// Agent whose queue receives the step's requests (`inventory`).
+    pub agent: String,
+    /// Remote operation of the step (`reserve`).
+    pub action: String,
+    /// Remote operation that undoes it (`release`), if it can be undone.
+    pub compensation: Option<String>,
+    /// How long one attempt may take before the supervisor steps in.
+    pub timeout: Duration,
+}
+
+/// A step request the caller must publish after the transaction committed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dispatch {
+    /// Order the step belongs to.
+    pub order_id: String,
+    /// Step name.
+    pub step: String,
+    /// Agent whose queue receives the request.
+    pub agent: String,
+    /// Action or compensation.
+    pub kind: StepKind,
+    /// Remote operation.
+    pub action: String,
+    /// Attempt number of this step (1-based, action and compensation attempts together).
+    pub attempt: i32,
+    /// Correlation id of the request, and the fence for its reply.
+    pub attempt_id: Uuid,
+    /// Stable key the remote service deduplicates on.
+    pub idempotency_key: String,
+    /// Deadline, from the database clock.
+    pub complete_by: DateTime<Utc>,
+    /// The order and the results of earlier steps.
+    pub payload: serde_json::Value,
+}
+
+/// What a committed transition asks the caller to publish: at most one step
+/// request, and status messages for the client.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Progress {
+    /// The client's status queue, if the order named one.
+    pub reply_to: Option<String>,
+    /// Status messages, in order.
+    pub statuses: Vec<OrderStatus>,
+    /// The next step request, if any.
+    pub dispatch: Option<Box<Dispatch>>,
+}

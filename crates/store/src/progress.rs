@@ -1,0 +1,555 @@
+//! The scheduler's transitions: claiming ready orders, starting the next
+//! attempt, and applying an agent's reply.
+//!
+//! Each public function runs one transaction that locks the order's
+//! `order_process` row before touching its steps, so two schedulers never
+//! change the same order at once, and returns a [`Progress`] that the caller
+//! publishes only after the commit.
+
+use chrono::{DateTime, Utc};
+use sas_messages::{OrderStatus, StatusEvent, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use crate::model::{Dispatch, ProcessState, Progress, StepState};
+use crate::{Store, StoreError};
+
+/// Suffix of the idempotency key of a step's compensation.
+const COMPENSATION_KEY_SUFFIX: &str = ":undo";
+
+#[derive(sqlx::FromRow)]
+struct StepRow {
+    position: i32,
+    name: String,
+    agent: String,
+    action: String,
+    compensation: Option<String>,
+    timeout_ms: i32,
+    state: StepState,
+    idempotency_key: String,
+    result: Option<serde_json::Value>,
+}
+
+/// Appends one row to the order's history.
+pub(crate) async fn record_history(
+    conn: &mut PgConnection,
+    order_id: &str,
+    actor: &str,
+    event: &str,
+    step: Option<&str>,
+    attempt_id: Option<Uuid>,
+    detail: Option<&str>,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(order_id)
+    .bind(actor)
+    .bind(event)
+    .bind(step)
+    .bind(attempt_id)
+    .bind(detail)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Raises an operator alert.
+pub(crate) async fn raise_alert(
+    conn: &mut PgConnection,
+    order_id: Option<&str>,
+    kind: &str,
+    message: &str,
+) -> Result<(), StoreError> {
+    sqlx::query("INSERT INTO alerts (order_id, kind, message) VALUES ($1, $2, $3)")
+        .bind(order_id)
+        .bind(kind)
+        .bind(message)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// A status message for `order_id` stamped with the database clock.
+pub(crate) fn status(
+    order_id: &str,
+    event: StatusEvent,
+    step: Option<&str>,
+    detail: Option<&str>,
+    at: DateTime<Utc>,
+) -> OrderStatus {
+    OrderStatus {
+        schema_version: SCHEMA_VERSION,
+        order_id: order_id.to_owned(),
+        event,
+        step: step.map(str::to_owned),
+        detail: detail.map(str::to_owned),
+        at,
+    }
+}
+
+/// Moves the order to a terminal (or held) state and records why.
+pub(crate) async fn set_process_state(
+    conn: &mut PgConnection,
+    order_id: &str,
+    state: ProcessState,
+    last_error: Option<&str>,
+) -> Result<DateTime<Utc>, StoreError> {
+    let at: DateTime<Utc> = sqlx::query_scalar(
+        "UPDATE order_process
+            SET state = $2, locked_by = NULL, complete_by = NULL,
+                last_error = COALESCE($3, last_error), updated_at = now()
+          WHERE order_id = $1
+      RETURNING updated_at",
+    )
+    .bind(order_id)
+    .bind(state)
+    .bind(last_error)
+    .fetch_one(conn)
+    .await?;
+    Ok(at)
+}
+
+/// Decides and starts the next thing the order needs, with its
+/// `order_process` row already locked by the caller: the first step not yet
+/// completed (forward), or the last step that may have had an effect
+/// (compensating); or finishes the order when nothing is left.
+pub(crate) async fn advance(
+    conn: &mut PgConnection,
+    order_id: &str,
+    state: ProcessState,
+    actor: &str,
+    progress: &mut Progress,
+) -> Result<(), StoreError> {
+    let steps: Vec<StepRow> = sqlx::query_as(
+        "SELECT position, name, agent, action, compensation, timeout_ms, state,
+                idempotency_key, result
+           FROM steps WHERE order_id = $1 ORDER BY position",
+    )
+    .bind(order_id)
+    .fetch_all(&mut *conn)
+    .await?;
+
+    let (next, kind) = match state {
+        ProcessState::Processing => (
+            steps.iter().find(|s| s.state != StepState::Completed),
+            StepKind::Action,
+        ),
+        // Undo every step that had, or may have had, an effect: completed, or
+        // in flight when it timed out. A step that failed permanently applied
+        // nothing.
+        ProcessState::Compensating => (
+            steps.iter().rev().find(|s| {
+                s.compensation.is_some()
+                    && matches!(
+                        s.state,
+                        StepState::Completed | StepState::Running | StepState::Compensating
+                    )
+            }),
+            StepKind::Compensation,
+        ),
+        other => {
+            return Err(StoreError::Invariant(format!(
+                "order {order_id} cannot advance from state {other}"
+            )))
+        }
+    };
+
+    let Some(step) = next else {
+        let done = if state == ProcessState::Processing {
+            ProcessState::Processed
+        } else {
+            ProcessState::Compensated
+        };
+        let at = set_process_state(conn, order_id, done, None).await?;
+        record_history(conn, order_id, actor, done.as_str(), None, None, None).await?;
+        let event = if done == ProcessState::Processed {
+            StatusEvent::Processed
+        } else {
+            StatusEvent::Compensated
+        };
+        progress
+            .statuses
+            .push(status(order_id, event, None, None, at));
+        return Ok(());
+    };
+
+    let (step_state, action, key) = match kind {
+        StepKind::Action => (
+            StepState::Running,
+            step.action.clone(),
+            step.idempotency_key.clone(),
+        ),
+        StepKind::Compensation => (
+            StepState::Compensating,
+            step.compensation.clone().unwrap_or_default(),
+            format!("{}{COMPENSATION_KEY_SUFFIX}", step.idempotency_key),
+        ),
+    };
+    let attempt_id = Uuid::now_v7();
+    let row = sqlx::query(
+        "UPDATE steps
+            SET state = $3, attempt = attempt + 1, attempt_id = $4,
+                complete_by = now() + make_interval(secs => $5::float8 / 1000),
+                updated_at = now()
+          WHERE order_id = $1 AND position = $2
+      RETURNING attempt, complete_by",
+    )
+    .bind(order_id)
+    .bind(step.position)
+    .bind(step_state)
+    .bind(attempt_id)
+    .bind(f64::from(step.timeout_ms))
+    .fetch_one(&mut *conn)
+    .await?;
+    let attempt: i32 = row.try_get("attempt")?;
+    let complete_by: DateTime<Utc> = row.try_get("complete_by")?;
+
+    let body: serde_json::Value = sqlx::query_scalar(
+        "UPDATE order_process SET complete_by = $2, locked_by = $3, updated_at = now()
+                             WHERE order_id = $1
+                         RETURNING (SELECT body FROM orders WHERE orders.order_id = $1)",
+    )
+    .bind(order_id)
+    .bind(complete_by)
+    .bind(actor)
+    .fetch_one(&mut *conn)
+    .await?;
+    let results: serde_json::Map<String, serde_json::Value> = steps
+        .iter()
+        .filter_map(|s| s.result.clone().map(|r| (s.name.clone(), r)))
+        .collect();
+
+    let event = match kind {
+        StepKind::Action => "dispatched",
+        StepKind::Compensation => "compensation_dispatched",
+    };
+    let detail = format!("attempt {attempt}: {}.{action}", step.agent);
+    record_history(
+        conn,
+        order_id,
+        actor,
+        event,
+        Some(&step.name),
+        Some(attempt_id),
+        Some(&detail),
+    )
+    .await?;
+
+    progress.dispatch = Some(Box::new(Dispatch {
+        order_id: order_id.to_owned(),
+        step: step.name.clone(),
+        agent: step.agent.clone(),
+        kind,
+        action,
+        attempt,
+        attempt_id,
+        idempotency_key: key,
+        complete_by,
+        payload: serde_json::json!({ "order": body, "results": results }),
+    }));
+    Ok(())
+}
+
+/// What became of an agent's reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReplyOutcome {
+    /// The reply answered an attempt that is no longer current: nothing changed.
+    Stale {
+        /// Why it was not applied, for logs.
+        reason: String,
+    },
+    /// The reply was applied; publish what it asks.
+    Applied(Progress),
+}
+
+impl Store {
+    /// Claims up to `limit` orders that are ready to run (pending and past
+    /// their backoff, or compensating and held by nobody) for `actor`, and
+    /// starts each one's next attempt, all in one transaction.
+    ///
+    /// `FOR UPDATE SKIP LOCKED` makes the claim atomic: two schedulers never
+    /// claim the same order.
+    ///
+    /// # Errors
+    /// When the database fails; nothing is claimed then.
+    pub async fn claim_ready(&self, actor: &str, limit: i64) -> Result<Vec<Progress>, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let claimed: Vec<(String, ProcessState, Option<String>)> = sqlx::query_as(
+            "WITH ready AS (
+                 SELECT order_id FROM order_process
+                  WHERE (state = 'pending' OR (state = 'compensating' AND locked_by IS NULL))
+                    AND not_before <= now()
+                  ORDER BY not_before
+                  LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+             UPDATE order_process p
+                SET state = CASE WHEN p.state = 'pending' THEN 'processing'::process_state
+                                 ELSE p.state END,
+                    locked_by = $1, updated_at = now()
+               FROM ready WHERE p.order_id = ready.order_id
+           RETURNING p.order_id, p.state, p.reply_to",
+        )
+        .bind(actor)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+
+        let mut out = Vec::with_capacity(claimed.len());
+        for (order_id, state, reply_to) in claimed {
+            record_history(&mut tx, &order_id, actor, "claimed", None, None, None).await?;
+            let mut progress = Progress {
+                reply_to,
+                ..Progress::default()
+            };
+            advance(&mut tx, &order_id, state, actor, &mut progress).await?;
+            out.push(progress);
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    /// Applies an agent's reply if it answers the step's current attempt of
+    /// an order that is still waiting for it; otherwise changes nothing and
+    /// says why (fencing by attempt id).
+    ///
+    /// A success completes the step and starts the next one (or finishes the
+    /// order). A permanent failure of an action starts compensation; of a
+    /// compensation, ends the order in error with an operator alert. A
+    /// transient failure pulls the deadline to now, so the supervisor decides
+    /// on its next scan whether to retry or undo.
+    ///
+    /// # Errors
+    /// When the database fails; the reply should then be redelivered.
+    pub async fn record_reply(
+        &self,
+        reply: &StepReply,
+        actor: &str,
+    ) -> Result<ReplyOutcome, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let locked: Option<(String, ProcessState, Option<String>)> = sqlx::query_as(
+            "SELECT order_id, state, reply_to FROM order_process
+              WHERE order_id = (SELECT order_id FROM steps WHERE attempt_id = $1)
+                FOR UPDATE",
+        )
+        .bind(reply.attempt_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((order_id, state, reply_to)) = locked else {
+            return Ok(ReplyOutcome::Stale {
+                reason: "no step has this attempt id".into(),
+            });
+        };
+        if order_id != reply.order_id {
+            return Ok(ReplyOutcome::Stale {
+                reason: format!(
+                    "attempt belongs to order {order_id}, not {}",
+                    reply.order_id
+                ),
+            });
+        }
+        let expected = match state {
+            ProcessState::Processing => StepState::Running,
+            ProcessState::Compensating => StepState::Compensating,
+            other => {
+                let reason = format!("order is {other}, no attempt is awaited");
+                record_history(
+                    &mut tx,
+                    &order_id,
+                    actor,
+                    "stale_reply",
+                    Some(&reply.step),
+                    Some(reply.attempt_id),
+                    Some(&reason),
+                )
+                .await?;
+                tx.commit().await?;
+                return Ok(ReplyOutcome::Stale { reason });
+            }
+        };
+
+        let mut progress = Progress {
+            reply_to,
+            ..Progress::default()
+        };
+        let (new_state, result, error) = match &reply.outcome {
+            StepOutcome::Succeeded { result } => (
+                if expected == StepState::Running {
+                    StepState::Completed
+                } else {
+                    StepState::Compensated
+                },
+                Some(result),
+                None,
+            ),
+            StepOutcome::Failed {
+                error,
+                permanent: true,
+            } if expected == StepState::Running => (StepState::Failed, None, Some(error.as_str())),
+            // A compensation that failed permanently, or any transient
+            // failure, leaves the step as it is: only its error is recorded.
+            StepOutcome::Failed { error, .. } => (expected, None, Some(error.as_str())),
+        };
+        let updated: Option<(String, DateTime<Utc>)> = sqlx::query_as(
+            "UPDATE steps
+                SET state = $3, result = COALESCE($4, result), last_error = $5, updated_at = now()
+              WHERE order_id = $1 AND attempt_id = $2 AND state = $6
+          RETURNING name, updated_at",
+        )
+        .bind(&order_id)
+        .bind(reply.attempt_id)
+        .bind(new_state)
+        .bind(result)
+        .bind(error)
+        .bind(expected)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((step, at)) = updated else {
+            let reason = format!("attempt is no longer current (order {state})");
+            record_history(
+                &mut tx,
+                &order_id,
+                actor,
+                "stale_reply",
+                Some(&reply.step),
+                Some(reply.attempt_id),
+                Some(&reason),
+            )
+            .await?;
+            tx.commit().await?;
+            return Ok(ReplyOutcome::Stale { reason });
+        };
+
+        match (&reply.outcome, expected) {
+            (StepOutcome::Succeeded { .. }, StepState::Running) => {
+                record_history(
+                    &mut tx,
+                    &order_id,
+                    actor,
+                    "step_completed",
+                    Some(&step),
+                    Some(reply.attempt_id),
+                    None,
+                )
+                .await?;
+                progress.statuses.push(status(
+                    &order_id,
+                    StatusEvent::StepCompleted,
+                    Some(&step),
+                    None,
+                    at,
+                ));
+                advance(&mut tx, &order_id, state, actor, &mut progress).await?;
+            }
+            (StepOutcome::Succeeded { .. }, _) => {
+                record_history(
+                    &mut tx,
+                    &order_id,
+                    actor,
+                    "step_compensated",
+                    Some(&step),
+                    Some(reply.attempt_id),
+                    None,
+                )
+                .await?;
+                advance(&mut tx, &order_id, state, actor, &mut progress).await?;
+            }
+            (
+                StepOutcome::Failed {
+                    error,
+                    permanent: true,
+                },
+                StepState::Running,
+            ) => {
+                let reason = format!("step {step} failed: {error}");
+                sqlx::query(
+                    "UPDATE order_process
+                        SET state = 'compensating', failure_count = 0, last_error = $2, updated_at = now()
+                      WHERE order_id = $1",
+                )
+                .bind(&order_id)
+                .bind(&reason)
+                .execute(&mut *tx)
+                .await?;
+                record_history(
+                    &mut tx,
+                    &order_id,
+                    actor,
+                    "compensation_started",
+                    Some(&step),
+                    Some(reply.attempt_id),
+                    Some(&reason),
+                )
+                .await?;
+                progress.statuses.push(status(
+                    &order_id,
+                    StatusEvent::Compensating,
+                    Some(&step),
+                    Some(&reason),
+                    at,
+                ));
+                advance(
+                    &mut tx,
+                    &order_id,
+                    ProcessState::Compensating,
+                    actor,
+                    &mut progress,
+                )
+                .await?;
+            }
+            (
+                StepOutcome::Failed {
+                    error,
+                    permanent: true,
+                },
+                _,
+            ) => {
+                let reason = format!("compensation of step {step} failed permanently: {error}");
+                set_process_state(&mut tx, &order_id, ProcessState::Error, Some(&reason)).await?;
+                record_history(
+                    &mut tx,
+                    &order_id,
+                    actor,
+                    "error",
+                    Some(&step),
+                    Some(reply.attempt_id),
+                    Some(&reason),
+                )
+                .await?;
+                raise_alert(&mut tx, Some(&order_id), "compensation_failed", &reason).await?;
+                progress.statuses.push(status(
+                    &order_id,
+                    StatusEvent::Failed,
+                    Some(&step),
+                    Some(&reason),
+                    at,
+                ));
+            }
+            (
+                StepOutcome::Failed {
+                    error,
+                    permanent: false,
+                },
+                _,
+            ) => {
+                sqlx::query("UPDATE order_process SET complete_by = now(), updated_at = now() WHERE order_id = $1")
+                    .bind(&order_id)
+                    .execute(&mut *tx)
+                    .await?;
+                record_history(
+                    &mut tx,
+                    &order_id,
+                    actor,
+                    "transient_failure",
+                    Some(&step),
+                    Some(reply.attempt_id),
+                    Some(error),
+                )
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(ReplyOutcome::Applied(progress))
+    }
+}

@@ -1,0 +1,238 @@
+//! Read models: what `sasctl` shows and what metrics count.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::model::{ProcessState, StepState};
+use crate::{Store, StoreError};
+
+/// One line of `sasctl orders list`.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct OrderSummary {
+    /// The client's order id.
+    pub order_id: String,
+    /// ProcessState.
+    pub state: ProcessState,
+    /// Scheduler holding it, if any.
+    pub locked_by: Option<String>,
+    /// Deadline of the step in flight.
+    pub complete_by: Option<DateTime<Utc>>,
+    /// Failures so far (reset when compensation starts).
+    pub failure_count: i32,
+    /// Earliest time a scheduler may claim it.
+    pub not_before: DateTime<Utc>,
+    /// Why it failed, if it did.
+    pub last_error: Option<String>,
+    /// Submission time.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// One step of an order, for `sasctl orders show`.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct StepView {
+    /// Position in the workflow, from 0.
+    pub position: i32,
+    /// Step name.
+    pub name: String,
+    /// Agent that runs it.
+    pub agent: String,
+    /// Step state.
+    pub state: StepState,
+    /// Attempts so far.
+    pub attempt: i32,
+    /// Current attempt id (the correlation id of the request in flight).
+    pub attempt_id: Option<Uuid>,
+    /// Deadline of the current attempt.
+    pub complete_by: Option<DateTime<Utc>>,
+    /// Key the remote service deduplicates on.
+    pub idempotency_key: String,
+    /// What the remote service answered.
+    pub result: Option<serde_json::Value>,
+    /// Last error seen.
+    pub last_error: Option<String>,
+}
+
+/// One history row.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct HistoryEntry {
+    /// When (database clock).
+    pub at: DateTime<Utc>,
+    /// Which service instance decided.
+    pub actor: String,
+    /// What happened.
+    pub event: String,
+    /// Step concerned.
+    pub step: Option<String>,
+    /// Attempt concerned.
+    pub attempt_id: Option<Uuid>,
+    /// Reason or detail.
+    pub detail: Option<String>,
+}
+
+/// Everything known about one order.
+#[derive(Debug, Clone, Serialize)]
+pub struct OrderDetail {
+    /// Process record.
+    pub summary: OrderSummary,
+    /// The order as submitted.
+    pub body: serde_json::Value,
+    /// Its steps.
+    pub steps: Vec<StepView>,
+    /// Its history, oldest first.
+    pub history: Vec<HistoryEntry>,
+}
+
+/// An operator alert.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Alert {
+    /// Alert id.
+    pub id: i64,
+    /// Order concerned, if any.
+    pub order_id: Option<String>,
+    /// When it was raised.
+    pub raised_at: DateTime<Utc>,
+    /// Machine-readable kind.
+    pub kind: String,
+    /// What happened and what to do.
+    pub message: String,
+    /// When an operator resolved it.
+    pub resolved_at: Option<DateTime<Utc>>,
+}
+
+/// A recorded dead letter.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct DeadLetter {
+    /// Row id.
+    pub id: i64,
+    /// When it was recorded.
+    pub at: DateTime<Utc>,
+    /// Queue it came from.
+    pub source_queue: Option<String>,
+    /// Why it was rejected.
+    pub reason: String,
+    /// Order it belongs to, if known.
+    pub order_id: Option<String>,
+    /// Body, as text.
+    pub body: String,
+}
+
+const SUMMARY_COLUMNS: &str = "order_id, state, locked_by, complete_by, failure_count, not_before, last_error, created_at, updated_at";
+
+impl Store {
+    /// The most recently changed orders, optionally in one state.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn list_orders(
+        &self,
+        state: Option<ProcessState>,
+        limit: i64,
+    ) -> Result<Vec<OrderSummary>, StoreError> {
+        Ok(sqlx::query_as(&format!(
+            "SELECT {SUMMARY_COLUMNS} FROM order_process
+              WHERE $1::process_state IS NULL OR state = $1
+              ORDER BY updated_at DESC LIMIT $2"
+        ))
+        .bind(state)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Everything about one order, or `None` if no such order exists.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn order_detail(&self, order_id: &str) -> Result<Option<OrderDetail>, StoreError> {
+        let summary: Option<OrderSummary> = sqlx::query_as(&format!(
+            "SELECT {SUMMARY_COLUMNS} FROM order_process WHERE order_id = $1"
+        ))
+        .bind(order_id)
+        .fetch_optional(self.pool())
+        .await?;
+        let Some(summary) = summary else {
+            return Ok(None);
+        };
+        let body = sqlx::query_scalar("SELECT body FROM orders WHERE order_id = $1")
+            .bind(order_id)
+            .fetch_one(self.pool())
+            .await?;
+        let steps = sqlx::query_as(
+            "SELECT position, name, agent, state, attempt, attempt_id, complete_by,
+                    idempotency_key, result, last_error
+               FROM steps WHERE order_id = $1 ORDER BY position",
+        )
+        .bind(order_id)
+        .fetch_all(self.pool())
+        .await?;
+        let history = self.history(order_id).await?;
+        Ok(Some(OrderDetail {
+            summary,
+            body,
+            steps,
+            history,
+        }))
+    }
+
+    /// An order's history, oldest first.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn history(&self, order_id: &str) -> Result<Vec<HistoryEntry>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT at, actor, event, step, attempt_id, detail
+               FROM history WHERE order_id = $1 ORDER BY id",
+        )
+        .bind(order_id)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Operator alerts, newest first; resolved ones only when asked.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn alerts(
+        &self,
+        include_resolved: bool,
+        limit: i64,
+    ) -> Result<Vec<Alert>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT id, order_id, raised_at, kind, message, resolved_at FROM alerts
+              WHERE $1 OR resolved_at IS NULL ORDER BY id DESC LIMIT $2",
+        )
+        .bind(include_resolved)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Recorded dead letters, newest first.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT id, at, source_queue, reason, order_id, body FROM dead_letters
+              ORDER BY id DESC LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// How many orders are in each state (states with none are omitted).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn count_by_state(&self) -> Result<Vec<(ProcessState, i64)>, StoreError> {
+        Ok(
+            sqlx::query_as("SELECT state, count(*) FROM order_process GROUP BY state")
+                .fetch_all(self.pool())
+                .await?,
+        )
+    }
+}

@@ -1,0 +1,148 @@
+//! The Supervisor of the Scheduler Agent Supervisor pattern.
+//!
+//! It never calls agents or remote services and knows nothing of the
+//! business: every `interval_ms` it finds held orders whose complete-by has
+//! passed ([`scan`]) and decides "retry this step after a wait" or "undo this
+//! order"; and it records every dead-lettered message ([`dead_letters`]).
+//!
+//! Several supervisors may run: they share the work through
+//! `FOR UPDATE SKIP LOCKED`, so no step is ever recovered twice (see
+//! `sas_store::recovery`). This was chosen over a leader lease because it
+//! needs no failover at all: every instance is always working, and one dying
+//! leaves nothing to expire.
+
+pub mod dead_letters;
+pub mod scan;
+pub mod settings;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use sas_broker::lapin::Connection;
+use sas_broker::{topology, BrokerError, Publisher, Session};
+use sas_messages::QueueNames;
+use sas_store::Store;
+use tokio_util::sync::CancellationToken;
+
+pub use settings::Settings;
+
+/// What the tasks of one supervisor instance share.
+pub struct Supervisor {
+    /// Instance id, recorded as the actor in history.
+    pub id: String,
+    /// The settings it was started with.
+    pub settings: Settings,
+    /// The state store.
+    pub store: Store,
+    /// The broker session (status messages, dead-letter records).
+    pub session: Session,
+    /// Queue and exchange names.
+    pub names: QueueNames,
+    /// Fired on SIGTERM.
+    pub shutdown: CancellationToken,
+}
+
+/// Runs a supervisor until `shutdown`.
+///
+/// # Errors
+/// When the settings are unusable. Outages are waited out.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let id = if settings.supervisor.id.is_empty() {
+        format!(
+            "supervisor-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        )
+    } else {
+        settings.supervisor.id.clone()
+    };
+    let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
+    let session = Session::new(settings.amqp.clone(), id.clone());
+    let (ready_session, ready_store) = (session.clone(), store.clone());
+    sas_runtime::ops::serve(
+        &settings.http.listen,
+        Arc::new(move || {
+            let (session, store) = (ready_session.clone(), ready_store.clone());
+            Box::pin(async move {
+                if !session.is_connected() {
+                    return Err("not connected to RabbitMQ".to_owned());
+                }
+                if !store.is_reachable().await {
+                    return Err("cannot reach Postgres".to_owned());
+                }
+                Ok(())
+            })
+        }),
+        shutdown.clone(),
+    )
+    .await?;
+    let Some(migrated) = sas_runtime::retry_transient(
+        &shutdown,
+        "applying migrations",
+        |e: &sas_store::StoreError| e.is_transient(),
+        || store.migrate(),
+    )
+    .await
+    else {
+        return Ok(());
+    };
+    migrated.context("cannot apply database migrations")?;
+
+    tracing::info!(supervisor = %id, interval_ms = settings.supervisor.interval_ms, max_failures = settings.supervisor.max_failures, "supervisor starting");
+    let supervisor = Arc::new(Supervisor {
+        id,
+        names: settings.amqp.names(),
+        settings,
+        store,
+        session: session.clone(),
+        shutdown: shutdown.clone(),
+    });
+    let scanning = tokio::spawn(supervisor.clone().scan_loop());
+    session
+        .run(shutdown, |connection, publisher| {
+            let supervisor = supervisor.clone();
+            async move { supervisor.work(connection, publisher).await }
+        })
+        .await;
+    // The scan loop stops on the same shutdown token; wait for its last transaction.
+    let _ = tokio::time::timeout(
+        Duration::from_millis(supervisor.settings.supervisor.drain_ms),
+        scanning,
+    )
+    .await;
+    Ok(())
+}
+
+impl Supervisor {
+    async fn work(
+        self: Arc<Self>,
+        connection: Arc<Connection>,
+        publisher: Publisher,
+    ) -> Result<(), BrokerError> {
+        let amqp = &self.settings.amqp;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "opening a channel",
+                source,
+            })?;
+        topology::declare_common(&channel, amqp).await?;
+        let _ = channel.close(200, "declared").await;
+        let queue = self.names.dead_letter_records();
+        let me = self.clone();
+        sas_broker::consume::consume(
+            &connection,
+            amqp,
+            &queue,
+            publisher,
+            self.shutdown.clone(),
+            Duration::from_millis(self.settings.supervisor.drain_ms),
+            move |delivery| {
+                let me = me.clone();
+                async move { me.record_dead_letter(delivery).await }
+            },
+        )
+        .await
+    }
+}

@@ -1,0 +1,92 @@
+//! The periodic scan for held orders whose complete-by has passed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sas_store::ProcessState;
+
+use crate::Supervisor;
+
+impl Supervisor {
+    /// Every `interval_ms` until shutdown: recover expired orders (at once
+    /// again when a batch came back full), publish what the decisions say to
+    /// clients, and refresh the orders-by-state gauge.
+    pub async fn scan_loop(self: Arc<Self>) {
+        let settings = &self.settings.supervisor;
+        let interval = Duration::from_millis(settings.interval_ms);
+        let policy = settings.policy();
+        let mut last_gauge = tokio::time::Instant::now() - interval;
+        loop {
+            let full = match self
+                .store
+                .recover_expired(&self.id, &policy, settings.batch)
+                .await
+            {
+                Ok(decisions) => {
+                    let full = decisions.len() as i64 == settings.batch;
+                    for decision in decisions {
+                        metrics::counter!("sas_step_timeouts_total").increment(1);
+                        metrics::counter!("sas_recoveries_total", "to" => decision.to.as_str())
+                            .increment(1);
+                        tracing::warn!(order_id = %decision.order_id, from = %decision.from, to = %decision.to, failure_count = decision.failure_count, not_before = %decision.not_before, "deadline passed; order recovered");
+                        self.announce(&decision.progress).await;
+                    }
+                    full
+                }
+                Err(error) => {
+                    tracing::warn!(error = %error, "cannot scan for expired orders");
+                    false
+                }
+            };
+            if last_gauge.elapsed() >= interval {
+                last_gauge = tokio::time::Instant::now();
+                self.refresh_gauges().await;
+            }
+            if full {
+                continue;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Sends status messages to the client, if the broker is up (status
+    /// messages are notifications; the state store is the record).
+    async fn announce(&self, progress: &sas_store::Progress) {
+        if progress.statuses.is_empty() {
+            return;
+        }
+        let publisher = match self.session.publisher().get() {
+            Ok(publisher) => publisher,
+            Err(error) => {
+                tracing::warn!(error = %error, "status messages not sent");
+                return;
+            }
+        };
+        for status in &progress.statuses {
+            if let Err(error) = publisher
+                .publish_status(&self.names, progress.reply_to.as_deref(), status)
+                .await
+            {
+                tracing::warn!(order_id = %status.order_id, error = %error, "status message not sent");
+            }
+        }
+    }
+
+    async fn refresh_gauges(&self) {
+        match self.store.count_by_state().await {
+            Ok(counts) => {
+                for state in ProcessState::ALL {
+                    let count = counts
+                        .iter()
+                        .find(|(s, _)| *s == state)
+                        .map_or(0, |(_, n)| *n);
+                    metrics::gauge!("sas_orders", "state" => state.as_str()).set(count as f64);
+                }
+            }
+            Err(error) => tracing::debug!(error = %error, "cannot count orders by state"),
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The supervisor's settings (defaults in `defaults.toml`).
+
+use std::time::Duration;
+
+use sas_broker::AmqpSettings;
+use sas_runtime::{HttpSettings, LogSettings, Validate};
+use sas_store::recovery::RecoveryPolicy;
+use sas_store::DatabaseSettings;
+use serde::Deserialize;
+
+/// Compiled-in defaults.
+pub const DEFAULTS: &str = include_str!("../defaults.toml");
+
+/// Every setting of the supervisor.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Logs.
+    pub log: LogSettings,
+    /// Operations endpoint.
+    pub http: HttpSettings,
+    /// RabbitMQ (status messages and dead-letter records).
+    pub amqp: AmqpSettings,
+    /// Postgres.
+    pub database: DatabaseSettings,
+    /// The supervisor itself.
+    pub supervisor: SupervisorSettings,
+}
+
+/// The `[supervisor]` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SupervisorSettings {
+    /// Instance id; empty picks `supervisor-<random>`.
+    pub id: String,
+    /// Scan interval, in milliseconds.
+    pub interval_ms: u64,
+    /// Most orders recovered per transaction.
+    pub batch: i64,
+    /// Failures tolerated before compensation.
+    pub max_failures: i32,
+    /// First retry wait, in milliseconds.
+    pub backoff_base_ms: u64,
+    /// Longest retry wait, in milliseconds.
+    pub backoff_max_ms: u64,
+    /// Longest wait for in-flight work at shutdown, in milliseconds.
+    pub drain_ms: u64,
+}
+
+impl SupervisorSettings {
+    /// The recovery policy these settings describe.
+    pub fn policy(&self) -> RecoveryPolicy {
+        RecoveryPolicy {
+            max_failures: self.max_failures,
+            backoff_base: Duration::from_millis(self.backoff_base_ms),
+            backoff_max: Duration::from_millis(self.backoff_max_ms),
+        }
+    }
+}
+
+impl Validate for Settings {
+    fn validate(&self) -> Result<(), String> {
+        self.amqp.validate()?;
+        self.database.validate()?;
+        let s = &self.supervisor;
+        if s.interval_ms == 0 {
+            return Err("supervisor.interval_ms must be positive".into());
+        }
+        if !(1..=10_000).contains(&s.batch) {
+            return Err("supervisor.batch must be between 1 and 10000".into());
+        }
+        if s.max_failures < 0 {
+            return Err("supervisor.max_failures must not be negative".into());
+        }
+        if s.backoff_base_ms == 0 || s.backoff_max_ms < s.backoff_base_ms {
+            return Err(
+                "supervisor.backoff_base_ms must be positive and at most supervisor.backoff_max_ms"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl sas_runtime::HasLog for Settings {
+    fn log(&self) -> &LogSettings {
+        &self.log
+    }
+}
