@@ -1,1 +1,33 @@
-//! stub
+//! The test harness: each test gets its own Postgres database and its own
+//! queue-name prefix, runs the real binaries as processes against them, and
+//! removes both when it ends (even when it fails).
+//!
+//! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
+//! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
+//! - [`sim`]: reading remote-sim's record of side effects.
+//! - [`wait`]: polling for a condition with a deadline.
+
+pub mod env;
+pub mod process;
+pub mod sim;
+pub mod wait;
+
+pub use env::TestEnv;
+pub use process::Service;
+pub use wait::wait_until;
+
+/// A valid order with the given id.
+pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
+    sas_messages::SubmitOrder {
+        schema_version: sas_messages::SCHEMA_VERSION,
+        order_id: order_id.to_owned(),
+        customer_id: "cust-1".into(),
+        items: vec![sas_messages::OrderLine {
+            sku: "SKU-1".into(),
+            quantity: 1,
+        }],
+        amount_cents: 1999,
+        currency: "EUR".into(),
+        reply_to: None,
+    }
+}

@@ -421,6 +421,7 @@ impl Store {
             return Ok(ReplyOutcome::Stale { reason });
         };
 
+        let by = format!("by {}", reply.agent_id);
         match (&reply.outcome, expected) {
             (StepOutcome::Succeeded { .. }, StepState::Running) => {
                 record_history(
@@ -430,7 +431,7 @@ impl Store {
                     "step_completed",
                     Some(&step),
                     Some(reply.attempt_id),
-                    None,
+                    Some(&by),
                 )
                 .await?;
                 progress.statuses.push(status(
@@ -450,7 +451,7 @@ impl Store {
                     "step_compensated",
                     Some(&step),
                     Some(reply.attempt_id),
-                    None,
+                    Some(&by),
                 )
                 .await?;
                 advance(&mut tx, &order_id, state, actor, &mut progress).await?;

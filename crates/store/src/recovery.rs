@@ -214,7 +214,9 @@ impl Store {
         .bind(reason)
         .bind(order_id)
         .bind(message_id)
-        .bind(String::from_utf8_lossy(body).as_ref())
+        // Postgres text cannot hold NUL; the operator's copy in the
+        // dead-letter queue keeps the exact bytes.
+        .bind(String::from_utf8_lossy(body).replace('\0', "\u{fffd}"))
         .execute(self.pool())
         .await?;
         Ok(())

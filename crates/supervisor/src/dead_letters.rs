@@ -57,8 +57,10 @@ impl Supervisor {
                 Consumed::Ack
             }
             Some(Err(error)) => {
-                tracing::error!(error = %error, "cannot record a dead letter");
-                Consumed::Requeue
+                // Retrying cannot help, and the operator's copy of the
+                // message stays in the dead-letter queue: drop this one.
+                tracing::error!(error = %error, queue = source.as_deref().unwrap_or(""), "cannot record a dead letter; it stays only in the dead-letter queue");
+                Consumed::Ack
             }
             None => Consumed::Requeue,
         }

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs every test (unit, state store, end-to-end and fault injection) against
+# real RabbitMQ and PostgreSQL, starting or installing them first if needed.
+# Each test creates and drops its own database and queue prefix.
+#
+#   SAS_TEST_DATABASE_ADMIN_URL  admin URL (default postgres://postgres:postgres@127.0.0.1:5432/postgres)
+#   SAS_TEST_AMQP_URL            broker URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
+#   SAS_CHAOS_ORDERS             orders in the chaos test (default 1000)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/services.sh
+export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
+# The end-to-end tests run the real binaries: build them first.
+cargo build --workspace --bins
+cargo test --workspace -- --test-threads 2 "$@"

@@ -1,0 +1,282 @@
+//! One test's private world: a database, a queue prefix, a folder for logs.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sas_broker::lapin::{BasicProperties, Connection};
+use sas_broker::{topology, AmqpSettings, Publisher};
+use sas_messages::SubmitOrder;
+use sas_store::{DatabaseSettings, ProcessState, Store};
+use sqlx::Connection as _;
+
+use crate::process::bin_dir;
+
+/// Agents of the built-in workflow.
+pub const AGENTS: [&str; 3] = ["inventory", "payment", "shipping"];
+
+/// A test's own database and queue prefix, dropped when the value is.
+pub struct TestEnv {
+    /// Short unique id, part of every name.
+    pub id: String,
+    /// Queue-name prefix (`t<id>.`).
+    pub prefix: String,
+    /// Database name.
+    pub database: String,
+    /// URL of the test's database.
+    pub database_url: String,
+    /// RabbitMQ URL.
+    pub amqp_url: String,
+    /// A store on the test's database (migrated).
+    pub store: Store,
+    /// Folder for this test's logs, workflow file and journals.
+    pub dir: PathBuf,
+    /// Deadline of each step attempt in the test workflow, in milliseconds.
+    pub step_timeout_ms: u64,
+}
+
+fn admin_url() -> String {
+    std::env::var("SAS_TEST_DATABASE_ADMIN_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn amqp_url() -> String {
+    std::env::var("SAS_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=5".into())
+}
+
+impl TestEnv {
+    /// A new database (migrated) and prefix, with 3-second step deadlines.
+    ///
+    /// # Panics
+    /// When Postgres cannot be reached.
+    pub async fn new() -> Self {
+        Self::with_step_timeout(3000).await
+    }
+
+    /// As [`TestEnv::new`], with the given step deadline.
+    ///
+    /// # Panics
+    /// When Postgres cannot be reached.
+    pub async fn with_step_timeout(step_timeout_ms: u64) -> Self {
+        let id = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+        let database = format!("sas_{id}");
+        let mut admin = sqlx::PgConnection::connect(&admin_url())
+            .await
+            .expect("connect to Postgres as admin (set SAS_TEST_DATABASE_ADMIN_URL)");
+        sqlx::query(&format!("CREATE DATABASE {database}"))
+            .execute(&mut admin)
+            .await
+            .expect("create the test database");
+        let _ = admin.close().await;
+        let database_url = {
+            let base = admin_url();
+            let cut = base.rfind('/').expect("admin URL has a database");
+            format!("{}/{database}", &base[..cut])
+        };
+        let store = Store::connect_lazy(
+            &DatabaseSettings {
+                url: database_url.clone(),
+                password: None,
+                max_connections: 4,
+                acquire_timeout_ms: 10_000,
+                statement_timeout_ms: 30_000,
+            },
+            "sas-tests",
+        )
+        .expect("store settings");
+        store.migrate().await.expect("migrate the test database");
+        let dir = bin_dir().join("test-runs").join(&id);
+        std::fs::create_dir_all(&dir).expect("create the test folder");
+        let env = Self {
+            prefix: format!("{id}."),
+            id,
+            database,
+            database_url,
+            amqp_url: amqp_url(),
+            store,
+            dir,
+            step_timeout_ms,
+        };
+        std::fs::write(env.workflow_file(), env.workflow_text()).expect("write the workflow");
+        eprintln!("test env {}: logs in {}", env.id, env.dir.display());
+        env
+    }
+
+    /// The test workflow file: the built-in steps with the test's deadline.
+    pub fn workflow_file(&self) -> PathBuf {
+        self.dir.join("workflow.toml")
+    }
+
+    fn workflow_text(&self) -> String {
+        let steps = [
+            ("reserve_stock", "inventory", "reserve", "release"),
+            ("charge_payment", "payment", "charge", "refund"),
+            ("create_shipment", "shipping", "ship", "cancel"),
+        ];
+        let mut text = String::from("name = \"order\"\n");
+        for (name, agent, action, compensation) in steps {
+            text.push_str(&format!(
+                "[[steps]]\nname = \"{name}\"\nagent = \"{agent}\"\naction = \"{action}\"\ncompensation = \"{compensation}\"\ntimeout_ms = {}\n",
+                self.step_timeout_ms
+            ));
+        }
+        text
+    }
+
+    /// AMQP settings of this test's deployment.
+    pub fn amqp(&self) -> AmqpSettings {
+        AmqpSettings {
+            url: self.amqp_url.clone(),
+            prefix: self.prefix.clone(),
+            prefetch: 32,
+            operation_timeout_ms: 10_000,
+            delivery_limit: 3,
+            max_message_bytes: 65_536,
+            reconnect_base_ms: 100,
+            reconnect_max_ms: 1_000,
+        }
+    }
+
+    /// A connection to RabbitMQ, with this test's topology declared (so
+    /// messages can be published before the services have started).
+    ///
+    /// # Panics
+    /// When RabbitMQ cannot be reached.
+    pub async fn broker(&self) -> (Connection, Publisher) {
+        let settings = self.amqp();
+        let connection = sas_broker::connect(&settings, &format!("{}-test", self.id))
+            .await
+            .expect("connect to RabbitMQ");
+        let channel = connection.create_channel().await.expect("channel");
+        topology::declare_common(&channel, &settings)
+            .await
+            .expect("declare");
+        let names = settings.names();
+        for queue in [names.orders(), names.scheduler_replies()]
+            .into_iter()
+            .chain(AGENTS.iter().map(|agent| names.agent_requests(agent)))
+        {
+            topology::declare_work_queue(&channel, &settings, &queue)
+                .await
+                .expect("declare a work queue");
+        }
+        let publisher = Publisher::open(&connection, settings.operation_timeout())
+            .await
+            .expect("publisher");
+        (connection, publisher)
+    }
+
+    /// Publishes an order (confirmed) as any AMQP client would.
+    ///
+    /// # Panics
+    /// When the broker does not confirm it.
+    pub async fn publish_order(&self, publisher: &Publisher, order: &SubmitOrder) {
+        let body = serde_json::to_vec(order).expect("serialize");
+        self.publish_raw(publisher, &self.amqp().names().orders(), &body)
+            .await;
+    }
+
+    /// Publishes raw bytes to a queue (confirmed, persistent).
+    ///
+    /// # Panics
+    /// When the broker does not confirm them.
+    pub async fn publish_raw(&self, publisher: &Publisher, queue: &str, body: &[u8]) {
+        publisher
+            .publish(
+                "",
+                queue,
+                body,
+                BasicProperties::default().with_delivery_mode(2),
+                true,
+            )
+            .await
+            .expect("publish");
+    }
+
+    /// How many orders are in `state`.
+    ///
+    /// # Panics
+    /// When the database cannot be read.
+    pub async fn count(&self, state: ProcessState) -> i64 {
+        self.store
+            .count_by_state()
+            .await
+            .expect("count orders")
+            .into_iter()
+            .find(|(s, _)| *s == state)
+            .map_or(0, |(_, n)| n)
+    }
+
+    /// Waits until `n` orders are in `state`, printing the spread by state if not.
+    ///
+    /// # Panics
+    /// When the deadline passes.
+    pub async fn wait_for_count(&self, state: ProcessState, n: i64, timeout: Duration) {
+        crate::wait_until(&format!("{n} orders {state}"), timeout, || async {
+            let counts = self
+                .store
+                .count_by_state()
+                .await
+                .map_err(|e| e.to_string())?;
+            let have = counts
+                .iter()
+                .find(|(s, _)| *s == state)
+                .map_or(0, |(_, n)| *n);
+            if have >= n {
+                Ok(())
+            } else {
+                Err(format!("{counts:?}"))
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for TestEnv {
+    /// Drops the database and deletes the queues and exchanges, on a thread of
+    /// its own (Drop cannot await), also when the test panicked.
+    fn drop(&mut self) {
+        let database = self.database.clone();
+        let settings = self.amqp();
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                if let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url()).await {
+                    if let Err(error) =
+                        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+                            .execute(&mut admin)
+                            .await
+                    {
+                        eprintln!("could not drop {database}: {error}");
+                    }
+                }
+                if let Ok(connection) = sas_broker::connect(&settings, "sas-tests-cleanup").await {
+                    if let Err(error) = topology::delete_all(&connection, &settings, &AGENTS).await
+                    {
+                        eprintln!("could not delete queues of {}: {error}", settings.prefix);
+                    }
+                    let _ = connection.close(200, "cleanup").await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// Whether a database of this name exists (teardown checks).
+///
+/// # Panics
+/// When Postgres cannot be reached.
+pub async fn database_exists(name: &str) -> bool {
+    let mut admin = sqlx::PgConnection::connect(&admin_url())
+        .await
+        .expect("admin connection");
+    sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(name)
+        .fetch_one(&mut admin)
+        .await
+        .expect("query pg_database")
+}

@@ -1,0 +1,249 @@
+//! Running the real binaries as processes, and killing them the way
+//! production does (SIGTERM from an orchestrator, kill -9 from the OOM killer).
+
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+
+use crate::sim::SimClient;
+use crate::TestEnv;
+
+/// The folder holding the workspace's binaries (`target/debug`), found from
+/// the test executable (`target/debug/deps/<test>`).
+///
+/// # Panics
+/// When the test executable's path is unusual.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("test binary lives in target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// One running service process; killed (SIGKILL) if dropped while running.
+pub struct Service {
+    /// Name used for its log file.
+    pub name: String,
+    /// Log file (stdout and stderr).
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl Service {
+    /// Process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    /// kill -9: no chance to clean up, as when a machine or the OOM killer takes it.
+    pub async fn kill9(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// SIGTERM, then waits for the exit (SIGKILL after `timeout`).
+    ///
+    /// # Panics
+    /// When the process does not exit in time.
+    pub async fn terminate(&mut self, timeout: Duration) -> ExitStatus {
+        if let Some(pid) = self.child.id() {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+        }
+        match tokio::time::timeout(timeout, self.child.wait()).await {
+            Ok(status) => status.expect("wait"),
+            Err(_) => {
+                let _ = self.child.kill().await;
+                panic!(
+                    "{} did not exit within {timeout:?} of SIGTERM (log: {})",
+                    self.name,
+                    self.log.display()
+                );
+            }
+        }
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// A free TCP port on localhost.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
+impl TestEnv {
+    /// Starts `binary` with this test's database, prefix and fast timings,
+    /// plus `vars`; logs go to `<dir>/<name>.log`.
+    ///
+    /// # Panics
+    /// When the binary is not built or cannot start.
+    pub fn spawn(&self, binary: &str, name: &str, vars: &[(&str, String)]) -> Service {
+        let path = bin_dir().join(binary);
+        assert!(
+            path.exists(),
+            "{} is not built: run `cargo build --workspace --bins` first (scripts/test.sh does)",
+            path.display()
+        );
+        let log = self.dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log file");
+        let mut command = Command::new(&path);
+        for (key, _) in std::env::vars() {
+            if key.starts_with("SAS_") {
+                command.env_remove(key);
+            }
+        }
+        command
+            .env("SAS_AMQP__URL", &self.amqp_url)
+            .env("SAS_AMQP__PREFIX", &self.prefix)
+            .env("SAS_AMQP__RECONNECT_BASE_MS", "100")
+            .env("SAS_AMQP__RECONNECT_MAX_MS", "1000")
+            .env("SAS_AMQP__OPERATION_TIMEOUT_MS", "5000")
+            .env("SAS_DATABASE__URL", &self.database_url)
+            .env("SAS_DATABASE__ACQUIRE_TIMEOUT_MS", "2000")
+            .env("SAS_HTTP__LISTEN", "127.0.0.1:0")
+            .env("SAS_LOG__FILTER", "info")
+            .env("SAS_SCHEDULER__WORKFLOW_FILE", self.workflow_file())
+            .env("SAS_SCHEDULER__CLAIM_INTERVAL_MS", "100")
+            .env("SAS_SUPERVISOR__INTERVAL_MS", "200")
+            .env("SAS_SUPERVISOR__BACKOFF_BASE_MS", "100")
+            .env("SAS_SUPERVISOR__BACKOFF_MAX_MS", "1000")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log file"))
+            .stderr(file)
+            .kill_on_drop(true);
+        for (key, value) in vars {
+            command.env(key, value);
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", path.display()));
+        Service {
+            name: name.to_owned(),
+            log,
+            child,
+        }
+    }
+
+    /// Starts remote-sim on a free port (journaled in the test folder).
+    pub fn remote_sim(&self, vars: &[(&str, String)]) -> (Service, SimClient) {
+        let port = free_port();
+        let mut all = vec![
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+            (
+                "SAS_SIM__JOURNAL_FILE",
+                self.dir.join("sim-journal.jsonl").display().to_string(),
+            ),
+        ];
+        all.extend(vars.iter().cloned());
+        let service = self.spawn("remote-sim", "remote-sim", &all);
+        (service, SimClient::new(port))
+    }
+
+    /// Starts replica `index` of agent `agent` (id `<agent>-<index>`) calling `sim`.
+    pub fn agent(
+        &self,
+        agent: &str,
+        index: usize,
+        sim: &SimClient,
+        vars: &[(&str, String)],
+    ) -> Service {
+        let mut all = vec![
+            ("SAS_AGENT__NAME", agent.to_owned()),
+            ("SAS_AGENT__ID", format!("{agent}-{index}")),
+            (
+                "SAS_AGENT__REMOTE_URL",
+                format!("{}/{agent}", sim.base_url()),
+            ),
+        ];
+        all.extend(vars.iter().cloned());
+        self.spawn("agent", &format!("agent-{agent}-{index}"), &all)
+    }
+
+    /// Starts scheduler `index` (id `scheduler-<index>`).
+    pub fn scheduler(&self, index: usize, vars: &[(&str, String)]) -> Service {
+        let mut all = vec![("SAS_SCHEDULER__ID", format!("scheduler-{index}"))];
+        all.extend(vars.iter().cloned());
+        self.spawn("scheduler", &format!("scheduler-{index}"), &all)
+    }
+
+    /// Starts supervisor `index` (id `supervisor-<index>`).
+    pub fn supervisor(&self, index: usize, vars: &[(&str, String)]) -> Service {
+        let mut all = vec![("SAS_SUPERVISOR__ID", format!("supervisor-{index}"))];
+        all.extend(vars.iter().cloned());
+        self.spawn("supervisor", &format!("supervisor-{index}"), &all)
+    }
+
+    /// Starts a whole system: remote-sim, `replicas` agents per agent queue,
+    /// one scheduler and one supervisor.
+    pub fn system(&self, replicas: usize) -> System {
+        let (sim_process, sim) = self.remote_sim(&[]);
+        let mut agents = Vec::new();
+        for agent in crate::env::AGENTS {
+            for index in 0..replicas {
+                agents.push(self.agent(agent, index, &sim, &[]));
+            }
+        }
+        System {
+            schedulers: vec![self.scheduler(0, &[])],
+            supervisors: vec![self.supervisor(0, &[])],
+            agents,
+            sim_process,
+            sim,
+        }
+    }
+}
+
+/// Every process of a running system.
+pub struct System {
+    /// Scheduler processes.
+    pub schedulers: Vec<Service>,
+    /// Supervisor processes.
+    pub supervisors: Vec<Service>,
+    /// Agent processes.
+    pub agents: Vec<Service>,
+    /// The remote-sim process.
+    pub sim_process: Service,
+    /// A client of remote-sim.
+    pub sim: SimClient,
+}
+
+impl System {
+    /// Panics naming every process that has exited.
+    ///
+    /// # Panics
+    /// When a process is no longer running.
+    pub fn assert_all_running(&mut self) {
+        let mut dead = Vec::new();
+        for service in self
+            .schedulers
+            .iter_mut()
+            .chain(self.supervisors.iter_mut())
+            .chain(self.agents.iter_mut())
+            .chain(std::iter::once(&mut self.sim_process))
+        {
+            if !service.is_running() {
+                dead.push(format!("{} (log {})", service.name, service.log.display()));
+            }
+        }
+        assert!(dead.is_empty(), "processes exited: {dead:?}");
+    }
+}
