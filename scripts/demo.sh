@@ -64,9 +64,9 @@ echo "system up: 2 schedulers, 2 supervisors, 2 agents per queue, remote-sim; lo
 
 sasctl() { "$bin/sasctl" "$@"; }
 echo; echo "== 1. one order, followed live"
-sasctl submit --watch >/dev/null || true
+sasctl submit --watch || true
 echo; echo "== 2. an order whose payment is declined: the stock reservation is released"
-sasctl submit --amount-cents 5000000 --watch >/dev/null || true
+sasctl submit --amount-cents 5000000 --watch || true
 echo; echo "== 3. 200 orders through remote services with 5% transient faults and 0.5% hangs"
 sasctl submit --count 200 >/dev/null
 for _ in $(seq 1 300); do

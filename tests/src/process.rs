@@ -143,8 +143,12 @@ impl TestEnv {
         }
     }
 
-    /// Starts remote-sim on a free port (journaled in the test folder).
-    pub fn remote_sim(&self, vars: &[(&str, String)]) -> (Service, SimClient) {
+    /// Starts remote-sim on a free port (journaled in the test folder) and
+    /// waits until it answers.
+    ///
+    /// # Panics
+    /// When it does not answer within 10 seconds.
+    pub async fn remote_sim(&self, vars: &[(&str, String)]) -> (Service, SimClient) {
         let port = free_port();
         let mut all = vec![
             ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
@@ -155,7 +159,12 @@ impl TestEnv {
         ];
         all.extend(vars.iter().cloned());
         let service = self.spawn("remote-sim", "remote-sim", &all);
-        (service, SimClient::new(port))
+        let sim = SimClient::new(port);
+        crate::wait_until("remote-sim to answer", Duration::from_secs(10), || async {
+            sim.stats().await.map(|_| ()).map_err(|e| e.to_string())
+        })
+        .await;
+        (service, sim)
     }
 
     /// Starts replica `index` of agent `agent` (id `<agent>-<index>`) calling `sim`.
@@ -194,8 +203,8 @@ impl TestEnv {
 
     /// Starts a whole system: remote-sim, `replicas` agents per agent queue,
     /// one scheduler and one supervisor.
-    pub fn system(&self, replicas: usize) -> System {
-        let (sim_process, sim) = self.remote_sim(&[]);
+    pub async fn system(&self, replicas: usize) -> System {
+        let (sim_process, sim) = self.remote_sim(&[]).await;
         let mut agents = Vec::new();
         for agent in crate::env::AGENTS {
             for index in 0..replicas {
@@ -246,4 +255,58 @@ impl System {
         }
         assert!(dead.is_empty(), "processes exited: {dead:?}");
     }
+}
+
+impl TestEnv {
+    /// Starts `replicas` agents for each agent queue, calling `sim`, with `vars`.
+    pub fn agents(
+        &self,
+        replicas: usize,
+        sim: &SimClient,
+        vars: &[(&str, String)],
+    ) -> Vec<Service> {
+        crate::env::AGENTS
+            .iter()
+            .flat_map(|agent| (0..replicas).map(move |index| (agent, index)))
+            .map(|(agent, index)| self.agent(agent, index, sim, vars))
+            .collect()
+    }
+
+    /// Runs `sasctl` against this test's deployment and returns its exit
+    /// code and standard output.
+    ///
+    /// # Panics
+    /// When sasctl cannot be started.
+    pub async fn sasctl(&self, args: &[&str]) -> (i32, String) {
+        let output = Command::new(bin_dir().join("sasctl"))
+            .args(args)
+            .env("SAS_AMQP__URL", &self.amqp_url)
+            .env("SAS_AMQP__PREFIX", &self.prefix)
+            .env("SAS_DATABASE__URL", &self.database_url)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .expect("run sasctl");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        eprintln!(
+            "sasctl {args:?}: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (output.status.code().unwrap_or(-1), stdout)
+    }
+}
+
+/// Reads one sample of a Prometheus metric (`name{labels}` exactly as
+/// rendered) from a service's `/metrics` on `port`.
+pub async fn metric(port: u16, sample: &str) -> Option<f64> {
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find(|line| line.starts_with(sample) && line[sample.len()..].starts_with(' '))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
 }

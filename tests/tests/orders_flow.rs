@@ -15,7 +15,7 @@ const STEPS: [&str; 3] = ["reserve_stock", "charge_payment", "create_shipment"];
 #[tokio::test(flavor = "multi_thread")]
 async fn two_hundred_orders_with_three_agents_per_queue_are_each_processed_once() {
     let env = TestEnv::new().await;
-    let mut system = env.system(3);
+    let mut system = env.system(3).await;
     let (_connection, publisher) = env.broker().await;
 
     let ids: Vec<String> = (0..200).map(|n| format!("bulk-{n}")).collect();
@@ -71,7 +71,7 @@ async fn two_hundred_orders_with_three_agents_per_queue_are_each_processed_once(
 #[tokio::test(flavor = "multi_thread")]
 async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice() {
     let env = TestEnv::new().await;
-    let system = env.system(1);
+    let system = env.system(1).await;
     let (connection, publisher) = env.broker().await;
 
     let twice = order("twice-1");
@@ -186,7 +186,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
 async fn malformed_json_a_wrong_schema_version_and_an_unknown_field_are_dead_lettered_with_a_reason(
 ) {
     let env = TestEnv::new().await;
-    let mut system = env.system(1);
+    let mut system = env.system(1).await;
     let (connection, publisher) = env.broker().await;
     let names = env.amqp().names();
 
@@ -329,7 +329,7 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
         .await
         .unwrap();
 
-    let (_sim_process, sim) = env.remote_sim(&[]);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
     let _agents: Vec<_> = ["inventory", "payment", "shipping"]
         .iter()
         .map(|a| env.agent(a, 0, &sim, &[]))

@@ -163,9 +163,6 @@ async fn call(
         );
     };
     let faults = state.faults_for(&service);
-    if faults.latency_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(faults.latency_ms)).await;
-    }
     let order = payload
         .get("order")
         .cloned()
@@ -238,6 +235,12 @@ async fn call(
         (decision, hang)
     };
     tracing::debug!(key, service, operation, ?decision, hang, "call decided");
+    // The latency comes after the decision: the effect is applied and the
+    // answer is slow, so a caller killed meanwhile leaves an applied effect
+    // whose retry must be deduplicated.
+    if faults.latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.latency_ms)).await;
+    }
     if hang {
         // Applied, but the answer never comes: the caller must time out and
         // retry, and the retry must be deduplicated.

@@ -142,3 +142,24 @@ pub async fn dead_letters(store: &Store, limit: i64, json: bool) -> anyhow::Resu
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `sasctl resubmit`: exit 1 when the order does not exist or has not failed.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn resubmit(store: &Store, order_id: &str) -> anyhow::Result<ExitCode> {
+    match store.resubmit(order_id, "sasctl").await? {
+        sas_store::operator::Resubmit::Resubmitted { what } => {
+            println!("order {order_id} resubmitted: {what}");
+            Ok(ExitCode::SUCCESS)
+        }
+        sas_store::operator::Resubmit::NotFound => {
+            eprintln!("no order {order_id}");
+            Ok(ExitCode::FAILURE)
+        }
+        sas_store::operator::Resubmit::NotFailed(state) => {
+            eprintln!("order {order_id} is {state}: only orders that ended error or compensated can be resubmitted");
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}

@@ -109,6 +109,13 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Put an order that ended `error` or `compensated` back into the
+    /// workflow, once the cause is fixed: a failed compensation resumes, any
+    /// other order runs its workflow again with fresh idempotency keys.
+    Resubmit {
+        /// Order id.
+        order_id: String,
+    },
     /// Recorded dead letters, newest first.
     DeadLetters {
         /// How many.
@@ -164,6 +171,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             inspect::show(&cli.target.store()?, &order_id, json).await
         }
         Command::Alerts { all, json } => inspect::alerts(&cli.target.store()?, all, json).await,
+        Command::Resubmit { order_id } => inspect::resubmit(&cli.target.store()?, &order_id).await,
         Command::DeadLetters { limit, json } => {
             inspect::dead_letters(&cli.target.store()?, limit, json).await
         }

@@ -19,6 +19,7 @@ pub mod connect;
 mod error;
 pub mod intake;
 pub mod model;
+pub mod operator;
 pub mod progress;
 pub mod queries;
 pub mod recovery;

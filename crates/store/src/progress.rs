@@ -328,27 +328,18 @@ impl Store {
         actor: &str,
     ) -> Result<ReplyOutcome, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let locked: Option<(String, ProcessState, Option<String>)> = sqlx::query_as(
-            "SELECT order_id, state, reply_to FROM order_process
-              WHERE order_id = (SELECT order_id FROM steps WHERE attempt_id = $1)
-                FOR UPDATE",
+        let order_id = reply.order_id.clone();
+        let locked: Option<(ProcessState, Option<String>)> = sqlx::query_as(
+            "SELECT state, reply_to FROM order_process WHERE order_id = $1 FOR UPDATE",
         )
-        .bind(reply.attempt_id)
+        .bind(&order_id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((order_id, state, reply_to)) = locked else {
+        let Some((state, reply_to)) = locked else {
             return Ok(ReplyOutcome::Stale {
-                reason: "no step has this attempt id".into(),
+                reason: "no such order".into(),
             });
         };
-        if order_id != reply.order_id {
-            return Ok(ReplyOutcome::Stale {
-                reason: format!(
-                    "attempt belongs to order {order_id}, not {}",
-                    reply.order_id
-                ),
-            });
-        }
         let expected = match state {
             ProcessState::Processing => StepState::Running,
             ProcessState::Compensating => StepState::Compensating,
@@ -406,7 +397,10 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let Some((step, at)) = updated else {
-            let reason = format!("attempt is no longer current (order {state})");
+            let reason = format!(
+                "attempt {} is not the step's current attempt (order {state})",
+                reply.attempt_id
+            );
             record_history(
                 &mut tx,
                 &order_id,

@@ -54,6 +54,9 @@ impl Supervisor {
             Some(Ok(())) => {
                 metrics::counter!("sas_dead_lettered_total", "queue" => source.clone().unwrap_or_default()).increment(1);
                 tracing::warn!(order_id = order_id.as_deref().unwrap_or(""), queue = source.as_deref().unwrap_or(""), reason = %reason, "dead letter recorded");
+                if let (Some(order_id), Some(source)) = (&order_id, &source) {
+                    self.settle(order_id, source, &delivery, &reason).await;
+                }
                 Consumed::Ack
             }
             Some(Err(error)) => {
@@ -63,6 +66,45 @@ impl Supervisor {
                 Consumed::Ack
             }
             None => Consumed::Requeue,
+        }
+    }
+}
+
+impl Supervisor {
+    /// Settles the order of a dead-lettered step request or reply, which
+    /// would otherwise wait for its deadline only to be retried into the
+    /// same failure. A dead-lettered submission needs nothing: either it was
+    /// never stored, or its order runs normally.
+    async fn settle(&self, order_id: &str, source: &str, delivery: &Delivery, reason: &str) {
+        let agent_queue = self.names.agent_requests("");
+        if !(source.starts_with(&agent_queue) || source == self.names.scheduler_replies()) {
+            return;
+        }
+        let Some(attempt_id) = delivery
+            .correlation_id()
+            .and_then(|id| id.parse::<uuid::Uuid>().ok())
+        else {
+            return;
+        };
+        let settled = sas_runtime::retry_transient(
+            &self.shutdown,
+            "settling a dead-lettered order",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || {
+                self.store
+                    .settle_dead_letter(order_id, attempt_id, reason, &self.id)
+            },
+        )
+        .await;
+        match settled {
+            Some(Ok(Some(progress))) => {
+                tracing::warn!(order_id, correlation_id = %attempt_id, "order settled after its message was dead-lettered");
+                self.announce(&progress).await;
+            }
+            Some(Ok(None)) | None => {}
+            Some(Err(error)) => {
+                tracing::error!(order_id, error = %error, "cannot settle a dead-lettered order")
+            }
         }
     }
 }

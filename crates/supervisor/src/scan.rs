@@ -54,7 +54,7 @@ impl Supervisor {
 
     /// Sends status messages to the client, if the broker is up (status
     /// messages are notifications; the state store is the record).
-    async fn announce(&self, progress: &sas_store::Progress) {
+    pub(crate) async fn announce(&self, progress: &sas_store::Progress) {
         if progress.statuses.is_empty() {
             return;
         }

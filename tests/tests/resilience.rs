@@ -1,0 +1,768 @@
+//! Every failure the pattern names, injected for real (kill -9, SIGTERM,
+//! hanging and failing remote services, poison messages), with invariants
+//! checked from the state store and from remote-sim's record of side effects.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use sas_broker::lapin::options::{
+    BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
+};
+use sas_broker::lapin::types::FieldTable;
+use sas_store::ProcessState;
+use sas_tests::process::{free_port, metric};
+use sas_tests::{order, wait_until, TestEnv};
+use serde_json::json;
+
+fn faults(latency_ms: u64, transient: f64, hang: f64) -> serde_json::Value {
+    json!({ "latency_ms": latency_ms, "transient_fault_rate": transient, "permanent_fault_rate": 0.0, "hang_rate": hang })
+}
+
+async fn wait_for_event(env: &TestEnv, order_id: &str, event: &str, timeout: Duration) {
+    wait_until(
+        &format!("{order_id} to record {event}"),
+        timeout,
+        || async {
+            let history = env
+                .store
+                .history(order_id)
+                .await
+                .map_err(|e| e.to_string())?;
+            if history.iter().any(|h| h.event == event) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{:?}",
+                    history.iter().map(|h| h.event.as_str()).collect::<Vec<_>>()
+                ))
+            }
+        },
+    )
+    .await;
+}
+
+async fn state_of(env: &TestEnv, order_id: &str) -> ProcessState {
+    env.store
+        .order_detail(order_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .summary
+        .state
+}
+
+async fn wait_for_state(env: &TestEnv, order_id: &str, state: ProcessState, timeout: Duration) {
+    wait_until(&format!("{order_id} to be {state}"), timeout, || async {
+        let detail = env
+            .store
+            .order_detail(order_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        match detail {
+            Some(d) if d.summary.state == state => Ok(()),
+            Some(d) => Err(format!("{} ({:?})", d.summary.state, d.summary.last_error)),
+            None => Err("not stored".into()),
+        }
+    })
+    .await;
+}
+
+/// Applied keys per order: (forward keys, compensation keys).
+async fn applied_by_order(sim: &sas_tests::sim::SimClient) -> HashMap<String, (usize, usize)> {
+    let mut by_order: HashMap<String, (usize, usize)> = HashMap::new();
+    let per_key = sim.applied_per_key().await.unwrap();
+    for (key, count) in &per_key {
+        assert_eq!(*count, 1, "side effect {key} applied {count} times");
+        let order_id = key.split(':').next().unwrap().to_owned();
+        let entry = by_order.entry(order_id).or_default();
+        if key.ends_with(":undo") {
+            entry.1 += 1;
+        } else {
+            entry.0 += 1;
+        }
+    }
+    by_order
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() {
+    let env = TestEnv::new().await;
+    let system = env.system(1).await;
+    let (connection, publisher) = env.broker().await;
+    let channel = connection.create_channel().await.unwrap();
+    let client_queue = format!("{}client", env.prefix);
+    channel
+        .queue_declare(
+            &client_queue,
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let mut declined = order("declined-1");
+    declined.amount_cents = 50_000_000;
+    declined.reply_to = Some(client_queue.clone());
+    env.publish_order(&publisher, &declined).await;
+    wait_for_state(
+        &env,
+        "declined-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+
+    let detail = env.store.order_detail("declined-1").await.unwrap().unwrap();
+    let states: Vec<_> = detail.steps.iter().map(|s| s.state.as_str()).collect();
+    assert_eq!(states, ["compensated", "failed", "not_started"]);
+    assert!(
+        detail
+            .summary
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("declined"),
+        "{:?}",
+        detail.summary.last_error
+    );
+
+    let effects = system.sim.side_effects().await.unwrap();
+    let applied: Vec<_> = effects
+        .iter()
+        .filter(|e| e.decision == "applied")
+        .map(|e| e.key.as_str())
+        .collect();
+    assert_eq!(
+        applied,
+        ["declined-1:reserve_stock", "declined-1:reserve_stock:undo"],
+        "reserve, then release; nothing else applied"
+    );
+
+    // The client's queue got the story in order.
+    let mut consumer = channel
+        .basic_consume(
+            &client_queue,
+            "t",
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while seen.last().map(String::as_str) != Some("compensated") {
+        let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .expect("status message")
+            .unwrap()
+            .unwrap();
+        let status: sas_messages::OrderStatus = serde_json::from_slice(&delivery.data).unwrap();
+        seen.push(
+            serde_json::to_value(status.event)
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    assert_eq!(
+        seen,
+        ["received", "step_completed", "compensating", "compensated"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compensated() {
+    let env = TestEnv::with_step_timeout(800).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(0, 1.0, 0.0))
+        .await
+        .unwrap();
+    let _agents = env.agents(1, &sim, &[("SAS_CIRCUIT__COOL_DOWN_MS", "300".to_owned())]);
+    let _scheduler = env.scheduler(0, &[]);
+    let supervisor_vars = [
+        ("SAS_SUPERVISOR__MAX_FAILURES", "3".to_owned()),
+        ("SAS_SUPERVISOR__BACKOFF_BASE_MS", "200".to_owned()),
+        ("SAS_SUPERVISOR__BACKOFF_MAX_MS", "600".to_owned()),
+    ];
+    let _supervisor = env.supervisor(0, &supervisor_vars);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("fails-1")).await;
+
+    wait_for_event(
+        &env,
+        "fails-1",
+        "compensation_started",
+        Duration::from_secs(40),
+    )
+    .await;
+    // Let the refund through, so that the compensation can finish.
+    sim.set_faults(Some("payment"), faults(0, 0.0, 0.0))
+        .await
+        .unwrap();
+    wait_for_state(
+        &env,
+        "fails-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+
+    let history = env.store.history("fails-1").await.unwrap();
+    let retries: Vec<_> = history
+        .iter()
+        .filter(|h| h.event == "retry_scheduled")
+        .collect();
+    assert_eq!(
+        retries.len(),
+        3,
+        "three retries before giving up: {history:?}"
+    );
+    for (n, retry) in retries.iter().enumerate() {
+        let detail = retry.detail.as_deref().unwrap();
+        assert!(
+            detail.contains(&format!("failure {} of 3", n + 1)),
+            "{detail}"
+        );
+    }
+    // Each wait is at least half its nominal value (equal jitter): 200, 400,
+    // then 600 ms (the cap). The claims after the retries are the retries'.
+    let claims: Vec<_> = history.iter().filter(|h| h.event == "claimed").collect();
+    assert!(claims.len() >= 3, "{history:?}");
+    for (n, (retry, claim)) in retries.iter().zip(&claims).enumerate() {
+        let waited = (claim.at - retry.at).num_milliseconds();
+        let nominal = (200 << n).min(600);
+        assert!(
+            waited >= nominal / 2,
+            "retry {n} waited {waited} ms, less than half of {nominal} ms"
+        );
+    }
+    // The charge's outcome was unknown, so it was refunded too (a refund of
+    // nothing, for the remote service); shipping never ran.
+    let detail = env.store.order_detail("fails-1").await.unwrap().unwrap();
+    let states: Vec<_> = detail.steps.iter().map(|s| s.state.as_str()).collect();
+    assert_eq!(states, ["compensated", "compensated", "not_started"]);
+    let charges = history
+        .iter()
+        .filter(|h| h.event == "dispatched" && h.step.as_deref() == Some("charge_payment"))
+        .count();
+    assert_eq!(charges, 4, "the first attempt and three retries");
+    let applied = sim.applied_per_key().await.unwrap();
+    assert_eq!(
+        applied.get("fails-1:charge_payment"),
+        None,
+        "every charge failed: {applied:?}"
+    );
+    assert_eq!(applied.get("fails-1:charge_payment:undo"), Some(&1));
+    assert_eq!(applied.get("fails-1:reserve_stock:undo"), Some(&1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compensation_that_keeps_failing_ends_in_error_with_an_alert_until_an_operator_resubmits()
+{
+    let env = TestEnv::with_step_timeout(600).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[("SAS_CIRCUIT__COOL_DOWN_MS", "300".to_owned())]);
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "2".to_owned())]);
+    let (_connection, publisher) = env.broker().await;
+
+    // The payment is declined (slowly, so the test can break inventory in
+    // the meantime), and the stock release then fails every time.
+    sim.set_faults(Some("payment"), faults(1500, 0.0, 0.0))
+        .await
+        .unwrap();
+    let mut declined = order("stuck-1");
+    declined.amount_cents = 50_000_000;
+    env.publish_order(&publisher, &declined).await;
+    wait_for_event(&env, "stuck-1", "step_completed", Duration::from_secs(20)).await;
+    sim.set_faults(Some("inventory"), faults(0, 1.0, 0.0))
+        .await
+        .unwrap();
+    wait_for_state(
+        &env,
+        "stuck-1",
+        ProcessState::Error,
+        Duration::from_secs(40),
+    )
+    .await;
+
+    let (code, alerts) = env.sasctl(&["alerts"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        alerts.contains("stuck-1") && alerts.contains("compensation_exhausted"),
+        "{alerts}"
+    );
+
+    // The operator fixes inventory and resubmits: the compensation resumes.
+    sim.set_faults(Some("inventory"), faults(0, 0.0, 0.0))
+        .await
+        .unwrap();
+    let (code, out) = env.sasctl(&["resubmit", "stuck-1"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("compensation resumed"), "{out}");
+    wait_for_state(
+        &env,
+        "stuck-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, alerts) = env.sasctl(&["alerts"]).await;
+    assert!(
+        !alerts.contains("stuck-1"),
+        "the alert is resolved: {alerts}"
+    );
+    let applied = sim.applied_per_key().await.unwrap();
+    assert_eq!(
+        applied.get("stuck-1:reserve_stock:undo"),
+        Some(&1),
+        "released once across every attempt"
+    );
+
+    // An order still running cannot be resubmitted.
+    env.publish_order(&publisher, &order("running-1")).await;
+    wait_for_event(&env, "running-1", "received", Duration::from_secs(20)).await;
+    let (code, _) = env.sasctl(&["resubmit", "running-1"]).await;
+    assert_eq!(code, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn several_supervisors_never_recover_the_same_step_twice() {
+    let env = TestEnv::with_step_timeout(300).await;
+    // No agents at all: every attempt times out, forward and backward.
+    let _scheduler = env.scheduler(0, &[]);
+    let vars = [
+        ("SAS_SUPERVISOR__MAX_FAILURES", "2".to_owned()),
+        ("SAS_SUPERVISOR__INTERVAL_MS", "50".to_owned()),
+        ("SAS_SUPERVISOR__BACKOFF_BASE_MS", "50".to_owned()),
+        ("SAS_SUPERVISOR__BACKOFF_MAX_MS", "100".to_owned()),
+    ];
+    let _supervisors: Vec<_> = (0..3).map(|i| env.supervisor(i, &vars)).collect();
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..40 {
+        env.publish_order(&publisher, &order(&format!("sup-{n}")))
+            .await;
+    }
+    env.wait_for_count(ProcessState::Error, 40, Duration::from_secs(60))
+        .await;
+
+    let rows: Vec<(String, String, String, String)> = sqlx::query_as(
+        "SELECT order_id, event, actor, COALESCE(detail, '') FROM history
+          WHERE event IN ('retry_scheduled', 'compensation_started', 'compensation_retry_scheduled', 'error')
+          ORDER BY id",
+    )
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap();
+    let mut decisions: HashMap<(String, String, String), usize> = HashMap::new();
+    let mut actors = std::collections::HashSet::new();
+    for (order_id, event, actor, detail) in rows {
+        let failure = detail.split(';').next().unwrap_or("").to_owned();
+        let failure = detail
+            .split("; ")
+            .find(|part| part.starts_with("failure "))
+            .unwrap_or(&failure)
+            .to_owned();
+        *decisions.entry((order_id, event, failure)).or_default() += 1;
+        actors.insert(actor);
+    }
+    for (decision, count) in &decisions {
+        assert_eq!(*count, 1, "decision {decision:?} was taken {count} times");
+    }
+    for n in 0..40 {
+        let id = format!("sup-{n}");
+        let count = |event: &str| {
+            decisions
+                .keys()
+                .filter(|(o, e, _)| *o == id && e == event)
+                .count()
+        };
+        assert_eq!(count("retry_scheduled"), 2, "{id}");
+        assert_eq!(count("compensation_started"), 1, "{id}");
+        assert_eq!(count("compensation_retry_scheduled"), 2, "{id}");
+        assert_eq!(count("error"), 1, "{id}");
+    }
+    assert!(
+        actors.len() >= 2,
+        "the supervisors shared the work: {actors:?}"
+    );
+    let alerts = env.store.alerts(false, 1000).await.unwrap();
+    assert_eq!(alerts.len(), 40, "one alert per order that ended in error");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_happened_once() {
+    let env = TestEnv::with_step_timeout(800).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(0, 0.0, 1.0))
+        .await
+        .unwrap();
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("late-1")).await;
+
+    // The first charge is applied, but its answer never comes.
+    wait_for_event(&env, "late-1", "retry_scheduled", Duration::from_secs(20)).await;
+    sim.set_faults(Some("payment"), faults(0, 0.0, 0.0))
+        .await
+        .unwrap();
+    wait_for_state(
+        &env,
+        "late-1",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
+    let stats = sim.stats().await.unwrap();
+    assert!(
+        stats.deduplicated >= 1,
+        "the retry was answered from the first charge: {stats:?}"
+    );
+    assert_eq!(
+        sim.applied_per_key()
+            .await
+            .unwrap()
+            .get("late-1:charge_payment"),
+        Some(&1)
+    );
+
+    // Now the first attempt's reply arrives, late.
+    let history = env.store.history("late-1").await.unwrap();
+    let first = history
+        .iter()
+        .find(|h| h.event == "dispatched" && h.step.as_deref() == Some("charge_payment"))
+        .and_then(|h| h.attempt_id)
+        .unwrap();
+    let reply = sas_messages::StepReply {
+        schema_version: sas_messages::SCHEMA_VERSION,
+        order_id: "late-1".into(),
+        step: "charge_payment".into(),
+        attempt_id: first,
+        agent_id: "payment-late".into(),
+        outcome: sas_messages::StepOutcome::Succeeded {
+            result: json!({"id": "late"}),
+        },
+    };
+    let names = env.amqp().names();
+    publisher
+        .publish_json(
+            "",
+            &names.scheduler_replies(),
+            &reply,
+            sas_broker::publish::json_properties("late")
+                .with_correlation_id(first.to_string().into()),
+            true,
+        )
+        .await
+        .unwrap();
+    wait_for_event(&env, "late-1", "stale_reply", Duration::from_secs(20)).await;
+    let detail = env.store.order_detail("late-1").await.unwrap().unwrap();
+    assert_eq!(detail.summary.state, ProcessState::Processed);
+    assert_ne!(
+        detail.steps[1].result,
+        Some(json!({"id": "late"})),
+        "the late reply changed nothing"
+    );
+    assert_eq!(sim.applied_per_key().await.unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn orders_held_by_a_killed_scheduler_finish_on_another_one_within_the_deadline() {
+    let env = TestEnv::with_step_timeout(2000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(None, faults(100, 0.0, 0.0)).await.unwrap();
+    let _agents = env.agents(2, &sim, &[]);
+    let mut doomed = env.scheduler(0, &[]);
+    let _survivor = env.scheduler(1, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..150 {
+        env.publish_order(&publisher, &order(&format!("sched-{n}")))
+            .await;
+    }
+    wait_until("some orders processed", Duration::from_secs(30), || async {
+        let processed = env.count(ProcessState::Processed).await;
+        if processed >= 20 {
+            Ok(())
+        } else {
+            Err(processed.to_string())
+        }
+    })
+    .await;
+    doomed.kill9().await;
+    let killed_at = Instant::now();
+    env.wait_for_count(ProcessState::Processed, 150, Duration::from_secs(60))
+        .await;
+    // complete-by (2 s) + one supervisor interval (0.2 s) + backoff (at most 1 s) + the work left.
+    let took = killed_at.elapsed();
+    assert!(took < Duration::from_secs(20), "recovery took {took:?}");
+    let by_order = applied_by_order(&sim).await;
+    assert_eq!(by_order.len(), 150);
+    assert!(
+        by_order
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{by_order:?}"
+    );
+    let held_by_dead: i64 = sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE actor = 'scheduler-0' AND event = 'dispatched'")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert!(held_by_dead > 0, "the killed scheduler had orders");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_killed_mid_call_is_redelivered_and_its_side_effect_happens_once() {
+    let env = TestEnv::with_step_timeout(3000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(400, 0.0, 0.0))
+        .await
+        .unwrap();
+    let mut doomed = env.agent("payment", 0, &sim, &[]);
+    let _others = [
+        env.agent("inventory", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+        env.agent("payment", 1, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..60 {
+        env.publish_order(&publisher, &order(&format!("agent-{n}")))
+            .await;
+    }
+    // Kill it while it has charges applied but not yet answered.
+    wait_until(
+        "payment-0 to be mid-call",
+        Duration::from_secs(20),
+        || async {
+            let entries = sim.side_effects().await.map_err(|e| e.to_string())?;
+            let charges = entries.iter().filter(|e| e.operation == "charge").count();
+            if charges >= 10 {
+                Ok(())
+            } else {
+                Err(charges.to_string())
+            }
+        },
+    )
+    .await;
+    doomed.kill9().await;
+    env.wait_for_count(ProcessState::Processed, 60, Duration::from_secs(60))
+        .await;
+    let stats = sim.stats().await.unwrap();
+    assert!(
+        stats.deduplicated >= 1,
+        "requests of the killed agent were redelivered and deduplicated: {stats:?}"
+    );
+    let by_order = applied_by_order(&sim).await;
+    assert!(
+        by_order
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{by_order:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_poison_request_is_dead_lettered_recorded_and_its_order_undone() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    // No payment agent yet: the test plays a payment consumer that crashes on the request.
+    let _others = [
+        env.agent("inventory", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("poison-1")).await;
+
+    let names = env.amqp().names();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .basic_qos(1, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            &names.agent_requests("payment"),
+            "crashing",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    // Delivery limit 3: the fourth return dead-letters it. Stop there, so the
+    // compensation's refund reaches the real agent started below.
+    let mut deliveries = 0;
+    while deliveries < 4 {
+        let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .expect("the request comes back")
+            .unwrap()
+            .unwrap();
+        deliveries += 1;
+        delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    drop(consumer);
+    let _ = channel.close(200, "done").await;
+
+    // RabbitMQ dead-lettered it; the supervisor recorded it and had the order undone.
+    let _payment = env.agent("payment", 0, &sim, &[]);
+    wait_for_state(
+        &env,
+        "poison-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+    let letters = env.store.dead_letters(10).await.unwrap();
+    assert!(
+        letters
+            .iter()
+            .any(|l| l.order_id.as_deref() == Some("poison-1")
+                && l.reason.contains("delivery_limit")),
+        "{letters:?}"
+    );
+    let applied = sim.applied_per_key().await.unwrap();
+    assert_eq!(
+        applied.get("poison-1:reserve_stock:undo"),
+        Some(&1),
+        "{applied:?}"
+    );
+    assert_eq!(applied.get("poison-1:charge_payment"), None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_circuit_opens_after_repeated_faults_and_closes_after_a_probe() {
+    let env = TestEnv::with_step_timeout(2000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(0, 1.0, 0.0))
+        .await
+        .unwrap();
+    let port = free_port();
+    let payment = env.agent(
+        "payment",
+        0,
+        &sim,
+        &[
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+            ("SAS_CIRCUIT__FAILURE_THRESHOLD", "3".to_owned()),
+            ("SAS_CIRCUIT__COOL_DOWN_MS", "1000".to_owned()),
+        ],
+    );
+    let _others = [
+        env.agent("inventory", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "50".to_owned())]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..5 {
+        env.publish_order(&publisher, &order(&format!("circuit-{n}")))
+            .await;
+    }
+    let gauge = r#"sas_circuit_state{agent="payment"}"#;
+    wait_until("the circuit to open", Duration::from_secs(20), || async {
+        match metric(port, gauge).await {
+            Some(1.0) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let rejected = metric(port, "sas_agent_circuit_rejections_total")
+        .await
+        .unwrap_or(0.0);
+    wait_until("calls to fail fast", Duration::from_secs(20), || async {
+        let now = metric(port, "sas_agent_circuit_rejections_total")
+            .await
+            .unwrap_or(0.0);
+        if now > rejected {
+            Ok(())
+        } else {
+            Err(now.to_string())
+        }
+    })
+    .await;
+    assert!(payment.log_text().contains("circuit breaker state changed"));
+
+    sim.set_faults(Some("payment"), faults(0, 0.0, 0.0))
+        .await
+        .unwrap();
+    env.wait_for_count(ProcessState::Processed, 5, Duration::from_secs(60))
+        .await;
+    assert_eq!(
+        metric(port, gauge).await,
+        Some(0.0),
+        "closed again after a successful probe"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_binary_exits_zero_on_sigterm_and_hands_back_what_it_had_in_flight() {
+    let env = TestEnv::with_step_timeout(3000).await;
+    let drain = [
+        ("SAS_SCHEDULER__DRAIN_MS", "2000".to_owned()),
+        ("SAS_AGENT__DRAIN_MS", "2000".to_owned()),
+        ("SAS_SUPERVISOR__DRAIN_MS", "2000".to_owned()),
+    ];
+    let (mut sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(None, faults(300, 0.0, 0.0)).await.unwrap();
+    let mut agents = env.agents(1, &sim, &drain);
+    let mut scheduler = env.scheduler(0, &drain);
+    let mut supervisor = env.supervisor(0, &drain);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..40 {
+        env.publish_order(&publisher, &order(&format!("term-{n}")))
+            .await;
+    }
+    wait_until("work in flight", Duration::from_secs(20), || async {
+        let n = sim.side_effects().await.map_err(|e| e.to_string())?.len();
+        if n >= 5 {
+            Ok(())
+        } else {
+            Err(n.to_string())
+        }
+    })
+    .await;
+    for service in agents.iter_mut().chain([&mut scheduler, &mut supervisor]) {
+        let status = service.terminate(Duration::from_secs(15)).await;
+        assert!(
+            status.success(),
+            "{} exited with {status} (log {})",
+            service.name,
+            service.log.display()
+        );
+    }
+    let status = sim_process.terminate(Duration::from_secs(15)).await;
+    assert!(status.success(), "remote-sim exited with {status}");
+
+    // Start again: everything handed back is finished, nothing twice.
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    env.wait_for_count(ProcessState::Processed, 40, Duration::from_secs(60))
+        .await;
+    let by_order = applied_by_order(&sim).await;
+    assert_eq!(by_order.len(), 40);
+    assert!(
+        by_order
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{by_order:?}"
+    );
+    assert_eq!(state_of(&env, "term-0").await, ProcessState::Processed);
+}
