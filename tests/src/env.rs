@@ -58,6 +58,20 @@ impl TestEnv {
     /// # Panics
     /// When Postgres cannot be reached.
     pub async fn with_step_timeout(step_timeout_ms: u64) -> Self {
+        let env = Self::unmigrated(step_timeout_ms).await;
+        env.store
+            .migrate()
+            .await
+            .expect("migrate the test database");
+        env
+    }
+
+    /// As [`TestEnv::with_step_timeout`], but with an empty database: the
+    /// services must apply the migrations themselves.
+    ///
+    /// # Panics
+    /// When Postgres cannot be reached.
+    pub async fn unmigrated(step_timeout_ms: u64) -> Self {
         let id = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let database = format!("sas_{id}");
         let mut admin = sqlx::PgConnection::connect(&admin_url())
@@ -84,7 +98,6 @@ impl TestEnv {
             "sas-tests",
         )
         .expect("store settings");
-        store.migrate().await.expect("migrate the test database");
         let dir = bin_dir().join("test-runs").join(&id);
         std::fs::create_dir_all(&dir).expect("create the test folder");
         let env = Self {

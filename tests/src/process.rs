@@ -31,6 +31,8 @@ pub struct Service {
     pub name: String,
     /// Log file (stdout and stderr).
     pub log: PathBuf,
+    binary: String,
+    vars: Vec<(String, String)>,
     child: Child,
 }
 
@@ -139,8 +141,25 @@ impl TestEnv {
         Service {
             name: name.to_owned(),
             log,
+            binary: binary.to_owned(),
+            vars: vars
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .collect(),
             child,
         }
+    }
+
+    /// Starts `service` again with the same binary, name and settings (after
+    /// killing it if it still runs), as an orchestrator restarts a crashed pod.
+    pub async fn restart(&self, service: &mut Service) {
+        service.kill9().await;
+        let vars: Vec<(&str, String)> = service
+            .vars
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        *service = self.spawn(&service.binary, &service.name, &vars);
     }
 
     /// Starts remote-sim on a free port (journaled in the test folder) and

@@ -403,3 +403,37 @@ async fn a_test_environment_removes_its_database_and_queues() {
         settings.names().orders()
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn services_starting_together_on_an_empty_database_apply_the_migrations_once() {
+    let env = TestEnv::unmigrated(3000).await;
+    // Two schedulers and two supervisors race to migrate the same empty database.
+    let mut services: Vec<_> = (0..2).map(|i| env.scheduler(i, &[])).collect();
+    services.extend((0..2).map(|i| env.supervisor(i, &[])));
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("after-migration"))
+        .await;
+    env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
+        .await;
+    let applied: Vec<(i64, bool)> =
+        sqlx::query_as("SELECT version, success FROM _sqlx_migrations ORDER BY version")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        applied.len(),
+        sas_store::MIGRATOR.iter().count(),
+        "{applied:?}"
+    );
+    assert!(applied.iter().all(|(_, success)| *success));
+    for service in &mut services {
+        assert!(
+            service.is_running(),
+            "{} exited (log {})",
+            service.name,
+            service.log.display()
+        );
+    }
+}

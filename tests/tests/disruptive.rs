@@ -1,0 +1,368 @@
+//! Faults that hit the shared RabbitMQ and PostgreSQL servers themselves
+//! (restarts, killed connections) and the chaos test. The tests of this file
+//! run one at a time; cargo runs test files one after another, so no other
+//! test sees these outages.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sas_store::ProcessState;
+use sas_tests::process::Service;
+use sas_tests::{order, wait_until, TestEnv};
+use serde_json::json;
+use tokio::sync::Mutex;
+
+/// One outage at a time.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+async fn run(program: &str, args: &[&str]) -> bool {
+    match tokio::process::Command::new(program)
+        .args(args)
+        .output()
+        .await
+    {
+        Ok(output) if output.status.success() => true,
+        Ok(output) => {
+            eprintln!(
+                "{program} {args:?} failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            false
+        }
+        Err(error) => {
+            eprintln!("cannot run {program}: {error}");
+            false
+        }
+    }
+}
+
+/// Restarts RabbitMQ's application (every connection drops; quorum queues
+/// keep their messages).
+async fn restart_broker() {
+    assert!(
+        run("rabbitmqctl", &["stop_app"]).await,
+        "rabbitmqctl stop_app (the tests need rights to restart RabbitMQ)"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        run("rabbitmqctl", &["start_app"]).await,
+        "rabbitmqctl start_app"
+    );
+    assert!(run("rabbitmqctl", &["await_startup"]).await);
+}
+
+/// Restarts the PostgreSQL cluster when permitted; otherwise (not root)
+/// terminates every connection to the test's database, which is what the
+/// services see of a restart.
+async fn restart_postgres(env: &TestEnv) {
+    let version = std::fs::read_dir("/etc/postgresql").ok().and_then(|dir| {
+        dir.filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .max()
+    });
+    let restarted = match version {
+        Some(version) => {
+            run(
+                "pg_ctlcluster",
+                &[
+                    "--skip-systemctl-redirect",
+                    &version,
+                    "main",
+                    "restart",
+                    "-m",
+                    "fast",
+                ],
+            )
+            .await
+        }
+        None => false,
+    };
+    if !restarted {
+        eprintln!(
+            "could not restart PostgreSQL; terminating the test database's connections instead"
+        );
+        terminate_connections(env).await;
+    }
+}
+
+async fn terminate_connections(env: &TestEnv) {
+    let admin = std::env::var("SAS_TEST_DATABASE_ADMIN_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/postgres".into());
+    let pool = sqlx::PgPool::connect(&admin)
+        .await
+        .expect("admin connection");
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1",
+    )
+    .bind(&env.database)
+    .fetch_one(&pool)
+    .await
+    .expect("terminate connections");
+    eprintln!("terminated {killed} connections to {}", env.database);
+    pool.close().await;
+}
+
+/// Publishes orders `ids` through any outage: a failed publish reconnects
+/// and tries again (the order id makes a repeat harmless).
+async fn publish_through_outages(env: &TestEnv, ids: Vec<String>, pace: Duration) {
+    let (mut connection, mut publisher) = env.broker().await;
+    for id in ids {
+        let body = serde_json::to_vec(&order(&id)).unwrap();
+        loop {
+            let sent = publisher
+                .publish(
+                    "",
+                    &env.amqp().names().orders(),
+                    &body,
+                    sas_broker::publish::json_properties(&id),
+                    true,
+                )
+                .await;
+            if sent.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let reconnected = tokio::time::timeout(Duration::from_secs(15), async {
+                let settings = env.amqp();
+                let connection = sas_broker::connect(&settings, "chaos-publisher")
+                    .await
+                    .ok()?;
+                let publisher =
+                    sas_broker::Publisher::open(&connection, settings.operation_timeout())
+                        .await
+                        .ok()?;
+                Some((connection, publisher))
+            })
+            .await;
+            if let Ok(Some((c, p))) = reconnected {
+                let _ = connection.close(200, "replaced").await;
+                (connection, publisher) = (c, p);
+            }
+        }
+        tokio::time::sleep(pace).await;
+    }
+    let _ = connection.close(200, "done").await;
+}
+
+/// Asserts that no side effect was applied twice and returns, per order,
+/// (forward keys applied, compensation keys applied).
+async fn side_effects_by_order(sim: &sas_tests::sim::SimClient) -> HashMap<String, (usize, usize)> {
+    let mut by_order: HashMap<String, (usize, usize)> = HashMap::new();
+    for (key, count) in sim.applied_per_key().await.unwrap() {
+        assert_eq!(count, 1, "side effect {key} applied {count} times");
+        let entry = by_order
+            .entry(key.split(':').next().unwrap().to_owned())
+            .or_default();
+        if key.ends_with(":undo") {
+            entry.1 += 1;
+        } else {
+            entry.0 += 1;
+        }
+    }
+    by_order
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_restart_during_load_loses_no_order() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::with_step_timeout(5000).await;
+    let mut system = env.system(2).await;
+    system.sim.set_faults(None, json!({"latency_ms": 20, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0})).await.unwrap();
+    let ids: Vec<String> = (0..300).map(|n| format!("broker-{n}")).collect();
+    let publishing = {
+        let ids = ids.clone();
+        let env = &env;
+        async move { publish_through_outages(env, ids, Duration::from_millis(10)).await }
+    };
+    let restarting = async {
+        wait_until("load to be under way", Duration::from_secs(30), || async {
+            let n = env.count(ProcessState::Processed).await;
+            if n >= 30 {
+                Ok(())
+            } else {
+                Err(n.to_string())
+            }
+        })
+        .await;
+        restart_broker().await;
+    };
+    tokio::join!(publishing, restarting);
+    env.wait_for_count(ProcessState::Processed, 300, Duration::from_secs(120))
+        .await;
+    system.assert_all_running();
+    let by_order = side_effects_by_order(&system.sim).await;
+    assert_eq!(by_order.len(), 300);
+    assert!(by_order
+        .values()
+        .all(|&(forward, undo)| forward == 3 && undo == 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::with_step_timeout(5000).await;
+    let mut system = env.system(2).await;
+    let ids: Vec<String> = (0..300).map(|n| format!("pg-{n}")).collect();
+    let publishing = publish_through_outages(&env, ids, Duration::from_millis(10));
+    let disrupting = async {
+        wait_until("load to be under way", Duration::from_secs(30), || async {
+            let n = env.count(ProcessState::Processed).await;
+            if n >= 30 {
+                Ok(())
+            } else {
+                Err(n.to_string())
+            }
+        })
+        .await;
+        terminate_connections(&env).await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        restart_postgres(&env).await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        terminate_connections(&env).await;
+    };
+    tokio::join!(publishing, disrupting);
+    env.wait_for_count(ProcessState::Processed, 300, Duration::from_secs(120))
+        .await;
+    system.assert_all_running();
+    let by_order = side_effects_by_order(&system.sim).await;
+    assert_eq!(by_order.len(), 300);
+    assert!(by_order
+        .values()
+        .all(|&(forward, undo)| forward == 3 && undo == 0));
+}
+
+/// At least 1,000 orders (`SAS_CHAOS_ORDERS`) under load while processes of
+/// every kind are killed with -9 and restarted at random (seeded by
+/// `SAS_CHAOS_SEED`, printed so that a failure can be replayed), and the
+/// broker is restarted once.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
+    let _serial = SERIAL.lock().await;
+    let orders: usize = std::env::var("SAS_CHAOS_ORDERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let seed: u64 = std::env::var("SAS_CHAOS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("chaos: {orders} orders, SAS_CHAOS_SEED={seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+
+    let env = TestEnv::with_step_timeout(2000).await;
+    // Faults come from settings, so that a restarted remote-sim keeps them.
+    let (sim_process, sim) = env
+        .remote_sim(&[
+            ("SAS_SIM__SEED", seed.to_string()),
+            ("SAS_SIM__FAULTS__LATENCY_MS", "10".to_owned()),
+            ("SAS_SIM__FAULTS__TRANSIENT_FAULT_RATE", "0.03".to_owned()),
+            ("SAS_SIM__FAULTS__HANG_RATE", "0.005".to_owned()),
+        ])
+        .await;
+    let supervisor_vars = [("SAS_SUPERVISOR__MAX_FAILURES", "8".to_owned())];
+    let mut processes: Vec<Service> = vec![sim_process];
+    processes.extend(env.agents(2, &sim, &[]));
+    processes.extend((0..2).map(|i| env.scheduler(i, &[])));
+    processes.extend((0..2).map(|i| env.supervisor(i, &supervisor_vars)));
+
+    let ids: Vec<String> = (0..orders).map(|n| format!("chaos-{n}")).collect();
+    let pace = Duration::from_millis(15);
+    let load_time = pace * orders as u32;
+    let publishing = publish_through_outages(&env, ids.clone(), pace);
+    let mut kills: HashMap<String, usize> = HashMap::new();
+    let chaos = async {
+        let chaos_started = Instant::now();
+        let mut broker_restarted = false;
+        while chaos_started.elapsed() < load_time {
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
+            if !broker_restarted && chaos_started.elapsed() > load_time / 2 {
+                eprintln!("chaos: restarting RabbitMQ");
+                restart_broker().await;
+                broker_restarted = true;
+                continue;
+            }
+            let victim = rng.gen_range(0..processes.len());
+            let service = &mut processes[victim];
+            eprintln!("chaos: kill -9 {}", service.name);
+            service.kill9().await;
+            *kills.entry(service.name.clone()).or_default() += 1;
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(100..1000))).await;
+            env.restart(service).await;
+        }
+        assert!(broker_restarted, "the broker was restarted once");
+    };
+    tokio::join!(publishing, chaos);
+
+    let terminal = wait_until("every order to end", Duration::from_secs(240), || async {
+        let counts = env
+            .store
+            .count_by_state()
+            .await
+            .map_err(|e| e.to_string())?;
+        let ended: i64 = counts
+            .iter()
+            .filter(|(s, _)| s.is_terminal())
+            .map(|(_, n)| n)
+            .sum();
+        if ended == orders as i64 {
+            Ok(counts)
+        } else {
+            Err(format!("{counts:?}"))
+        }
+    })
+    .await;
+    let count = |state: ProcessState| {
+        terminal
+            .iter()
+            .find(|(s, _)| *s == state)
+            .map_or(0, |(_, n)| *n)
+    };
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(stored, orders as i64, "no order lost");
+
+    let by_order = side_effects_by_order(&sim).await;
+    let states: HashMap<String, ProcessState> =
+        sqlx::query_as::<_, (String, ProcessState)>("SELECT order_id, state FROM order_process")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    for (order_id, state) in &states {
+        let (forward, undo) = by_order.get(order_id).copied().unwrap_or((0, 0));
+        match state {
+            ProcessState::Processed => assert!(
+                forward == 3 && undo == 0,
+                "{order_id} processed with {forward} effects and {undo} undone"
+            ),
+            ProcessState::Compensated => assert!(
+                forward <= undo,
+                "{order_id} compensated but {forward} effects and only {undo} undone"
+            ),
+            _ => {}
+        }
+    }
+    let stats = sim.stats().await.unwrap();
+    eprintln!(
+        "chaos: seed {seed}, {orders} orders in {:.0?}: {} processed, {} compensated, {} error; kills {kills:?}; remote: {} calls, {} applied, {} deduplicated, {} transient faults, {} hangs",
+        started.elapsed(),
+        count(ProcessState::Processed),
+        count(ProcessState::Compensated),
+        count(ProcessState::Error),
+        stats.calls,
+        stats.applied,
+        stats.deduplicated,
+        stats.transient_faults,
+        stats.hangs,
+    );
+    assert!(
+        kills.values().sum::<usize>() >= 5,
+        "enough processes were killed: {kills:?}"
+    );
+}
