@@ -94,6 +94,9 @@ impl TestEnv {
                 max_connections: 4,
                 acquire_timeout_ms: 10_000,
                 statement_timeout_ms: 30_000,
+                migrate: true,
+                ssl_mode: "prefer".into(),
+                ssl_root_cert: String::new(),
             },
             "sas-tests",
         )

@@ -316,7 +316,13 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
         .collect();
     for n in 0..150 {
         env.store
-            .insert_order(&order(&format!("claim-{n}")), "order", &steps, "test")
+            .insert_order(
+                &order(&format!("claim-{n}")),
+                "order",
+                &steps,
+                &sas_messages::TraceParent::new_root().trace_id,
+                "test",
+            )
             .await
             .unwrap();
     }

@@ -10,7 +10,7 @@ use sas_messages::{decode, StepOutcome, StepReply, StepRequest, SCHEMA_VERSION};
 use tracing::Instrument;
 
 use crate::remote::CallResult;
-use crate::Agent;
+use crate::{Agent, Lane};
 
 /// How a request ended, before the reply.
 enum Finished {
@@ -25,7 +25,7 @@ enum Finished {
 impl Agent {
     /// Handles one request: calls the remote service (with retries inside the
     /// deadline), then publishes the reply and acknowledges.
-    pub async fn handle(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
+    pub async fn handle(&self, lane: &Lane, delivery: Delivery, publisher: &Publisher) -> Consumed {
         let request: StepRequest =
             match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
                 Ok(request) => request,
@@ -35,16 +35,26 @@ impl Agent {
             return Consumed::DeadLetter("request has no reply_to".into());
         };
         let correlation_id = request.attempt_id.to_string();
-        let span = tracing::info_span!("step", order_id = %request.order_id, correlation_id = %correlation_id, step = %request.step, action = %request.action);
-        self.handle_request(request, &reply_to, delivery.redelivered, publisher)
-            .instrument(span)
-            .await
+        let trace_id = sas_broker::publish::trace_id_of(&delivery.properties);
+        let span = tracing::info_span!("step", order_id = %request.order_id, correlation_id = %correlation_id, trace_id = trace_id.as_deref().unwrap_or(""), step = %request.step, action = %request.action);
+        self.handle_request(
+            lane,
+            request,
+            &reply_to,
+            trace_id.as_deref(),
+            delivery.redelivered,
+            publisher,
+        )
+        .instrument(span)
+        .await
     }
 
     async fn handle_request(
         &self,
+        lane: &Lane,
         request: StepRequest,
         reply_to: &str,
+        trace_id: Option<&str>,
         redelivered: bool,
         publisher: &Publisher,
     ) -> Consumed {
@@ -56,7 +66,7 @@ impl Agent {
         }
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
-        let finished = self.call_until_deadline(&request).await;
+        let finished = self.call_until_deadline(lane, &request).await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
         let outcome = match finished {
             Finished::Reply(outcome) => outcome,
@@ -85,7 +95,11 @@ impl Agent {
             outcome,
         };
         let properties = json_properties(&uuid::Uuid::now_v7().to_string())
-            .with_correlation_id(correlation_id.as_str().into());
+            .with_correlation_id(correlation_id.as_str().into())
+            .with_headers(sas_broker::publish::order_headers(
+                &request.order_id,
+                trace_id,
+            ));
         match publisher
             .publish_json("", reply_to, &reply, properties, true)
             .await
@@ -103,42 +117,42 @@ impl Agent {
         }
     }
 
-    async fn call_until_deadline(&self, request: &StepRequest) -> Finished {
+    async fn call_until_deadline(&self, lane: &Lane, request: &StepRequest) -> Finished {
         let settings = &self.settings.agent;
         let mut attempt: u32 = 0;
         loop {
             let Some(left) = time_left(request) else {
                 return Finished::Expired;
             };
-            if !self.circuit.allow() {
-                metrics::counter!("sas_agent_circuit_rejections_total").increment(1);
+            if !lane.circuit.allow() {
+                metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone()).increment(1);
                 return Finished::Reply(StepOutcome::Failed {
                     error: format!(
                         "circuit open: {} is failing; not calling it for now",
-                        settings.remote_url
+                        lane.remote.base_url()
                     ),
                     permanent: false,
                 });
             }
             let timeout = left.min(Duration::from_millis(settings.call_timeout_ms));
             let result = tokio::select! {
-                result = self.remote.call(request, timeout) => result,
+                result = lane.remote.call(request, timeout) => result,
                 () = self.shutdown.cancelled() => return Finished::Interrupted,
             };
             match result {
                 CallResult::Success(result) => {
-                    self.circuit.record_success();
+                    lane.circuit.record_success();
                     return Finished::Reply(StepOutcome::Succeeded { result });
                 }
                 CallResult::Permanent(error) => {
-                    self.circuit.record_success();
+                    lane.circuit.record_success();
                     return Finished::Reply(StepOutcome::Failed {
                         error,
                         permanent: true,
                     });
                 }
                 CallResult::Transient(error) => {
-                    self.circuit.record_failure();
+                    lane.circuit.record_failure();
                     metrics::counter!("sas_agent_retries_total").increment(1);
                     attempt = attempt.saturating_add(1);
                     let ceiling = settings

@@ -28,16 +28,25 @@ pub use settings::Settings;
 use crate::circuit::CircuitBreaker;
 use crate::remote::RemoteClient;
 
+/// One remote service this replica calls, with its own breaker.
+pub struct Lane {
+    /// Agent name (`inventory`): the queue is `<prefix>sas.agent.<name>`.
+    pub name: String,
+    /// The remote service.
+    pub remote: RemoteClient,
+    /// The breaker around it.
+    pub circuit: CircuitBreaker,
+}
+
 /// What every request handled by one agent replica shares.
 pub struct Agent {
     /// Instance id, sent in replies.
     pub id: String,
     /// The settings it was started with.
     pub settings: Settings,
-    /// The remote service.
-    pub remote: RemoteClient,
-    /// The breaker around it.
-    pub circuit: CircuitBreaker,
+    /// The agents this replica serves (usually one; a comma-separated
+    /// `agent.name` makes one replica serve several queues).
+    pub lanes: Vec<Arc<Lane>>,
     /// Fired on SIGTERM: retries stop and the request goes back to the queue.
     pub shutdown: CancellationToken,
 }
@@ -47,12 +56,14 @@ pub struct Agent {
 /// # Errors
 /// When the settings are unusable. Broker outages are waited out.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let names = settings.agent.names();
     let id = if settings.agent.id.is_empty() {
-        format!(
-            "{}-{}",
-            settings.agent.name,
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        )
+        let kind = if names.len() == 1 {
+            names[0].as_str()
+        } else {
+            "agent"
+        };
+        format!("{kind}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
     } else {
         settings.agent.id.clone()
     };
@@ -60,31 +71,31 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let readiness = session.clone();
     sas_runtime::ops::serve(
         &settings.http.listen,
-        Arc::new(move || {
-            let connected = readiness.is_connected();
-            Box::pin(async move {
-                if connected {
-                    Ok(())
-                } else {
-                    Err("not connected to RabbitMQ".to_owned())
-                }
-            })
-        }),
+        sas_runtime::ops::broker_readiness(move || readiness.is_connected()),
         shutdown.clone(),
     )
     .await?;
+    let mut lanes = Vec::with_capacity(names.len());
+    for name in names {
+        let url = settings.agent.remote_url_for(&name);
+        tracing::info!(agent = %name, remote = %url, "serving agent queue");
+        lanes.push(Arc::new(Lane {
+            remote: RemoteClient::new(&url)?,
+            circuit: CircuitBreaker::new(
+                &name,
+                settings.circuit.failure_threshold,
+                Duration::from_millis(settings.circuit.cool_down_ms),
+            ),
+            name,
+        }));
+    }
     let agent = Arc::new(Agent {
-        remote: RemoteClient::new(&settings.agent.remote_url)?,
-        circuit: CircuitBreaker::new(
-            &settings.agent.name,
-            settings.circuit.failure_threshold,
-            Duration::from_millis(settings.circuit.cool_down_ms),
-        ),
         id,
         settings,
+        lanes,
         shutdown: shutdown.clone(),
     });
-    tracing::info!(agent = %agent.id, remote = %agent.settings.agent.remote_url, "agent starting");
+    tracing::info!(agent = %agent.id, "agent starting");
     session
         .run(shutdown, |connection, publisher| {
             let agent = agent.clone();
@@ -101,7 +112,6 @@ impl Agent {
         publisher: Publisher,
     ) -> Result<(), BrokerError> {
         let amqp = &self.settings.amqp;
-        let queue = amqp.names().agent_requests(&self.settings.agent.name);
         let channel = connection
             .create_channel()
             .await
@@ -110,23 +120,35 @@ impl Agent {
                 source,
             })?;
         topology::declare_common(&channel, amqp).await?;
-        topology::declare_work_queue(&channel, amqp, &queue).await?;
+        for lane in &self.lanes {
+            topology::declare_work_queue(&channel, amqp, &amqp.names().agent_requests(&lane.name))
+                .await?;
+        }
         let _ = channel.close(200, "declared").await;
-        let me = self.clone();
-        let reply_publisher = publisher.clone();
-        sas_broker::consume::consume(
-            &connection,
-            amqp,
-            &queue,
-            publisher,
-            self.shutdown.clone(),
-            Duration::from_millis(self.settings.agent.drain_ms),
-            move |delivery| {
-                let me = me.clone();
-                let publisher = reply_publisher.clone();
-                async move { me.handle(delivery, &publisher).await }
-            },
-        )
-        .await
+        let drain = Duration::from_millis(self.settings.agent.drain_ms);
+        let consumers = self.lanes.iter().map(|lane| {
+            let queue = amqp.names().agent_requests(&lane.name);
+            let (me, lane, reply_publisher) = (self.clone(), lane.clone(), publisher.clone());
+            let connection = connection.clone();
+            let publisher = publisher.clone();
+            async move {
+                sas_broker::consume::consume(
+                    &connection,
+                    &me.settings.amqp.clone(),
+                    &queue,
+                    publisher,
+                    me.shutdown.clone(),
+                    drain,
+                    move |delivery| {
+                        let (me, lane, publisher) =
+                            (me.clone(), lane.clone(), reply_publisher.clone());
+                        async move { me.handle(&lane, delivery, &publisher).await }
+                    },
+                )
+                .await
+            }
+        });
+        futures_util::future::try_join_all(consumers).await?;
+        Ok(())
     }
 }

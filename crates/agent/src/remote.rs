@@ -41,6 +41,11 @@ impl RemoteClient {
         })
     }
 
+    /// The service's base URL.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
     /// POSTs the request's payload to `<base_url>/<action>` with its
     /// idempotency key, waiting at most `timeout`.
     pub async fn call(&self, request: &StepRequest, timeout: Duration) -> CallResult {

@@ -27,11 +27,12 @@ pub struct Settings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentSettings {
-    /// Agent name: the queue it consumes is `<prefix>sas.agent.<name>`.
+    /// Agent name: the queue it consumes is `<prefix>sas.agent.<name>`. A
+    /// comma-separated list makes one replica serve several queues.
     pub name: String,
     /// Instance id; empty picks `<name>-<random>`.
     pub id: String,
-    /// Base URL of the remote service.
+    /// Base URL of the remote service; `{agent}` is replaced by the agent name.
     pub remote_url: String,
     /// Longest single call, in milliseconds.
     pub call_timeout_ms: u64,
@@ -53,20 +54,36 @@ pub struct CircuitSettings {
     pub cool_down_ms: u64,
 }
 
+impl AgentSettings {
+    /// The agent names this replica serves.
+    pub fn names(&self) -> Vec<String> {
+        self.name
+            .split(',')
+            .map(|name| name.trim().to_owned())
+            .collect()
+    }
+
+    /// The remote service URL of agent `name`.
+    pub fn remote_url_for(&self, name: &str) -> String {
+        self.remote_url.replace("{agent}", name)
+    }
+}
+
 impl Validate for Settings {
     fn validate(&self) -> Result<(), String> {
         self.amqp.validate()?;
         let agent = &self.agent;
-        if agent.name.is_empty()
-            || !agent
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        {
-            return Err(format!(
-                "agent.name must be letters, digits, '_' or '-' (got {:?})",
-                agent.name
-            ));
+        for name in agent.names() {
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                return Err(format!(
+                    "agent.name must be one name or a comma-separated list of letters, digits, '_' or '-' (got {:?})",
+                    agent.name
+                ));
+            }
         }
         if !(agent.remote_url.starts_with("http://") || agent.remote_url.starts_with("https://")) {
             return Err(format!(

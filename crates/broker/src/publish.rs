@@ -122,6 +122,24 @@ pub fn string_headers<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -
     table
 }
 
+/// Headers of a message about one order: its id, and the order's trace
+/// context (same trace id, a new span id for this hop) when it has one.
+pub fn order_headers(order_id: &str, trace_id: Option<&str>) -> FieldTable {
+    let traceparent = trace_id.map(|id| sas_messages::TraceParent::child_of(id).to_string());
+    let mut pairs = vec![(sas_messages::headers::ORDER_ID, order_id)];
+    if let Some(traceparent) = &traceparent {
+        pairs.push((sas_messages::headers::TRACEPARENT, traceparent.as_str()));
+    }
+    string_headers(pairs)
+}
+
+/// The trace id of a message's `traceparent` header, if valid.
+pub fn trace_id_of(properties: &BasicProperties) -> Option<String> {
+    header_str(properties, sas_messages::headers::TRACEPARENT)
+        .and_then(|value| sas_messages::TraceParent::parse(&value))
+        .map(|context| context.trace_id)
+}
+
 /// Reads a string header (long or short string), if present.
 pub fn header_str(properties: &BasicProperties, key: &str) -> Option<String> {
     let headers = properties.headers().as_ref()?;
@@ -171,13 +189,12 @@ impl Publisher {
         &self,
         names: &sas_messages::QueueNames,
         reply_to: Option<&str>,
+        trace_id: Option<&str>,
         status: &sas_messages::OrderStatus,
     ) -> Result<(), BrokerError> {
         let properties = || {
-            json_properties(&uuid::Uuid::now_v7().to_string()).with_headers(string_headers([(
-                sas_messages::headers::ORDER_ID,
-                status.order_id.as_str(),
-            )]))
+            json_properties(&uuid::Uuid::now_v7().to_string())
+                .with_headers(order_headers(&status.order_id, trace_id))
         };
         self.publish_json(
             &names.status_exchange(),

@@ -9,6 +9,7 @@
 //! - [`order`]: the order a client submits, and its validation.
 //! - [`step`]: the request an agent receives and the reply it sends back.
 //! - [`status`]: progress events sent to the client.
+//! - [`trace`]: W3C trace context carried in AMQP headers.
 //! - [`decode`]: strict decoding of bytes into a message, with reasons fit for a
 //!   dead-letter header.
 
@@ -17,12 +18,14 @@ pub mod names;
 pub mod order;
 pub mod status;
 pub mod step;
+pub mod trace;
 
 pub use decode::{decode, DecodeError};
 pub use names::{headers, QueueNames};
 pub use order::{OrderLine, SubmitOrder};
 pub use status::{OrderStatus, StatusEvent};
 pub use step::{StepKind, StepOutcome, StepReply, StepRequest};
+pub use trace::TraceParent;
 
 /// The only `schema_version` this build reads and writes.
 ///

@@ -30,7 +30,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             anyhow::anyhow!("cannot listen on http.listen={}: {e}", settings.http.listen)
         })?;
     tracing::info!(addr = %listener.local_addr()?, faults = ?settings.sim.faults, "remote-sim listening");
-    axum::serve(listener, routes::router(state))
+    let app = routes::router(state).merge(sas_runtime::ops::router(
+        sas_runtime::ops::always_ready(),
+        shutdown.clone(),
+    )?);
+    axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await?;
     Ok(())

@@ -5,7 +5,7 @@
 //! - `GET /stats`: counters.
 //! - `PUT /admin/faults` (all services) or `PUT /admin/faults/{service}`:
 //!   change latency and fault rates at run time.
-//! - `GET /healthz`.
+//! - `GET /healthz`, `GET /readyz`, `GET /metrics` (`sas_sim_calls_total{service,outcome}`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -77,7 +77,6 @@ impl SimState {
 /// The router of the simulator.
 pub fn router(state: SimState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
         .route("/side-effects", get(side_effects))
         .route("/stats", get(stats))
         .route("/admin/faults", put(set_faults))
@@ -177,6 +176,7 @@ async fn call(
     let (decision, hang) = {
         let mut ledger = state.ledger();
         ledger.stats.calls += 1;
+        metrics::counter!("sas_sim_calls_total", "service" => service.clone()).increment(1);
         if let Some(decision) = ledger.decided(&key) {
             let decision = decision.clone();
             ledger.stats.deduplicated += 1;

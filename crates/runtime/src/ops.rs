@@ -31,32 +31,29 @@ struct OpsState {
     readiness: Readiness,
 }
 
-/// Installs the Prometheus recorder and serves the endpoint on `listen` until `shutdown`.
+/// Installs the Prometheus recorder (once per process) and returns the
+/// router of `/metrics`, `/healthz` and `/readyz`, for a service that serves
+/// them beside its own routes.
 ///
 /// # Errors
-/// When the address cannot be bound or a recorder is already installed.
-pub async fn serve(
-    listen: &str,
-    readiness: Readiness,
-    shutdown: CancellationToken,
-) -> anyhow::Result<OpsServer> {
+/// When a recorder is already installed.
+pub fn router(readiness: Readiness, shutdown: CancellationToken) -> anyhow::Result<Router> {
     let metrics = PrometheusBuilder::new()
         .set_buckets(&[
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
         ])?
         .install_recorder()?;
     let upkeep = metrics.clone();
-    let upkeep_shutdown = shutdown.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
         loop {
             tokio::select! {
                 _ = tick.tick() => upkeep.run_upkeep(),
-                () = upkeep_shutdown.cancelled() => return,
+                () = shutdown.cancelled() => return,
             }
         }
     });
-    let app = Router::new()
+    Ok(Router::new()
         .route(
             "/metrics",
             get(|State(state): State<OpsState>| async move { state.metrics.render() }),
@@ -71,7 +68,19 @@ pub async fn serve(
                 }
             }),
         )
-        .with_state(OpsState { metrics, readiness });
+        .with_state(OpsState { metrics, readiness }))
+}
+
+/// Installs the Prometheus recorder and serves the endpoint on `listen` until `shutdown`.
+///
+/// # Errors
+/// When the address cannot be bound or a recorder is already installed.
+pub async fn serve(
+    listen: &str,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> anyhow::Result<OpsServer> {
+    let app = router(readiness, shutdown.clone())?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
@@ -86,4 +95,47 @@ pub async fn serve(
     });
     tracing::info!(%local_addr, "operations endpoint: /metrics /healthz /readyz");
     Ok(OpsServer { local_addr })
+}
+
+/// Readiness of a service that needs only the broker.
+pub fn broker_readiness(connected: impl Fn() -> bool + Send + Sync + 'static) -> Readiness {
+    Arc::new(move || {
+        let ready = connected();
+        Box::pin(async move {
+            if ready {
+                Ok(())
+            } else {
+                Err("not connected to RabbitMQ".to_owned())
+            }
+        })
+    })
+}
+
+/// Readiness of a service that needs the broker and the database.
+pub fn broker_and_database_readiness<F, Fut>(
+    connected: impl Fn() -> bool + Send + Sync + 'static,
+    database: F,
+) -> Readiness
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = bool> + Send + 'static,
+{
+    Arc::new(move || {
+        let ready = connected();
+        let reachable = database();
+        Box::pin(async move {
+            if !ready {
+                return Err("not connected to RabbitMQ".to_owned());
+            }
+            if !reachable.await {
+                return Err("cannot reach Postgres".to_owned());
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Readiness of a service that depends on nothing: ready once it serves.
+pub fn always_ready() -> Readiness {
+    Arc::new(|| Box::pin(async { Ok(()) }))
 }

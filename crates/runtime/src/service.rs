@@ -15,8 +15,8 @@ pub struct ServiceArgs {
     /// Settings file (TOML). Values from `SAS_*` environment variables override it.
     #[arg(long, short = 'c', env = "SAS_CONFIG_FILE", value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Load and validate the settings, print them (passwords hidden), and exit:
-    /// 0 when valid, 2 when not.
+    /// Load and validate the settings and exit: 0 when valid, 2 when a value
+    /// is bad or a `SAS_*` variable names no setting of this binary.
     #[arg(long)]
     pub check_config: bool,
 }
@@ -43,13 +43,24 @@ where
             return ExitCode::from(2);
         }
     };
+    let ignored = crate::settings::ignored_variables(defaults).unwrap_or_default();
     if args.check_config {
+        if !ignored.is_empty() {
+            eprintln!(
+                "{name}: these variables name no setting of {name}: {}",
+                ignored.join(", ")
+            );
+            return ExitCode::from(2);
+        }
         println!("{name}: settings are valid");
         return ExitCode::SUCCESS;
     }
     if let Err(error) = crate::telemetry::init(settings.log()) {
         eprintln!("{name}: {error:#}");
         return ExitCode::from(2);
+    }
+    if !ignored.is_empty() {
+        tracing::info!(variables = %ignored.join(","), "ignoring variables of sections {name} does not have");
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -132,3 +132,29 @@ pub struct HttpSettings {
     /// `host:port`; port 0 picks a free one.
     pub listen: String,
 }
+
+/// `SAS_*` variables this binary does not read (their section is not one of
+/// its own), such as a misspelt section or another service's settings.
+///
+/// `--check-config` refuses them, so that a deployment file cannot set a key
+/// a service silently ignores; a normal start only logs them.
+///
+/// # Errors
+/// When `defaults` is not TOML.
+pub fn ignored_variables(defaults: &str) -> anyhow::Result<Vec<String>> {
+    let table: toml::Table =
+        toml::from_str(defaults).context("compiled-in defaults are not TOML")?;
+    let mut ignored: Vec<String> = std::env::vars()
+        .map(|(name, _)| name)
+        .filter(|name| {
+            let Some(key) = name.strip_prefix(&format!("{ENV_PREFIX}_")) else {
+                return false;
+            };
+            let section = key.to_lowercase();
+            let section = section.split("__").next().unwrap_or_default();
+            key != "CONFIG_FILE" && !table.contains_key(section)
+        })
+        .collect();
+    ignored.sort();
+    Ok(ignored)
+}

@@ -3,8 +3,10 @@
 //! - [`submit`]: publish one order, a file of orders, or N generated ones.
 //! - [`watch`]: follow one order's status messages live.
 //! - [`inspect`]: orders, alerts and dead letters from the state store.
+//! - [`probe`]: a minimal HTTP health check for containers.
 
 pub mod inspect;
+pub mod probe;
 pub mod submit;
 pub mod watch;
 
@@ -78,6 +80,9 @@ impl Target {
             max_connections: 4,
             acquire_timeout_ms: 5_000,
             statement_timeout_ms: 10_000,
+            migrate: false,
+            ssl_mode: "prefer".into(),
+            ssl_root_cert: String::new(),
         };
         settings.validate().map_err(anyhow::Error::msg)?;
         Ok(Store::connect_lazy(&settings, "sasctl")?)
@@ -115,6 +120,12 @@ pub enum Command {
     Resubmit {
         /// Order id.
         order_id: String,
+    },
+    /// Exit 0 when an HTTP URL answers 200 within 3 s, 1 otherwise: the
+    /// container health check (the images carry no curl).
+    Probe {
+        /// `http://host:port/path`, such as `http://127.0.0.1:9101/readyz`.
+        url: String,
     },
     /// Recorded dead letters, newest first.
     DeadLetters {
@@ -171,6 +182,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             inspect::show(&cli.target.store()?, &order_id, json).await
         }
         Command::Alerts { all, json } => inspect::alerts(&cli.target.store()?, all, json).await,
+        Command::Probe { url } => probe::run(&url).await,
         Command::Resubmit { order_id } => inspect::resubmit(&cli.target.store()?, &order_id).await,
         Command::DeadLetters { limit, json } => {
             inspect::dead_letters(&cli.target.store()?, limit, json).await

@@ -25,13 +25,16 @@ impl Scheduler {
             return reject(error.to_string());
         }
         let steps = self.workflow.new_steps();
+        // Join the client's trace if it sent one; otherwise start the order's own.
+        let trace_id = sas_broker::publish::trace_id_of(&delivery.properties)
+            .unwrap_or_else(|| sas_messages::TraceParent::new_root().trace_id);
         let stored = sas_runtime::retry_transient(
             &self.shutdown,
             "storing an order",
             |e: &sas_store::StoreError| e.is_transient(),
             || {
                 self.store
-                    .insert_order(&order, &self.workflow.name, &steps, &self.id)
+                    .insert_order(&order, &self.workflow.name, &steps, &trace_id, &self.id)
             },
         )
         .await;
@@ -46,7 +49,7 @@ impl Scheduler {
         match intake {
             Intake::Accepted(progress) => {
                 metrics::counter!("sas_orders_received_total").increment(1);
-                tracing::info!(order_id = %order.order_id, redelivered = delivery.redelivered, "order received");
+                tracing::info!(order_id = %order.order_id, trace_id = %trace_id, redelivered = delivery.redelivered, "order received");
                 match publish_progress(publisher, &self.names, &progress).await {
                     Ok(()) => Consumed::Ack,
                     Err(error) => {

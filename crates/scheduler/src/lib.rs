@@ -63,30 +63,26 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let workflow = Workflow::load(&settings.scheduler.workflow_file)?;
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
     let session = Session::new(settings.amqp.clone(), id.clone());
-    let readiness_session = session.clone();
-    let readiness_store = store.clone();
+    let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,
-        Arc::new(move || {
-            let session = readiness_session.clone();
-            let store = readiness_store.clone();
-            Box::pin(async move { readiness(&session, &store).await })
-        }),
+        sas_runtime::ops::broker_and_database_readiness(
+            move || ready_session.is_connected(),
+            move || {
+                let store = ready_store.clone();
+                async move { store.is_reachable().await }
+            },
+        ),
         shutdown.clone(),
     )
     .await?;
-
-    let Some(migrated) = sas_runtime::retry_transient(
-        &shutdown,
-        "applying migrations",
-        |e: &sas_store::StoreError| e.is_transient(),
-        || store.migrate(),
-    )
-    .await
-    else {
+    if !store
+        .migrate_if_asked(&settings.database, &shutdown)
+        .await
+        .context("cannot apply database migrations")?
+    {
         return Ok(());
-    };
-    migrated.context("cannot apply database migrations")?;
+    }
 
     tracing::info!(scheduler = %id, workflow = %workflow.name, steps = workflow.steps.len(), "scheduler starting");
     let scheduler = Arc::new(Scheduler {
@@ -106,14 +102,33 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     Ok(())
 }
 
-/// Ready when both the broker and the database can be reached.
-pub(crate) async fn readiness(session: &Session, store: &Store) -> Result<(), String> {
-    if !session.is_connected() {
-        return Err("not connected to RabbitMQ".into());
-    }
-    if !store.is_reachable().await {
-        return Err("cannot reach Postgres".into());
-    }
+/// `scheduler migrate`: applies the migrations and returns, for a one-shot
+/// migration job that runs as the database owner.
+///
+/// # Errors
+/// When the database stays unreachable for a minute or a migration fails.
+pub async fn migrate(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let store = Store::connect_lazy(&settings.database, "scheduler-migrate")
+        .context("database settings")?;
+    let mut database = settings.database.clone();
+    database.migrate = true;
+    let deadline = CancellationToken::new();
+    let expire = deadline.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(60)) => {}
+            () = shutdown.cancelled() => {}
+        }
+        expire.cancel();
+    });
+    anyhow::ensure!(
+        store.migrate_if_asked(&database, &deadline).await?,
+        "the database was not reachable within 60 s"
+    );
+    tracing::info!(
+        migrations = sas_store::MIGRATOR.iter().count(),
+        "migrations applied"
+    );
     Ok(())
 }
 

@@ -1,4 +1,5 @@
-//! The `scheduler` binary: settings, logs, then [`scheduler::run`] until SIGTERM.
+//! The `scheduler` binary: settings, logs, then [`scheduler::run`] until
+//! SIGTERM, or `scheduler migrate` to apply the migrations and exit.
 
 use std::process::ExitCode;
 
@@ -11,14 +12,27 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     service: sas_runtime::ServiceArgs,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Apply the database migrations and exit: a one-shot job run as the
+    /// database owner, so that the services can connect as a role that owns nothing.
+    Migrate,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    sas_runtime::run_service(
-        "scheduler",
-        scheduler::settings::DEFAULTS,
-        &cli.service,
-        scheduler::run,
-    )
+    let defaults = scheduler::settings::DEFAULTS;
+    match cli.command {
+        None => sas_runtime::run_service("scheduler", defaults, &cli.service, scheduler::run),
+        Some(Command::Migrate) => sas_runtime::run_service(
+            "scheduler migrate",
+            defaults,
+            &cli.service,
+            scheduler::migrate,
+        ),
+    }
 }

@@ -1,8 +1,8 @@
 //! Publishing what a committed transition asks for.
 
-use sas_broker::publish::{json_properties, string_headers};
+use sas_broker::publish::{json_properties, order_headers};
 use sas_broker::{BrokerError, Publisher};
-use sas_messages::{headers, QueueNames, StepRequest, SCHEMA_VERSION};
+use sas_messages::{QueueNames, StepRequest, SCHEMA_VERSION};
 use sas_store::{Dispatch, Progress};
 
 /// Publishes a transition's status messages, then its step request.
@@ -22,13 +22,18 @@ pub async fn publish_progress(
 ) -> Result<(), BrokerError> {
     for status in &progress.statuses {
         publisher
-            .publish_status(names, progress.reply_to.as_deref(), status)
+            .publish_status(
+                names,
+                progress.reply_to.as_deref(),
+                progress.trace_id.as_deref(),
+                status,
+            )
             .await?;
         metrics::counter!("sas_status_messages_total", "event" => format!("{:?}", status.event))
             .increment(1);
     }
     if let Some(dispatch) = &progress.dispatch {
-        publish_request(publisher, names, dispatch).await?;
+        publish_request(publisher, names, dispatch, progress.trace_id.as_deref()).await?;
     }
     Ok(())
 }
@@ -42,6 +47,7 @@ pub async fn publish_request(
     publisher: &Publisher,
     names: &QueueNames,
     dispatch: &Dispatch,
+    trace_id: Option<&str>,
 ) -> Result<(), BrokerError> {
     let request = StepRequest {
         schema_version: SCHEMA_VERSION,
@@ -59,10 +65,7 @@ pub async fn publish_request(
     let properties = json_properties(&attempt_id)
         .with_correlation_id(attempt_id.as_str().into())
         .with_reply_to(names.scheduler_replies().into())
-        .with_headers(string_headers([(
-            headers::ORDER_ID,
-            dispatch.order_id.as_str(),
-        )]));
+        .with_headers(order_headers(&dispatch.order_id, trace_id));
     publisher
         .publish_json(
             "",

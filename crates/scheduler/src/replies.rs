@@ -48,7 +48,13 @@ impl Scheduler {
                 tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, reason = %reason, "stale reply ignored");
                 Consumed::Ack
             }
-            ReplyOutcome::Applied(progress) => {
+            ReplyOutcome::Applied {
+                progress,
+                step,
+                latency_secs,
+            } => {
+                metrics::histogram!("sas_step_latency_seconds", "step" => step)
+                    .record(latency_secs);
                 let label = match &reply.outcome {
                     StepOutcome::Succeeded { .. } => "succeeded",
                     StepOutcome::Failed {
@@ -57,7 +63,7 @@ impl Scheduler {
                     StepOutcome::Failed { .. } => "failed_transient",
                 };
                 metrics::counter!("sas_replies_total", "outcome" => label).increment(1);
-                tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, "reply applied");
+                tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, trace_id = progress.trace_id.as_deref().unwrap_or(""), "reply applied");
                 match publish_progress(publisher, &self.names, &progress).await {
                     Ok(()) => Consumed::Ack,
                     Err(error) => {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use serde::Deserialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::PgPool;
 
 use crate::{StoreError, MIGRATOR};
@@ -24,6 +24,27 @@ pub struct DatabaseSettings {
     /// Longest a single statement may run, in milliseconds (server side), so a
     /// lost lock or a hung server never hangs a service.
     pub statement_timeout_ms: u64,
+    /// Apply pending migrations at start. Deployments that run a separate
+    /// migration job (as the owner role) set this to false, so the services
+    /// can connect as a role that owns nothing.
+    #[serde(default = "default_true")]
+    pub migrate: bool,
+    /// TLS: `disable`, `prefer`, `require`, `verify-ca` or `verify-full`.
+    /// `prefer` falls back to plaintext silently; a deployment that needs TLS
+    /// must say `verify-full`.
+    #[serde(default = "default_ssl_mode")]
+    pub ssl_mode: String,
+    /// CA certificate (PEM) to verify the server with; empty uses the system roots.
+    #[serde(default)]
+    pub ssl_root_cert: String,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_ssl_mode() -> String {
+    "prefer".into()
 }
 
 impl DatabaseSettings {
@@ -37,6 +58,18 @@ impl DatabaseSettings {
             .map_err(|e| format!("database.url is not a valid Postgres URL: {e}"))?;
         if self.max_connections == 0 {
             return Err("database.max_connections must be at least 1".into());
+        }
+        self.ssl_mode.parse::<PgSslMode>().map_err(|_| {
+            format!(
+                "database.ssl_mode must be disable, prefer, require, verify-ca or verify-full (got {:?})",
+                self.ssl_mode
+            )
+        })?;
+        if !self.ssl_root_cert.is_empty() && !std::path::Path::new(&self.ssl_root_cert).is_file() {
+            return Err(format!(
+                "database.ssl_root_cert {:?} is not a readable file",
+                self.ssl_root_cert
+            ));
         }
         if self.acquire_timeout_ms == 0 || self.statement_timeout_ms == 0 {
             return Err(
@@ -55,6 +88,16 @@ impl DatabaseSettings {
         let mut options: PgConnectOptions = self.url.parse()?;
         if let Some(password) = &self.password {
             options = options.password(password);
+        }
+        // The URL may carry sslmode too; the setting wins when it is not the default.
+        if self.ssl_mode != "prefer" || !self.url.contains("sslmode=") {
+            let mode: PgSslMode = self.ssl_mode.parse().map_err(|_| {
+                StoreError::Invariant(format!("invalid database.ssl_mode {:?}", self.ssl_mode))
+            })?;
+            options = options.ssl_mode(mode);
+        }
+        if !self.ssl_root_cert.is_empty() {
+            options = options.ssl_root_cert(&self.ssl_root_cert);
         }
         Ok(options.application_name(application_name).options([(
             "statement_timeout",
@@ -106,6 +149,37 @@ impl Store {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         MIGRATOR.run(&self.pool).await?;
         Ok(())
+    }
+
+    /// Applies the migrations if `settings.migrate` asks for it, waiting out
+    /// a database that is not up yet (retrying transient errors with a
+    /// doubling wait up to 5 s) until `shutdown`. Returns false on shutdown.
+    ///
+    /// # Errors
+    /// When a migration fails for good.
+    pub async fn migrate_if_asked(
+        &self,
+        settings: &DatabaseSettings,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<bool, StoreError> {
+        if !settings.migrate {
+            return Ok(true);
+        }
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self.migrate().await {
+                Ok(()) => return Ok(true),
+                Err(error) if error.is_transient() => {
+                    tracing::warn!(error = %error, "cannot apply migrations yet; retrying");
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = shutdown.cancelled() => return Ok(false),
+                    }
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// True when a trivial query succeeds: the readiness probe.

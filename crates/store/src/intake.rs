@@ -19,7 +19,7 @@ pub enum Intake {
 }
 
 impl Store {
-    /// Stores `order` with its process record and its steps, and starts its
+    /// Stores `order` (of trace `trace_id`) with its process record and its steps, and starts its
     /// first step held by `actor`, in one transaction; idempotent on the
     /// order id.
     ///
@@ -33,6 +33,7 @@ impl Store {
         order: &SubmitOrder,
         workflow: &str,
         steps: &[NewStep],
+        trace_id: &str,
         actor: &str,
     ) -> Result<Intake, StoreError> {
         let body = serde_json::to_value(order).map_err(|e| StoreError::Invariant(e.to_string()))?;
@@ -60,13 +61,14 @@ impl Store {
         };
 
         sqlx::query(
-            "INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to)
-             VALUES ($1, $2, 'processing', $3, $4)",
+            "INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id)
+             VALUES ($1, $2, 'processing', $3, $4, $5)",
         )
         .bind(&order.order_id)
         .bind(workflow)
         .bind(actor)
         .bind(&order.reply_to)
+        .bind(trace_id)
         .execute(&mut *tx)
         .await?;
 
@@ -108,6 +110,7 @@ impl Store {
         .await?;
         let mut progress = Progress {
             reply_to: order.reply_to.clone(),
+            trace_id: Some(trace_id.to_owned()),
             ..Progress::default()
         };
         progress.statuses.push(status(

@@ -42,13 +42,13 @@ impl Store {
         actor: &str,
     ) -> Result<Option<Progress>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let locked: Option<(ProcessState, Option<String>)> = sqlx::query_as(
-            "SELECT state, reply_to FROM order_process WHERE order_id = $1 FOR UPDATE",
+        let locked: Option<(ProcessState, Option<String>, Option<String>)> = sqlx::query_as(
+            "SELECT state, reply_to, trace_id FROM order_process WHERE order_id = $1 FOR UPDATE",
         )
         .bind(order_id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((state, reply_to)) = locked else {
+        let Some((state, reply_to, trace_id)) = locked else {
             return Ok(None);
         };
         let step: Option<String> = sqlx::query_scalar(
@@ -64,6 +64,7 @@ impl Store {
         };
         let mut progress = Progress {
             reply_to,
+            trace_id,
             ..Progress::default()
         };
         let why = format!("a message of step {step} was dead-lettered: {reason}");

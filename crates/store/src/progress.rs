@@ -261,7 +261,14 @@ pub enum ReplyOutcome {
         reason: String,
     },
     /// The reply was applied; publish what it asks.
-    Applied(Progress),
+    Applied {
+        /// What to publish.
+        progress: Progress,
+        /// The step answered.
+        step: String,
+        /// Seconds from the attempt's dispatch to this reply (database clock).
+        latency_secs: f64,
+    },
 }
 
 impl Store {
@@ -276,7 +283,7 @@ impl Store {
     /// When the database fails; nothing is claimed then.
     pub async fn claim_ready(&self, actor: &str, limit: i64) -> Result<Vec<Progress>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let claimed: Vec<(String, ProcessState, Option<String>)> = sqlx::query_as(
+        let claimed: Vec<(String, ProcessState, Option<String>, Option<String>)> = sqlx::query_as(
             "WITH ready AS (
                  SELECT order_id FROM order_process
                   WHERE (state = 'pending' OR (state = 'compensating' AND locked_by IS NULL))
@@ -289,7 +296,7 @@ impl Store {
                                  ELSE p.state END,
                     locked_by = $1, updated_at = now()
                FROM ready WHERE p.order_id = ready.order_id
-           RETURNING p.order_id, p.state, p.reply_to",
+           RETURNING p.order_id, p.state, p.reply_to, p.trace_id",
         )
         .bind(actor)
         .bind(limit)
@@ -297,10 +304,11 @@ impl Store {
         .await?;
 
         let mut out = Vec::with_capacity(claimed.len());
-        for (order_id, state, reply_to) in claimed {
+        for (order_id, state, reply_to, trace_id) in claimed {
             record_history(&mut tx, &order_id, actor, "claimed", None, None, None).await?;
             let mut progress = Progress {
                 reply_to,
+                trace_id,
                 ..Progress::default()
             };
             advance(&mut tx, &order_id, state, actor, &mut progress).await?;
@@ -329,13 +337,13 @@ impl Store {
     ) -> Result<ReplyOutcome, StoreError> {
         let mut tx = self.pool().begin().await?;
         let order_id = reply.order_id.clone();
-        let locked: Option<(ProcessState, Option<String>)> = sqlx::query_as(
-            "SELECT state, reply_to FROM order_process WHERE order_id = $1 FOR UPDATE",
+        let locked: Option<(ProcessState, Option<String>, Option<String>)> = sqlx::query_as(
+            "SELECT state, reply_to, trace_id FROM order_process WHERE order_id = $1 FOR UPDATE",
         )
         .bind(&order_id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((state, reply_to)) = locked else {
+        let Some((state, reply_to, trace_id)) = locked else {
             return Ok(ReplyOutcome::Stale {
                 reason: "no such order".into(),
             });
@@ -362,6 +370,7 @@ impl Store {
 
         let mut progress = Progress {
             reply_to,
+            trace_id,
             ..Progress::default()
         };
         let (new_state, result, error) = match &reply.outcome {
@@ -382,11 +391,12 @@ impl Store {
             // failure, leaves the step as it is: only its error is recorded.
             StepOutcome::Failed { error, .. } => (expected, None, Some(error.as_str())),
         };
-        let updated: Option<(String, DateTime<Utc>)> = sqlx::query_as(
+        let updated: Option<(String, DateTime<Utc>, f64)> = sqlx::query_as(
             "UPDATE steps
                 SET state = $3, result = COALESCE($4, result), last_error = $5, updated_at = now()
               WHERE order_id = $1 AND attempt_id = $2 AND state = $6
-          RETURNING name, updated_at",
+          RETURNING name, updated_at,
+                    EXTRACT(EPOCH FROM now() - (complete_by - make_interval(secs => timeout_ms::float8 / 1000)))::float8",
         )
         .bind(&order_id)
         .bind(reply.attempt_id)
@@ -396,7 +406,7 @@ impl Store {
         .bind(expected)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((step, at)) = updated else {
+        let Some((step, at, latency_secs)) = updated else {
             let reason = format!(
                 "attempt {} is not the step's current attempt (order {state})",
                 reply.attempt_id
@@ -545,6 +555,10 @@ impl Store {
             }
         }
         tx.commit().await?;
-        Ok(ReplyOutcome::Applied(progress))
+        Ok(ReplyOutcome::Applied {
+            progress,
+            step,
+            latency_secs,
+        })
     }
 }

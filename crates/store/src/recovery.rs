@@ -51,6 +51,10 @@ pub struct Recovery {
     pub progress: Progress,
 }
 
+/// An expired order as the scan reads it: id, state, failures so far,
+/// reply queue, trace id.
+type ExpiredRow = (String, ProcessState, i32, Option<String>, Option<String>);
+
 impl Store {
     /// Finds up to `limit` held orders whose deadline has passed and decides
     /// for each: back to a scheduler after a growing, jittered wait; or, past
@@ -72,8 +76,8 @@ impl Store {
         limit: i64,
     ) -> Result<Vec<Recovery>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let due: Vec<(String, ProcessState, i32, Option<String>)> = sqlx::query_as(
-            "SELECT order_id, state, failure_count, reply_to FROM order_process
+        let due: Vec<ExpiredRow> = sqlx::query_as(
+            "SELECT order_id, state, failure_count, reply_to, trace_id FROM order_process
               WHERE state IN ('processing', 'compensating') AND complete_by < now()
               ORDER BY complete_by
               LIMIT $1
@@ -84,7 +88,7 @@ impl Store {
         .await?;
 
         let mut decisions = Vec::with_capacity(due.len());
-        for (order_id, from, failures_before, reply_to) in due {
+        for (order_id, from, failures_before, reply_to, trace_id) in due {
             let failures = failures_before + 1;
             let step: Option<(String, i32)> = sqlx::query_as(
                 "UPDATE steps
@@ -120,6 +124,7 @@ impl Store {
             );
             let mut progress = Progress {
                 reply_to,
+                trace_id,
                 ..Progress::default()
             };
 

@@ -61,32 +61,23 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,
-        Arc::new(move || {
-            let (session, store) = (ready_session.clone(), ready_store.clone());
-            Box::pin(async move {
-                if !session.is_connected() {
-                    return Err("not connected to RabbitMQ".to_owned());
-                }
-                if !store.is_reachable().await {
-                    return Err("cannot reach Postgres".to_owned());
-                }
-                Ok(())
-            })
-        }),
+        sas_runtime::ops::broker_and_database_readiness(
+            move || ready_session.is_connected(),
+            move || {
+                let store = ready_store.clone();
+                async move { store.is_reachable().await }
+            },
+        ),
         shutdown.clone(),
     )
     .await?;
-    let Some(migrated) = sas_runtime::retry_transient(
-        &shutdown,
-        "applying migrations",
-        |e: &sas_store::StoreError| e.is_transient(),
-        || store.migrate(),
-    )
-    .await
-    else {
+    if !store
+        .migrate_if_asked(&settings.database, &shutdown)
+        .await
+        .context("cannot apply database migrations")?
+    {
         return Ok(());
-    };
-    migrated.context("cannot apply database migrations")?;
+    }
 
     tracing::info!(supervisor = %id, interval_ms = settings.supervisor.interval_ms, max_failures = settings.supervisor.max_failures, "supervisor starting");
     let supervisor = Arc::new(Supervisor {

@@ -67,7 +67,12 @@ impl Supervisor {
         };
         for status in &progress.statuses {
             if let Err(error) = publisher
-                .publish_status(&self.names, progress.reply_to.as_deref(), status)
+                .publish_status(
+                    &self.names,
+                    progress.reply_to.as_deref(),
+                    progress.trace_id.as_deref(),
+                    status,
+                )
                 .await
             {
                 tracing::warn!(order_id = %status.order_id, error = %error, "status message not sent");

@@ -1,0 +1,189 @@
+//! What operators rely on: readiness that follows the dependencies, metrics
+//! under their Prometheus names, JSON logs that carry the order id, the
+//! correlation id and the W3C trace id, and trace context carried across
+//! services in AMQP headers.
+
+use std::time::Duration;
+
+use sas_broker::lapin::BasicProperties;
+use sas_broker::publish::string_headers;
+use sas_messages::headers;
+use sas_store::ProcessState;
+use sas_tests::process::{free_port, metric};
+use sas_tests::{order, wait_until, TestEnv};
+
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.unwrap_or_default()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not() {
+    let env = TestEnv::new().await;
+    let closed = free_port();
+    let (good, no_broker, no_database) = (free_port(), free_port(), free_port());
+    let _ready = env.scheduler(0, &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{good}"))]);
+    let _without_broker = env.scheduler(
+        1,
+        &[
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{no_broker}")),
+            (
+                "SAS_AMQP__URL",
+                format!("amqp://guest:guest@127.0.0.1:{closed}/%2f"),
+            ),
+        ],
+    );
+    let _without_database = env.supervisor(
+        0,
+        &[
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{no_database}")),
+            (
+                "SAS_DATABASE__URL",
+                format!("postgres://postgres@127.0.0.1:{closed}/nothing"),
+            ),
+            ("SAS_DATABASE__MIGRATE", "false".to_owned()),
+        ],
+    );
+    wait_until(
+        "the healthy scheduler to be ready",
+        Duration::from_secs(20),
+        || async {
+            match get(good, "/readyz").await {
+                Some((200, _)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    for (port, missing) in [(no_broker, "RabbitMQ"), (no_database, "Postgres")] {
+        let (status, body) = wait_until("the probe to answer", Duration::from_secs(20), || async {
+            get(port, "/readyz")
+                .await
+                .ok_or_else(|| "no answer".to_owned())
+        })
+        .await;
+        assert_eq!(status, 503, "not ready without {missing}");
+        assert!(body.contains(missing), "{body}");
+        assert_eq!(
+            get(port, "/healthz").await.map(|(s, _)| s),
+            Some(200),
+            "alive all the same"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_metrics_are_exported()
+{
+    let env = TestEnv::new().await;
+    let json = [("SAS_LOG__FORMAT", "json".to_owned())];
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let agent_port = free_port();
+    let agent = env.agent(
+        "payment",
+        0,
+        &sim,
+        &[
+            json[0].clone(),
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{agent_port}")),
+        ],
+    );
+    let _others = [
+        env.agent("inventory", 0, &sim, &json),
+        env.agent("shipping", 0, &sim, &json),
+    ];
+    let scheduler_port = free_port();
+    let scheduler = env.scheduler(
+        0,
+        &[
+            json[0].clone(),
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{scheduler_port}")),
+        ],
+    );
+    let supervisor_port = free_port();
+    let _supervisor = env.supervisor(
+        0,
+        &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{supervisor_port}"))],
+    );
+    let (_connection, publisher) = env.broker().await;
+
+    // A client that traces publishes the order with its traceparent.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let body = serde_json::to_vec(&order("traced-1")).unwrap();
+    let properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(string_headers([(
+            headers::TRACEPARENT,
+            format!("00-{trace_id}-00f067aa0ba902b7-01").as_str(),
+        )]));
+    publisher
+        .publish("", &env.amqp().names().orders(), &body, properties, true)
+        .await
+        .unwrap();
+    env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
+        .await;
+
+    // Every JSON log line about the order carries its id, and the trace id.
+    let lines = |text: String| -> Vec<serde_json::Value> {
+        text.lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .filter(|v: &serde_json::Value| v.to_string().contains("traced-1"))
+            .collect()
+    };
+    let scheduler_lines = lines(scheduler.log_text());
+    let agent_lines = lines(agent.log_text());
+    assert!(
+        !scheduler_lines.is_empty() && !agent_lines.is_empty(),
+        "JSON log lines about the order"
+    );
+    let replied = agent_lines
+        .iter()
+        .find(|l| l["message"] == "replied")
+        .expect("the agent's reply line");
+    assert_eq!(replied["span"]["trace_id"], trace_id, "{replied}");
+    assert!(replied["span"]["correlation_id"].is_string(), "{replied}");
+    let applied = scheduler_lines
+        .iter()
+        .filter(|l| l["message"] == "reply applied")
+        .collect::<Vec<_>>();
+    assert_eq!(applied.len(), 3);
+    for line in applied {
+        assert_eq!(line["trace_id"], trace_id, "{line}");
+        assert!(line["correlation_id"].is_string(), "{line}");
+        assert_eq!(line["order_id"], "traced-1");
+    }
+
+    // Prometheus names, with units in the name.
+    assert_eq!(
+        metric(scheduler_port, "sas_orders_received_total").await,
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            scheduler_port,
+            r#"sas_step_latency_seconds_count{step="charge_payment"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    assert!(metric(
+        agent_port,
+        r#"sas_agent_step_duration_seconds_count{action="charge",outcome="succeeded"}"#
+    )
+    .await
+    .is_some());
+    assert_eq!(
+        metric(agent_port, r#"sas_circuit_state{agent="payment"}"#).await,
+        Some(0.0)
+    );
+    wait_until("the orders gauge", Duration::from_secs(10), || async {
+        match metric(supervisor_port, r#"sas_orders{state="processed"}"#).await {
+            Some(1.0) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+}
