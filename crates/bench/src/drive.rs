@@ -1,0 +1,175 @@
+//! Driving load: publishing orders, and seeing them finish.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::{stream, StreamExt};
+use sas_broker::lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+use sas_broker::lapin::types::FieldTable;
+use sas_broker::{topology, Publisher};
+use sas_messages::{OrderStatus, QueueNames, StatusEvent};
+use sas_tests::{order, TestEnv};
+
+/// Publishes the orders `ids` with confirms, up to 256 unconfirmed at once,
+/// at `rate` orders per second (0: as fast as the broker confirms). Returns
+/// when each was published.
+pub async fn publish(
+    env: &TestEnv,
+    publisher: &Publisher,
+    ids: &[String],
+    rate: f64,
+) -> HashMap<String, Instant> {
+    let queue = env.amqp().names().orders();
+    let started = Instant::now();
+    let sent = Arc::new(Mutex::new(HashMap::with_capacity(ids.len())));
+    stream::iter(ids.iter().enumerate())
+        .map(|(index, id)| {
+            let (queue, sent) = (queue.clone(), sent.clone());
+            async move {
+                if rate > 0.0 {
+                    tokio::time::sleep_until(
+                        (started + Duration::from_secs_f64(index as f64 / rate)).into(),
+                    )
+                    .await;
+                }
+                let body = serde_json::to_vec(&order(id)).expect("order");
+                let at = Instant::now();
+                publisher
+                    .publish(
+                        "",
+                        &queue,
+                        &body,
+                        sas_broker::publish::json_properties(id),
+                        true,
+                    )
+                    .await
+                    .expect("publish an order");
+                sent.lock().expect("lock").insert(id.clone(), at);
+            }
+        })
+        .buffer_unordered(256)
+        .collect::<()>()
+        .await;
+    Arc::try_unwrap(sent)
+        .expect("all published")
+        .into_inner()
+        .expect("lock")
+}
+
+/// Orders whose id starts with `prefix` and that are processed.
+pub async fn processed(env: &TestEnv, prefix: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM order_process WHERE state = 'processed' AND order_id LIKE $1 || '%'",
+    )
+    .bind(prefix)
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap_or(0)
+}
+
+/// Waits until `n` orders starting with `prefix` are processed; returns when.
+///
+/// # Errors
+/// When that takes longer than `timeout`.
+pub async fn wait_processed(
+    env: &TestEnv,
+    prefix: &str,
+    n: usize,
+    timeout: Duration,
+) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let done = processed(env, prefix).await;
+        if done >= n as i64 {
+            return Ok(Instant::now());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "only {done} of {n} orders {prefix}* processed within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A client listening to every order's status messages, recording when
+/// each order's `processed` arrived.
+pub struct StatusListener {
+    /// Arrival of each order's `processed` status.
+    pub processed: Arc<Mutex<HashMap<String, Instant>>>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl StatusListener {
+    /// Binds a private queue to the status exchange for every order.
+    pub async fn start(env: &TestEnv) -> anyhow::Result<Self> {
+        let settings = env.amqp();
+        let connection = sas_broker::connect(&settings, "bench-status").await?;
+        let channel = connection.create_channel().await?;
+        topology::declare_common(&channel, &settings).await?;
+        let queue = channel
+            .queue_declare(
+                "",
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_bind(
+                queue.name().as_str(),
+                &settings.names().status_exchange(),
+                &QueueNames::status_routing_key("*"),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut consumer = channel
+            .basic_consume(
+                queue.name().as_str(),
+                "bench",
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let processed = Arc::new(Mutex::new(HashMap::new()));
+        let record = processed.clone();
+        let task = tokio::spawn(async move {
+            let _connection = connection;
+            while let Some(Ok(delivery)) = consumer.next().await {
+                if let Ok(status) = serde_json::from_slice::<OrderStatus>(&delivery.data) {
+                    if status.event == StatusEvent::Processed {
+                        record
+                            .lock()
+                            .expect("lock")
+                            .insert(status.order_id, Instant::now());
+                    }
+                }
+            }
+        });
+        Ok(Self {
+            processed,
+            _task: task,
+        })
+    }
+}
+
+/// Sums every sample of a counter (all label sets) on a `/metrics` page.
+pub async fn counter_sum(port: u16, name: &str) -> f64 {
+    let Ok(response) = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await else {
+        return 0.0;
+    };
+    let text = response.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|line| {
+            line.starts_with(name) && matches!(line.as_bytes().get(name.len()), Some(b' ' | b'{'))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -1,0 +1,104 @@
+//! `sas-bench`: the end-to-end benchmark (run it with `scripts/bench.sh`).
+//!
+//! It starts the whole system as local processes against the local RabbitMQ
+//! and Postgres (its own database and queue prefix), and measures in one run:
+//! the broker's and Postgres's own limits (calibration), saturation
+//! throughput, latency at half saturation, scaling with agent processes while
+//! the remote service is the bottleneck, recovery from an agent killed with
+//! -9, and the memory of each binary. It writes a JSON report and prints a table.
+
+mod calibrate;
+mod drive;
+mod phases;
+mod report;
+mod system;
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Measures the system end to end and writes a JSON report.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// A small, fast run (used by the tests so the benchmark cannot rot).
+    #[arg(long)]
+    quick: bool,
+    /// Where to write the JSON report.
+    #[arg(long, default_value = "target/bench/latest.json")]
+    out: PathBuf,
+}
+
+/// How big each phase is.
+#[derive(Debug, Clone, Copy)]
+pub struct Sizes {
+    /// Messages for the broker calibration.
+    pub calibration_messages: usize,
+    /// Seconds of single-row updates for the Postgres calibration.
+    pub calibration_secs: f64,
+    /// Orders in the saturation phase.
+    pub saturation_orders: usize,
+    /// Seconds of load in the latency phase.
+    pub latency_secs: f64,
+    /// Agent process counts of the scaling phase.
+    pub scaling_agents: &'static [usize],
+    /// Orders per agent process in the scaling phase.
+    pub scaling_orders_per_agent: usize,
+    /// Orders in flight when an agent is killed.
+    pub recovery_orders: usize,
+}
+
+const FULL: Sizes = Sizes {
+    calibration_messages: 20_000,
+    calibration_secs: 3.0,
+    saturation_orders: 5_000,
+    latency_secs: 8.0,
+    scaling_agents: &[1, 2, 4, 8],
+    scaling_orders_per_agent: 100,
+    recovery_orders: 400,
+};
+
+const QUICK: Sizes = Sizes {
+    calibration_messages: 1_000,
+    calibration_secs: 0.5,
+    saturation_orders: 150,
+    latency_secs: 1.5,
+    scaling_agents: &[1, 2],
+    scaling_orders_per_agent: 15,
+    recovery_orders: 60,
+};
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("sas-bench: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let sizes = if cli.quick { QUICK } else { FULL };
+    let progress = ProgressBar::new(6);
+    progress.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}")?
+            .progress_chars("=> "),
+    );
+    progress.enable_steady_tick(std::time::Duration::from_millis(200));
+    let report = phases::run_all(sizes, &progress).await?;
+    progress.finish_with_message("done");
+    if let Some(dir) = cli.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&cli.out, serde_json::to_string_pretty(&report)?)?;
+    println!("{}", report.table());
+    println!("report written to {}", cli.out.display());
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! The phases of one benchmark run, in order.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+use sas_tests::TestEnv;
+use serde_json::json;
+
+use crate::drive::{counter_sum, publish, wait_processed, StatusListener};
+use crate::report::{percentiles, Report, ScalingPoint};
+use crate::system::{memory_mib, start_agent, BenchSystem};
+use crate::{calibrate, Sizes};
+
+/// Deadline of each step attempt in the benchmark's workflow.
+const STEP_TIMEOUT_MS: u64 = 10_000;
+/// The supervisor interval the harness configures.
+const SUPERVISOR_INTERVAL_SECS: f64 = 0.2;
+
+fn ids(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
+async fn pg_commits(env: &TestEnv) -> f64 {
+    sqlx::query_scalar::<_, i64>(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap_or(0) as f64
+}
+
+fn record_memory(system: &BenchSystem, into: &mut BTreeMap<String, f64>, peak: bool) {
+    for (binary, pid) in system.processes() {
+        let (resident, high_water) = memory_mib(pid);
+        let value = if peak { high_water } else { resident };
+        let entry = into.entry(binary.to_owned()).or_default();
+        *entry = entry.max(value);
+    }
+}
+
+/// Runs every phase and returns the report.
+///
+/// # Errors
+/// When a phase cannot complete (the system did not process its orders in time).
+pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Report> {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let mut report = Report {
+        quick: sizes.saturation_orders < 1000,
+        ..Report::default()
+    };
+
+    progress.set_message("calibrating the broker");
+    report.broker_limit_msgs_per_sec =
+        calibrate::broker_limit(&env, sizes.calibration_messages).await?;
+    progress.inc(1);
+    progress.set_message("calibrating Postgres");
+    report.postgres_limit_commits_per_sec =
+        calibrate::postgres_limit(&env, sizes.calibration_secs).await?;
+    progress.inc(1);
+
+    progress.set_message("starting the system");
+    let (_connection, publisher) = env.broker().await;
+    let mut system = BenchSystem::start(&env, 2).await;
+    publish(&env, &publisher, &ids("warmup-", 20), 0.0).await;
+    wait_processed(&env, "warmup-", 20, Duration::from_secs(60)).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    record_memory(&system, &mut report.rss_idle_mib, false);
+
+    progress.set_message(format!("saturation: {} orders", sizes.saturation_orders));
+    let port = system.scheduler_port;
+    let messages_before = counter_sum(port, "sas_orders_received_total").await
+        + 2.0 * counter_sum(port, "sas_step_requests_total").await
+        + counter_sum(port, "sas_status_messages_total").await;
+    let commits_before = pg_commits(&env).await;
+    let started = Instant::now();
+    publish(&env, &publisher, &ids("sat-", sizes.saturation_orders), 0.0).await;
+    let finished = wait_processed(
+        &env,
+        "sat-",
+        sizes.saturation_orders,
+        Duration::from_secs(600),
+    )
+    .await?;
+    report.orders_per_sec = sizes.saturation_orders as f64 / (finished - started).as_secs_f64();
+    record_memory(&system, &mut report.rss_mib, true);
+    // Postgres publishes its statistics about once a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let messages_after = counter_sum(port, "sas_orders_received_total").await
+        + 2.0 * counter_sum(port, "sas_step_requests_total").await
+        + counter_sum(port, "sas_status_messages_total").await;
+    let orders = sizes.saturation_orders as f64;
+    report.msgs_per_order = (messages_after - messages_before) / orders;
+    report.pg_commits_per_order = (pg_commits(&env).await - commits_before) / orders;
+    if report.msgs_per_order > 0.0 {
+        report.efficiency =
+            report.orders_per_sec / (report.broker_limit_msgs_per_sec / report.msgs_per_order);
+    }
+    progress.inc(1);
+
+    let rate = (report.orders_per_sec / 2.0).max(1.0);
+    let count = ((rate * sizes.latency_secs) as usize).max(30);
+    progress.set_message(format!("latency: {count} orders at {rate:.0}/s"));
+    let listener = StatusListener::start(&env).await?;
+    let sent = publish(&env, &publisher, &ids("lat-", count), rate).await;
+    wait_processed(&env, "lat-", count, Duration::from_secs(300)).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while listener.processed.lock().expect("lock").len() < count && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let samples: Vec<f64> = {
+        let processed = listener.processed.lock().expect("lock");
+        sent.iter()
+            .filter_map(|(id, at)| {
+                processed
+                    .get(id)
+                    .map(|done| (*done - *at).as_secs_f64() * 1000.0)
+            })
+            .collect()
+    };
+    report.latency_ms = percentiles(samples);
+    report.latency_rate_orders_per_sec = rate;
+    progress.inc(1);
+
+    // Scaling: the remote service answers in 50 ms and each agent process
+    // makes one call at a time per queue, so the remote service is the bottleneck.
+    for agent in &mut system.agents {
+        agent.kill9().await;
+    }
+    system.sim.set_faults(None, json!({"latency_ms": 50, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0})).await?;
+    for &agents in sizes.scaling_agents {
+        progress.set_message(format!("scaling: {agents} agent process(es)"));
+        let one_at_a_time = [("SAS_AMQP__PREFETCH", "1".to_owned())];
+        let mut running: Vec<_> = (0..agents)
+            .map(|i| start_agent(&env, &system.sim, 100 + agents * 10 + i, &one_at_a_time))
+            .collect();
+        let warm = format!("scale-{agents}-warm-");
+        publish(&env, &publisher, &ids(&warm, agents), 0.0).await;
+        wait_processed(&env, &warm, agents, Duration::from_secs(60)).await?;
+        let prefix = format!("scale-{agents}-run-");
+        let n = sizes.scaling_orders_per_agent * agents;
+        let started = Instant::now();
+        publish(&env, &publisher, &ids(&prefix, n), 0.0).await;
+        let finished = wait_processed(&env, &prefix, n, Duration::from_secs(600)).await?;
+        report.scaling.push(ScalingPoint {
+            agents,
+            orders_per_sec: n as f64 / (finished - started).as_secs_f64(),
+        });
+        for agent in &mut running {
+            agent.kill9().await;
+        }
+    }
+    if let (Some(first), Some(last)) = (report.scaling.first(), report.scaling.last()) {
+        report.scaling_efficiency = (last.orders_per_sec / first.orders_per_sec)
+            / (last.agents as f64 / first.agents as f64);
+    }
+    progress.inc(1);
+
+    progress.set_message("recovery: kill -9 of an agent under load");
+    let mut agents: Vec<_> = (0..2)
+        .map(|i| start_agent(&env, &system.sim, 200 + i, &[]))
+        .collect();
+    publish(&env, &publisher, &ids("rec-warm-", 2), 0.0).await;
+    wait_processed(&env, "rec-warm-", 2, Duration::from_secs(60)).await?;
+    let n = sizes.recovery_orders;
+    let recovery_ids = ids("rec-", n);
+    let publishing = publish(&env, &publisher, &recovery_ids, (n as f64 / 2.0).max(20.0));
+    let killing = async {
+        while crate::drive::processed(&env, "rec-").await < (n / 4) as i64 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        agents[0].kill9().await;
+        Instant::now()
+    };
+    let (_, killed_at) = tokio::join!(publishing, killing);
+    let recovered = wait_processed(&env, "rec-", n, Duration::from_secs(120)).await?;
+    report.recovery_secs = (recovered - killed_at).as_secs_f64();
+    report.recovery_bound_secs = STEP_TIMEOUT_MS as f64 / 1000.0 + SUPERVISOR_INTERVAL_SECS;
+    record_memory(&system, &mut report.rss_mib, true);
+    progress.inc(1);
+    drop(agents);
+    Ok(report)
+}

@@ -1,0 +1,160 @@
+//! The benchmark's report: JSON fields and a readable table.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+/// Latency percentiles, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Latency {
+    /// Median.
+    pub p50: f64,
+    /// 95th percentile.
+    pub p95: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// One point of the scaling curve.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ScalingPoint {
+    /// Agent processes.
+    pub agents: usize,
+    /// Throughput.
+    pub orders_per_sec: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// Quick (test) or full run.
+    pub quick: bool,
+    /// Saturation throughput of the 3-step workflow, submit to processed.
+    pub orders_per_sec: f64,
+    /// Persistent, confirmed messages per second through one quorum queue and back.
+    pub broker_limit_msgs_per_sec: f64,
+    /// Single-row committed updates per second in Postgres.
+    pub postgres_limit_commits_per_sec: f64,
+    /// Broker messages published per order (orders, requests, replies, status messages).
+    pub msgs_per_order: f64,
+    /// `orders_per_sec / (broker_limit_msgs_per_sec / msgs_per_order)`.
+    pub efficiency: f64,
+    /// Postgres commits per order during saturation.
+    pub pg_commits_per_order: f64,
+    /// Submit-to-processed latency at half the saturation rate.
+    pub latency_ms: Latency,
+    /// The rate used for the latency phase.
+    pub latency_rate_orders_per_sec: f64,
+    /// Throughput by agent processes, remote service at 50 ms.
+    pub scaling: Vec<ScalingPoint>,
+    /// Throughput with the most agents over the single agent's, divided by the agent ratio.
+    pub scaling_efficiency: f64,
+    /// Seconds from an agent's kill -9 until every order then in flight was processed.
+    pub recovery_secs: f64,
+    /// The bound recovery must meet: complete-by plus one supervisor interval.
+    pub recovery_bound_secs: f64,
+    /// Peak resident memory per binary under load, MiB.
+    pub rss_mib: BTreeMap<String, f64>,
+    /// Resident memory per binary at idle, MiB.
+    pub rss_idle_mib: BTreeMap<String, f64>,
+}
+
+impl Report {
+    /// The report as a plain-text table.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "\nsas benchmark{}",
+            if self.quick { " (quick)" } else { "" }
+        );
+        let row = |out: &mut String, name: &str, value: String| {
+            let _ = writeln!(out, "  {name:<44} {value}");
+        };
+        row(
+            &mut out,
+            "broker limit (msgs/s, quorum, confirmed)",
+            format!("{:.0}", self.broker_limit_msgs_per_sec),
+        );
+        row(
+            &mut out,
+            "postgres limit (single-row commits/s)",
+            format!("{:.0}", self.postgres_limit_commits_per_sec),
+        );
+        row(
+            &mut out,
+            "saturation (orders/s, 3 steps)",
+            format!("{:.0}", self.orders_per_sec),
+        );
+        row(
+            &mut out,
+            "broker messages per order",
+            format!("{:.1}", self.msgs_per_order),
+        );
+        row(
+            &mut out,
+            "postgres commits per order",
+            format!("{:.1}", self.pg_commits_per_order),
+        );
+        row(
+            &mut out,
+            "efficiency vs broker limit",
+            format!("{:.2}", self.efficiency),
+        );
+        row(
+            &mut out,
+            &format!(
+                "latency at {:.0} orders/s (ms)",
+                self.latency_rate_orders_per_sec
+            ),
+            format!(
+                "p50 {:.1}  p95 {:.1}  p99 {:.1}",
+                self.latency_ms.p50, self.latency_ms.p95, self.latency_ms.p99
+            ),
+        );
+        for point in &self.scaling {
+            row(
+                &mut out,
+                &format!("scaling: {} agent process(es), 50 ms remote", point.agents),
+                format!("{:.1} orders/s", point.orders_per_sec),
+            );
+        }
+        row(
+            &mut out,
+            "scaling efficiency (vs linear)",
+            format!("{:.2}", self.scaling_efficiency),
+        );
+        row(
+            &mut out,
+            "recovery after agent kill -9 (s)",
+            format!(
+                "{:.2} (bound {:.1})",
+                self.recovery_secs, self.recovery_bound_secs
+            ),
+        );
+        for (binary, peak) in &self.rss_mib {
+            let idle = self.rss_idle_mib.get(binary).copied().unwrap_or_default();
+            row(
+                &mut out,
+                &format!("rss {binary} (MiB)"),
+                format!("idle {idle:.1}  peak {peak:.1}"),
+            );
+        }
+        out
+    }
+}
+
+/// Percentiles of `samples` (milliseconds).
+pub fn percentiles(mut samples: Vec<f64>) -> Latency {
+    if samples.is_empty() {
+        return Latency::default();
+    }
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
+    Latency {
+        p50: at(0.50),
+        p95: at(0.95),
+        p99: at(0.99),
+    }
+}

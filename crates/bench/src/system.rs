@@ -1,0 +1,94 @@
+//! The system under test, as local processes, and reading their memory.
+
+use sas_tests::process::{free_port, Service};
+use sas_tests::sim::SimClient;
+use sas_tests::TestEnv;
+
+/// Settings every benchmarked service gets: quiet logs (an info line per
+/// message costs throughput), fast supervisor.
+pub fn quiet() -> Vec<(&'static str, String)> {
+    vec![("SAS_LOG__FILTER", "warn".to_owned())]
+}
+
+/// The running system.
+pub struct BenchSystem {
+    /// remote-sim.
+    pub sim_process: Service,
+    /// Its client.
+    pub sim: SimClient,
+    /// Agent processes, each serving all three queues.
+    pub agents: Vec<Service>,
+    /// The scheduler.
+    pub scheduler: Service,
+    /// The scheduler's metrics port.
+    pub scheduler_port: u16,
+    /// The supervisor.
+    pub supervisor: Service,
+}
+
+impl BenchSystem {
+    /// Starts remote-sim, `agents` agent processes (each on all three
+    /// queues), one scheduler and one supervisor.
+    pub async fn start(env: &TestEnv, agents: usize) -> Self {
+        let (sim_process, sim) = env.remote_sim(&quiet()).await;
+        let agents = (0..agents)
+            .map(|index| start_agent(env, &sim, index, &[]))
+            .collect();
+        let scheduler_port = free_port();
+        let mut vars = quiet();
+        vars.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{scheduler_port}")));
+        let scheduler = env.scheduler(0, &vars);
+        let supervisor = env.supervisor(0, &quiet());
+        Self {
+            sim_process,
+            sim,
+            agents,
+            scheduler,
+            scheduler_port,
+            supervisor,
+        }
+    }
+
+    /// Every process with the binary it runs.
+    pub fn processes(&self) -> Vec<(&'static str, u32)> {
+        let mut all = vec![
+            ("remote-sim", self.sim_process.pid()),
+            ("scheduler", self.scheduler.pid()),
+            ("supervisor", self.supervisor.pid()),
+        ];
+        all.extend(self.agents.iter().map(|agent| ("agent", agent.pid())));
+        all
+    }
+}
+
+/// Starts agent process `index` serving all three queues.
+pub fn start_agent(
+    env: &TestEnv,
+    sim: &SimClient,
+    index: usize,
+    extra: &[(&'static str, String)],
+) -> Service {
+    let mut vars = quiet();
+    vars.push(("SAS_AGENT__NAME", "inventory,payment,shipping".to_owned()));
+    vars.push(("SAS_AGENT__ID", format!("agent-{index}")));
+    vars.push((
+        "SAS_AGENT__REMOTE_URL",
+        format!("{}/{{agent}}", sim.base_url()),
+    ));
+    vars.extend(extra.iter().cloned());
+    env.spawn("agent", &format!("agent-{index}"), &vars)
+}
+
+/// (resident, peak resident) memory of a process, in MiB, from /proc.
+pub fn memory_mib(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|line| line.starts_with(name))
+            .and_then(|line| line.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}

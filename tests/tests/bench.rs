@@ -1,0 +1,56 @@
+//! The benchmark's quick mode runs with the tests, so that it cannot rot.
+//! It asserts that it ran and that its figures are sane, not that they are fast.
+
+use sas_tests::process::bin_dir;
+
+#[test]
+fn the_quick_benchmark_runs_and_reports_sane_figures() {
+    let out = std::env::temp_dir().join(format!("sas-bench-{}.json", std::process::id()));
+    let status = std::process::Command::new(bin_dir().join("sas-bench"))
+        .args(["--quick", "--out"])
+        .arg(&out)
+        .status()
+        .expect("run sas-bench (cargo build --workspace --bins builds it)");
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let number = |path: &str| {
+        report
+            .pointer(path)
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or_else(|| panic!("{path} missing: {report}"))
+    };
+    for field in [
+        "/orders_per_sec",
+        "/broker_limit_msgs_per_sec",
+        "/postgres_limit_commits_per_sec",
+        "/efficiency",
+        "/recovery_secs",
+    ] {
+        let value = number(field);
+        assert!(value.is_finite() && value > 0.0, "{field} = {value}");
+    }
+    // Each order is at least the order itself, three requests and three replies.
+    assert!(number("/msgs_per_order") >= 7.0, "{report}");
+    assert!(
+        number("/pg_commits_per_order") >= 4.0,
+        "intake and three replies commit: {report}"
+    );
+    let (p50, p95, p99) = (
+        number("/latency_ms/p50"),
+        number("/latency_ms/p95"),
+        number("/latency_ms/p99"),
+    );
+    assert!(0.0 < p50 && p50 <= p95 && p95 <= p99, "{p50} {p95} {p99}");
+    let scaling = report["scaling"].as_array().unwrap();
+    assert!(scaling.len() >= 2);
+    assert!(scaling
+        .iter()
+        .all(|point| point["orders_per_sec"].as_f64().unwrap() > 0.0));
+    for binary in ["scheduler", "agent", "supervisor", "remote-sim"] {
+        let peak = number(&format!("/rss_mib/{binary}"));
+        assert!(peak > 1.0 && peak < 4096.0, "{binary}: {peak} MiB");
+    }
+    assert!(number("/recovery_secs") < number("/recovery_bound_secs") + 30.0);
+}
