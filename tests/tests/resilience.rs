@@ -682,13 +682,19 @@ async fn the_agent_circuit_opens_after_repeated_faults_and_closes_after_a_probe(
         }
     })
     .await;
-    let rejected = metric(port, "sas_agent_circuit_rejections_total")
+    let rejected = metric(
+        port,
+        r#"sas_agent_circuit_rejections_total{agent="payment"}"#,
+    )
+    .await
+    .unwrap_or(0.0);
+    wait_until("calls to fail fast", Duration::from_secs(20), || async {
+        let now = metric(
+            port,
+            r#"sas_agent_circuit_rejections_total{agent="payment"}"#,
+        )
         .await
         .unwrap_or(0.0);
-    wait_until("calls to fail fast", Duration::from_secs(20), || async {
-        let now = metric(port, "sas_agent_circuit_rejections_total")
-            .await
-            .unwrap_or(0.0);
         if now > rejected {
             Ok(())
         } else {

@@ -41,22 +41,24 @@ impl Publisher {
         Ok(Self { channel, timeout })
     }
 
-    /// Publishes `body` and waits for the broker to confirm it.
+    /// Sends `body` without waiting for its confirm: the returned [`Pending`]
+    /// resolves when the broker confirms it. Sending several messages before
+    /// awaiting their confirms pipelines them (one round trip, not one each).
     ///
     /// With `mandatory`, a message no queue accepts is an error rather than
     /// silently dropped: requests to agents and replies are mandatory, status
     /// messages to a client queue that may be gone are not.
     ///
     /// # Errors
-    /// [`BrokerError`] when the broker refuses, returns or does not confirm the message in time.
-    pub async fn publish(
+    /// When the message cannot be handed to the connection in time.
+    pub async fn send(
         &self,
         exchange: &str,
         routing_key: &str,
         body: &[u8],
         properties: BasicProperties,
         mandatory: bool,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<Pending, BrokerError> {
         let options = BasicPublishOptions {
             mandatory,
             ..BasicPublishOptions::default()
@@ -68,18 +70,49 @@ impl Publisher {
                 .basic_publish(exchange, routing_key, options, body, properties),
         )
         .await?;
-        match timed("waiting for a publisher confirm", self.timeout, confirm).await? {
-            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_returned)) => Err(BrokerError::Unroutable {
-                routing_key: routing_key.to_owned(),
-            }),
-            Confirmation::Nack(_) => Err(BrokerError::Nacked {
-                routing_key: routing_key.to_owned(),
-            }),
-        }
+        Ok(Pending {
+            confirm,
+            routing_key: routing_key.to_owned(),
+            timeout: self.timeout,
+        })
     }
 
-    /// Serializes `message` as JSON and publishes it with [`json_properties`].
+    /// Publishes `body` and waits for the broker to confirm it (see [`Publisher::send`]).
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the broker refuses, returns or does not confirm the message in time.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        mandatory: bool,
+    ) -> Result<(), BrokerError> {
+        self.send(exchange, routing_key, body, properties, mandatory)
+            .await?
+            .confirmed()
+            .await
+    }
+
+    /// Serializes `message` as JSON and sends it (see [`Publisher::send`]).
+    ///
+    /// # Errors
+    /// As [`Publisher::send`].
+    pub async fn send_json<T: Serialize>(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &T,
+        properties: BasicProperties,
+        mandatory: bool,
+    ) -> Result<Pending, BrokerError> {
+        let body = serde_json::to_vec(message).expect("wire types always serialize");
+        self.send(exchange, routing_key, &body, properties, mandatory)
+            .await
+    }
+
+    /// Serializes `message` as JSON and publishes it, waiting for the confirm.
     ///
     /// # Errors
     /// As [`Publisher::publish`].
@@ -108,6 +141,47 @@ pub fn json_properties(message_id: &str) -> BasicProperties {
         .with_delivery_mode(2)
         .with_message_id(message_id.into())
         .with_timestamp(now)
+}
+
+/// A message handed to the broker whose confirm has not been awaited yet.
+#[must_use = "a message is only safe once its confirm has been awaited"]
+pub struct Pending {
+    confirm: lapin::publisher_confirm::PublisherConfirm,
+    routing_key: String,
+    timeout: Duration,
+}
+
+impl Pending {
+    /// Waits for the broker's confirm.
+    ///
+    /// # Errors
+    /// When the broker refuses or returns the message, or does not confirm it in time.
+    pub async fn confirmed(self) -> Result<(), BrokerError> {
+        match timed(
+            "waiting for a publisher confirm",
+            self.timeout,
+            self.confirm,
+        )
+        .await?
+        {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(_returned)) => Err(BrokerError::Unroutable {
+                routing_key: self.routing_key,
+            }),
+            Confirmation::Nack(_) => Err(BrokerError::Nacked {
+                routing_key: self.routing_key,
+            }),
+        }
+    }
+}
+
+/// Waits for every confirm of `pending`.
+///
+/// # Errors
+/// The first refusal or timeout.
+pub async fn confirm_all(pending: Vec<Pending>) -> Result<(), BrokerError> {
+    futures_util::future::try_join_all(pending.into_iter().map(Pending::confirmed)).await?;
+    Ok(())
 }
 
 /// Builds an AMQP header table from string pairs.
@@ -178,36 +252,58 @@ impl SharedPublisher {
 }
 
 impl Publisher {
+    /// Sends `statuses` in order (see [`Publisher::send_status`]).
+    ///
+    /// # Errors
+    /// As [`Publisher::send`].
+    pub async fn send_statuses(
+        &self,
+        names: &sas_messages::QueueNames,
+        reply_to: Option<&str>,
+        trace_id: Option<&str>,
+        statuses: &[sas_messages::OrderStatus],
+    ) -> Result<Vec<Pending>, BrokerError> {
+        let mut pending = Vec::with_capacity(statuses.len() * 2);
+        for status in statuses {
+            pending.extend(self.send_status(names, reply_to, trace_id, status).await?);
+        }
+        Ok(pending)
+    }
+
     /// Sends a status message to the status exchange (routing key
     /// `order.<id>`, where `sasctl watch` listens) and to the client's
     /// `reply_to` queue, if the order named one. Neither is mandatory: nobody
-    /// may be listening.
+    /// may be listening. The confirms are left to the caller.
     ///
     /// # Errors
-    /// As [`Publisher::publish`].
-    pub async fn publish_status(
+    /// As [`Publisher::send`].
+    pub async fn send_status(
         &self,
         names: &sas_messages::QueueNames,
         reply_to: Option<&str>,
         trace_id: Option<&str>,
         status: &sas_messages::OrderStatus,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<Vec<Pending>, BrokerError> {
         let properties = || {
             json_properties(&uuid::Uuid::now_v7().to_string())
                 .with_headers(order_headers(&status.order_id, trace_id))
         };
-        self.publish_json(
-            &names.status_exchange(),
-            &sas_messages::QueueNames::status_routing_key(&status.order_id),
-            status,
-            properties(),
-            false,
-        )
-        .await?;
+        let mut pending = vec![
+            self.send_json(
+                &names.status_exchange(),
+                &sas_messages::QueueNames::status_routing_key(&status.order_id),
+                status,
+                properties(),
+                false,
+            )
+            .await?,
+        ];
         if let Some(queue) = reply_to {
-            self.publish_json("", queue, status, properties(), false)
-                .await?;
+            pending.push(
+                self.send_json("", queue, status, properties(), false)
+                    .await?,
+            );
         }
-        Ok(())
+        Ok(pending)
     }
 }

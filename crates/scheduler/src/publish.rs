@@ -1,6 +1,6 @@
 //! Publishing what a committed transition asks for.
 
-use sas_broker::publish::{json_properties, order_headers};
+use sas_broker::publish::{confirm_all, json_properties, order_headers, Pending};
 use sas_broker::{BrokerError, Publisher};
 use sas_messages::{QueueNames, StepRequest, SCHEMA_VERSION};
 use sas_store::{Dispatch, Progress};
@@ -20,35 +20,39 @@ pub async fn publish_progress(
     names: &QueueNames,
     progress: &Progress,
 ) -> Result<(), BrokerError> {
+    // Everything is sent first and the confirms awaited together: one
+    // round trip to the broker per transition, not one per message.
+    let trace_id = progress.trace_id.as_deref();
+    let mut pending = publisher
+        .send_statuses(
+            names,
+            progress.reply_to.as_deref(),
+            trace_id,
+            &progress.statuses,
+        )
+        .await?;
     for status in &progress.statuses {
-        publisher
-            .publish_status(
-                names,
-                progress.reply_to.as_deref(),
-                progress.trace_id.as_deref(),
-                status,
-            )
-            .await?;
         metrics::counter!("sas_status_messages_total", "event" => format!("{:?}", status.event))
             .increment(1);
     }
     if let Some(dispatch) = &progress.dispatch {
-        publish_request(publisher, names, dispatch, progress.trace_id.as_deref()).await?;
+        pending.push(send_request(publisher, names, dispatch, trace_id).await?);
     }
-    Ok(())
+    confirm_all(pending).await
 }
 
-/// Publishes one step request to its agent's queue, with `correlation_id` =
-/// attempt id and `reply_to` = the shared scheduler reply queue.
+/// Sends one step request to its agent's queue, with `correlation_id` =
+/// attempt id and `reply_to` = the shared scheduler reply queue; the caller
+/// awaits the confirm.
 ///
 /// # Errors
-/// When the broker does not confirm it.
-pub async fn publish_request(
+/// When the broker cannot take it.
+pub async fn send_request(
     publisher: &Publisher,
     names: &QueueNames,
     dispatch: &Dispatch,
     trace_id: Option<&str>,
-) -> Result<(), BrokerError> {
+) -> Result<Pending, BrokerError> {
     let request = StepRequest {
         schema_version: SCHEMA_VERSION,
         order_id: dispatch.order_id.clone(),
@@ -66,8 +70,8 @@ pub async fn publish_request(
         .with_correlation_id(attempt_id.as_str().into())
         .with_reply_to(names.scheduler_replies().into())
         .with_headers(order_headers(&dispatch.order_id, trace_id));
-    publisher
-        .publish_json(
+    let pending = publisher
+        .send_json(
             "",
             &names.agent_requests(&dispatch.agent),
             &request,
@@ -77,5 +81,5 @@ pub async fn publish_request(
         .await?;
     metrics::counter!("sas_step_requests_total", "agent" => dispatch.agent.clone(), "kind" => format!("{:?}", dispatch.kind)).increment(1);
     tracing::debug!(order_id = %dispatch.order_id, correlation_id = %attempt_id, step = %dispatch.step, agent = %dispatch.agent, "step request sent");
-    Ok(())
+    Ok(pending)
 }

@@ -3,7 +3,7 @@
 use sas_messages::{StatusEvent, SubmitOrder};
 
 use crate::model::{NewStep, ProcessState, Progress};
-use crate::progress::{advance, record_history, status};
+use crate::progress::{advance, status};
 use crate::{Store, StoreError};
 
 /// What became of a submitted order.
@@ -37,14 +37,49 @@ impl Store {
         actor: &str,
     ) -> Result<Intake, StoreError> {
         let body = serde_json::to_value(order).map_err(|e| StoreError::Invariant(e.to_string()))?;
+        let positions: Vec<i32> = (0..).take(steps.len()).collect();
+        let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
+        let agents: Vec<&str> = steps.iter().map(|s| s.agent.as_str()).collect();
+        let actions: Vec<&str> = steps.iter().map(|s| s.action.as_str()).collect();
+        let compensations: Vec<Option<&str>> =
+            steps.iter().map(|s| s.compensation.as_deref()).collect();
+        let timeouts: Vec<i32> = steps
+            .iter()
+            .map(|s| i32::try_from(s.timeout.as_millis()).unwrap_or(i32::MAX))
+            .collect();
         let mut tx = self.pool().begin().await?;
+        // The order, its process record, its steps and the first history
+        // row in one statement; none of them when the id is already taken.
         let inserted: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
-            "INSERT INTO orders (order_id, body) VALUES ($1, $2)
-             ON CONFLICT (order_id) DO NOTHING
-             RETURNING received_at",
+            "WITH o AS (
+                 INSERT INTO orders (order_id, body) VALUES ($1, $2)
+                 ON CONFLICT (order_id) DO NOTHING
+              RETURNING order_id, received_at),
+             p AS (
+                 INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id)
+                 SELECT order_id, $3, 'processing', $4, $5, $6 FROM o),
+             s AS (
+                 INSERT INTO steps (order_id, position, name, agent, action, compensation, timeout_ms, idempotency_key)
+                 SELECT o.order_id, t.position, t.name, t.agent, t.action, t.compensation, t.timeout_ms,
+                        o.order_id || ':' || t.name
+                   FROM o, UNNEST($7::int4[], $8::text[], $9::text[], $10::text[], $11::text[], $12::int4[])
+                        AS t(position, name, agent, action, compensation, timeout_ms)),
+             h AS (
+                 INSERT INTO history (order_id, actor, event) SELECT order_id, $4, 'received' FROM o)
+             SELECT received_at FROM o",
         )
         .bind(&order.order_id)
         .bind(&body)
+        .bind(workflow)
+        .bind(actor)
+        .bind(&order.reply_to)
+        .bind(trace_id)
+        .bind(&positions)
+        .bind(&names)
+        .bind(&agents)
+        .bind(&actions)
+        .bind(&compensations)
+        .bind(&timeouts)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(received_at) = inserted else {
@@ -59,55 +94,6 @@ impl Store {
                 Intake::Conflict
             });
         };
-
-        sqlx::query(
-            "INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id)
-             VALUES ($1, $2, 'processing', $3, $4, $5)",
-        )
-        .bind(&order.order_id)
-        .bind(workflow)
-        .bind(actor)
-        .bind(&order.reply_to)
-        .bind(trace_id)
-        .execute(&mut *tx)
-        .await?;
-
-        let positions: Vec<i32> = (0..).take(steps.len()).collect();
-        let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
-        let agents: Vec<&str> = steps.iter().map(|s| s.agent.as_str()).collect();
-        let actions: Vec<&str> = steps.iter().map(|s| s.action.as_str()).collect();
-        let compensations: Vec<Option<&str>> =
-            steps.iter().map(|s| s.compensation.as_deref()).collect();
-        let timeouts: Vec<i32> = steps
-            .iter()
-            .map(|s| i32::try_from(s.timeout.as_millis()).unwrap_or(i32::MAX))
-            .collect();
-        sqlx::query(
-            "INSERT INTO steps (order_id, position, name, agent, action, compensation, timeout_ms, idempotency_key)
-             SELECT $1, position, name, agent, action, compensation, timeout_ms, $1 || ':' || name
-               FROM UNNEST($2::int4[], $3::text[], $4::text[], $5::text[], $6::text[], $7::int4[])
-                    AS t(position, name, agent, action, compensation, timeout_ms)",
-        )
-        .bind(&order.order_id)
-        .bind(&positions)
-        .bind(&names)
-        .bind(&agents)
-        .bind(&actions)
-        .bind(&compensations)
-        .bind(&timeouts)
-        .execute(&mut *tx)
-        .await?;
-
-        record_history(
-            &mut tx,
-            &order.order_id,
-            actor,
-            "received",
-            None,
-            None,
-            None,
-        )
-        .await?;
         let mut progress = Progress {
             reply_to: order.reply_to.clone(),
             trace_id: Some(trace_id.to_owned()),

@@ -162,8 +162,22 @@ pub(crate) async fn advance(
         } else {
             ProcessState::Compensated
         };
-        let at = set_process_state(conn, order_id, done, None).await?;
-        record_history(conn, order_id, actor, done.as_str(), None, None, None).await?;
+        let at: DateTime<Utc> = sqlx::query_scalar(
+            "WITH p AS (
+                 UPDATE order_process
+                    SET state = $2, locked_by = NULL, complete_by = NULL, updated_at = now()
+                  WHERE order_id = $1
+              RETURNING updated_at),
+             h AS (
+                 INSERT INTO history (order_id, actor, event) SELECT $1, $3, $4 FROM p)
+             SELECT updated_at FROM p",
+        )
+        .bind(order_id)
+        .bind(done)
+        .bind(actor)
+        .bind(done.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
         let event = if done == ProcessState::Processed {
             StatusEvent::Processed
         } else {
@@ -188,54 +202,46 @@ pub(crate) async fn advance(
         ),
     };
     let attempt_id = Uuid::now_v7();
+    let event = match kind {
+        StepKind::Action => "dispatched",
+        StepKind::Compensation => "compensation_dispatched",
+    };
+    // Start the attempt, move the order's deadline, and record it, in one
+    // statement: this is the hot path of every order.
     let row = sqlx::query(
-        "UPDATE steps
-            SET state = $3, attempt = attempt + 1, attempt_id = $4,
-                complete_by = now() + make_interval(secs => $5::float8 / 1000),
-                updated_at = now()
-          WHERE order_id = $1 AND position = $2
-      RETURNING attempt, complete_by",
+        "WITH s AS (
+             UPDATE steps
+                SET state = $3, attempt = attempt + 1, attempt_id = $4,
+                    complete_by = now() + make_interval(secs => $5::float8 / 1000),
+                    updated_at = now()
+              WHERE order_id = $1 AND position = $2
+          RETURNING name, attempt, complete_by),
+         p AS (
+             UPDATE order_process
+                SET complete_by = (SELECT complete_by FROM s), locked_by = $6, updated_at = now()
+              WHERE order_id = $1),
+         h AS (
+             INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
+             SELECT $1, $6, $7, s.name, $4, 'attempt ' || s.attempt || ': ' || $8 FROM s)
+         SELECT s.attempt, s.complete_by, (SELECT body FROM orders WHERE order_id = $1) AS body FROM s",
     )
     .bind(order_id)
     .bind(step.position)
     .bind(step_state)
     .bind(attempt_id)
     .bind(f64::from(step.timeout_ms))
+    .bind(actor)
+    .bind(event)
+    .bind(format!("{}.{action}", step.agent))
     .fetch_one(&mut *conn)
     .await?;
     let attempt: i32 = row.try_get("attempt")?;
     let complete_by: DateTime<Utc> = row.try_get("complete_by")?;
-
-    let body: serde_json::Value = sqlx::query_scalar(
-        "UPDATE order_process SET complete_by = $2, locked_by = $3, updated_at = now()
-                             WHERE order_id = $1
-                         RETURNING (SELECT body FROM orders WHERE orders.order_id = $1)",
-    )
-    .bind(order_id)
-    .bind(complete_by)
-    .bind(actor)
-    .fetch_one(&mut *conn)
-    .await?;
+    let body: serde_json::Value = row.try_get("body")?;
     let results: serde_json::Map<String, serde_json::Value> = steps
         .iter()
         .filter_map(|s| s.result.clone().map(|r| (s.name.clone(), r)))
         .collect();
-
-    let event = match kind {
-        StepKind::Action => "dispatched",
-        StepKind::Compensation => "compensation_dispatched",
-    };
-    let detail = format!("attempt {attempt}: {}.{action}", step.agent);
-    record_history(
-        conn,
-        order_id,
-        actor,
-        event,
-        Some(&step.name),
-        Some(attempt_id),
-        Some(&detail),
-    )
-    .await?;
 
     progress.dispatch = Some(Box::new(Dispatch {
         order_id: order_id.to_owned(),
@@ -391,12 +397,25 @@ impl Store {
             // failure, leaves the step as it is: only its error is recorded.
             StepOutcome::Failed { error, .. } => (expected, None, Some(error.as_str())),
         };
+        // A success is recorded in the history by the same statement (one
+        // round trip on the hot path); failures are recorded below.
+        let by = format!("by {}", reply.agent_id);
+        let success_event = match (&reply.outcome, expected) {
+            (StepOutcome::Succeeded { .. }, StepState::Running) => Some("step_completed"),
+            (StepOutcome::Succeeded { .. }, _) => Some("step_compensated"),
+            _ => None,
+        };
         let updated: Option<(String, DateTime<Utc>, f64)> = sqlx::query_as(
-            "UPDATE steps
-                SET state = $3, result = COALESCE($4, result), last_error = $5, updated_at = now()
-              WHERE order_id = $1 AND attempt_id = $2 AND state = $6
-          RETURNING name, updated_at,
-                    EXTRACT(EPOCH FROM now() - (complete_by - make_interval(secs => timeout_ms::float8 / 1000)))::float8",
+            "WITH s AS (
+                 UPDATE steps
+                    SET state = $3, result = COALESCE($4, result), last_error = $5, updated_at = now()
+                  WHERE order_id = $1 AND attempt_id = $2 AND state = $6
+              RETURNING name, updated_at,
+                        EXTRACT(EPOCH FROM now() - (complete_by - make_interval(secs => timeout_ms::float8 / 1000)))::float8 AS latency),
+             h AS (
+                 INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
+                 SELECT $1, $7, $8, s.name, $2, $9 FROM s WHERE $8::text IS NOT NULL)
+             SELECT name, updated_at, latency FROM s",
         )
         .bind(&order_id)
         .bind(reply.attempt_id)
@@ -404,6 +423,9 @@ impl Store {
         .bind(result)
         .bind(error)
         .bind(expected)
+        .bind(actor)
+        .bind(success_event)
+        .bind(&by)
         .fetch_optional(&mut *tx)
         .await?;
         let Some((step, at, latency_secs)) = updated else {
@@ -425,19 +447,8 @@ impl Store {
             return Ok(ReplyOutcome::Stale { reason });
         };
 
-        let by = format!("by {}", reply.agent_id);
         match (&reply.outcome, expected) {
             (StepOutcome::Succeeded { .. }, StepState::Running) => {
-                record_history(
-                    &mut tx,
-                    &order_id,
-                    actor,
-                    "step_completed",
-                    Some(&step),
-                    Some(reply.attempt_id),
-                    Some(&by),
-                )
-                .await?;
                 progress.statuses.push(status(
                     &order_id,
                     StatusEvent::StepCompleted,
@@ -448,16 +459,6 @@ impl Store {
                 advance(&mut tx, &order_id, state, actor, &mut progress).await?;
             }
             (StepOutcome::Succeeded { .. }, _) => {
-                record_history(
-                    &mut tx,
-                    &order_id,
-                    actor,
-                    "step_compensated",
-                    Some(&step),
-                    Some(reply.attempt_id),
-                    Some(&by),
-                )
-                .await?;
                 advance(&mut tx, &order_id, state, actor, &mut progress).await?;
             }
             (

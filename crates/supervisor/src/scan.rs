@@ -65,18 +65,20 @@ impl Supervisor {
                 return;
             }
         };
-        for status in &progress.statuses {
-            if let Err(error) = publisher
-                .publish_status(
-                    &self.names,
-                    progress.reply_to.as_deref(),
-                    progress.trace_id.as_deref(),
-                    status,
-                )
-                .await
-            {
-                tracing::warn!(order_id = %status.order_id, error = %error, "status message not sent");
-            }
+        let sent = publisher
+            .send_statuses(
+                &self.names,
+                progress.reply_to.as_deref(),
+                progress.trace_id.as_deref(),
+                &progress.statuses,
+            )
+            .await;
+        let confirmed = match sent {
+            Ok(pending) => sas_broker::publish::confirm_all(pending).await,
+            Err(error) => Err(error),
+        };
+        if let Err(error) = confirmed {
+            tracing::warn!(order_id = %progress.statuses[0].order_id, error = %error, "status messages not sent");
         }
     }
 
