@@ -3,7 +3,8 @@
 use sas_messages::{StatusEvent, SubmitOrder};
 
 use crate::model::{NewStep, ProcessState, Progress};
-use crate::progress::{advance, status};
+use crate::model::StepState;
+use crate::progress::{advance, status, StepRow};
 use crate::{Store, StoreError};
 
 /// What became of a submitted order.
@@ -106,12 +107,29 @@ impl Store {
             None,
             received_at,
         ));
+                // The steps were just written: no need to read them back.
+        let known = steps
+            .iter()
+            .zip(0..)
+            .map(|(step, position)| StepRow {
+                position,
+                name: step.name.clone(),
+                agent: step.agent.clone(),
+                action: step.action.clone(),
+                compensation: step.compensation.clone(),
+                timeout_ms: i32::try_from(step.timeout.as_millis()).unwrap_or(i32::MAX),
+                state: StepState::NotStarted,
+                idempotency_key: format!("{}:{}", order.order_id, step.name),
+                result: None,
+            })
+            .collect();
         advance(
             &mut tx,
             &order.order_id,
             ProcessState::Processing,
             actor,
             &mut progress,
+            Some(known),
         )
         .await?;
         tx.commit().await?;

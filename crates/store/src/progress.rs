@@ -17,17 +17,18 @@ use crate::{Store, StoreError};
 /// Suffix of the idempotency key of a step's compensation.
 const COMPENSATION_KEY_SUFFIX: &str = ":undo";
 
-#[derive(sqlx::FromRow)]
-struct StepRow {
-    position: i32,
-    name: String,
-    agent: String,
-    action: String,
-    compensation: Option<String>,
-    timeout_ms: i32,
-    state: StepState,
-    idempotency_key: String,
-    result: Option<serde_json::Value>,
+/// One step as the transitions need it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub(crate) struct StepRow {
+    pub(crate) position: i32,
+    pub(crate) name: String,
+    pub(crate) agent: String,
+    pub(crate) action: String,
+    pub(crate) compensation: Option<String>,
+    pub(crate) timeout_ms: i32,
+    pub(crate) state: StepState,
+    pub(crate) idempotency_key: String,
+    pub(crate) result: Option<serde_json::Value>,
 }
 
 /// Appends one row to the order's history.
@@ -115,21 +116,30 @@ pub(crate) async fn set_process_state(
 /// `order_process` row already locked by the caller: the first step not yet
 /// completed (forward), or the last step that may have had an effect
 /// (compensating); or finishes the order when nothing is left.
+///
+/// `known` are the order's steps when the caller has just read them under
+/// the order's lock (saving a round trip); `None` reads them.
 pub(crate) async fn advance(
     conn: &mut PgConnection,
     order_id: &str,
     state: ProcessState,
     actor: &str,
     progress: &mut Progress,
+    known: Option<Vec<StepRow>>,
 ) -> Result<(), StoreError> {
-    let steps: Vec<StepRow> = sqlx::query_as(
-        "SELECT position, name, agent, action, compensation, timeout_ms, state,
-                idempotency_key, result
-           FROM steps WHERE order_id = $1 ORDER BY position",
-    )
-    .bind(order_id)
-    .fetch_all(&mut *conn)
-    .await?;
+    let steps: Vec<StepRow> = match known {
+        Some(steps) => steps,
+        None => {
+            sqlx::query_as(
+                "SELECT position, name, agent, action, compensation, timeout_ms, state,
+                        idempotency_key, result
+                   FROM steps WHERE order_id = $1 ORDER BY position",
+            )
+            .bind(order_id)
+            .fetch_all(&mut *conn)
+            .await?
+        }
+    };
 
     let (next, kind) = match state {
         ProcessState::Processing => (
@@ -258,6 +268,17 @@ pub(crate) async fn advance(
     Ok(())
 }
 
+/// The rows of a reply's guarded update: every step of the order, and the
+/// step the update changed.
+#[derive(sqlx::FromRow)]
+struct UpdatedSteps {
+    #[sqlx(flatten)]
+    step: StepRow,
+    updated_name: String,
+    updated_at: DateTime<Utc>,
+    latency: f64,
+}
+
 /// What became of an agent's reply.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReplyOutcome {
@@ -317,7 +338,7 @@ impl Store {
                 trace_id,
                 ..Progress::default()
             };
-            advance(&mut tx, &order_id, state, actor, &mut progress).await?;
+                        advance(&mut tx, &order_id, state, actor, &mut progress, None).await?;
             out.push(progress);
         }
         tx.commit().await?;
@@ -405,7 +426,10 @@ impl Store {
             (StepOutcome::Succeeded { .. }, _) => Some("step_compensated"),
             _ => None,
         };
-        let updated: Option<(String, DateTime<Utc>, f64)> = sqlx::query_as(
+                // The guarded update, its history row, and every step of the order
+        // as they were before it (patched below), in one round trip. No row
+        // at all means the attempt is not current.
+        let rows: Vec<UpdatedSteps> = sqlx::query_as(
             "WITH s AS (
                  UPDATE steps
                     SET state = $3, result = COALESCE($4, result), last_error = $5, updated_at = now()
@@ -415,7 +439,12 @@ impl Store {
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
                  SELECT $1, $7, $8, s.name, $2, $9 FROM s WHERE $8::text IS NOT NULL)
-             SELECT name, updated_at, latency FROM s",
+             SELECT st.position, st.name, st.agent, st.action, st.compensation, st.timeout_ms, st.state,
+                    st.idempotency_key, st.result,
+                    s.name AS updated_name, s.updated_at AS updated_at, s.latency AS latency
+               FROM steps st CROSS JOIN s
+              WHERE st.order_id = $1
+              ORDER BY st.position",
         )
         .bind(&order_id)
         .bind(reply.attempt_id)
@@ -425,10 +454,13 @@ impl Store {
         .bind(expected)
         .bind(actor)
         .bind(success_event)
-        .bind(&by)
-        .fetch_optional(&mut *tx)
+                .bind(&by)
+        .fetch_all(&mut *tx)
         .await?;
-        let Some((step, at, latency_secs)) = updated else {
+        let Some((step, at, latency_secs)) = rows
+            .first()
+            .map(|row| (row.updated_name.clone(), row.updated_at, row.latency))
+        else {
             let reason = format!(
                 "attempt {} is not the step's current attempt (order {state})",
                 reply.attempt_id
@@ -447,6 +479,19 @@ impl Store {
             return Ok(ReplyOutcome::Stale { reason });
         };
 
+        let steps: Vec<StepRow> = rows
+            .into_iter()
+            .map(|row| {
+                let mut step = row.step;
+                if step.name == row.updated_name {
+                    step.state = new_state;
+                    if let Some(result) = result {
+                        step.result = Some(result.clone());
+                    }
+                }
+                step
+            })
+            .collect();
         match (&reply.outcome, expected) {
             (StepOutcome::Succeeded { .. }, StepState::Running) => {
                 progress.statuses.push(status(
@@ -456,10 +501,10 @@ impl Store {
                     None,
                     at,
                 ));
-                advance(&mut tx, &order_id, state, actor, &mut progress).await?;
+                advance(&mut tx, &order_id, state, actor, &mut progress, Some(steps)).await?;
             }
-            (StepOutcome::Succeeded { .. }, _) => {
-                advance(&mut tx, &order_id, state, actor, &mut progress).await?;
+                        (StepOutcome::Succeeded { .. }, _) => {
+                advance(&mut tx, &order_id, state, actor, &mut progress, Some(steps)).await?;
             }
             (
                 StepOutcome::Failed {
@@ -495,12 +540,13 @@ impl Store {
                     Some(&reason),
                     at,
                 ));
-                advance(
+                                advance(
                     &mut tx,
                     &order_id,
                     ProcessState::Compensating,
                     actor,
                     &mut progress,
+                    Some(steps),
                 )
                 .await?;
             }
