@@ -17,6 +17,7 @@
 
 pub mod connect;
 mod error;
+mod fast;
 pub mod intake;
 pub mod model;
 pub mod operator;

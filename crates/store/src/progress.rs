@@ -338,7 +338,7 @@ impl Store {
                 trace_id,
                 ..Progress::default()
             };
-                        advance(&mut tx, &order_id, state, actor, &mut progress, None).await?;
+            advance(&mut tx, &order_id, state, actor, &mut progress, None).await?;
             out.push(progress);
         }
         tx.commit().await?;
@@ -362,6 +362,15 @@ impl Store {
         reply: &StepReply,
         actor: &str,
     ) -> Result<ReplyOutcome, StoreError> {
+        if let StepOutcome::Succeeded { result } = &reply.outcome {
+            if let Some(done) = self.complete_step_fast(reply, result, actor).await? {
+                return Ok(ReplyOutcome::Applied {
+                    progress: done.progress,
+                    step: done.step,
+                    latency_secs: done.latency_secs,
+                });
+            }
+        }
         let mut tx = self.pool().begin().await?;
         let order_id = reply.order_id.clone();
         let locked: Option<(ProcessState, Option<String>, Option<String>)> = sqlx::query_as(
@@ -426,7 +435,7 @@ impl Store {
             (StepOutcome::Succeeded { .. }, _) => Some("step_compensated"),
             _ => None,
         };
-                // The guarded update, its history row, and every step of the order
+        // The guarded update, its history row, and every step of the order
         // as they were before it (patched below), in one round trip. No row
         // at all means the attempt is not current.
         let rows: Vec<UpdatedSteps> = sqlx::query_as(
@@ -503,7 +512,7 @@ impl Store {
                 ));
                 advance(&mut tx, &order_id, state, actor, &mut progress, Some(steps)).await?;
             }
-                        (StepOutcome::Succeeded { .. }, _) => {
+            (StepOutcome::Succeeded { .. }, _) => {
                 advance(&mut tx, &order_id, state, actor, &mut progress, Some(steps)).await?;
             }
             (
@@ -540,7 +549,7 @@ impl Store {
                     Some(&reason),
                     at,
                 ));
-                                advance(
+                advance(
                     &mut tx,
                     &order_id,
                     ProcessState::Compensating,
