@@ -135,8 +135,16 @@ impl Agent {
                 });
             }
             let timeout = left.min(Duration::from_millis(settings.call_timeout_ms));
+            let call = async {
+                let _permit = lane
+                    .calls
+                    .acquire()
+                    .await
+                    .expect("the semaphore is never closed");
+                lane.remote.call(request, timeout).await
+            };
             let result = tokio::select! {
-                result = lane.remote.call(request, timeout) => result,
+                result = call => result,
                 () = self.shutdown.cancelled() => return Finished::Interrupted,
             };
             match result {

@@ -36,6 +36,10 @@ pub struct Lane {
     pub remote: RemoteClient,
     /// The breaker around it.
     pub circuit: CircuitBreaker,
+    /// Calls to the service in flight at once from this replica (a bulkhead,
+    /// apart from the broker's prefetch, so that the next requests wait here
+    /// already delivered while the service works).
+    pub calls: tokio::sync::Semaphore,
 }
 
 /// What every request handled by one agent replica shares.
@@ -86,6 +90,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 settings.circuit.failure_threshold,
                 Duration::from_millis(settings.circuit.cool_down_ms),
             ),
+            calls: tokio::sync::Semaphore::new(settings.agent.concurrency),
             name,
         }));
     }

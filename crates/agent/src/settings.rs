@@ -36,6 +36,8 @@ pub struct AgentSettings {
     pub remote_url: String,
     /// Longest single call, in milliseconds.
     pub call_timeout_ms: u64,
+    /// Calls to the remote service in flight at once, per agent name.
+    pub concurrency: usize,
     /// First retry wait, in milliseconds.
     pub retry_base_ms: u64,
     /// Longest retry wait, in milliseconds.
@@ -96,6 +98,9 @@ impl Validate for Settings {
             || agent.retry_max_ms < agent.retry_base_ms
         {
             return Err("agent.call_timeout_ms and agent.retry_base_ms must be positive, and agent.retry_max_ms at least agent.retry_base_ms".into());
+        }
+        if agent.concurrency == 0 {
+            return Err("agent.concurrency must be at least 1".into());
         }
         if self.circuit.failure_threshold == 0 || self.circuit.cool_down_ms == 0 {
             return Err(

@@ -122,15 +122,19 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     report.latency_rate_orders_per_sec = rate;
     progress.inc(1);
 
-    // Scaling: the remote service answers in 50 ms and each agent process
-    // makes one call at a time per queue, so the remote service is the bottleneck.
+    // Scaling: the remote service answers in 50 ms and takes one call at a
+    // time from each agent process (agent.concurrency = 1), so the remote
+    // service is the bottleneck; prefetch 2 keeps the next request at hand.
     for agent in &mut system.agents {
         agent.kill9().await;
     }
     system.sim.set_faults(None, json!({"latency_ms": 50, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0})).await?;
     for &agents in sizes.scaling_agents {
         progress.set_message(format!("scaling: {agents} agent process(es)"));
-        let one_at_a_time = [("SAS_AMQP__PREFETCH", "1".to_owned())];
+        let one_at_a_time = [
+            ("SAS_AGENT__CONCURRENCY", "1".to_owned()),
+            ("SAS_AMQP__PREFETCH", "2".to_owned()),
+        ];
         let mut running: Vec<_> = (0..agents)
             .map(|i| start_agent(&env, &system.sim, 100 + agents * 10 + i, &one_at_a_time))
             .collect();
