@@ -28,6 +28,10 @@ struct Cli {
     /// Where to write the JSON report.
     #[arg(long, default_value = "target/bench/latest.json")]
     out: PathBuf,
+    /// A setting for every service, as `SAS_SECTION__KEY=value` (repeatable),
+    /// to compare tunings in the same harness.
+    #[arg(long = "set", value_name = "VAR=VALUE")]
+    settings: Vec<String>,
 }
 
 /// How big each phase is.
@@ -86,6 +90,21 @@ fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let sizes = if cli.quick { QUICK } else { FULL };
+    let mut extra = Vec::new();
+    for setting in &cli.settings {
+        let (key, value) = setting
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--set takes VAR=VALUE, got {setting:?}"))?;
+        anyhow::ensure!(
+            key.starts_with("SAS_"),
+            "--set names a SAS_* variable, got {key:?}"
+        );
+        extra.push((
+            &*Box::leak(key.to_owned().into_boxed_str()),
+            value.to_owned(),
+        ));
+    }
+    let _ = system::EXTRA.set(extra);
     let progress = ProgressBar::new(6);
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}")?

@@ -171,7 +171,7 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     let publishing = publish(&env, &publisher, &recovery_ids, (n as f64 / 2.0).max(20.0));
     let killing = async {
         while crate::drive::processed(&env, "rec-").await < (n / 4) as i64 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         agents[0].kill9().await;
         Instant::now()

@@ -7,8 +7,14 @@ use sas_tests::TestEnv;
 /// Settings every benchmarked service gets: quiet logs (an info line per
 /// message costs throughput), fast supervisor.
 pub fn quiet() -> Vec<(&'static str, String)> {
-    vec![("SAS_LOG__FILTER", "warn".to_owned())]
+    let mut vars = vec![("SAS_LOG__FILTER", "warn".to_owned())];
+    vars.extend(EXTRA.get().cloned().unwrap_or_default());
+    vars
 }
+
+/// Settings given with `--set`, passed to every service (each reads the
+/// sections it has): for tuning experiments.
+pub static EXTRA: std::sync::OnceLock<Vec<(&'static str, String)>> = std::sync::OnceLock::new();
 
 /// The running system.
 pub struct BenchSystem {
