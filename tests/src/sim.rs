@@ -2,39 +2,7 @@
 
 use std::collections::HashMap;
 
-use serde::Deserialize;
-
-/// One decided idempotency key, as `GET /side-effects` lists it.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Entry {
-    /// The idempotency key.
-    pub key: String,
-    /// Service.
-    pub service: String,
-    /// Operation.
-    pub operation: String,
-    /// Order, if the payload named one.
-    pub order_id: Option<String>,
-    /// `applied` or `refused`.
-    pub decision: String,
-}
-
-/// remote-sim's counters.
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub struct Stats {
-    /// Calls received.
-    pub calls: u64,
-    /// Calls answered from an earlier decision.
-    pub deduplicated: u64,
-    /// 503s returned.
-    pub transient_faults: u64,
-    /// Keys refused for good.
-    pub permanent_faults: u64,
-    /// Calls that applied and never answered.
-    pub hangs: u64,
-    /// Side effects applied.
-    pub applied: u64,
-}
+pub use remote_sim::ledger::{Decision, Entry, Stats};
 
 /// A client of one remote-sim process.
 #[derive(Debug, Clone)]
@@ -79,11 +47,35 @@ impl SimClient {
     pub async fn applied_per_key(&self) -> anyhow::Result<HashMap<String, usize>> {
         let mut counts = HashMap::new();
         for entry in self.side_effects().await? {
-            if entry.decision == "applied" {
+            if matches!(entry.decision, Decision::Applied { .. }) {
                 *counts.entry(entry.key).or_default() += 1;
             }
         }
         Ok(counts)
+    }
+
+    /// Applied side effects per order, as (forward keys, compensation keys),
+    /// after asserting that no key was applied twice.
+    ///
+    /// # Panics
+    /// When remote-sim cannot be reached, or a key was applied twice.
+    pub async fn effects_by_order(&self) -> HashMap<String, (usize, usize)> {
+        let mut by_order: HashMap<String, (usize, usize)> = HashMap::new();
+        for (key, count) in self
+            .applied_per_key()
+            .await
+            .expect("read remote-sim's side effects")
+        {
+            assert_eq!(count, 1, "side effect {key} applied {count} times");
+            let order_id = key.split(':').next().unwrap_or_default().to_owned();
+            let entry = by_order.entry(order_id).or_default();
+            if key.ends_with(":undo") {
+                entry.1 += 1;
+            } else {
+                entry.0 += 1;
+            }
+        }
+        by_order
     }
 
     /// The counters.

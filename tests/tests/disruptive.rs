@@ -11,7 +11,6 @@ use rand::{Rng, SeedableRng};
 use sas_store::ProcessState;
 use sas_tests::process::Service;
 use sas_tests::{order, wait_until, TestEnv};
-use serde_json::json;
 use tokio::sync::Mutex;
 
 /// One outage at a time.
@@ -146,66 +145,17 @@ async fn publish_through_outages(env: &TestEnv, ids: Vec<String>, pace: Duration
     let _ = connection.close(200, "done").await;
 }
 
-/// Asserts that no side effect was applied twice and returns, per order,
-/// (forward keys applied, compensation keys applied).
-async fn side_effects_by_order(sim: &sas_tests::sim::SimClient) -> HashMap<String, (usize, usize)> {
-    let mut by_order: HashMap<String, (usize, usize)> = HashMap::new();
-    for (key, count) in sim.applied_per_key().await.unwrap() {
-        assert_eq!(count, 1, "side effect {key} applied {count} times");
-        let entry = by_order
-            .entry(key.split(':').next().unwrap().to_owned())
-            .or_default();
-        if key.ends_with(":undo") {
-            entry.1 += 1;
-        } else {
-            entry.0 += 1;
-        }
-    }
-    by_order
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn a_broker_restart_during_load_loses_no_order() {
-    let _serial = SERIAL.lock().await;
-    let env = TestEnv::with_step_timeout(5000).await;
+/// Runs 300 orders through a system of two agents per queue, lets `outage`
+/// hit once 30 of them are processed, and checks that every order still
+/// finishes, once, with no service restarted.
+async fn outage_during_load<F: std::future::Future<Output = ()>>(
+    env: &TestEnv,
+    prefix: &str,
+    outage: F,
+) {
     let mut system = env.system(2).await;
-    system.sim.set_faults(None, json!({"latency_ms": 20, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0})).await.unwrap();
-    let ids: Vec<String> = (0..300).map(|n| format!("broker-{n}")).collect();
-    let publishing = {
-        let ids = ids.clone();
-        let env = &env;
-        async move { publish_through_outages(env, ids, Duration::from_millis(10)).await }
-    };
-    let restarting = async {
-        wait_until("load to be under way", Duration::from_secs(30), || async {
-            let n = env.count(ProcessState::Processed).await;
-            if n >= 30 {
-                Ok(())
-            } else {
-                Err(n.to_string())
-            }
-        })
-        .await;
-        restart_broker().await;
-    };
-    tokio::join!(publishing, restarting);
-    env.wait_for_count(ProcessState::Processed, 300, Duration::from_secs(120))
-        .await;
-    system.assert_all_running();
-    let by_order = side_effects_by_order(&system.sim).await;
-    assert_eq!(by_order.len(), 300);
-    assert!(by_order
-        .values()
-        .all(|&(forward, undo)| forward == 3 && undo == 0));
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
-    let _serial = SERIAL.lock().await;
-    let env = TestEnv::with_step_timeout(5000).await;
-    let mut system = env.system(2).await;
-    let ids: Vec<String> = (0..300).map(|n| format!("pg-{n}")).collect();
-    let publishing = publish_through_outages(&env, ids, Duration::from_millis(10));
+    let ids: Vec<String> = (0..300).map(|n| format!("{prefix}{n}")).collect();
+    let publishing = publish_through_outages(env, ids, Duration::from_millis(10));
     let disrupting = async {
         wait_until("load to be under way", Duration::from_secs(30), || async {
             let n = env.count(ProcessState::Processed).await;
@@ -216,21 +166,38 @@ async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
             }
         })
         .await;
+        outage.await;
+    };
+    tokio::join!(publishing, disrupting);
+    env.wait_for_count(ProcessState::Processed, 300, Duration::from_secs(120))
+        .await;
+    system.assert_all_running();
+    let by_order = system.sim.effects_by_order().await;
+    assert_eq!(by_order.len(), 300);
+    assert!(by_order
+        .values()
+        .all(|&(forward, undo)| forward == 3 && undo == 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_restart_during_load_loses_no_order() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::with_step_timeout(5000).await;
+    outage_during_load(&env, "broker-", restart_broker()).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::with_step_timeout(5000).await;
+    let outage = async {
         terminate_connections(&env).await;
         tokio::time::sleep(Duration::from_millis(700)).await;
         restart_postgres(&env).await;
         tokio::time::sleep(Duration::from_millis(700)).await;
         terminate_connections(&env).await;
     };
-    tokio::join!(publishing, disrupting);
-    env.wait_for_count(ProcessState::Processed, 300, Duration::from_secs(120))
-        .await;
-    system.assert_all_running();
-    let by_order = side_effects_by_order(&system.sim).await;
-    assert_eq!(by_order.len(), 300);
-    assert!(by_order
-        .values()
-        .all(|&(forward, undo)| forward == 3 && undo == 0));
+    outage_during_load(&env, "pg-", outage).await;
 }
 
 /// At least 1,000 orders (`SAS_CHAOS_ORDERS`) under load while processes of
@@ -326,7 +293,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         .unwrap();
     assert_eq!(stored, orders as i64, "no order lost");
 
-    let by_order = side_effects_by_order(&sim).await;
+    let by_order = sim.effects_by_order().await;
     let states: HashMap<String, ProcessState> =
         sqlx::query_as::<_, (String, ProcessState)>("SELECT order_id, state FROM order_process")
             .fetch_all(env.store.pool())

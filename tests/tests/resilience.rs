@@ -68,23 +68,6 @@ async fn wait_for_state(env: &TestEnv, order_id: &str, state: ProcessState, time
     .await;
 }
 
-/// Applied keys per order: (forward keys, compensation keys).
-async fn applied_by_order(sim: &sas_tests::sim::SimClient) -> HashMap<String, (usize, usize)> {
-    let mut by_order: HashMap<String, (usize, usize)> = HashMap::new();
-    let per_key = sim.applied_per_key().await.unwrap();
-    for (key, count) in &per_key {
-        assert_eq!(*count, 1, "side effect {key} applied {count} times");
-        let order_id = key.split(':').next().unwrap().to_owned();
-        let entry = by_order.entry(order_id).or_default();
-        if key.ends_with(":undo") {
-            entry.1 += 1;
-        } else {
-            entry.0 += 1;
-        }
-    }
-    by_order
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() {
     let env = TestEnv::new().await;
@@ -130,7 +113,7 @@ async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() 
     let effects = system.sim.side_effects().await.unwrap();
     let applied: Vec<_> = effects
         .iter()
-        .filter(|e| e.decision == "applied")
+        .filter(|e| matches!(e.decision, sas_tests::sim::Decision::Applied { .. }))
         .map(|e| e.key.as_str())
         .collect();
     assert_eq!(
@@ -502,7 +485,7 @@ async fn orders_held_by_a_killed_scheduler_finish_on_another_one_within_the_dead
     // complete-by (2 s) + one supervisor interval (0.2 s) + backoff (at most 1 s) + the work left.
     let took = killed_at.elapsed();
     assert!(took < Duration::from_secs(20), "recovery took {took:?}");
-    let by_order = applied_by_order(&sim).await;
+    let by_order = sim.effects_by_order().await;
     assert_eq!(by_order.len(), 150);
     assert!(
         by_order
@@ -560,7 +543,7 @@ async fn an_agent_killed_mid_call_is_redelivered_and_its_side_effect_happens_onc
         stats.deduplicated >= 1,
         "requests of the killed agent were redelivered and deduplicated: {stats:?}"
     );
-    let by_order = applied_by_order(&sim).await;
+    let by_order = sim.effects_by_order().await;
     assert!(
         by_order
             .values()
@@ -762,7 +745,7 @@ async fn every_binary_exits_zero_on_sigterm_and_hands_back_what_it_had_in_flight
     let _supervisor = env.supervisor(0, &[]);
     env.wait_for_count(ProcessState::Processed, 40, Duration::from_secs(60))
         .await;
-    let by_order = applied_by_order(&sim).await;
+    let by_order = sim.effects_by_order().await;
     assert_eq!(by_order.len(), 40);
     assert!(
         by_order

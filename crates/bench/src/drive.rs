@@ -5,8 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
-use sas_broker::lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
-use sas_broker::lapin::types::FieldTable;
 use sas_broker::{topology, Publisher};
 use sas_messages::{OrderStatus, QueueNames, StatusEvent};
 use sas_tests::{order, TestEnv};
@@ -122,39 +120,9 @@ impl StatusListener {
     pub async fn start(env: &TestEnv) -> anyhow::Result<Self> {
         let settings = env.amqp();
         let connection = sas_broker::connect(&settings, "bench-status").await?;
-        let channel = connection.create_channel().await?;
-        topology::declare_common(&channel, &settings).await?;
-        let queue = channel
-            .queue_declare(
-                "",
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        channel
-            .queue_bind(
-                queue.name().as_str(),
-                &settings.names().status_exchange(),
-                &QueueNames::status_routing_key("*"),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let mut consumer = channel
-            .basic_consume(
-                queue.name().as_str(),
-                "bench",
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let mut consumer =
+            topology::status_consumer(&connection, &settings, &QueueNames::status_routing_key("*"))
+                .await?;
         let processed = Arc::new(Mutex::new(HashMap::new()));
         let record = processed.clone();
         let task = tokio::spawn(async move {

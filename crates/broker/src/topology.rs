@@ -166,3 +166,55 @@ pub async fn delete_all(
     }
     Ok(())
 }
+
+/// A private, auto-deleted queue bound to the status exchange with
+/// `routing_key` (`order.<id>` for one order, `order.*` for all), consumed
+/// without acknowledgements: how a client follows orders live.
+///
+/// # Errors
+/// When the broker refuses or does not answer in time.
+pub async fn status_consumer(
+    connection: &Connection,
+    settings: &AmqpSettings,
+    routing_key: &str,
+) -> Result<lapin::Consumer, BrokerError> {
+    let timeout = settings.operation_timeout();
+    let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
+    declare_common(&channel, settings).await?;
+    let queue = timed(
+        "declaring a status queue",
+        timeout,
+        channel.queue_declare(
+            "",
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        ),
+    )
+    .await?;
+    bind(
+        &channel,
+        settings,
+        queue.name().as_str(),
+        &settings.names().status_exchange(),
+        routing_key,
+    )
+    .await?;
+    timed(
+        "consuming status messages",
+        timeout,
+        channel.basic_consume(
+            queue.name().as_str(),
+            "",
+            lapin::options::BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        ),
+    )
+    .await
+}

@@ -46,7 +46,7 @@ pub struct Entry {
 }
 
 /// Counters of what the simulator saw.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct Stats {
     /// Calls received.
     pub calls: u64,

@@ -5,8 +5,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures_util::StreamExt;
-use sas_broker::lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
-use sas_broker::lapin::types::FieldTable;
 use sas_broker::lapin::{Connection, Consumer};
 use sas_broker::{topology, AmqpSettings};
 use sas_messages::{OrderStatus, QueueNames, StatusEvent};
@@ -29,39 +27,12 @@ impl Watcher {
         settings: &AmqpSettings,
         order_id: &str,
     ) -> anyhow::Result<Self> {
-        let channel = connection.create_channel().await?;
-        topology::declare_common(&channel, settings).await?;
-        let queue = channel
-            .queue_declare(
-                "",
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        channel
-            .queue_bind(
-                queue.name().as_str(),
-                &settings.names().status_exchange(),
-                &QueueNames::status_routing_key(order_id),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let consumer = channel
-            .basic_consume(
-                queue.name().as_str(),
-                "sasctl-watch",
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..BasicConsumeOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let consumer = topology::status_consumer(
+            connection,
+            settings,
+            &QueueNames::status_routing_key(order_id),
+        )
+        .await?;
         Ok(Self { consumer })
     }
 
