@@ -16,7 +16,11 @@ logs=target/demo
 mkdir -p "$logs"
 
 admin_url="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
-export SAS_DATABASE__URL="${SAS_DATABASE__URL:-${admin_url%/*}/sas_demo}"
+if [ -z "${SAS_DATABASE__URL:-}" ]; then
+  # The demo's own database starts empty each time.
+  export SAS_DATABASE__URL="${admin_url%/*}/sas_demo"
+  psql "$admin_url" -qc "DROP DATABASE IF EXISTS sas_demo WITH (FORCE)"
+fi
 export SAS_AMQP__PREFIX="${SAS_AMQP__PREFIX:-demo.}"
 export SAS_AMQP__URL="${SAS_AMQP__URL:-amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10}"
 database="${SAS_DATABASE__URL##*/}"
