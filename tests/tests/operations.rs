@@ -191,3 +191,62 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sasctl_submits_and_watches_an_order_and_shows_it_from_the_state_store() {
+    let env = TestEnv::new().await;
+    let _system = env.system(1).await;
+    let (code, out) = env
+        .sasctl(&["submit", "--order-id", "cli-1", "--watch"])
+        .await;
+    assert_eq!(code, 0, "processed: exit 0");
+    let events: Vec<&str> = out
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(2))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            "received",
+            "step_completed",
+            "step_completed",
+            "step_completed",
+            "processed"
+        ],
+        "{out}"
+    );
+
+    let (code, out) = env
+        .sasctl(&[
+            "submit",
+            "--order-id",
+            "cli-2",
+            "--amount-cents",
+            "50000000",
+            "--watch",
+        ])
+        .await;
+    assert_eq!(code, 3, "compensated: exit 3");
+    assert!(
+        out.contains("compensating") && out.contains("declined"),
+        "{out}"
+    );
+
+    let (code, out) = env.sasctl(&["orders", "show", "cli-2"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("compensated") && out.contains("cli-2:reserve_stock"),
+        "{out}"
+    );
+    let (code, out) = env
+        .sasctl(&["orders", "list", "--state", "processed"])
+        .await;
+    assert_eq!(code, 0);
+    assert!(out.contains("cli-1") && !out.contains("cli-2"), "{out}");
+    // Watching an order that already ended replays its history and exits at once.
+    let (code, out) = env.sasctl(&["watch", "cli-1"]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("order cli-1 is processed"), "{out}");
+    let (code, _) = env.sasctl(&["orders", "show", "no-such-order"]).await;
+    assert_eq!(code, 1);
+}
