@@ -11,6 +11,13 @@ use sqlx::Connection as _;
 
 use crate::process::bin_dir;
 
+/// The built-in order workflow: (step, agent, action, compensation).
+const STEPS: [(&str, &str, &str, &str); 3] = [
+    ("reserve_stock", "inventory", "reserve", "release"),
+    ("charge_payment", "payment", "charge", "refund"),
+    ("create_shipment", "shipping", "ship", "cancel"),
+];
+
 /// Agents of the built-in workflow.
 pub const AGENTS: [&str; 3] = ["inventory", "payment", "shipping"];
 
@@ -123,14 +130,24 @@ impl TestEnv {
         self.dir.join("workflow.toml")
     }
 
+    /// The test workflow's steps, as the store copies them onto an order
+    /// (for tests that write orders straight into the store).
+    pub fn steps(&self) -> Vec<sas_store::NewStep> {
+        STEPS
+            .iter()
+            .map(|(name, agent, action, compensation)| sas_store::NewStep {
+                name: (*name).into(),
+                agent: (*agent).into(),
+                action: (*action).into(),
+                compensation: Some((*compensation).into()),
+                timeout: std::time::Duration::from_millis(self.step_timeout_ms),
+            })
+            .collect()
+    }
+
     fn workflow_text(&self) -> String {
-        let steps = [
-            ("reserve_stock", "inventory", "reserve", "release"),
-            ("charge_payment", "payment", "charge", "refund"),
-            ("create_shipment", "shipping", "ship", "cancel"),
-        ];
         let mut text = String::from("name = \"order\"\n");
-        for (name, agent, action, compensation) in steps {
+        for (name, agent, action, compensation) in STEPS {
             text.push_str(&format!(
                 "[[steps]]\nname = \"{name}\"\nagent = \"{agent}\"\naction = \"{action}\"\ncompensation = \"{compensation}\"\ntimeout_ms = {}\n",
                 self.step_timeout_ms

@@ -296,24 +296,7 @@ async fn malformed_json_a_wrong_schema_version_and_an_unknown_field_are_dead_let
 async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
     let env = TestEnv::new().await;
     // Orders waiting to be claimed, as the supervisor leaves them after a timeout.
-    let steps: Vec<sas_store::NewStep> = STEPS
-        .iter()
-        .zip(["inventory", "payment", "shipping"])
-        .zip([
-            ("reserve", "release"),
-            ("charge", "refund"),
-            ("ship", "cancel"),
-        ])
-        .map(
-            |((name, agent), (action, compensation))| sas_store::NewStep {
-                name: (*name).into(),
-                agent: agent.into(),
-                action: action.into(),
-                compensation: Some(compensation.into()),
-                timeout: Duration::from_secs(5),
-            },
-        )
-        .collect();
+    let steps = env.steps();
     for n in 0..150 {
         env.store
             .insert_order(

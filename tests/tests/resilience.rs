@@ -755,3 +755,105 @@ async fn every_binary_exits_zero_on_sigterm_and_hands_back_what_it_had_in_flight
     );
     assert_eq!(state_of(&env, "term-0").await, ProcessState::Processed);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_delivered_twice_settles_its_order_once() {
+    let env = TestEnv::new().await;
+    let trace = sas_messages::TraceParent::new_root().trace_id;
+    env.store
+        .insert_order(&order("dead-twice"), "order", &env.steps(), &trace, "test")
+        .await
+        .unwrap();
+    let attempt = env
+        .store
+        .order_detail("dead-twice")
+        .await
+        .unwrap()
+        .unwrap()
+        .steps[0]
+        .attempt_id
+        .unwrap();
+
+    let first = env
+        .store
+        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-0")
+        .await
+        .unwrap();
+    assert!(first.is_some(), "the order is undone");
+    assert_eq!(
+        state_of(&env, "dead-twice").await,
+        ProcessState::Compensating
+    );
+    // The same dead letter again (a redelivery after a supervisor crashed
+    // before its ack): the step is not the one the compensation awaits.
+    let second = env
+        .store
+        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-1")
+        .await
+        .unwrap();
+    assert!(second.is_none(), "nothing changes twice");
+    assert_eq!(
+        state_of(&env, "dead-twice").await,
+        ProcessState::Compensating
+    );
+    assert!(
+        env.store.alerts(true, 10).await.unwrap().is_empty(),
+        "no alert: the compensation goes on"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_never_calls_the_remote_service_after_the_attempt_s_deadline() {
+    let env = TestEnv::with_step_timeout(1000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    // Inventory takes longer than a step may, and the agent makes one call
+    // at a time: later requests wait for the call slot past their deadline.
+    sim.set_faults(Some("inventory"), faults(1500, 0.0, 0.0))
+        .await
+        .unwrap();
+    let one_at_a_time = [
+        ("SAS_AGENT__CONCURRENCY", "1".to_owned()),
+        ("SAS_AMQP__PREFETCH", "10".to_owned()),
+    ];
+    let _inventory = env.agent("inventory", 0, &sim, &one_at_a_time);
+    let _others = [
+        env.agent("payment", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "0".to_owned())]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..5 {
+        env.publish_order(&publisher, &order(&format!("late-call-{n}")))
+            .await;
+    }
+    // Every attempt, forward and backward, times out: the orders end in error.
+    env.wait_for_count(ProcessState::Error, 5, Duration::from_secs(60))
+        .await;
+
+    let timeout = chrono::Duration::milliseconds(1000);
+    let tolerance = chrono::Duration::milliseconds(50);
+    for entry in sim.side_effects().await.unwrap() {
+        if entry.service != "inventory" || entry.key.ends_with(":undo") {
+            continue;
+        }
+        let order_id = entry.order_id.clone().unwrap();
+        let windows: Vec<_> = env
+            .store
+            .history(&order_id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|h| h.event == "dispatched" && h.step.as_deref() == Some("reserve_stock"))
+            .map(|h| (h.at, h.at + timeout))
+            .collect();
+        assert!(
+            windows
+                .iter()
+                .any(|(start, end)| entry.at >= *start - tolerance && entry.at <= *end + tolerance),
+            "{} was called at {}, outside every attempt's window {windows:?}",
+            entry.key,
+            entry.at
+        );
+    }
+}

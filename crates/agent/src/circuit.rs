@@ -1,9 +1,8 @@
 //! A circuit breaker around the remote service.
 //!
 //! After `failure_threshold` consecutive transient faults the circuit opens:
-//! calls fail fast (the agent answers with a transient failure, so the
-//! supervisor reschedules the step with backoff) instead of piling onto a
-//! service that is down. After `cool_down` one probe is let through
+//! no call goes out (requests wait in the agent for the probe, within their
+//! deadline) instead of piling onto a service that is down. After `cool_down` one probe is let through
 //! (half-open); its success closes the circuit, its failure opens it again.
 
 use std::sync::Mutex;
@@ -96,6 +95,17 @@ impl CircuitBreaker {
                 true
             }
             CircuitState::Open => false,
+        }
+    }
+
+    /// How long until a call may be let through: the rest of the cool-down
+    /// while open, a short pause while a probe is out, zero when closed.
+    pub fn retry_after(&self) -> Duration {
+        let inner = self.lock();
+        match inner.state {
+            CircuitState::Closed => Duration::ZERO,
+            CircuitState::Open => self.cool_down.saturating_sub(inner.opened_at.elapsed()),
+            CircuitState::HalfOpen => (self.cool_down / 10).max(Duration::from_millis(10)),
         }
     }
 

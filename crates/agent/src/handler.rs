@@ -125,28 +125,38 @@ impl Agent {
                 return Finished::Expired;
             };
             if !lane.circuit.allow() {
+                // Fail fast: no call to a service that keeps failing. The
+                // request waits here for the probe (or its deadline), rather
+                // than answering at once and using up the order's failures
+                // in a few seconds of outage.
                 metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone()).increment(1);
-                return Finished::Reply(StepOutcome::Failed {
-                    error: format!(
-                        "circuit open: {} is failing; not calling it for now",
-                        lane.remote.base_url()
-                    ),
-                    permanent: false,
-                });
+                let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
+                if wait >= left {
+                    return Finished::Expired;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => continue,
+                    () = self.shutdown.cancelled() => return Finished::Interrupted,
+                }
             }
-            let timeout = left.min(Duration::from_millis(settings.call_timeout_ms));
-            let call = async {
-                let _permit = lane
-                    .calls
-                    .acquire()
-                    .await
-                    .expect("the semaphore is never closed");
-                lane.remote.call(request, timeout).await
-            };
-            let result = tokio::select! {
-                result = call => result,
+            // Waiting for a call slot counts against the deadline too: a call
+            // must never start after complete-by, when the supervisor may
+            // already have sent the undo.
+            let permit = tokio::select! {
+                permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
+                    Ok(permit) => permit.expect("the semaphore is never closed"),
+                    Err(_) => return Finished::Expired,
+                },
                 () = self.shutdown.cancelled() => return Finished::Interrupted,
             };
+            let Some(left) = time_left(request) else {
+                return Finished::Expired;
+            };
+            let timeout = left.min(Duration::from_millis(settings.call_timeout_ms));
+            // A call under way is not cut short by shutdown: the drain limit
+            // bounds it, and cutting it would only make the call repeat.
+            let result = lane.remote.call(request, timeout).await;
+            drop(permit);
             match result {
                 CallResult::Success(result) => {
                     lane.circuit.record_success();

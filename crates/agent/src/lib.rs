@@ -117,19 +117,12 @@ impl Agent {
         publisher: Publisher,
     ) -> Result<(), BrokerError> {
         let amqp = &self.settings.amqp;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| BrokerError::Amqp {
-                doing: "opening a channel",
-                source,
-            })?;
-        topology::declare_common(&channel, amqp).await?;
-        for lane in &self.lanes {
-            topology::declare_work_queue(&channel, amqp, &amqp.names().agent_requests(&lane.name))
-                .await?;
-        }
-        let _ = channel.close(200, "declared").await;
+        let queues: Vec<String> = self
+            .lanes
+            .iter()
+            .map(|lane| amqp.names().agent_requests(&lane.name))
+            .collect();
+        topology::declare(&connection, amqp, &queues).await?;
         let drain = Duration::from_millis(self.settings.agent.drain_ms);
         let consumers = self.lanes.iter().map(|lane| {
             let queue = amqp.names().agent_requests(&lane.name);

@@ -88,7 +88,7 @@ impl Session {
             }
             match self.open().await {
                 Ok((connection, publisher, lost)) => {
-                    failures = 0;
+                    let connected_at = std::time::Instant::now();
                     tracing::info!(service = %self.name, url = %redact(&self.settings.url), "connected to RabbitMQ");
                     self.publisher.set(Some(publisher.clone()));
                     self.connected.store(true, Ordering::Relaxed);
@@ -103,6 +103,11 @@ impl Session {
                         connection.close(200, "closing"),
                     )
                     .await;
+                    // A connection that fails again at once (a refused
+                    // declaration, revoked rights) keeps the backoff growing.
+                    if connected_at.elapsed() >= std::time::Duration::from_secs(10) {
+                        failures = 0;
+                    }
                     match result {
                         Ok(()) => return,
                         Err(error) => {

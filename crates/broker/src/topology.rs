@@ -218,3 +218,24 @@ pub async fn status_consumer(
     )
     .await
 }
+
+/// Declares the common topology and the work queues `queues` on a channel of
+/// its own, every step within the operation timeout: what each service does
+/// on every new connection.
+///
+/// # Errors
+/// When a declaration is refused or the broker does not answer in time.
+pub async fn declare(
+    connection: &Connection,
+    settings: &AmqpSettings,
+    queues: &[String],
+) -> Result<(), BrokerError> {
+    let timeout = settings.operation_timeout();
+    let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
+    declare_common(&channel, settings).await?;
+    for queue in queues {
+        declare_work_queue(&channel, settings, queue).await?;
+    }
+    let _ = timed("closing a channel", timeout, channel.close(200, "declared")).await;
+    Ok(())
+}

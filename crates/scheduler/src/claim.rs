@@ -38,7 +38,7 @@ impl Scheduler {
                 metrics::counter!("sas_orders_claimed_total").increment(1);
                 publish_progress(&publisher, &self.names, progress).await?;
             }
-            if full {
+            if full && !self.shutdown.is_cancelled() {
                 continue;
             }
             tokio::select! {

@@ -185,21 +185,13 @@ impl Scheduler {
     }
 
     async fn declare(&self, connection: &Connection) -> Result<(), BrokerError> {
-        let amqp = &self.settings.amqp;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| BrokerError::Amqp {
-                doing: "opening a channel",
-                source,
-            })?;
-        topology::declare_common(&channel, amqp).await?;
-        topology::declare_work_queue(&channel, amqp, &self.names.orders()).await?;
-        topology::declare_work_queue(&channel, amqp, &self.names.scheduler_replies()).await?;
-        for agent in self.workflow.agents() {
-            topology::declare_work_queue(&channel, amqp, &self.names.agent_requests(agent)).await?;
-        }
-        let _ = channel.close(200, "declared").await;
-        Ok(())
+        let mut queues = vec![self.names.orders(), self.names.scheduler_replies()];
+        queues.extend(
+            self.workflow
+                .agents()
+                .into_iter()
+                .map(|agent| self.names.agent_requests(agent)),
+        );
+        topology::declare(connection, &self.settings.amqp, &queues).await
     }
 }

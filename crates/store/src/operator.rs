@@ -53,10 +53,13 @@ impl Store {
         };
         let step: Option<String> = sqlx::query_scalar(
             "SELECT name FROM steps
-              WHERE order_id = $1 AND attempt_id = $2 AND state IN ('running', 'compensating')",
+              WHERE order_id = $1 AND attempt_id = $2
+                AND state = CASE WHEN $3 = 'compensating'::process_state
+                                 THEN 'compensating' ELSE 'running' END::step_state",
         )
         .bind(order_id)
         .bind(attempt_id)
+        .bind(state)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(step) = step else {

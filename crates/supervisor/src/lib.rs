@@ -111,15 +111,7 @@ impl Supervisor {
         publisher: Publisher,
     ) -> Result<(), BrokerError> {
         let amqp = &self.settings.amqp;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| BrokerError::Amqp {
-                doing: "opening a channel",
-                source,
-            })?;
-        topology::declare_common(&channel, amqp).await?;
-        let _ = channel.close(200, "declared").await;
+        topology::declare(&connection, amqp, &[]).await?;
         let queue = self.names.dead_letter_records();
         let me = self.clone();
         sas_broker::consume::consume(

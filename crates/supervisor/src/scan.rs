@@ -42,7 +42,7 @@ impl Supervisor {
                 last_gauge = tokio::time::Instant::now();
                 self.refresh_gauges().await;
             }
-            if full {
+            if full && !self.shutdown.is_cancelled() {
                 continue;
             }
             tokio::select! {
