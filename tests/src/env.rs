@@ -167,6 +167,7 @@ impl TestEnv {
             max_message_bytes: 65_536,
             reconnect_base_ms: 100,
             reconnect_max_ms: 1_000,
+            status_exchange: true,
         }
     }
 

@@ -250,3 +250,55 @@ async fn sasctl_submits_and_watches_an_order_and_shows_it_from_the_state_store()
     let (code, _) = env.sasctl(&["orders", "show", "no-such-order"]).await;
     assert_eq!(code, 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_status_exchange_off_status_messages_still_reach_the_order_s_reply_to() {
+    let env = TestEnv::new().await;
+    let off = [("SAS_AMQP__STATUS_EXCHANGE", "false".to_owned())];
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &off);
+    let _supervisor = env.supervisor(0, &off);
+    let (connection, publisher) = env.broker().await;
+    let settings = env.amqp();
+    let (_, mut watched) =
+        sas_broker::topology::status_consumer(&connection, &settings, Some("order.*"))
+            .await
+            .unwrap();
+    let (client_queue, mut client) =
+        sas_broker::topology::status_consumer(&connection, &settings, None)
+            .await
+            .unwrap();
+
+    let mut submitted = order("quiet-1");
+    submitted.reply_to = Some(client_queue);
+    env.publish_order(&publisher, &submitted).await;
+    let mut events = Vec::new();
+    while events.last().map(String::as_str) != Some("processed") {
+        let delivery = tokio::time::timeout(
+            Duration::from_secs(20),
+            futures_util::StreamExt::next(&mut client),
+        )
+        .await
+        .expect("a status message on reply_to")
+        .unwrap()
+        .unwrap();
+        let status: sas_messages::OrderStatus = serde_json::from_slice(&delivery.data).unwrap();
+        events.push(
+            serde_json::to_value(status.event)
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    assert_eq!(events.len(), 5, "{events:?}");
+    // Published in order on one channel: had the exchange copies been sent,
+    // they would be here by now.
+    let stray = tokio::time::timeout(
+        Duration::from_millis(300),
+        futures_util::StreamExt::next(&mut watched),
+    )
+    .await;
+    assert!(stray.is_err(), "nothing went to the status exchange");
+}

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
 use sas_broker::{topology, Publisher};
-use sas_messages::{OrderStatus, QueueNames, StatusEvent};
+use sas_messages::{OrderStatus, StatusEvent};
 use sas_tests::{order, TestEnv};
 
 /// Publishes the orders `ids` with confirms, up to 256 unconfirmed at once,
@@ -17,6 +17,7 @@ pub async fn publish(
     publisher: &Publisher,
     ids: &[String],
     rate: f64,
+    reply_to: Option<&str>,
 ) -> HashMap<String, Instant> {
     let queue = env.amqp().names().orders();
     let started = Instant::now();
@@ -31,7 +32,9 @@ pub async fn publish(
                     )
                     .await;
                 }
-                let body = serde_json::to_vec(&order(id)).expect("order");
+                let mut submitted = order(id);
+                submitted.reply_to = reply_to.map(str::to_owned);
+                let body = serde_json::to_vec(&submitted).expect("order");
                 let at = Instant::now();
                 publisher
                     .publish(
@@ -110,19 +113,21 @@ pub async fn wait_processed(
 /// A client listening to every order's status messages, recording when
 /// each order's `processed` arrived.
 pub struct StatusListener {
+    /// The queue to name as `reply_to`.
+    pub queue: String,
     /// Arrival of each order's `processed` status.
     pub processed: Arc<Mutex<HashMap<String, Instant>>>,
     _task: tokio::task::JoinHandle<()>,
 }
 
 impl StatusListener {
-    /// Binds a private queue to the status exchange for every order.
+    /// A private queue that orders name as their `reply_to`, as a client
+    /// that wants its status messages does (it works whether or not the
+    /// status exchange is on).
     pub async fn start(env: &TestEnv) -> anyhow::Result<Self> {
         let settings = env.amqp();
         let connection = sas_broker::connect(&settings, "bench-status").await?;
-        let mut consumer =
-            topology::status_consumer(&connection, &settings, &QueueNames::status_routing_key("*"))
-                .await?;
+        let (queue, mut consumer) = topology::status_consumer(&connection, &settings, None).await?;
         let processed = Arc::new(Mutex::new(HashMap::new()));
         let record = processed.clone();
         let task = tokio::spawn(async move {
@@ -139,6 +144,7 @@ impl StatusListener {
             }
         });
         Ok(Self {
+            queue,
             processed,
             _task: task,
         })

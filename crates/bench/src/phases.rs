@@ -62,7 +62,7 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     progress.set_message("starting the system");
     let (_connection, publisher) = env.broker().await;
     let mut system = BenchSystem::start(&env, 2).await;
-    publish(&env, &publisher, &ids("warmup-", 20), 0.0).await;
+    publish(&env, &publisher, &ids("warmup-", 20), 0.0, None).await;
     wait_processed(&env, "warmup-", 20, Duration::from_secs(60)).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     record_memory(&system, &mut report.rss_idle_mib, false);
@@ -74,7 +74,14 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
         + counter_sum(port, "sas_status_messages_total").await;
     let commits_before = pg_commits(&env).await;
     let started = Instant::now();
-    publish(&env, &publisher, &ids("sat-", sizes.saturation_orders), 0.0).await;
+    publish(
+        &env,
+        &publisher,
+        &ids("sat-", sizes.saturation_orders),
+        0.0,
+        None,
+    )
+    .await;
     let finished = wait_processed(
         &env,
         "sat-",
@@ -102,7 +109,14 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     let count = ((rate * sizes.latency_secs) as usize).max(30);
     progress.set_message(format!("latency: {count} orders at {rate:.0}/s"));
     let listener = StatusListener::start(&env).await?;
-    let sent = publish(&env, &publisher, &ids("lat-", count), rate).await;
+    let sent = publish(
+        &env,
+        &publisher,
+        &ids("lat-", count),
+        rate,
+        Some(&listener.queue),
+    )
+    .await;
     wait_processed(&env, "lat-", count, Duration::from_secs(300)).await?;
     let deadline = Instant::now() + Duration::from_secs(10);
     while listener.processed.lock().expect("lock").len() < count && Instant::now() < deadline {
@@ -139,12 +153,12 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
             .map(|i| start_agent(&env, &system.sim, 100 + agents * 10 + i, &one_at_a_time))
             .collect();
         let warm = format!("scale-{agents}-warm-");
-        publish(&env, &publisher, &ids(&warm, agents), 0.0).await;
+        publish(&env, &publisher, &ids(&warm, agents), 0.0, None).await;
         wait_processed(&env, &warm, agents, Duration::from_secs(60)).await?;
         let prefix = format!("scale-{agents}-run-");
         let n = sizes.scaling_orders_per_agent * agents;
         let started = Instant::now();
-        publish(&env, &publisher, &ids(&prefix, n), 0.0).await;
+        publish(&env, &publisher, &ids(&prefix, n), 0.0, None).await;
         let finished = wait_processed(&env, &prefix, n, Duration::from_secs(600)).await?;
         report.scaling.push(ScalingPoint {
             agents,
@@ -164,11 +178,17 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     let mut agents: Vec<_> = (0..2)
         .map(|i| start_agent(&env, &system.sim, 200 + i, &[]))
         .collect();
-    publish(&env, &publisher, &ids("rec-warm-", 2), 0.0).await;
+    publish(&env, &publisher, &ids("rec-warm-", 2), 0.0, None).await;
     wait_processed(&env, "rec-warm-", 2, Duration::from_secs(60)).await?;
     let n = sizes.recovery_orders;
     let recovery_ids = ids("rec-", n);
-    let publishing = publish(&env, &publisher, &recovery_ids, (n as f64 / 2.0).max(20.0));
+    let publishing = publish(
+        &env,
+        &publisher,
+        &recovery_ids,
+        (n as f64 / 2.0).max(20.0),
+        None,
+    );
     let killing = async {
         while crate::drive::processed(&env, "rec-").await < (n / 4) as i64 {
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -18,6 +18,7 @@ use crate::BrokerError;
 pub struct Publisher {
     channel: Channel,
     timeout: Duration,
+    status_exchange: bool,
 }
 
 impl Publisher {
@@ -38,7 +39,11 @@ impl Publisher {
             channel.confirm_select(ConfirmSelectOptions::default()),
         )
         .await?;
-        Ok(Self { channel, timeout })
+        Ok(Self {
+            channel,
+            timeout,
+            status_exchange: true,
+        })
     }
 
     /// Sends `body` without waiting for its confirm: the returned [`Pending`]
@@ -252,6 +257,13 @@ impl SharedPublisher {
 }
 
 impl Publisher {
+    /// Whether [`Publisher::send_status`] also sends to the status exchange
+    /// (`amqp.status_exchange`).
+    pub fn with_status_exchange(mut self, enabled: bool) -> Self {
+        self.status_exchange = enabled;
+        self
+    }
+
     /// Sends `statuses` in order (see [`Publisher::send_status`]).
     ///
     /// # Errors
@@ -288,16 +300,19 @@ impl Publisher {
             json_properties(&uuid::Uuid::now_v7().to_string())
                 .with_headers(order_headers(&status.order_id, trace_id))
         };
-        let mut pending = vec![
-            self.send_json(
-                &names.status_exchange(),
-                &sas_messages::QueueNames::status_routing_key(&status.order_id),
-                status,
-                properties(),
-                false,
-            )
-            .await?,
-        ];
+        let mut pending = Vec::with_capacity(2);
+        if self.status_exchange {
+            pending.push(
+                self.send_json(
+                    &names.status_exchange(),
+                    &sas_messages::QueueNames::status_routing_key(&status.order_id),
+                    status,
+                    properties(),
+                    false,
+                )
+                .await?,
+            );
+        }
         if let Some(queue) = reply_to {
             pending.push(
                 self.send_json("", queue, status, properties(), false)

@@ -26,6 +26,15 @@ pub struct AmqpSettings {
     pub reconnect_base_ms: u64,
     /// Longest wait between reconnection attempts, in milliseconds.
     pub reconnect_max_ms: u64,
+    /// Also send every status message to the status exchange, where
+    /// `sasctl watch` listens (5 of an order's 12 messages). Status messages
+    /// to an order's own `reply_to` are sent either way.
+    #[serde(default = "default_true")]
+    pub status_exchange: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl AmqpSettings {

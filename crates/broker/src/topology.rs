@@ -167,17 +167,18 @@ pub async fn delete_all(
     Ok(())
 }
 
-/// A private, auto-deleted queue bound to the status exchange with
-/// `routing_key` (`order.<id>` for one order, `order.*` for all), consumed
-/// without acknowledgements: how a client follows orders live.
+/// A private, auto-deleted queue, bound to the status exchange with
+/// `routing_key` if given (`order.<id>` for one order, `order.*` for all),
+/// consumed without acknowledgements: how a client follows orders live
+/// (unbound, it serves as an order's `reply_to`). Returns its name too.
 ///
 /// # Errors
 /// When the broker refuses or does not answer in time.
 pub async fn status_consumer(
     connection: &Connection,
     settings: &AmqpSettings,
-    routing_key: &str,
-) -> Result<lapin::Consumer, BrokerError> {
+    routing_key: Option<&str>,
+) -> Result<(String, lapin::Consumer), BrokerError> {
     let timeout = settings.operation_timeout();
     let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
     declare_common(&channel, settings).await?;
@@ -195,15 +196,17 @@ pub async fn status_consumer(
         ),
     )
     .await?;
-    bind(
-        &channel,
-        settings,
-        queue.name().as_str(),
-        &settings.names().status_exchange(),
-        routing_key,
-    )
-    .await?;
-    timed(
+    if let Some(routing_key) = routing_key {
+        bind(
+            &channel,
+            settings,
+            queue.name().as_str(),
+            &settings.names().status_exchange(),
+            routing_key,
+        )
+        .await?;
+    }
+    let consumer = timed(
         "consuming status messages",
         timeout,
         channel.basic_consume(
@@ -216,7 +219,8 @@ pub async fn status_consumer(
             FieldTable::default(),
         ),
     )
-    .await
+    .await?;
+    Ok((queue.name().to_string(), consumer))
 }
 
 /// Declares the common topology and the work queues `queues` on a channel of

@@ -66,6 +66,7 @@ impl Target {
             max_message_bytes: 65_536,
             reconnect_base_ms: 200,
             reconnect_max_ms: 5_000,
+            status_exchange: true,
         }
     }
 

@@ -27,10 +27,10 @@ impl Watcher {
         settings: &AmqpSettings,
         order_id: &str,
     ) -> anyhow::Result<Self> {
-        let consumer = topology::status_consumer(
+        let (_, consumer) = topology::status_consumer(
             connection,
             settings,
-            &QueueNames::status_routing_key(order_id),
+            Some(&QueueNames::status_routing_key(order_id)),
         )
         .await?;
         Ok(Self { consumer })

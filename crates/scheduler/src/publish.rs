@@ -31,9 +31,11 @@ pub async fn publish_progress(
             &progress.statuses,
         )
         .await?;
+    // Each status goes to the same destinations (status exchange, reply_to).
+    let per_status = (pending.len() / progress.statuses.len().max(1)) as u64;
     for status in &progress.statuses {
         metrics::counter!("sas_status_messages_total", "event" => format!("{:?}", status.event))
-            .increment(1);
+            .increment(per_status);
     }
     if let Some(dispatch) = &progress.dispatch {
         pending.push(send_request(publisher, names, dispatch, trace_id).await?);
