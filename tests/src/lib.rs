@@ -31,3 +31,27 @@ pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
         reply_to: None,
     }
 }
+
+/// Reads status messages from `consumer` until one of event `until`, and
+/// returns their events in order.
+///
+/// # Panics
+/// When no message arrives for 20 seconds, or one is not a status message.
+pub async fn status_events(
+    consumer: &mut sas_broker::lapin::Consumer,
+    until: sas_messages::StatusEvent,
+) -> Vec<sas_messages::StatusEvent> {
+    use futures_util::StreamExt;
+    let mut events = Vec::new();
+    while events.last() != Some(&until) {
+        let delivery = tokio::time::timeout(std::time::Duration::from_secs(20), consumer.next())
+            .await
+            .expect("a status message within 20 s")
+            .expect("the consumer is open")
+            .expect("a delivery");
+        let status: sas_messages::OrderStatus =
+            serde_json::from_slice(&delivery.data).expect("a status message");
+        events.push(status.event);
+    }
+    events
+}

@@ -157,15 +157,8 @@ async fn outage_during_load<F: std::future::Future<Output = ()>>(
     let ids: Vec<String> = (0..300).map(|n| format!("{prefix}{n}")).collect();
     let publishing = publish_through_outages(env, ids, Duration::from_millis(10));
     let disrupting = async {
-        wait_until("load to be under way", Duration::from_secs(30), || async {
-            let n = env.count(ProcessState::Processed).await;
-            if n >= 30 {
-                Ok(())
-            } else {
-                Err(n.to_string())
-            }
-        })
-        .await;
+        env.wait_for_count(ProcessState::Processed, 30, Duration::from_secs(30))
+            .await;
         outage.await;
     };
     tokio::join!(publishing, disrupting);

@@ -273,25 +273,7 @@ async fn with_the_status_exchange_off_status_messages_still_reach_the_order_s_re
     let mut submitted = order("quiet-1");
     submitted.reply_to = Some(client_queue);
     env.publish_order(&publisher, &submitted).await;
-    let mut events = Vec::new();
-    while events.last().map(String::as_str) != Some("processed") {
-        let delivery = tokio::time::timeout(
-            Duration::from_secs(20),
-            futures_util::StreamExt::next(&mut client),
-        )
-        .await
-        .expect("a status message on reply_to")
-        .unwrap()
-        .unwrap();
-        let status: sas_messages::OrderStatus = serde_json::from_slice(&delivery.data).unwrap();
-        events.push(
-            serde_json::to_value(status.event)
-                .unwrap()
-                .as_str()
-                .unwrap()
-                .to_owned(),
-        );
-    }
+    let events = sas_tests::status_events(&mut client, sas_messages::StatusEvent::Processed).await;
     assert_eq!(events.len(), 5, "{events:?}");
     // Published in order on one channel: had the exchange copies been sent,
     // they would be here by now.

@@ -135,26 +135,9 @@ async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() 
         )
         .await
         .unwrap();
-    let mut seen = Vec::new();
-    while seen.last().map(String::as_str) != Some("compensated") {
-        let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
-            .await
-            .expect("status message")
-            .unwrap()
-            .unwrap();
-        let status: sas_messages::OrderStatus = serde_json::from_slice(&delivery.data).unwrap();
-        seen.push(
-            serde_json::to_value(status.event)
-                .unwrap()
-                .as_str()
-                .unwrap()
-                .to_owned(),
-        );
-    }
-    assert_eq!(
-        seen,
-        ["received", "step_completed", "compensating", "compensated"]
-    );
+    use sas_messages::StatusEvent::{Compensated, Compensating, Received, StepCompleted};
+    let seen = sas_tests::status_events(&mut consumer, Compensated).await;
+    assert_eq!(seen, [Received, StepCompleted, Compensating, Compensated]);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -469,15 +452,8 @@ async fn orders_held_by_a_killed_scheduler_finish_on_another_one_within_the_dead
         env.publish_order(&publisher, &order(&format!("sched-{n}")))
             .await;
     }
-    wait_until("some orders processed", Duration::from_secs(30), || async {
-        let processed = env.count(ProcessState::Processed).await;
-        if processed >= 20 {
-            Ok(())
-        } else {
-            Err(processed.to_string())
-        }
-    })
-    .await;
+    env.wait_for_count(ProcessState::Processed, 20, Duration::from_secs(30))
+        .await;
     doomed.kill9().await;
     let killed_at = Instant::now();
     env.wait_for_count(ProcessState::Processed, 150, Duration::from_secs(60))

@@ -63,11 +63,6 @@ impl Session {
         self.connected.load(Ordering::Relaxed)
     }
 
-    /// The settings the session was made with.
-    pub fn settings(&self) -> &AmqpSettings {
-        &self.settings
-    }
-
     /// Runs `work` on a fresh connection, again and again, until `shutdown`.
     ///
     /// `work` gets the connection and a confirmed publisher on it. When the

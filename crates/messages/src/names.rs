@@ -17,11 +17,6 @@ impl QueueNames {
         }
     }
 
-    /// The prefix every name starts with.
-    pub fn prefix(&self) -> &str {
-        &self.prefix
-    }
-
     /// Quorum queue where clients publish [`crate::SubmitOrder`] messages.
     pub fn orders(&self) -> String {
         format!("{}sas.orders", self.prefix)

@@ -22,6 +22,18 @@ pub enum StatusEvent {
 }
 
 impl StatusEvent {
+    /// The name used on the wire (`step_completed`), for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Received => "received",
+            Self::StepCompleted => "step_completed",
+            Self::Processed => "processed",
+            Self::Compensating => "compensating",
+            Self::Compensated => "compensated",
+            Self::Failed => "failed",
+        }
+    }
+
     /// True when no further event will follow for this order (until an operator resubmits it).
     pub fn is_terminal(self) -> bool {
         matches!(self, Self::Processed | Self::Compensated | Self::Failed)
@@ -47,4 +59,23 @@ pub struct OrderStatus {
     pub detail: Option<String>,
     /// When it happened (database clock).
     pub at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StatusEvent;
+
+    #[test]
+    fn the_name_of_an_event_is_its_wire_name() {
+        for event in [
+            StatusEvent::Received,
+            StatusEvent::StepCompleted,
+            StatusEvent::Processed,
+            StatusEvent::Compensating,
+            StatusEvent::Compensated,
+            StatusEvent::Failed,
+        ] {
+            assert_eq!(serde_json::to_value(event).unwrap(), event.as_str());
+        }
+    }
 }

@@ -77,10 +77,7 @@ fn print_status(status: &OrderStatus) {
         "{}  {}  {:<15} {} {}",
         status.at.format("%H:%M:%S%.3f"),
         status.order_id,
-        serde_json::to_value(status.event)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default(),
+        status.event.as_str(),
         status.step.as_deref().unwrap_or(""),
         status.detail.as_deref().unwrap_or(""),
     );

@@ -34,7 +34,7 @@ pub async fn publish_progress(
     // Each status goes to the same destinations (status exchange, reply_to).
     let per_status = (pending.len() / progress.statuses.len().max(1)) as u64;
     for status in &progress.statuses {
-        metrics::counter!("sas_status_messages_total", "event" => format!("{:?}", status.event))
+        metrics::counter!("sas_status_messages_total", "event" => status.event.as_str())
             .increment(per_status);
     }
     if let Some(dispatch) = &progress.dispatch {

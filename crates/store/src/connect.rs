@@ -130,11 +130,6 @@ impl Store {
         Ok(Self { pool })
     }
 
-    /// Wraps an existing pool (tests).
-    pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool }
-    }
-
     /// The underlying pool, for queries this crate does not offer.
     pub fn pool(&self) -> &PgPool {
         &self.pool

@@ -159,17 +159,8 @@ impl Store {
         .bind(order_id)
         .fetch_one(&mut *tx)
         .await?;
-        let what = if state == ProcessState::Error && compensation_underway {
-            sqlx::query(
-                "UPDATE order_process
-                    SET state = 'compensating', locked_by = NULL, complete_by = NULL,
-                        failure_count = 0, not_before = now(), updated_at = now()
-                  WHERE order_id = $1",
-            )
-            .bind(order_id)
-            .execute(&mut *tx)
-            .await?;
-            "compensation resumed"
+        let (reopened, what) = if state == ProcessState::Error && compensation_underway {
+            (ProcessState::Compensating, "compensation resumed")
         } else {
             let generation: i64 = sqlx::query_scalar(
                 "SELECT count(*) + 1 FROM history WHERE order_id = $1 AND event = 'resubmitted'",
@@ -185,20 +176,22 @@ impl Store {
                   WHERE order_id = $1 AND state <> 'completed'",
             )
             .bind(order_id)
-            .bind(generation.to_string())
+                        .bind(generation.to_string())
             .execute(&mut *tx)
             .await?;
-            sqlx::query(
-                "UPDATE order_process
-                    SET state = 'pending', locked_by = NULL, complete_by = NULL,
-                        failure_count = 0, not_before = now(), updated_at = now()
-                  WHERE order_id = $1",
-            )
-            .bind(order_id)
-            .execute(&mut *tx)
-            .await?;
-            "workflow restarted"
+            (ProcessState::Pending, "workflow restarted")
         };
+        // Held by nobody and due now: a scheduler claims it at its next claim.
+        sqlx::query(
+            "UPDATE order_process
+                SET state = $2, locked_by = NULL, complete_by = NULL,
+                    failure_count = 0, not_before = now(), updated_at = now()
+              WHERE order_id = $1",
+        )
+        .bind(order_id)
+        .bind(reopened)
+        .execute(&mut *tx)
+        .await?;
         sqlx::query(
             "UPDATE alerts SET resolved_at = now() WHERE order_id = $1 AND resolved_at IS NULL",
         )
