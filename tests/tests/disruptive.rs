@@ -199,6 +199,7 @@ async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
 /// broker is restarted once.
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
+    const MIN_KILLS: usize = 6;
     let _serial = SERIAL.lock().await;
     let orders: usize = std::env::var("SAS_CHAOS_ORDERS")
         .ok()
@@ -236,8 +237,11 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     let chaos = async {
         let chaos_started = Instant::now();
         let mut broker_restarted = false;
-        while chaos_started.elapsed() < load_time {
-            tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
+        // The broker's restart takes seconds of the load's time, more on a
+        // busy machine: the kills go on past the load until there are enough
+        // of them, so that the run is chaos whatever the seed and the machine.
+        while chaos_started.elapsed() < load_time || kills.values().sum::<usize>() < MIN_KILLS {
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(200..800))).await;
             if !broker_restarted && chaos_started.elapsed() > load_time / 2 {
                 eprintln!("chaos: restarting RabbitMQ");
                 restart_broker().await;
@@ -249,7 +253,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
             eprintln!("chaos: kill -9 {}", service.name);
             service.kill9().await;
             *kills.entry(service.name.clone()).or_default() += 1;
-            tokio::time::sleep(Duration::from_millis(rng.gen_range(100..1000))).await;
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(100..700))).await;
             env.restart(service).await;
         }
         assert!(broker_restarted, "the broker was restarted once");
@@ -320,9 +324,5 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         stats.deduplicated,
         stats.transient_faults,
         stats.hangs,
-    );
-    assert!(
-        kills.values().sum::<usize>() >= 5,
-        "enough processes were killed: {kills:?}"
     );
 }
