@@ -264,7 +264,8 @@ impl Publisher {
         self
     }
 
-    /// Sends `statuses` in order (see [`Publisher::send_status`]).
+    /// Sends `statuses` in order (see [`Publisher::send_status`]), and counts
+    /// the orders they finish in `sas_orders_finished_total{event}`.
     ///
     /// # Errors
     /// As [`Publisher::send`].
@@ -277,6 +278,12 @@ impl Publisher {
     ) -> Result<Vec<Pending>, BrokerError> {
         let mut pending = Vec::with_capacity(statuses.len() * 2);
         for status in statuses {
+            if status.event.is_terminal() {
+                // Counted here, once per order's end, whether or not anybody
+                // listens: the supervisor's gauges count only open orders.
+                metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
+                    .increment(1);
+            }
             pending.extend(self.send_status(names, reply_to, trace_id, status).await?);
         }
         Ok(pending)
