@@ -42,6 +42,10 @@ pub fn router(readiness: Readiness, shutdown: CancellationToken) -> anyhow::Resu
         .set_buckets(&[
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
         ])?
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full("sas_batch_items".into()),
+            &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1000.0],
+        )?
         .install_recorder()?;
     let upkeep = metrics.clone();
     tokio::spawn(async move {

