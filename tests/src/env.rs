@@ -104,6 +104,8 @@ impl TestEnv {
                 migrate: true,
                 ssl_mode: "prefer".into(),
                 ssl_root_cert: String::new(),
+                // Ad hoc queries: the planner's own choice.
+                index_plans: false,
             },
             "sas-tests",
         )

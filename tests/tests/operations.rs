@@ -183,13 +183,26 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
         metric(agent_port, r#"sas_circuit_state{agent="payment"}"#).await,
         Some(0.0)
     );
-    wait_until("the orders gauge", Duration::from_secs(10), || async {
-        match metric(supervisor_port, r#"sas_orders{state="processed"}"#).await {
-            Some(1.0) => Ok(()),
+    assert_eq!(
+        metric(
+            scheduler_port,
+            r#"sas_orders_finished_total{event="processed"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    wait_until("the open orders gauge", Duration::from_secs(10), || async {
+        match metric(supervisor_port, r#"sas_orders{state="processing"}"#).await {
+            Some(0.0) => Ok(()),
             other => Err(format!("{other:?}")),
         }
     })
     .await;
+    assert_eq!(
+        metric(supervisor_port, r#"sas_orders{state="processed"}"#).await,
+        None,
+        "finished orders are counted where they finish, not by a scan of every order"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,5 +1,6 @@
 //! What every service binary does the same way.
 //!
+//! - [`batch`]: group commit, many callers' items in one statement.
 //! - [`settings`]: defaults, then a file, then `SAS_*` environment variables.
 //! - [`telemetry`]: structured logs, text or JSON.
 //! - [`ops`]: the operations HTTP endpoint: `/metrics`, `/healthz`, `/readyz`.
@@ -7,6 +8,7 @@
 //! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
 //!   operations endpoint, run until a signal, exit code.
 
+pub mod batch;
 pub mod ops;
 pub mod retry;
 pub mod service;
@@ -14,6 +16,7 @@ pub mod settings;
 pub mod shutdown;
 pub mod telemetry;
 
+pub use batch::Batcher;
 pub use ops::{OpsServer, Readiness};
 pub use retry::retry_transient;
 pub use service::{run_service, HasLog, ServiceArgs};

@@ -3,16 +3,17 @@
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::Publisher;
 use sas_messages::{decode, SubmitOrder};
-use sas_store::intake::Intake;
+use sas_store::intake::{Intake, Submission};
 
 use crate::publish::publish_progress;
-use crate::Scheduler;
+use crate::{stopping, Scheduler};
 
 impl Scheduler {
     /// Handles one message of the orders queue.
     ///
     /// Invalid input is dead-lettered with the reason. A valid order is stored
-    /// with its process record and its first step started, in one transaction
+    /// with its process record and its first step started, in one statement
+    /// (together with the orders other handlers hold at the same moment)
     /// idempotent on the order id; the message is acknowledged only after
     /// that commit and after the first request is confirmed by the broker.
     pub async fn handle_order(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
@@ -24,7 +25,6 @@ impl Scheduler {
         if let Err(error) = order.validate() {
             return reject(error.to_string());
         }
-        let steps = self.workflow.new_steps();
         // Join the client's trace if it sent one; otherwise start the order's own.
         let trace_id = sas_broker::publish::trace_id_of(&delivery.properties)
             .unwrap_or_else(|| sas_messages::TraceParent::new_root().trace_id);
@@ -32,9 +32,15 @@ impl Scheduler {
             &self.shutdown,
             "storing an order",
             |e: &sas_store::StoreError| e.is_transient(),
-            || {
-                self.store
-                    .insert_order(&order, &self.workflow.name, &steps, &trace_id, &self.id)
+            || async {
+                let submission = Submission {
+                    order: order.clone(),
+                    trace_id: trace_id.clone(),
+                };
+                self.intake
+                    .submit(submission)
+                    .await
+                    .unwrap_or_else(|| Err(stopping()))
             },
         )
         .await;

@@ -24,7 +24,11 @@ use anyhow::Context as _;
 use sas_broker::lapin::Connection;
 use sas_broker::{topology, BrokerError, Publisher, Session};
 use sas_messages::QueueNames;
-use sas_store::Store;
+use sas_messages::StepReply;
+use sas_runtime::Batcher;
+use sas_store::intake::{Intake, Submission};
+use sas_store::progress::ReplyOutcome;
+use sas_store::{Store, StoreError};
 use tokio_util::sync::CancellationToken;
 
 pub use settings::Settings;
@@ -44,6 +48,10 @@ pub struct Scheduler {
     pub names: QueueNames,
     /// Fired on SIGTERM: handlers stop retrying and hand their message back.
     pub shutdown: CancellationToken,
+    /// Stores the submitted orders of concurrent handlers together.
+    pub intake: Batcher<Submission, Result<Intake, StoreError>>,
+    /// Applies the replies of concurrent handlers together.
+    pub replies: Batcher<StepReply, Result<ReplyOutcome, StoreError>>,
 }
 
 /// Runs a scheduler until `shutdown`, then drains in-flight messages.
@@ -85,6 +93,44 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     }
 
     tracing::info!(scheduler = %id, workflow = %workflow.name, steps = workflow.steps.len(), "scheduler starting");
+    let (batch_max, batch_workers) = (
+        settings.scheduler.batch_max,
+        settings.scheduler.batch_workers,
+    );
+    let intake = {
+        let (store, actor) = (store.clone(), id.clone());
+        let (workflow_name, steps) = (workflow.name.clone(), workflow.new_steps());
+        Batcher::spawn(
+            "intake",
+            batch_max,
+            batch_workers,
+            move |submissions: Vec<Submission>| {
+                let (store, actor, workflow_name, steps) = (
+                    store.clone(),
+                    actor.clone(),
+                    workflow_name.clone(),
+                    steps.clone(),
+                );
+                async move {
+                    store
+                        .insert_orders(&submissions, &workflow_name, &steps, &actor)
+                        .await
+                }
+            },
+        )
+    };
+    let replies = {
+        let (store, actor) = (store.clone(), id.clone());
+        Batcher::spawn(
+            "replies",
+            batch_max,
+            batch_workers,
+            move |replies: Vec<StepReply>| {
+                let (store, actor) = (store.clone(), actor.clone());
+                async move { store.record_replies(&replies, &actor).await }
+            },
+        )
+    };
     let scheduler = Arc::new(Scheduler {
         id,
         names: settings.amqp.names(),
@@ -92,6 +138,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         workflow,
         store,
         shutdown: shutdown.clone(),
+        intake,
+        replies,
     });
     session
         .run(shutdown, |connection, publisher| {
@@ -145,12 +193,18 @@ impl Scheduler {
         let drain = Duration::from_millis(self.settings.scheduler.drain_ms);
         let amqp = &self.settings.amqp;
         let (orders_queue, replies_queue) = (self.names.orders(), self.names.scheduler_replies());
+        // New orders are admitted through a narrower window than replies:
+        // what is admitted competes with the orders already running.
+        let intake_amqp = sas_broker::AmqpSettings {
+            prefetch: self.settings.scheduler.intake_prefetch,
+            ..amqp.clone()
+        };
         let orders = {
             let me = self.clone();
             let publisher = publisher.clone();
             sas_broker::consume::consume(
                 &connection,
-                amqp,
+                &intake_amqp,
                 &orders_queue,
                 publisher.clone(),
                 self.shutdown.clone(),
@@ -194,4 +248,10 @@ impl Scheduler {
         );
         topology::declare(connection, &self.settings.amqp, &queues).await
     }
+}
+
+/// The error a handler gets when the batch workers are gone, which happens
+/// only while the process stops; the message goes back to its queue.
+fn stopping() -> StoreError {
+    StoreError::Invariant("the scheduler is stopping".into())
 }

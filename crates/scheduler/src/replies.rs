@@ -6,7 +6,7 @@ use sas_messages::{decode, StepOutcome, StepReply};
 use sas_store::progress::ReplyOutcome;
 
 use crate::publish::publish_progress;
-use crate::Scheduler;
+use crate::{stopping, Scheduler};
 
 impl Scheduler {
     /// Handles one message of the shared reply queue.
@@ -14,7 +14,8 @@ impl Scheduler {
     /// A reply whose attempt id is not the step's current attempt (the
     /// supervisor gave the step to a new attempt, or the reply is a
     /// duplicate) is acknowledged, counted and ignored. Otherwise the
-    /// reply is applied in one transaction and the next request published.
+    /// reply is applied (together with the replies other handlers hold at
+    /// the same moment, see [`sas_runtime::Batcher`]) and the next request published.
     pub async fn handle_reply(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
         let reply: StepReply = match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
             Ok(reply) => reply,
@@ -31,7 +32,12 @@ impl Scheduler {
             &self.shutdown,
             "recording a reply",
             |e: &sas_store::StoreError| e.is_transient(),
-            || self.store.record_reply(&reply, &self.id),
+            || async {
+                self.replies
+                    .submit(reply.clone())
+                    .await
+                    .unwrap_or_else(|| Err(stopping()))
+            },
         )
         .await
         {

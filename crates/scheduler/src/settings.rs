@@ -38,6 +38,12 @@ pub struct SchedulerSettings {
     pub claim_batch: i64,
     /// Longest wait for in-flight messages at shutdown, in milliseconds.
     pub drain_ms: u64,
+    /// Orders taken from the orders queue at once (replies use `amqp.prefetch`).
+    pub intake_prefetch: u16,
+    /// Most orders, or replies, written in one statement.
+    pub batch_max: usize,
+    /// Statements of orders, and of replies, running at once.
+    pub batch_workers: usize,
 }
 
 impl Validate for Settings {
@@ -49,6 +55,16 @@ impl Validate for Settings {
         }
         if !(1..=1000).contains(&self.scheduler.claim_batch) {
             return Err("scheduler.claim_batch must be between 1 and 1000".into());
+        }
+        if self.scheduler.intake_prefetch == 0 {
+            return Err("scheduler.intake_prefetch must be at least 1".into());
+        }
+        // The batch statements join their rows by nested loops: keep them small.
+        if !(1..=256).contains(&self.scheduler.batch_max) {
+            return Err("scheduler.batch_max must be between 1 and 256".into());
+        }
+        if !(1..=64).contains(&self.scheduler.batch_workers) {
+            return Err("scheduler.batch_workers must be between 1 and 64".into());
         }
         Ok(())
     }

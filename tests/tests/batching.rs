@@ -1,0 +1,390 @@
+//! Batching: group commit in the state store (many orders or replies in one
+//! statement must each get the outcome they would get alone, and one bad
+//! item must not fail the others), and coalesced acknowledgements in the
+//! consumers (a `multiple` ack must never cover a message still in hand).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sas_broker::consume::{self, Consumed, ACK_HOLD};
+use sas_broker::lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use sas_broker::lapin::types::FieldTable;
+use sas_broker::lapin::BasicProperties;
+use sas_messages::{StepOutcome, StepReply, SCHEMA_VERSION};
+use sas_store::intake::{Intake, Submission};
+use sas_store::progress::ReplyOutcome;
+use sas_store::{Dispatch, ProcessState};
+use sas_tests::{order, wait_until, TestEnv};
+
+fn submission(order_id: &str) -> Submission {
+    Submission {
+        order: order(order_id),
+        trace_id: sas_messages::TraceParent::new_root().trace_id,
+    }
+}
+
+fn success(dispatch: &Dispatch) -> StepReply {
+    StepReply {
+        schema_version: SCHEMA_VERSION,
+        order_id: dispatch.order_id.clone(),
+        step: dispatch.step.clone(),
+        attempt_id: dispatch.attempt_id,
+        agent_id: "agent-test".into(),
+        outcome: StepOutcome::Succeeded {
+            result: serde_json::json!({ "ref": format!("{}-{}", dispatch.order_id, dispatch.step) }),
+        },
+    }
+}
+
+fn accepted(outcome: &Result<Intake, sas_store::StoreError>) -> Dispatch {
+    match outcome {
+        Ok(Intake::Accepted(progress)) => *progress.dispatch.clone().expect("a first request"),
+        other => panic!("expected the order to be accepted, got {other:?}"),
+    }
+}
+
+async fn count(env: &TestEnv, sql: &str) -> i64 {
+    sqlx::query_scalar(sql)
+        .fetch_one(env.store.pool())
+        .await
+        .expect("count")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_of_orders_stores_each_once_and_one_the_database_refuses_fails_alone() {
+    let env = TestEnv::new().await;
+    let steps = env.steps();
+    env.store
+        .insert_order(&order("old"), "order", &steps, "trace", "test")
+        .await
+        .expect("an order stored earlier");
+
+    // Postgres refuses a NUL byte in text: that order fails, the others not.
+    let mut refused = submission("refused");
+    refused.order.reply_to = Some("client\0queue".into());
+    let mut conflicting = submission("old");
+    conflicting.order.amount_cents += 1;
+    let batch = vec![
+        submission("new-1"),
+        refused,
+        submission("old"),
+        conflicting,
+        submission("new-1"),
+        submission("new-2"),
+    ];
+    let outcomes = env
+        .store
+        .insert_orders(&batch, "order", &steps, "test")
+        .await;
+
+    assert_eq!(outcomes.len(), batch.len(), "one outcome per submission");
+    let first = accepted(&outcomes[0]);
+    assert_eq!(
+        (first.order_id.as_str(), first.step.as_str()),
+        ("new-1", "reserve_stock")
+    );
+    assert!(
+        matches!(&outcomes[1], Err(error) if !error.is_transient()),
+        "the refused order gets a permanent error of its own, got {:?}",
+        outcomes[1]
+    );
+    assert!(
+        matches!(outcomes[2], Ok(Intake::Duplicate)),
+        "{:?}",
+        outcomes[2]
+    );
+    assert!(
+        matches!(outcomes[3], Ok(Intake::Conflict)),
+        "{:?}",
+        outcomes[3]
+    );
+    assert!(
+        matches!(outcomes[4], Ok(Intake::Duplicate)),
+        "a repeat within the batch is a duplicate, got {:?}",
+        outcomes[4]
+    );
+    let second = accepted(&outcomes[5]);
+    assert_ne!(
+        first.attempt_id, second.attempt_id,
+        "each order has its own attempt"
+    );
+
+    assert_eq!(count(&env, "SELECT count(*) FROM orders").await, 3);
+    assert_eq!(
+        count(&env, "SELECT count(*) FROM steps WHERE state = 'running'").await,
+        3,
+        "old, new-1 and new-2 each have their first step running"
+    );
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM history WHERE event = 'received'"
+        )
+        .await,
+        3
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_general_path() {
+    let env = TestEnv::new().await;
+    let steps = env.steps();
+    let names: Vec<String> = (0..4).map(|n| format!("order-{n}")).collect();
+    let batch: Vec<Submission> = names.iter().map(|n| submission(n)).collect();
+    let dispatches: Vec<Dispatch> = env
+        .store
+        .insert_orders(&batch, "order", &steps, "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect();
+
+    let mut stale = success(&dispatches[2]);
+    stale.attempt_id = uuid::Uuid::now_v7();
+    let mut declined = success(&dispatches[3]);
+    declined.outcome = StepOutcome::Failed {
+        error: "out of stock".into(),
+        permanent: true,
+    };
+    let replies = vec![
+        success(&dispatches[0]),
+        success(&dispatches[1]),
+        // The same reply twice in one batch: applied once.
+        success(&dispatches[0]),
+        stale,
+        declined,
+    ];
+    let outcomes = env.store.record_replies(&replies, "test").await;
+
+    assert_eq!(outcomes.len(), replies.len());
+    for (index, order) in [(0, "order-0"), (1, "order-1")] {
+        match &outcomes[index] {
+            Ok(ReplyOutcome::Applied { progress, step, .. }) => {
+                assert_eq!(step, "reserve_stock");
+                let next = progress.dispatch.as_ref().expect("the next request");
+                assert_eq!(
+                    (next.order_id.as_str(), next.step.as_str()),
+                    (order, "charge_payment")
+                );
+                assert_eq!(
+                    next.payload["results"]["reserve_stock"]["ref"],
+                    format!("{order}-reserve_stock"),
+                    "the next request carries the earlier results"
+                );
+            }
+            other => panic!("reply {index} should be applied, got {other:?}"),
+        }
+    }
+    assert!(
+        matches!(outcomes[2], Ok(ReplyOutcome::Stale { .. })),
+        "the repeat is stale, got {:?}",
+        outcomes[2]
+    );
+    assert!(
+        matches!(outcomes[3], Ok(ReplyOutcome::Stale { .. })),
+        "a reply to another attempt is stale, got {:?}",
+        outcomes[3]
+    );
+    match &outcomes[4] {
+        Ok(ReplyOutcome::Applied { progress, .. }) => assert!(
+            progress.dispatch.is_none(),
+            "a declined first step has nothing to undo"
+        ),
+        other => panic!("the declined reply takes the general path, got {other:?}"),
+    }
+
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM history WHERE event = 'step_completed'"
+        )
+        .await,
+        2,
+        "each current success is recorded once"
+    );
+    let states: Vec<(String, ProcessState)> =
+        sqlx::query_as("SELECT order_id, state FROM order_process ORDER BY order_id")
+            .fetch_all(env.store.pool())
+            .await
+            .expect("states");
+    assert_eq!(states[0].1, ProcessState::Processing);
+    assert_eq!(states[1].1, ProcessState::Processing);
+    assert_eq!(
+        states[2].1,
+        ProcessState::Processing,
+        "the stale reply changed nothing"
+    );
+    assert_ne!(
+        states[3].1,
+        ProcessState::Processing,
+        "the declined order is winding down"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_last_step_of_a_batch_finishes_its_order() {
+    let env = TestEnv::new().await;
+    let steps = env.steps();
+    let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("full-{n}"))).collect();
+    let mut dispatches: Vec<Dispatch> = env
+        .store
+        .insert_orders(&batch, "order", &steps, "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect();
+    for _ in 0..steps.len() {
+        let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
+        let outcomes = env.store.record_replies(&replies, "test").await;
+        dispatches = outcomes
+            .into_iter()
+            .filter_map(|outcome| match outcome {
+                Ok(ReplyOutcome::Applied { progress, .. }) => progress.dispatch.map(|d| *d),
+                other => panic!("every reply applies, got {other:?}"),
+            })
+            .collect();
+    }
+    assert!(dispatches.is_empty(), "no request after the last step");
+    assert_eq!(
+        count(&env, "SELECT count(*) FROM order_process WHERE state = 'processed' AND locked_by IS NULL AND complete_by IS NULL").await,
+        3
+    );
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM history WHERE event = 'processed'"
+        )
+        .await,
+        3
+    );
+    // One transaction per batch: the rows a statement wrote share its xmin.
+    for event in ["received", "step_completed", "processed"] {
+        let transactions = count(
+            &env,
+            &format!("SELECT count(DISTINCT xmin::text) FROM history WHERE event = '{event}'"),
+        )
+        .await;
+        let batches = if event == "step_completed" { 3 } else { 1 };
+        assert_eq!(
+            transactions, batches,
+            "{event}: the three orders were written by one statement per batch"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn acknowledgements_held_behind_a_slow_message_never_cover_it() {
+    let env = TestEnv::new().await;
+    let settings = env.amqp();
+    let queue = settings.names().agent_requests("inventory");
+    let (client, publisher) = env.broker().await;
+    for body in ["slow", "fast-1", "fast-2", "fast-3", "fast-4"] {
+        publisher
+            .publish(
+                "",
+                &queue,
+                body.as_bytes(),
+                BasicProperties::default(),
+                true,
+            )
+            .await
+            .expect("publish");
+    }
+
+    // A consumer whose first message never finishes, and whose others finish
+    // at once: their acks cannot go in a multiple ack (it would cover the
+    // slow one), so they must go one by one once held ACK_HOLD.
+    let connection = Arc::new(
+        sas_broker::connect(&settings, "ack-test")
+            .await
+            .expect("connect"),
+    );
+    let finished = Arc::new(AtomicUsize::new(0));
+    let count = finished.clone();
+    let consuming = {
+        let (settings, queue, publisher) = (settings.clone(), queue.clone(), publisher.clone());
+        let connection = connection.clone();
+        tokio::spawn(async move {
+            let _ = consume::consume(
+                &connection,
+                &settings,
+                &queue,
+                publisher,
+                tokio_util::sync::CancellationToken::new(),
+                Duration::from_millis(100),
+                move |delivery| {
+                    let count = count.clone();
+                    async move {
+                        if delivery.body == b"slow" {
+                            std::future::pending::<()>().await;
+                        }
+                        count.fetch_add(1, Ordering::SeqCst);
+                        Consumed::Ack
+                    }
+                },
+            )
+            .await;
+        })
+    };
+    wait_until(
+        "the four fast messages handled",
+        Duration::from_secs(10),
+        || async {
+            match finished.load(Ordering::SeqCst) {
+                4 => Ok(()),
+                other => Err(other.to_string()),
+            }
+        },
+    )
+    .await;
+    // The acks of the fast ones are held at most ACK_HOLD; give them ten times that.
+    tokio::time::sleep(ACK_HOLD * 10).await;
+    // The consumer goes away with the slow message in hand (as a process
+    // that dies would): the broker puts back what was not acknowledged.
+    connection.close(200, "gone").await.expect("close");
+    consuming.abort();
+
+    let channel = client.create_channel().await.expect("channel");
+    let ready = |channel: sas_broker::lapin::Channel, queue: String| async move {
+        channel
+            .queue_declare(
+                &queue,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(|q| q.message_count())
+            .map_err(|e| e.to_string())
+    };
+    wait_until(
+        "the unacknowledged message back in the queue",
+        Duration::from_secs(10),
+        || {
+            let (channel, queue) = (channel.clone(), queue.clone());
+            async move {
+                match ready(channel, queue).await? {
+                    0 => Err("0 ready".into()),
+                    _ => Ok(()),
+                }
+            }
+        },
+    )
+    .await;
+    let mut back = Vec::new();
+    while let Some(message) = channel
+        .basic_get(&queue, BasicGetOptions { no_ack: true })
+        .await
+        .expect("get")
+    {
+        back.push(String::from_utf8_lossy(&message.delivery.data).into_owned());
+    }
+    assert_eq!(
+        back,
+        ["slow"],
+        "only the message still in hand comes back: the fast ones were acknowledged, the slow one was not"
+    );
+}
