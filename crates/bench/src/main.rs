@@ -32,6 +32,12 @@ struct Cli {
     /// to compare tunings in the same harness.
     #[arg(long = "set", value_name = "VAR=VALUE")]
     settings: Vec<String>,
+    /// Measure latency at this many orders/s instead of half the saturation rate.
+    #[arg(long, value_name = "ORDERS_PER_SEC")]
+    latency_rate: Option<f64>,
+    /// Stop after the latency phase (no scaling or recovery): for tuning loops.
+    #[arg(long)]
+    throughput_only: bool,
 }
 
 /// How big each phase is.
@@ -111,7 +117,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             .progress_chars("=> "),
     );
     progress.enable_steady_tick(std::time::Duration::from_millis(200));
-    let report = phases::run_all(sizes, &progress).await?;
+    let options = phases::Options {
+        latency_rate: cli.latency_rate,
+        throughput_only: cli.throughput_only,
+    };
+    let report = phases::run_all(sizes, options, &progress).await?;
     progress.finish_with_message("done");
     if let Some(dir) = cli.out.parent() {
         std::fs::create_dir_all(dir)?;

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::drive::{counter_sum, publish, wait_processed, StatusListener};
 use crate::report::{percentiles, Report, ScalingPoint};
-use crate::system::{memory_mib, start_agent, BenchSystem};
+use crate::system::{cpu_secs_by_program, memory_mib, start_agent, BenchSystem};
 use crate::{calibrate, Sizes};
 
 /// Deadline of each step attempt in the benchmark's workflow.
@@ -39,11 +39,55 @@ fn record_memory(system: &BenchSystem, into: &mut BTreeMap<String, f64>, peak: b
     }
 }
 
+/// What to leave out or change, for tuning loops.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Orders/s of the latency phase, instead of half the saturation rate.
+    pub latency_rate: Option<f64>,
+    /// Stop after the latency phase.
+    pub throughput_only: bool,
+}
+
+/// Messages the scheduler has seen go through the quorum queues (orders,
+/// step requests and their replies), and status messages it has sent, so far.
+async fn message_counts(scheduler_port: u16) -> (f64, f64) {
+    let queued = counter_sum(scheduler_port, "sas_orders_received_total").await
+        + 2.0 * counter_sum(scheduler_port, "sas_step_requests_total").await;
+    let statuses = counter_sum(scheduler_port, "sas_status_messages_total").await;
+    (queued, statuses)
+}
+
+/// CPU milliseconds per order since `before`, for the programs of the
+/// system under test (the services, Postgres, RabbitMQ, the benchmark).
+fn cpu_per_order(before: &BTreeMap<String, f64>, orders: usize) -> BTreeMap<String, f64> {
+    const PROGRAMS: [&str; 7] = [
+        "scheduler",
+        "agent",
+        "supervisor",
+        "remote-sim",
+        "postgres",
+        "rabbitmq",
+        "sas-bench",
+    ];
+    cpu_secs_by_program()
+        .into_iter()
+        .filter(|(program, _)| PROGRAMS.contains(&program.as_str()))
+        .map(|(program, secs)| {
+            let used = secs - before.get(&program).copied().unwrap_or_default();
+            (program, used * 1000.0 / orders as f64)
+        })
+        .collect()
+}
+
 /// Runs every phase and returns the report.
 ///
 /// # Errors
 /// When a phase cannot complete (the system did not process its orders in time).
-pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Report> {
+pub async fn run_all(
+    sizes: Sizes,
+    options: Options,
+    progress: &ProgressBar,
+) -> anyhow::Result<Report> {
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     let mut report = Report {
         quick: sizes.saturation_orders < 1000,
@@ -67,19 +111,21 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     tokio::time::sleep(Duration::from_millis(500)).await;
     record_memory(&system, &mut report.rss_idle_mib, false);
 
+    // Every phase's orders name a reply_to queue, as clients that want their
+    // outcome do: saturation and latency measure the same work per order.
+    let listener = StatusListener::start(&env).await?;
     progress.set_message(format!("saturation: {} orders", sizes.saturation_orders));
     let port = system.scheduler_port;
-    let messages_before = counter_sum(port, "sas_orders_received_total").await
-        + 2.0 * counter_sum(port, "sas_step_requests_total").await
-        + counter_sum(port, "sas_status_messages_total").await;
+    let (queued_before, statuses_before) = message_counts(port).await;
     let commits_before = pg_commits(&env).await;
+    let cpu_before = cpu_secs_by_program();
     let started = Instant::now();
     publish(
         &env,
         &publisher,
         &ids("sat-", sizes.saturation_orders),
         0.0,
-        None,
+        Some(&listener.queue),
     )
     .await;
     let finished = wait_processed(
@@ -90,14 +136,14 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     )
     .await?;
     report.orders_per_sec = sizes.saturation_orders as f64 / (finished - started).as_secs_f64();
+    report.cpu_ms_per_order = cpu_per_order(&cpu_before, sizes.saturation_orders);
     record_memory(&system, &mut report.rss_mib, true);
     // Postgres publishes its statistics about once a second.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let messages_after = counter_sum(port, "sas_orders_received_total").await
-        + 2.0 * counter_sum(port, "sas_step_requests_total").await
-        + counter_sum(port, "sas_status_messages_total").await;
+    let (queued_after, statuses_after) = message_counts(port).await;
     let orders = sizes.saturation_orders as f64;
-    report.msgs_per_order = (messages_after - messages_before) / orders;
+    report.msgs_per_order = (queued_after - queued_before) / orders;
+    report.status_msgs_per_order = (statuses_after - statuses_before) / orders;
     report.pg_commits_per_order = (pg_commits(&env).await - commits_before) / orders;
     if report.msgs_per_order > 0.0 {
         report.efficiency =
@@ -105,9 +151,12 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     }
     progress.inc(1);
 
-    let rate = (report.orders_per_sec / 2.0).max(1.0);
+    let rate = options
+        .latency_rate
+        .unwrap_or((report.orders_per_sec / 2.0).max(1.0));
     let count = ((rate * sizes.latency_secs) as usize).max(30);
     progress.set_message(format!("latency: {count} orders at {rate:.0}/s"));
+    // A queue of its own, so no status left from saturation is ahead in line.
     let listener = StatusListener::start(&env).await?;
     let sent = publish(
         &env,
@@ -135,6 +184,9 @@ pub async fn run_all(sizes: Sizes, progress: &ProgressBar) -> anyhow::Result<Rep
     report.latency_ms = percentiles(samples);
     report.latency_rate_orders_per_sec = rate;
     progress.inc(1);
+    if options.throughput_only {
+        return Ok(report);
+    }
 
     // Scaling: the remote service answers in 50 ms and takes one call at a
     // time from each agent process (agent.concurrency = 1), so the remote

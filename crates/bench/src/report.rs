@@ -36,8 +36,12 @@ pub struct Report {
     pub broker_limit_msgs_per_sec: f64,
     /// Single-row committed updates per second in Postgres.
     pub postgres_limit_commits_per_sec: f64,
-    /// Broker messages published per order (orders, requests, replies, status messages).
+    /// Persistent messages through quorum queues per order (the order, step
+    /// requests and replies): the kind the broker limit measures.
     pub msgs_per_order: f64,
+    /// Status messages per order (to the status exchange and the order's
+    /// `reply_to` queue, neither a quorum queue), counted apart.
+    pub status_msgs_per_order: f64,
     /// `orders_per_sec / (broker_limit_msgs_per_sec / msgs_per_order)`.
     pub efficiency: f64,
     /// Postgres commits per order during saturation.
@@ -58,6 +62,10 @@ pub struct Report {
     pub rss_mib: BTreeMap<String, f64>,
     /// Resident memory per binary at idle, MiB.
     pub rss_idle_mib: BTreeMap<String, f64>,
+    /// CPU milliseconds per order during saturation, by program (the
+    /// services, Postgres, RabbitMQ, the benchmark's own client): where the
+    /// time goes.
+    pub cpu_ms_per_order: BTreeMap<String, f64>,
 }
 
 impl Report {
@@ -89,8 +97,13 @@ impl Report {
         );
         row(
             &mut out,
-            "broker messages per order",
+            "quorum-queue messages per order",
             format!("{:.1}", self.msgs_per_order),
+        );
+        row(
+            &mut out,
+            "status messages per order (not quorum)",
+            format!("{:.1}", self.status_msgs_per_order),
         );
         row(
             &mut out,
@@ -102,6 +115,19 @@ impl Report {
             "efficiency vs broker limit",
             format!("{:.2}", self.efficiency),
         );
+        if !self.cpu_ms_per_order.is_empty() {
+            let total: f64 = self.cpu_ms_per_order.values().sum();
+            let parts: Vec<String> = self
+                .cpu_ms_per_order
+                .iter()
+                .map(|(program, ms)| format!("{program} {ms:.2}"))
+                .collect();
+            row(
+                &mut out,
+                "cpu ms per order (saturation)",
+                format!("{total:.2}: {}", parts.join(", ")),
+            );
+        }
         row(
             &mut out,
             &format!(

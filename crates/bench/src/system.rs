@@ -1,5 +1,7 @@
 //! The system under test, as local processes, and reading their memory.
 
+use std::collections::BTreeMap;
+
 use sas_tests::process::{free_port, Service};
 use sas_tests::sim::SimClient;
 use sas_tests::TestEnv;
@@ -97,4 +99,44 @@ pub fn memory_mib(pid: u32) -> (f64, f64) {
             .map_or(0.0, |kb| kb / 1024.0)
     };
     (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// CPU time (user + system) used so far by every process of the machine,
+/// summed by program: the services by binary name, and the machine's
+/// `postgres` and RabbitMQ (`beam.smp`) processes, which the benchmark does
+/// not own but loads. Differences of two samples say where the time went.
+pub fn cpu_secs_by_program() -> BTreeMap<String, f64> {
+    // Clock ticks per second: 100 on every Linux this runs on.
+    const TICKS: f64 = 100.0;
+    let mut by_program = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return by_program;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // comm is in parentheses and may hold spaces; the fields follow it.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let program = match &stat[open + 1..close] {
+            "beam.smp" => "rabbitmq",
+            other => other,
+        };
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        // utime and stime are fields 14 and 15 of stat, 12 and 13 after comm.
+        *by_program.entry(program.to_owned()).or_default() += (ticks(11) + ticks(12)) / TICKS;
+    }
+    by_program
 }
