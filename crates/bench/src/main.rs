@@ -35,6 +35,10 @@ struct Cli {
     /// Measure latency at this many orders/s instead of half the saturation rate.
     #[arg(long, value_name = "ORDERS_PER_SEC")]
     latency_rate: Option<f64>,
+    /// Seconds of load in the latency phase (default 8, 1.5 with --quick):
+    /// longer gives steadier percentiles.
+    #[arg(long, value_name = "SECS")]
+    latency_secs: Option<f64>,
     /// Stop after the latency phase (no scaling or recovery): for tuning loops.
     #[arg(long)]
     throughput_only: bool,
@@ -95,7 +99,11 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let sizes = if cli.quick { QUICK } else { FULL };
+    let mut sizes = if cli.quick { QUICK } else { FULL };
+    if let Some(secs) = cli.latency_secs {
+        anyhow::ensure!(secs > 0.0, "--latency-secs must be positive, got {secs}");
+        sizes.latency_secs = secs;
+    }
     let mut extra = Vec::new();
     for setting in &cli.settings {
         let (key, value) = setting
