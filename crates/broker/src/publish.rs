@@ -1,5 +1,6 @@
 //! Publishing with confirms.
 
+use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -257,14 +258,14 @@ impl SharedPublisher {
 }
 
 impl Publisher {
-    /// Whether [`Publisher::send_status`] also sends to the status exchange
+    /// Whether [`Publisher::send_statuses`] also sends to the status exchange
     /// (`amqp.status_exchange`).
     pub fn with_status_exchange(mut self, enabled: bool) -> Self {
         self.status_exchange = enabled;
         self
     }
 
-    /// Sends `statuses` in order (see [`Publisher::send_status`]), and counts
+    /// Sends `statuses` in order (see [`Publisher::status_sends`]), and counts
     /// the orders they finish in `sas_orders_finished_total{event}`.
     ///
     /// # Errors
@@ -276,7 +277,6 @@ impl Publisher {
         trace_id: Option<&str>,
         statuses: &[sas_messages::OrderStatus],
     ) -> Result<Vec<Pending>, BrokerError> {
-        let mut pending = Vec::with_capacity(statuses.len() * 2);
         for status in statuses {
             if status.event.is_terminal() {
                 // Counted here, once per order's end, whether or not anybody
@@ -284,48 +284,66 @@ impl Publisher {
                 metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
                     .increment(1);
             }
-            pending.extend(self.send_status(names, reply_to, trace_id, status).await?);
         }
-        Ok(pending)
+        send_all(
+            statuses
+                .iter()
+                .flat_map(|status| self.status_sends(names, reply_to, trace_id, status)),
+        )
+        .await
     }
 
-    /// Sends a status message to the status exchange (routing key
-    /// `order.<id>`, where `sasctl watch` listens) and to the client's
-    /// `reply_to` queue, if the order named one. Neither is mandatory: nobody
-    /// may be listening. The confirms are left to the caller.
-    ///
-    /// # Errors
-    /// As [`Publisher::send`].
-    pub async fn send_status(
-        &self,
+    /// The sends of one status message, not started yet: to the status
+    /// exchange (routing key `order.<id>`, where `sasctl watch` listens) and
+    /// to the client's `reply_to` queue, if the order named one. Neither is
+    /// mandatory: nobody may be listening. The confirms are left to the caller.
+    fn status_sends<'a>(
+        &'a self,
         names: &sas_messages::QueueNames,
-        reply_to: Option<&str>,
+        reply_to: Option<&'a str>,
         trace_id: Option<&str>,
-        status: &sas_messages::OrderStatus,
-    ) -> Result<Vec<Pending>, BrokerError> {
+        status: &'a sas_messages::OrderStatus,
+    ) -> Vec<impl Future<Output = Result<Pending, BrokerError>> + Send + 'a> {
         let properties = || {
             json_properties(&uuid::Uuid::now_v7().to_string())
                 .with_headers(order_headers(&status.order_id, trace_id))
         };
-        let mut pending = Vec::with_capacity(2);
+        let mut destinations = Vec::with_capacity(2);
         if self.status_exchange {
-            pending.push(
-                self.send_json(
-                    &names.status_exchange(),
-                    &sas_messages::QueueNames::status_routing_key(&status.order_id),
-                    status,
-                    properties(),
-                    false,
-                )
-                .await?,
-            );
+            destinations.push((
+                names.status_exchange(),
+                sas_messages::QueueNames::status_routing_key(&status.order_id),
+            ));
         }
         if let Some(queue) = reply_to {
-            pending.push(
-                self.send_json("", queue, status, properties(), false)
-                    .await?,
-            );
+            destinations.push((String::new(), queue.to_owned()));
         }
-        Ok(pending)
+        destinations
+            .into_iter()
+            .map(|(exchange, routing_key)| {
+                let properties = properties();
+                async move {
+                    self.send_json(&exchange, &routing_key, status, properties, false)
+                        .await
+                }
+            })
+            .collect()
     }
+}
+
+/// Runs sends together and returns their [`Pending`] confirms in order.
+///
+/// Each send waits until lapin's IO loop has written its frames; awaited one
+/// after another, a transition's messages cost one wake-up of the IO loop
+/// each before the last (the step request) leaves. Together they leave in one.
+/// The order is kept: every send hands its frames to the channel in its
+/// first poll, and the sends are first polled in the order given.
+///
+/// # Errors
+/// The first send that fails.
+pub async fn send_all<F>(sends: impl IntoIterator<Item = F>) -> Result<Vec<Pending>, BrokerError>
+where
+    F: Future<Output = Result<Pending, BrokerError>>,
+{
+    futures_util::future::try_join_all(sends).await
 }

@@ -5,7 +5,7 @@ use sas_broker::{BrokerError, Publisher};
 use sas_messages::{QueueNames, StepRequest, SCHEMA_VERSION};
 use sas_store::{Dispatch, Progress};
 
-/// Publishes a transition's status messages, then its step request.
+/// Publishes a transition's status messages and its step request.
 ///
 /// The request is mandatory: if the agent's queue is missing it is an error,
 /// not a silently dropped step. Status messages go out first, so a client
@@ -20,26 +20,35 @@ pub async fn publish_progress(
     names: &QueueNames,
     progress: &Progress,
 ) -> Result<(), BrokerError> {
-    // Everything is sent first and the confirms awaited together: one
-    // round trip to the broker per transition, not one per message.
+    // Everything is sent together and the confirms awaited together: one
+    // round trip to the broker per transition, not one per message. The
+    // statuses are handed to the channel before the request (see
+    // `sas_broker::publish::send_all`).
     let trace_id = progress.trace_id.as_deref();
-    let mut pending = publisher
-        .send_statuses(
-            names,
-            progress.reply_to.as_deref(),
-            trace_id,
-            &progress.statuses,
-        )
-        .await?;
+    let statuses = publisher.send_statuses(
+        names,
+        progress.reply_to.as_deref(),
+        trace_id,
+        &progress.statuses,
+    );
+    let request = async {
+        match &progress.dispatch {
+            Some(dispatch) => send_request(publisher, names, dispatch, trace_id)
+                .await
+                .map(Some),
+            None => Ok(None),
+        }
+    };
+    // `join` polls its first future first, every time.
+    let (statuses, request) = futures_util::future::join(statuses, request).await;
+    let mut pending = statuses?;
     // Each status goes to the same destinations (status exchange, reply_to).
     let per_status = (pending.len() / progress.statuses.len().max(1)) as u64;
     for status in &progress.statuses {
         metrics::counter!("sas_status_messages_total", "event" => status.event.as_str())
             .increment(per_status);
     }
-    if let Some(dispatch) = &progress.dispatch {
-        pending.push(send_request(publisher, names, dispatch, trace_id).await?);
-    }
+    pending.extend(request?);
     confirm_all(pending).await
 }
 
