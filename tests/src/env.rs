@@ -94,22 +94,8 @@ impl TestEnv {
             let cut = base.rfind('/').expect("admin URL has a database");
             format!("{}/{database}", &base[..cut])
         };
-        let store = Store::connect_lazy(
-            &DatabaseSettings {
-                url: database_url.clone(),
-                password: None,
-                max_connections: 4,
-                acquire_timeout_ms: 10_000,
-                statement_timeout_ms: 30_000,
-                migrate: true,
-                ssl_mode: "prefer".into(),
-                ssl_root_cert: String::new(),
-                // Ad hoc queries: the planner's own choice.
-                index_plans: false,
-            },
-            "sas-tests",
-        )
-        .expect("store settings");
+        let store = Store::connect_lazy(&database_settings(&database_url), "sas-tests")
+            .expect("store settings");
         let dir = bin_dir().join("test-runs").join(&id);
         std::fs::create_dir_all(&dir).expect("create the test folder");
         let env = Self {
@@ -299,6 +285,22 @@ impl Drop for TestEnv {
             });
         });
         let _ = cleanup.join();
+    }
+}
+
+/// Settings of the tests' own pool on the database at `url`: ad hoc
+/// queries, so the planner makes its own choices (`index_plans` off).
+pub fn database_settings(url: &str) -> DatabaseSettings {
+    DatabaseSettings {
+        url: url.to_owned(),
+        password: None,
+        max_connections: 4,
+        acquire_timeout_ms: 10_000,
+        statement_timeout_ms: 30_000,
+        migrate: true,
+        ssl_mode: "prefer".into(),
+        ssl_root_cert: String::new(),
+        index_plans: false,
     }
 }
 

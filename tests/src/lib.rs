@@ -12,7 +12,7 @@ pub mod process;
 pub mod sim;
 pub mod wait;
 
-pub use env::TestEnv;
+pub use env::{database_settings, TestEnv};
 pub use process::Service;
 pub use wait::wait_until;
 

@@ -15,7 +15,7 @@ use sas_messages::{StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::intake::{Intake, Submission};
 use sas_store::progress::ReplyOutcome;
 use sas_store::{Dispatch, ProcessState};
-use sas_tests::{order, wait_until, TestEnv};
+use sas_tests::{database_settings, order, wait_until, TestEnv};
 
 fn submission(order_id: &str) -> Submission {
     Submission {
@@ -386,5 +386,120 @@ async fn acknowledgements_held_behind_a_slow_message_never_cover_it() {
         back,
         ["slow"],
         "only the message still in hand comes back: the fast ones were acknowledged, the slow one was not"
+    );
+}
+
+/// Index entries of `order_process_open` read so far, as Postgres counts them.
+async fn open_index_reads(env: &TestEnv) -> i64 {
+    count(
+        env,
+        "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'order_process_open'",
+    )
+    .await
+}
+
+/// Runs `orders` through every step, a batch of replies per step.
+async fn run_to_the_end(store: &sas_store::Store, env: &TestEnv, orders: &[String]) {
+    let steps = env.steps();
+    let batch: Vec<Submission> = orders.iter().map(|id| submission(id)).collect();
+    let mut dispatches: Vec<Dispatch> = store
+        .insert_orders(&batch, "order", &steps, "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect();
+    while !dispatches.is_empty() {
+        let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
+        dispatches = store
+            .record_replies(&replies, "test")
+            .await
+            .into_iter()
+            .filter_map(|outcome| match outcome {
+                Ok(ReplyOutcome::Applied { progress, .. }) => progress.dispatch.map(|d| *d),
+                other => panic!("every reply applies, got {other:?}"),
+            })
+            .collect();
+    }
+}
+
+/// The partial index of open orders fills with dead entries between vacuums
+/// (every transition of a processing order leaves one), while the plan that
+/// Postgres caches for a prepared statement was made when the tables were
+/// small. A batch of replies must still find its few orders by primary key,
+/// with the services' planner settings, and not read every one of those
+/// entries.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
+    let env = TestEnv::new().await;
+    let steps = env.steps();
+    // One connection: one plan cache, and statistics that can be flushed.
+    let services = sas_store::Store::connect_lazy(
+        &sas_store::DatabaseSettings {
+            max_connections: 1,
+            migrate: false,
+            index_plans: true,
+            ..database_settings(&env.database_url)
+        },
+        "sas-tests-services",
+    )
+    .expect("store settings");
+    for sql in [
+        "ALTER TABLE order_process SET (autovacuum_enabled = false)",
+        "ALTER TABLE steps SET (autovacuum_enabled = false)",
+    ] {
+        sqlx::query(sql)
+            .execute(env.store.pool())
+            .await
+            .expect("no vacuum during the test");
+    }
+
+    // Small tables, analyzed; then the statement runs often enough for
+    // Postgres to settle on a plan.
+    run_to_the_end(&services, &env, &["warm-0".to_owned()]).await;
+    sqlx::query("ANALYZE")
+        .execute(env.store.pool())
+        .await
+        .expect("analyze");
+    for n in 0..8 {
+        run_to_the_end(&services, &env, &[format!("small-{n}")]).await;
+    }
+    // 1,500 orders run to the end, leaving their dead index entries; three
+    // stay at their first step.
+    for chunk in 0..6 {
+        let ids: Vec<String> = (0..250).map(|n| format!("done-{chunk}-{n}")).collect();
+        run_to_the_end(&services, &env, &ids).await;
+    }
+    let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("open-{n}"))).collect();
+    let waiting: Vec<Dispatch> = services
+        .insert_orders(&batch, "order", &steps, "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect();
+
+    let flush = || async {
+        sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(services.pool())
+            .await
+            .expect("flush statistics");
+        sqlx::query("SELECT 1")
+            .execute(services.pool())
+            .await
+            .expect("a transaction that flushes");
+    };
+    flush().await;
+    let before = open_index_reads(&env).await;
+    let replies: Vec<StepReply> = waiting.iter().map(success).collect();
+    for outcome in services.record_replies(&replies, "test").await {
+        assert!(
+            matches!(outcome, Ok(ReplyOutcome::Applied { .. })),
+            "{outcome:?}"
+        );
+    }
+    flush().await;
+    let read = open_index_reads(&env).await - before;
+    assert!(
+        read < 100,
+        "the batch of 3 replies read {read} entries of the open-orders index, most of them dead"
     );
 }
