@@ -51,6 +51,38 @@ async fn count(env: &TestEnv, sql: &str) -> i64 {
         .expect("count")
 }
 
+/// Stores `orders` in one batch, then answers each step of all of them with
+/// one batch of successful replies, as many batches as the workflow has
+/// steps. Returns the requests still outstanding after that: none, when
+/// every order finished.
+async fn run_every_step(
+    store: &sas_store::Store,
+    env: &TestEnv,
+    orders: &[String],
+) -> Vec<Dispatch> {
+    let steps = env.steps();
+    let batch: Vec<Submission> = orders.iter().map(|id| submission(id)).collect();
+    let mut dispatches: Vec<Dispatch> = store
+        .insert_orders(&batch, "order", &steps, "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect();
+    for _ in 0..steps.len() {
+        let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
+        dispatches = store
+            .record_replies(&replies, "test")
+            .await
+            .into_iter()
+            .filter_map(|outcome| match outcome {
+                Ok(ReplyOutcome::Applied { progress, .. }) => progress.dispatch.map(|d| *d),
+                other => panic!("every reply applies, got {other:?}"),
+            })
+            .collect();
+    }
+    dispatches
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_of_orders_stores_each_once_and_one_the_database_refuses_fails_alone() {
     let env = TestEnv::new().await;
@@ -225,26 +257,8 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
 #[tokio::test(flavor = "multi_thread")]
 async fn the_last_step_of_a_batch_finishes_its_order() {
     let env = TestEnv::new().await;
-    let steps = env.steps();
-    let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("full-{n}"))).collect();
-    let mut dispatches: Vec<Dispatch> = env
-        .store
-        .insert_orders(&batch, "order", &steps, "test")
-        .await
-        .iter()
-        .map(accepted)
-        .collect();
-    for _ in 0..steps.len() {
-        let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
-        let outcomes = env.store.record_replies(&replies, "test").await;
-        dispatches = outcomes
-            .into_iter()
-            .filter_map(|outcome| match outcome {
-                Ok(ReplyOutcome::Applied { progress, .. }) => progress.dispatch.map(|d| *d),
-                other => panic!("every reply applies, got {other:?}"),
-            })
-            .collect();
-    }
+    let names: Vec<String> = (0..3).map(|n| format!("full-{n}")).collect();
+    let dispatches = run_every_step(&env.store, &env, &names).await;
     assert!(dispatches.is_empty(), "no request after the last step");
     assert_eq!(
         count(&env, "SELECT count(*) FROM order_process WHERE state = 'processed' AND locked_by IS NULL AND complete_by IS NULL").await,
@@ -398,30 +412,6 @@ async fn open_index_reads(env: &TestEnv) -> i64 {
     .await
 }
 
-/// Runs `orders` through every step, a batch of replies per step.
-async fn run_to_the_end(store: &sas_store::Store, env: &TestEnv, orders: &[String]) {
-    let steps = env.steps();
-    let batch: Vec<Submission> = orders.iter().map(|id| submission(id)).collect();
-    let mut dispatches: Vec<Dispatch> = store
-        .insert_orders(&batch, "order", &steps, "test")
-        .await
-        .iter()
-        .map(accepted)
-        .collect();
-    while !dispatches.is_empty() {
-        let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
-        dispatches = store
-            .record_replies(&replies, "test")
-            .await
-            .into_iter()
-            .filter_map(|outcome| match outcome {
-                Ok(ReplyOutcome::Applied { progress, .. }) => progress.dispatch.map(|d| *d),
-                other => panic!("every reply applies, got {other:?}"),
-            })
-            .collect();
-    }
-}
-
 /// The partial index of open orders fills with dead entries between vacuums
 /// (every transition of a processing order leaves one), while the plan that
 /// Postgres caches for a prepared statement was made when the tables were
@@ -455,19 +445,23 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
 
     // Small tables, analyzed; then the statement runs often enough for
     // Postgres to settle on a plan.
-    run_to_the_end(&services, &env, &["warm-0".to_owned()]).await;
+    assert!(run_every_step(&services, &env, &["warm-0".to_owned()])
+        .await
+        .is_empty());
     sqlx::query("ANALYZE")
         .execute(env.store.pool())
         .await
         .expect("analyze");
     for n in 0..8 {
-        run_to_the_end(&services, &env, &[format!("small-{n}")]).await;
+        assert!(run_every_step(&services, &env, &[format!("small-{n}")])
+            .await
+            .is_empty());
     }
     // 1,500 orders run to the end, leaving their dead index entries; three
     // stay at their first step.
     for chunk in 0..6 {
         let ids: Vec<String> = (0..250).map(|n| format!("done-{chunk}-{n}")).collect();
-        run_to_the_end(&services, &env, &ids).await;
+        assert!(run_every_step(&services, &env, &ids).await.is_empty());
     }
     let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("open-{n}"))).collect();
     let waiting: Vec<Dispatch> = services

@@ -265,8 +265,7 @@ impl Publisher {
         self
     }
 
-    /// Sends `statuses` in order (see [`Publisher::status_sends`]), and counts
-    /// the orders they finish in `sas_orders_finished_total{event}`.
+    /// Sends `statuses` in order (see [`Publisher::status_sends`]).
     ///
     /// # Errors
     /// As [`Publisher::send`].
@@ -277,14 +276,6 @@ impl Publisher {
         trace_id: Option<&str>,
         statuses: &[sas_messages::OrderStatus],
     ) -> Result<Vec<Pending>, BrokerError> {
-        for status in statuses {
-            if status.event.is_terminal() {
-                // Counted here, once per order's end, whether or not anybody
-                // listens: the supervisor's gauges count only open orders.
-                metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
-                    .increment(1);
-            }
-        }
         send_all(
             statuses
                 .iter()
@@ -331,6 +322,17 @@ impl Publisher {
     }
 }
 
+/// Counts the orders that a committed transition's `statuses` finish in
+/// `sas_orders_finished_total{event}`, whether or not anybody listens and
+/// whether or not the broker is up: the supervisor's gauges count only open
+/// orders. Called by whoever committed the transition, before publishing.
+pub fn count_finished(statuses: &[sas_messages::OrderStatus]) {
+    for status in statuses.iter().filter(|status| status.event.is_terminal()) {
+        metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
+            .increment(1);
+    }
+}
+
 /// Runs sends together and returns their [`Pending`] confirms in order.
 ///
 /// Each send waits until lapin's IO loop has written its frames; awaited one
@@ -341,7 +343,7 @@ impl Publisher {
 ///
 /// # Errors
 /// The first send that fails.
-pub async fn send_all<F>(sends: impl IntoIterator<Item = F>) -> Result<Vec<Pending>, BrokerError>
+async fn send_all<F>(sends: impl IntoIterator<Item = F>) -> Result<Vec<Pending>, BrokerError>
 where
     F: Future<Output = Result<Pending, BrokerError>>,
 {

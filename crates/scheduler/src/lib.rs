@@ -250,8 +250,12 @@ impl Scheduler {
     }
 }
 
-/// The error a handler gets when the batch workers are gone, which happens
-/// only while the process stops; the message goes back to its queue.
+/// The error a handler gets when its batch gave no answer: the batch
+/// panicked (logged by the batcher), or the workers are gone because the
+/// process stops. The message goes back to its queue.
 fn stopping() -> StoreError {
-    StoreError::Invariant("the scheduler is stopping".into())
+    StoreError::Invariant(
+        "the batch holding this message gave no answer (it panicked, or the scheduler is stopping)"
+            .into(),
+    )
 }

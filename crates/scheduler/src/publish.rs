@@ -22,8 +22,10 @@ pub async fn publish_progress(
 ) -> Result<(), BrokerError> {
     // Everything is sent together and the confirms awaited together: one
     // round trip to the broker per transition, not one per message. The
-    // statuses are handed to the channel before the request (see
-    // `sas_broker::publish::send_all`).
+    // statuses are handed to the channel before the request (`join` polls
+    // its first future first, and each send hands over its frames in its
+    // first poll).
+    sas_broker::publish::count_finished(&progress.statuses);
     let trace_id = progress.trace_id.as_deref();
     let statuses = publisher.send_statuses(
         names,
@@ -39,7 +41,6 @@ pub async fn publish_progress(
             None => Ok(None),
         }
     };
-    // `join` polls its first future first, every time.
     let (statuses, request) = futures_util::future::join(statuses, request).await;
     let mut pending = statuses?;
     // Each status goes to the same destinations (status exchange, reply_to).

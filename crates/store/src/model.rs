@@ -55,6 +55,13 @@ impl ProcessState {
     pub fn is_terminal(self) -> bool {
         matches!(self, Self::Processed | Self::Error | Self::Compensated)
     }
+
+    /// True for orders done with for good (an order in `error` still waits
+    /// for the operator): the ones the open-orders index (`order_process_open`)
+    /// and the `sas_orders` gauges leave out.
+    pub fn is_finished(self) -> bool {
+        matches!(self, Self::Processed | Self::Compensated)
+    }
 }
 
 impl fmt::Display for ProcessState {

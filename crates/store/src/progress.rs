@@ -384,16 +384,24 @@ impl Store {
         let mut applied = if fast.is_empty() {
             std::collections::HashMap::new()
         } else {
-            // On failure nothing changed: every reply retries on the general
-            // path, which reports its own error if the database is away.
-            self.complete_steps_fast(&fast, actor)
-                .await
-                .unwrap_or_else(|error| {
-                    if !error.is_transient() {
-                        tracing::warn!(error = %error, "the batched reply statement failed; replies take the general path");
-                    }
+            match self.complete_steps_fast(&fast, actor).await {
+                Ok(applied) => applied,
+                // The database is away: every caller gets the error and
+                // retries on its own, as intake does, rather than each
+                // trying the general path against it at once.
+                Err(error) if error.is_transient() => {
+                    let shared = std::sync::Arc::new(error);
+                    return replies
+                        .iter()
+                        .map(|_| Err(StoreError::Shared(shared.clone())))
+                        .collect();
+                }
+                // Nothing changed: every reply takes the general path.
+                Err(error) => {
+                    tracing::warn!(error = %error, "the batched reply statement failed; replies take the general path");
                     std::collections::HashMap::new()
-                })
+                }
+            }
         };
         let mut outcomes = Vec::with_capacity(replies.len());
         for (reply, fast) in replies.iter().zip(in_fast) {

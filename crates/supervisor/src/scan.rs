@@ -58,6 +58,7 @@ impl Supervisor {
         if progress.statuses.is_empty() {
             return;
         }
+        sas_broker::publish::count_finished(&progress.statuses);
         let publisher = match self.session.publisher().get() {
             Ok(publisher) => publisher,
             Err(error) => {
@@ -86,9 +87,7 @@ impl Supervisor {
         match self.store.count_open_by_state().await {
             Ok(counts) => {
                 // Finished orders are counted by sas_orders_finished_total.
-                let open = ProcessState::ALL.into_iter().filter(|state| {
-                    !matches!(state, ProcessState::Processed | ProcessState::Compensated)
-                });
+                let open = ProcessState::ALL.into_iter().filter(|s| !s.is_finished());
                 for state in open {
                     let count = counts
                         .iter()
