@@ -1,6 +1,7 @@
 //! The end-to-end path: orders published to RabbitMQ run through scheduler,
 //! agents and supervisor processes against real RabbitMQ and Postgres.
 
+use sas_store::machine::HistoryEvent;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -121,7 +122,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
                 .history("twice-1")
                 .await
                 .map_err(|e| e.to_string())?;
-            if history.iter().any(|h| h.event == "stale_reply") {
+            if history.iter().any(|h| h.event == HistoryEvent::StaleReply) {
                 Ok(())
             } else {
                 Err(format!(
@@ -134,10 +135,14 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
     .await;
 
     let history = env.store.history("twice-1").await.unwrap();
-    let count = |event: &str| history.iter().filter(|h| h.event == event).count();
-    assert_eq!(count("received"), 1, "the second submission was a no-op");
-    assert_eq!(count("step_completed"), 3);
-    assert_eq!(count("processed"), 1);
+    let count = |event: HistoryEvent| history.iter().filter(|h| h.event == event).count();
+    assert_eq!(
+        count(HistoryEvent::Received),
+        1,
+        "the second submission was a no-op"
+    );
+    assert_eq!(count(HistoryEvent::StepCompleted), 3);
+    assert_eq!(count(HistoryEvent::Processed), 1);
     let applied = system.sim.applied_per_key().await.unwrap();
     assert_eq!(applied.len(), 3, "{applied:?}");
     let stats = system.sim.stats().await.unwrap();

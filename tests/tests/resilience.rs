@@ -2,6 +2,7 @@
 //! hanging and failing remote services, poison messages), with invariants
 //! checked from the state store and from remote-sim's record of side effects.
 
+use sas_store::machine::HistoryEvent;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ fn faults(latency_ms: u64, transient: f64, hang: f64) -> serde_json::Value {
     json!({ "latency_ms": latency_ms, "transient_fault_rate": transient, "permanent_fault_rate": 0.0, "hang_rate": hang })
 }
 
-async fn wait_for_event(env: &TestEnv, order_id: &str, event: &str, timeout: Duration) {
+async fn wait_for_event(env: &TestEnv, order_id: &str, event: HistoryEvent, timeout: Duration) {
     wait_until(
         &format!("{order_id} to record {event}"),
         timeout,
@@ -161,7 +162,7 @@ async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compens
     wait_for_event(
         &env,
         "fails-1",
-        "compensation_started",
+        HistoryEvent::CompensationStarted,
         Duration::from_secs(40),
     )
     .await;
@@ -180,7 +181,7 @@ async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compens
     let history = env.store.history("fails-1").await.unwrap();
     let retries: Vec<_> = history
         .iter()
-        .filter(|h| h.event == "retry_scheduled")
+        .filter(|h| h.event == HistoryEvent::RetryScheduled)
         .collect();
     assert_eq!(
         retries.len(),
@@ -196,7 +197,10 @@ async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compens
     }
     // Each wait is at least half its nominal value (equal jitter): 200, 400,
     // then 600 ms (the cap). The claims after the retries are the retries'.
-    let claims: Vec<_> = history.iter().filter(|h| h.event == "claimed").collect();
+    let claims: Vec<_> = history
+        .iter()
+        .filter(|h| h.event == HistoryEvent::Claimed)
+        .collect();
     assert!(claims.len() >= 3, "{history:?}");
     for (n, (retry, claim)) in retries.iter().zip(&claims).enumerate() {
         let waited = (claim.at - retry.at).num_milliseconds();
@@ -213,7 +217,9 @@ async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compens
     assert_eq!(states, ["compensated", "compensated", "not_started"]);
     let charges = history
         .iter()
-        .filter(|h| h.event == "dispatched" && h.step.as_deref() == Some("charge_payment"))
+        .filter(|h| {
+            h.event == HistoryEvent::Dispatched && h.step.as_deref() == Some("charge_payment")
+        })
         .count();
     assert_eq!(charges, 4, "the first attempt and three retries");
     let applied = sim.applied_per_key().await.unwrap();
@@ -244,7 +250,13 @@ async fn a_compensation_that_keeps_failing_ends_in_error_with_an_alert_until_an_
     let mut declined = order("stuck-1");
     declined.amount_cents = 50_000_000;
     env.publish_order(&publisher, &declined).await;
-    wait_for_event(&env, "stuck-1", "step_completed", Duration::from_secs(20)).await;
+    wait_for_event(
+        &env,
+        "stuck-1",
+        HistoryEvent::StepCompleted,
+        Duration::from_secs(20),
+    )
+    .await;
     sim.set_faults(Some("inventory"), faults(0, 1.0, 0.0))
         .await
         .unwrap();
@@ -291,7 +303,13 @@ async fn a_compensation_that_keeps_failing_ends_in_error_with_an_alert_until_an_
 
     // An order still running cannot be resubmitted.
     env.publish_order(&publisher, &order("running-1")).await;
-    wait_for_event(&env, "running-1", "received", Duration::from_secs(20)).await;
+    wait_for_event(
+        &env,
+        "running-1",
+        HistoryEvent::Received,
+        Duration::from_secs(20),
+    )
+    .await;
     let (code, _) = env.sasctl(&["resubmit", "running-1"]).await;
     assert_eq!(code, 1);
 }
@@ -374,7 +392,13 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
     env.publish_order(&publisher, &order("late-1")).await;
 
     // The first charge is applied, but its answer never comes.
-    wait_for_event(&env, "late-1", "retry_scheduled", Duration::from_secs(20)).await;
+    wait_for_event(
+        &env,
+        "late-1",
+        HistoryEvent::RetryScheduled,
+        Duration::from_secs(20),
+    )
+    .await;
     sim.set_faults(Some("payment"), faults(0, 0.0, 0.0))
         .await
         .unwrap();
@@ -402,7 +426,9 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
     let history = env.store.history("late-1").await.unwrap();
     let first = history
         .iter()
-        .find(|h| h.event == "dispatched" && h.step.as_deref() == Some("charge_payment"))
+        .find(|h| {
+            h.event == HistoryEvent::Dispatched && h.step.as_deref() == Some("charge_payment")
+        })
         .and_then(|h| h.attempt_id)
         .unwrap();
     let reply = sas_messages::StepReply {
@@ -427,7 +453,13 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
         )
         .await
         .unwrap();
-    wait_for_event(&env, "late-1", "stale_reply", Duration::from_secs(20)).await;
+    wait_for_event(
+        &env,
+        "late-1",
+        HistoryEvent::StaleReply,
+        Duration::from_secs(20),
+    )
+    .await;
     let detail = env.store.order_detail("late-1").await.unwrap().unwrap();
     assert_eq!(detail.summary.state, ProcessState::Processed);
     assert_ne!(
@@ -820,7 +852,9 @@ async fn an_agent_never_calls_the_remote_service_after_the_attempt_s_deadline() 
             .await
             .unwrap()
             .into_iter()
-            .filter(|h| h.event == "dispatched" && h.step.as_deref() == Some("reserve_stock"))
+            .filter(|h| {
+                h.event == HistoryEvent::Dispatched && h.step.as_deref() == Some("reserve_stock")
+            })
             .map(|h| (h.at, h.at + timeout))
             .collect();
         assert!(

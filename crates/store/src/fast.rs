@@ -15,8 +15,9 @@ use sas_messages::{StatusEvent, StepKind, StepReply};
 use sqlx::Row;
 use uuid::Uuid;
 
+use crate::machine::dispatch::payload;
+use crate::machine::{status, StepRow};
 use crate::model::{Dispatch, Progress};
-use crate::progress::status;
 use crate::{Store, StoreError};
 
 /// What the fast path did for one reply.
@@ -79,8 +80,9 @@ impl Store {
                         updated_at = now()
                    FROM done
                   WHERE n.order_id = done.order_id AND n.position = done.position + 1
-              RETURNING n.order_id, n.name, n.agent, n.action, n.attempt, n.attempt_id,
-                        n.complete_by, n.idempotency_key),
+              RETURNING n.order_id, n.position, n.name, n.agent, n.action, n.compensation,
+                        n.timeout_ms, n.state, n.attempt, n.attempt_id, n.complete_by,
+                        n.idempotency_key, n.result, n.last_error),
              process AS (
                  UPDATE order_process op
                     SET state = CASE WHEN next.order_id IS NULL THEN 'processed' ELSE 'processing' END::process_state,
@@ -101,9 +103,12 @@ impl Store {
                   WHERE NOT EXISTS (SELECT 1 FROM next WHERE next.order_id = done.order_id))
              SELECT done.order_id, done.name AS step, done.updated_at AS at, done.latency,
                     p.reply_to, p.trace_id, process.updated_at AS finished_at,
-                    next.name AS next_step, next.agent AS next_agent, next.action AS next_action,
+                    next.position AS next_position, next.name AS next_step, next.agent AS next_agent,
+                    next.action AS next_action, next.compensation AS next_compensation,
+                    next.timeout_ms AS next_timeout_ms, next.state AS next_state,
                     next.attempt AS next_attempt, next.attempt_id AS next_attempt_id,
                     next.complete_by AS next_complete_by, next.idempotency_key AS next_key,
+                    next.result AS next_result, next.last_error AS next_last_error,
                     CASE WHEN next.order_id IS NOT NULL THEN
                         (SELECT body FROM orders o WHERE o.order_id = done.order_id) END AS body,
                     CASE WHEN next.order_id IS NOT NULL THEN
@@ -153,21 +158,28 @@ fn completed_from_row(
         at,
     ));
     match row.try_get::<Option<String>, _>("next_step")? {
-        Some(next_step) => {
-            let body: serde_json::Value = row.try_get("body")?;
-            let results: serde_json::Value = row.try_get("results")?;
-            progress.dispatch = Some(Box::new(Dispatch {
-                order_id: order_id.to_owned(),
-                step: next_step,
+        Some(name) => {
+            let next = StepRow {
+                position: row.try_get("next_position")?,
+                name,
                 agent: row.try_get("next_agent")?,
-                kind: StepKind::Action,
                 action: row.try_get("next_action")?,
+                compensation: row.try_get("next_compensation")?,
+                timeout_ms: row.try_get("next_timeout_ms")?,
+                state: row.try_get("next_state")?,
                 attempt: row.try_get("next_attempt")?,
                 attempt_id: row.try_get("next_attempt_id")?,
-                idempotency_key: row.try_get("next_key")?,
                 complete_by: row.try_get("next_complete_by")?,
-                payload: serde_json::json!({ "order": body, "results": results }),
-            }));
+                idempotency_key: row.try_get("next_key")?,
+                result: row.try_get("next_result")?,
+                last_error: row.try_get("next_last_error")?,
+            };
+            let body: serde_json::Value = row.try_get("body")?;
+            let results: serde_json::Value = row.try_get("results")?;
+            let results = results.as_object().into_iter().flatten();
+            let payload = payload(&body, results.map(|(name, result)| (name.as_str(), result)));
+            let dispatch = Dispatch::for_step(order_id, &next, StepKind::Action, payload);
+            progress.dispatch = Some(Box::new(dispatch));
         }
         None => {
             let finished_at: DateTime<Utc> = row.try_get("finished_at")?;

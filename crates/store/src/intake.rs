@@ -3,12 +3,12 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use sas_messages::{StatusEvent, StepKind, SubmitOrder};
+use sas_messages::SubmitOrder;
 use sqlx::Row;
 use uuid::Uuid;
 
-use crate::model::{Dispatch, NewStep, Progress};
-use crate::progress::status;
+use crate::machine::{decide, Context, Event, Snapshot};
+use crate::model::{NewStep, Progress};
 use crate::{Store, StoreError};
 
 /// What became of a submitted order.
@@ -76,7 +76,7 @@ impl Store {
         steps: &[NewStep],
         actor: &str,
     ) -> Vec<Result<Intake, StoreError>> {
-        let Some(first) = steps.first() else {
+        if steps.is_empty() {
             return submissions
                 .iter()
                 .map(|_| {
@@ -85,7 +85,7 @@ impl Store {
                     ))
                 })
                 .collect();
-        };
+        }
         let bodies: Vec<serde_json::Value> = match submissions
             .iter()
             .map(|s| serde_json::to_value(&s.order))
@@ -166,43 +166,36 @@ impl Store {
                 .iter()
                 .position(|&i| i == index)
                 .map(|slot| attempt_ids[slot]);
-            let times = attempt.and_then(|_| stored.remove(&order.order_id));
-            let (Some(attempt_id), Some((received_at, complete_by))) = (attempt, times) else {
+            let received = attempt.and_then(|_| stored.remove(&order.order_id));
+            let (Some(attempt_id), Some(received_at)) = (attempt, received) else {
                 outcomes.push(self.existing(&order.order_id, &bodies[index]).await);
                 continue;
             };
-            let mut progress = Progress {
-                reply_to: order.reply_to.clone(),
-                trace_id: Some(submission.trace_id.clone()),
-                ..Progress::default()
-            };
-            progress.statuses.push(status(
+            // The statement wrote what the state machine decides for a
+            // submission (the property test holds it to that); what to
+            // publish comes from the state machine itself.
+            let snapshot = Snapshot::new_order(
                 &order.order_id,
-                StatusEvent::Received,
-                None,
-                None,
+                bodies[index].clone(),
+                order.reply_to.clone(),
+                Some(submission.trace_id.clone()),
+                steps,
                 received_at,
-            ));
-            progress.dispatch = Some(Box::new(Dispatch {
-                order_id: order.order_id.clone(),
-                step: first.name.clone(),
-                agent: first.agent.clone(),
-                kind: StepKind::Action,
-                action: first.action.clone(),
-                attempt: 1,
-                attempt_id,
-                idempotency_key: format!("{}:{}", order.order_id, first.name),
-                complete_by,
-                payload: serde_json::json!({ "order": bodies[index], "results": {} }),
-            }));
+            );
+            let ctx = Context {
+                now: received_at,
+                actor,
+                next_attempt_id: attempt_id,
+            };
+            let progress = decide(&snapshot, &Event::Submitted, &ctx).progress;
             outcomes.push(Ok(Intake::Accepted(progress)));
         }
         outcomes
     }
 
     /// Inserts the submissions at `batch` (distinct order ids) in one
-    /// statement; returns, per order inserted, when it was received and its
-    /// first step's complete-by. Orders already stored are left out.
+    /// statement; returns, per order inserted, when it was received (the
+    /// statement's `now()`). Orders already stored are left out.
     #[allow(clippy::too_many_arguments)]
     async fn insert_batch(
         &self,
@@ -213,7 +206,7 @@ impl Store {
         workflow: &str,
         steps: &[NewStep],
         actor: &str,
-    ) -> Result<HashMap<String, (DateTime<Utc>, DateTime<Utc>)>, sqlx::Error> {
+    ) -> Result<HashMap<String, DateTime<Utc>>, sqlx::Error> {
         let order_ids: Vec<&str> = batch
             .iter()
             .map(|&i| submissions[i].order.order_id.as_str())
@@ -273,7 +266,7 @@ impl Store {
                  SELECT o.order_id, $7, 'dispatched', first.name, i.attempt_id,
                         'attempt 1: ' || first.agent || '.' || first.action
                    FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first)
-             SELECT o.order_id, o.received_at, first.complete_by FROM o CROSS JOIN first",
+             SELECT o.order_id, o.received_at FROM o",
         )
         .bind(&order_ids)
         .bind(&batch_bodies)
@@ -291,12 +284,7 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         rows.iter()
-            .map(|row| {
-                Ok((
-                    row.try_get("order_id")?,
-                    (row.try_get("received_at")?, row.try_get("complete_by")?),
-                ))
-            })
+            .map(|row| Ok((row.try_get("order_id")?, row.try_get("received_at")?)))
             .collect()
     }
 

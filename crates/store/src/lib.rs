@@ -4,21 +4,30 @@
 //! who holds each one and until when, each step's current attempt, and every
 //! decision taken. The services are stateless between messages.
 //!
+//! - [`machine`]: the order state machine, pure: every transition is decided there.
 //! - [`connect`]: pool settings with timeouts on every await.
 //! - [`intake`]: storing a submitted order with its process record, idempotently.
-//! - [`progress`]: the scheduler's transitions (claim, dispatch, replies).
-//! - [`recovery`]: the supervisor's transitions (expired deadlines, dead letters).
+//! - [`progress`]: the scheduler's transitions (claim, replies).
+//! - [`recovery`]: the supervisor's transitions (expired deadlines).
+//! - [`operator`]: dead letters, resubmission and cancellation.
+//! - `apply`: loading snapshots under the order's lock, writing decisions.
+//! - `fast`: the batched statement for successes of forward steps.
 //! - [`queries`]: read models for the CLI and metrics.
 //!
 //! Every transition runs in one transaction that first locks the order's
-//! `order_process` row, then changes steps with guarded updates
-//! (`WHERE state = expected AND attempt_id = ...`): one that lost a race
-//! changes nothing and says so. Every time comes from `now()` in Postgres.
+//! `order_process` row and reads its snapshot, asks [`machine::decide`],
+//! then writes the decision with guarded updates (`WHERE state = expected
+//! AND attempt_id = ...`). Every time comes from `now()` in Postgres. The
+//! store decides nothing itself; its two single-statement hot paths
+//! (intake, a forward step's success) are held to the state machine by a
+//! property test.
 
+mod apply;
 pub mod connect;
 mod error;
 mod fast;
 pub mod intake;
+pub mod machine;
 pub mod model;
 pub mod operator;
 pub mod progress;

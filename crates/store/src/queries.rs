@@ -4,6 +4,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
 use crate::{Store, StoreError};
 
@@ -63,7 +64,8 @@ pub struct HistoryEntry {
     /// Which service instance decided.
     pub actor: String,
     /// What happened.
-    pub event: String,
+    #[sqlx(try_from = "String")]
+    pub event: HistoryEvent,
     /// Step concerned.
     pub step: Option<String>,
     /// Attempt concerned.
@@ -94,8 +96,9 @@ pub struct Alert {
     pub order_id: Option<String>,
     /// When it was raised.
     pub raised_at: DateTime<Utc>,
-    /// Machine-readable kind.
-    pub kind: String,
+    /// Why it was raised.
+    #[sqlx(try_from = "String")]
+    pub kind: AlertKind,
     /// What happened and what to do.
     pub message: String,
     /// When an operator resolved it.

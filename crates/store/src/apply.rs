@@ -1,0 +1,212 @@
+//! The store's side of the state machine: loading an order's snapshot
+//! under its lock, and writing a decision back.
+//!
+//! A decision is written in one statement: the process record, the changed
+//! steps (each guarded by the state and attempt id it was decided on), the
+//! history lines and the alert. A guard that does not hold means the rows
+//! changed under the lock, which cannot happen without a bug: the statement's
+//! counts are checked and the transaction is abandoned.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
+
+use crate::machine::{Decision, ProcessRow, Snapshot, StepRow};
+use crate::StoreError;
+
+/// Locks the `order_process` rows of `order_ids` (in order id order, as
+/// every batch does, so two transactions cannot deadlock) and reads each
+/// order's snapshot, with the transaction's `now()`: the clock every
+/// decision of this transaction uses. Orders that do not exist are left out.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn load_snapshots(
+    conn: &mut PgConnection,
+    order_ids: &[String],
+) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
+    let rows = sqlx::query(
+        "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
+                p.last_error, p.reply_to, p.trace_id, o.body, now() AS now,
+                s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
+                s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
+                s.idempotency_key, s.result, s.last_error AS step_last_error
+           FROM order_process p
+           JOIN orders o ON o.order_id = p.order_id
+           JOIN steps s ON s.order_id = p.order_id
+          WHERE p.order_id = ANY($1)
+          ORDER BY p.order_id, s.position
+            FOR UPDATE OF p",
+    )
+    .bind(order_ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    let now = match rows.first() {
+        Some(row) => row.try_get("now")?,
+        None => {
+            sqlx::query_scalar("SELECT now()")
+                .fetch_one(&mut *conn)
+                .await?
+        }
+    };
+    let mut snapshots: BTreeMap<String, Snapshot> = BTreeMap::new();
+    for row in &rows {
+        let order_id: String = row.try_get("order_id")?;
+        let step = step_from_row(row)?;
+        match snapshots.get_mut(&order_id) {
+            Some(snapshot) => snapshot.steps.push(step),
+            None => {
+                let mut snapshot = snapshot_from_row(row)?;
+                snapshot.steps.push(step);
+                snapshots.insert(order_id, snapshot);
+            }
+        }
+    }
+    Ok((snapshots.into_values().collect(), now))
+}
+
+/// [`load_snapshots`] for one order; `None` when it does not exist.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn load_snapshot(
+    conn: &mut PgConnection,
+    order_id: &str,
+) -> Result<(Option<Snapshot>, DateTime<Utc>), StoreError> {
+    let (mut snapshots, now) = load_snapshots(conn, &[order_id.to_owned()]).await?;
+    Ok((snapshots.pop(), now))
+}
+
+fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
+    Ok(Snapshot {
+        order_id: row.try_get("order_id")?,
+        body: row.try_get("body")?,
+        reply_to: row.try_get("reply_to")?,
+        trace_id: row.try_get("trace_id")?,
+        process: ProcessRow {
+            state: row.try_get("state")?,
+            locked_by: row.try_get("locked_by")?,
+            complete_by: row.try_get("complete_by")?,
+            failure_count: row.try_get("failure_count")?,
+            not_before: row.try_get("not_before")?,
+            last_error: row.try_get("last_error")?,
+        },
+        steps: Vec::new(),
+    })
+}
+
+fn step_from_row(row: &PgRow) -> Result<StepRow, StoreError> {
+    Ok(StepRow {
+        position: row.try_get("position")?,
+        name: row.try_get("name")?,
+        agent: row.try_get("agent")?,
+        action: row.try_get("action")?,
+        compensation: row.try_get("compensation")?,
+        timeout_ms: row.try_get("timeout_ms")?,
+        state: row.try_get("step_state")?,
+        attempt: row.try_get("attempt")?,
+        attempt_id: row.try_get("attempt_id")?,
+        complete_by: row.try_get("step_complete_by")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        result: row.try_get("result")?,
+        last_error: row.try_get("step_last_error")?,
+    })
+}
+
+/// Writes `decision` about the order of `snapshot`, decided by `actor`, in
+/// one statement.
+///
+/// # Errors
+/// When the database fails, or a guard did not hold ([`StoreError::Invariant`]):
+/// the caller's transaction must then be abandoned.
+pub(crate) async fn apply(
+    conn: &mut PgConnection,
+    snapshot: &Snapshot,
+    decision: &Decision,
+    actor: &str,
+) -> Result<(), StoreError> {
+    if !decision.writes() {
+        return Ok(());
+    }
+    let process = decision.process.as_ref().unwrap_or(&snapshot.process);
+    let steps = &decision.steps;
+    let history = &decision.history;
+    let row = sqlx::query(
+        "WITH p AS (
+             UPDATE order_process
+                SET state = $2, locked_by = $3, complete_by = $4, failure_count = $5,
+                    not_before = $6, last_error = $7, updated_at = now()
+              WHERE order_id = $1 AND $8
+          RETURNING 1),
+         c AS (
+             SELECT * FROM UNNEST($9::int4[], $10::text[], $11::int4[], $12::uuid[], $13::timestamptz[],
+                                  $14::text[], $15::jsonb[], $16::text[], $17::text[], $18::uuid[])
+                    AS c(position, state, attempt, attempt_id, complete_by, idempotency_key, result,
+                         last_error, expected_state, expected_attempt_id)),
+         s AS (
+             UPDATE steps st
+                SET state = c.state::step_state, attempt = c.attempt, attempt_id = c.attempt_id,
+                    complete_by = c.complete_by, idempotency_key = c.idempotency_key,
+                    result = c.result, last_error = c.last_error, updated_at = now()
+               FROM c
+              WHERE st.order_id = $1 AND st.position = c.position
+                AND st.state = c.expected_state::step_state
+                AND st.attempt_id IS NOT DISTINCT FROM c.expected_attempt_id
+          RETURNING 1),
+         h AS (
+             INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
+             SELECT $1, $19, h.event, h.step, h.attempt_id, h.detail
+               FROM UNNEST($20::text[], $21::text[], $22::uuid[], $23::text[]) WITH ORDINALITY
+                    AS h(event, step, attempt_id, detail, n)
+              ORDER BY h.n),
+         a AS (
+             INSERT INTO alerts (order_id, kind, message)
+             SELECT $1, $24, $25 WHERE $24::text IS NOT NULL),
+         r AS (
+             UPDATE alerts SET resolved_at = now()
+              WHERE order_id = $1 AND resolved_at IS NULL AND $26)
+         SELECT (SELECT count(*) FROM p) AS process, (SELECT count(*) FROM s) AS steps",
+    )
+    .bind(&snapshot.order_id)
+    .bind(process.state)
+    .bind(&process.locked_by)
+    .bind(process.complete_by)
+    .bind(process.failure_count)
+    .bind(process.not_before)
+    .bind(&process.last_error)
+    .bind(decision.process.is_some())
+    .bind(steps.iter().map(|c| c.row.position).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.state.as_str()).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.attempt).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.attempt_id).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.complete_by).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.idempotency_key.as_str()).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.result.clone()).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.last_error.as_deref()).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.expected_state.as_str()).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.expected_attempt_id).collect::<Vec<_>>())
+    .bind(actor)
+    .bind(history.iter().map(|h| h.event.as_str()).collect::<Vec<_>>())
+    .bind(history.iter().map(|h| h.step.as_deref()).collect::<Vec<_>>())
+    .bind(history.iter().map(|h| h.attempt_id).collect::<Vec<_>>())
+    .bind(history.iter().map(|h| h.detail.as_deref()).collect::<Vec<_>>())
+    .bind(decision.alert.as_ref().map(|a| a.kind.as_str()))
+    .bind(decision.alert.as_ref().map(|a| a.message.as_str()))
+    .bind(decision.resolve_alerts)
+    .fetch_one(&mut *conn)
+    .await?;
+    let (changed_process, changed_steps): (i64, i64) =
+        (row.try_get("process")?, row.try_get("steps")?);
+    let expected_process = i64::from(decision.process.is_some());
+    if changed_process != expected_process || changed_steps != steps.len() as i64 {
+        return Err(StoreError::Invariant(format!(
+            "order {}: a decision's guards did not hold under the order's lock \
+             ({changed_process} of {expected_process} process rows, {changed_steps} of {} steps changed)",
+            snapshot.order_id,
+            steps.len()
+        )));
+    }
+    Ok(())
+}

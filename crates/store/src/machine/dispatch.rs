@@ -1,0 +1,84 @@
+//! Starting an attempt: the one place that says what a step request holds
+//! (its idempotency key, payload, deadline) and how its history line reads.
+//!
+//! The intake and reply statements of the hot path compute the same key and
+//! detail in SQL; the property test holds them to these functions.
+
+use sas_messages::StepKind;
+
+use super::StepRow;
+use crate::model::Dispatch;
+
+/// Suffix of the idempotency key of a step's compensation.
+const COMPENSATION_KEY_SUFFIX: &str = ":undo";
+
+/// The key of a step's action on its first run: the same on every attempt,
+/// so the remote service applies it at most once.
+pub fn idempotency_key(order_id: &str, step: &str) -> String {
+    format!("{order_id}:{step}")
+}
+
+/// The key of a step's action after an operator restarted the workflow for
+/// the `generation`-th time: the old key is already decided at the remote.
+pub fn resubmitted_key(order_id: &str, step: &str, generation: i64) -> String {
+    format!("{order_id}:{step}:r{generation}")
+}
+
+/// The key of the compensation of the action keyed `action_key`.
+pub fn compensation_key(action_key: &str) -> String {
+    format!("{action_key}{COMPENSATION_KEY_SUFFIX}")
+}
+
+/// The history detail of a dispatched attempt: `attempt 2: payment.charge`.
+pub fn attempt_detail(attempt: i32, agent: &str, operation: &str) -> String {
+    format!("attempt {attempt}: {agent}.{operation}")
+}
+
+/// What every request carries for the remote service: the order, and the
+/// results of the steps that have one, by step name.
+pub fn payload<'a>(
+    body: &serde_json::Value,
+    results: impl IntoIterator<Item = (&'a str, &'a serde_json::Value)>,
+) -> serde_json::Value {
+    let results: serde_json::Map<String, serde_json::Value> = results
+        .into_iter()
+        .map(|(name, result)| (name.to_owned(), result.clone()))
+        .collect();
+    serde_json::json!({ "order": body, "results": results })
+}
+
+/// The remote operation an attempt of `kind` calls on `step`.
+pub fn operation(step: &StepRow, kind: StepKind) -> &str {
+    match kind {
+        StepKind::Action => &step.action,
+        StepKind::Compensation => step.compensation.as_deref().unwrap_or_default(),
+    }
+}
+
+impl Dispatch {
+    /// The request of the attempt just started on `step` (its attempt
+    /// number, id and deadline already set), with `payload`.
+    pub fn for_step(
+        order_id: &str,
+        step: &StepRow,
+        kind: StepKind,
+        payload: serde_json::Value,
+    ) -> Self {
+        let idempotency_key = match kind {
+            StepKind::Action => step.idempotency_key.clone(),
+            StepKind::Compensation => compensation_key(&step.idempotency_key),
+        };
+        Self {
+            order_id: order_id.to_owned(),
+            step: step.name.clone(),
+            agent: step.agent.clone(),
+            kind,
+            action: operation(step, kind).to_owned(),
+            attempt: step.attempt,
+            attempt_id: step.attempt_id.unwrap_or_default(),
+            idempotency_key,
+            complete_by: step.complete_by.unwrap_or_default(),
+            payload,
+        }
+    }
+}

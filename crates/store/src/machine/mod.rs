@@ -1,0 +1,360 @@
+//! The order state machine: every transition of an order is decided here,
+//! and only here.
+//!
+//! [`decide`] takes what is known of an order (a [`Snapshot`], read under
+//! the order's lock), one [`Event`] and a [`Context`] (the database clock's
+//! `now`, who acts, the id for a new attempt), and returns a [`Decision`]:
+//! the rows to change (each step change guarded by the state and attempt id
+//! it was decided on), the history lines, an optional alert, the status
+//! messages and the step request to publish after the commit. It has no
+//! database, no broker and no clock of its own, so every rule can be tested
+//! without Postgres, and [`Snapshot::apply`] replays a decision in memory.
+//!
+//! The store loads snapshots and applies decisions
+//! ([`crate::apply`]). Two hot paths, the intake and a forward step's
+//! success, are single SQL statements for speed; the property test in
+//! `tests/tests/state_machine.rs` holds them to what this module decides.
+//!
+//! - [`names`]: history events and alert kinds.
+//! - [`dispatch`]: the one constructor of a step request, with its key,
+//!   payload, deadline and history detail.
+//! - `rules`: the decisions, one function per event.
+
+pub mod dispatch;
+pub mod names;
+mod rules;
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sas_messages::{OrderStatus, StatusEvent, StepReply, SCHEMA_VERSION};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::model::{NewStep, ProcessState, Progress, StepState};
+pub use names::{AlertKind, HistoryEvent, ResubmitAction};
+pub use rules::decide;
+
+/// The process record of an order: the fields transitions change.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProcessRow {
+    /// The pattern's ProcessState.
+    pub state: ProcessState,
+    /// The scheduler holding the order, if any.
+    pub locked_by: Option<String>,
+    /// Deadline of the attempt in flight.
+    pub complete_by: Option<DateTime<Utc>>,
+    /// Deadlines missed so far (reset when compensation starts).
+    pub failure_count: i32,
+    /// Earliest time a scheduler may claim the order.
+    pub not_before: DateTime<Utc>,
+    /// Why the order last failed, if it did.
+    pub last_error: Option<String>,
+}
+
+/// One step of an order: its definition (copied at intake) and its state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StepRow {
+    /// Position in the workflow, from 0.
+    pub position: i32,
+    /// Step name.
+    pub name: String,
+    /// Agent whose queue receives its requests.
+    pub agent: String,
+    /// Remote operation of the step.
+    pub action: String,
+    /// Remote operation that undoes it, if it can be undone.
+    pub compensation: Option<String>,
+    /// How long one attempt may take.
+    pub timeout_ms: i32,
+    /// Step state.
+    pub state: StepState,
+    /// Attempts started so far, actions and compensations together.
+    pub attempt: i32,
+    /// The current attempt: the only one whose reply counts.
+    pub attempt_id: Option<Uuid>,
+    /// Deadline of the current attempt.
+    pub complete_by: Option<DateTime<Utc>>,
+    /// Key the remote service deduplicates the action on.
+    pub idempotency_key: String,
+    /// What the remote service answered (what compensation needs).
+    pub result: Option<serde_json::Value>,
+    /// Last error seen.
+    pub last_error: Option<String>,
+}
+
+impl StepRow {
+    /// The step as it is before its first attempt, from the workflow definition.
+    pub fn new(order_id: &str, position: i32, step: &NewStep) -> Self {
+        Self {
+            position,
+            name: step.name.clone(),
+            agent: step.agent.clone(),
+            action: step.action.clone(),
+            compensation: step.compensation.clone(),
+            timeout_ms: i32::try_from(step.timeout.as_millis()).unwrap_or(i32::MAX),
+            state: StepState::NotStarted,
+            attempt: 0,
+            attempt_id: None,
+            complete_by: None,
+            idempotency_key: dispatch::idempotency_key(order_id, &step.name),
+            result: None,
+            last_error: None,
+        }
+    }
+
+    /// When its current attempt was started: its deadline less its timeout.
+    pub fn started_at(&self) -> Option<DateTime<Utc>> {
+        self.complete_by
+            .map(|by| by - chrono::Duration::milliseconds(i64::from(self.timeout_ms)))
+    }
+}
+
+/// Everything a decision needs to know about one order, read under its lock.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Snapshot {
+    /// The client's order id.
+    pub order_id: String,
+    /// The order as submitted: part of every step request's payload.
+    pub body: serde_json::Value,
+    /// The client's status queue, if it named one.
+    pub reply_to: Option<String>,
+    /// The order's W3C trace id.
+    pub trace_id: Option<String>,
+    /// The process record.
+    pub process: ProcessRow,
+    /// The steps, by position.
+    pub steps: Vec<StepRow>,
+}
+
+impl Snapshot {
+    /// An order as it is the moment before intake stores it: pending, held
+    /// by nobody, every step not started.
+    pub fn new_order(
+        order_id: &str,
+        body: serde_json::Value,
+        reply_to: Option<String>,
+        trace_id: Option<String>,
+        steps: &[NewStep],
+        now: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            order_id: order_id.to_owned(),
+            body,
+            reply_to,
+            trace_id,
+            process: ProcessRow {
+                state: ProcessState::Pending,
+                locked_by: None,
+                complete_by: None,
+                failure_count: 0,
+                not_before: now,
+                last_error: None,
+            },
+            steps: (0..)
+                .zip(steps)
+                .map(|(position, step)| StepRow::new(order_id, position, step))
+                .collect(),
+        }
+    }
+
+    /// The step whose attempt `attempt_id` is current, if any.
+    pub fn step_of_attempt(&self, attempt_id: Uuid) -> Option<&StepRow> {
+        self.steps
+            .iter()
+            .find(|step| step.attempt_id == Some(attempt_id))
+    }
+
+    /// Replays a decision in memory: what the store's apply does to the rows.
+    /// The property test uses it as the model the SQL paths must match.
+    pub fn apply(&mut self, decision: &Decision) {
+        if let Some(process) = &decision.process {
+            self.process = process.clone();
+        }
+        for change in &decision.steps {
+            if let Some(step) = self
+                .steps
+                .iter_mut()
+                .find(|step| step.position == change.row.position)
+            {
+                *step = change.row.clone();
+            }
+        }
+    }
+}
+
+/// How the supervisor treats an order whose step missed its deadline.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RecoveryPolicy {
+    /// Failures tolerated before giving up: the next one starts compensation
+    /// (or, for a compensation, ends the order in error).
+    pub max_failures: i32,
+    /// Wait before the first retry; doubled at each failure.
+    pub backoff_base: Duration,
+    /// Longest wait before a retry.
+    pub backoff_max: Duration,
+}
+
+impl RecoveryPolicy {
+    /// The wait before retry number `failures` (1-based), before jitter:
+    /// `base * 2^(failures-1)`, capped at `backoff_max`.
+    pub fn backoff(&self, failures: i32) -> Duration {
+        let exponent = u32::try_from(failures.saturating_sub(1))
+            .unwrap_or(0)
+            .min(20);
+        self.backoff_base
+            .saturating_mul(1u32 << exponent)
+            .min(self.backoff_max)
+    }
+}
+
+/// What happened to an order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event<'a> {
+    /// A client submitted it; intake stores it and starts its first step.
+    Submitted,
+    /// A scheduler claimed it (pending and due, or a compensation nobody holds).
+    Claimed,
+    /// An agent answered an attempt.
+    Reply(&'a StepReply),
+    /// The supervisor found its deadline passed.
+    DeadlineMissed {
+        /// Retries and backoff.
+        policy: &'a RecoveryPolicy,
+        /// A number in [0, 1): the random half of the backoff ("equal
+        /// jitter"), so orders that failed together do not return together.
+        jitter: f64,
+    },
+    /// A request or reply of an attempt was dead-lettered.
+    DeadLettered {
+        /// The attempt the message belonged to (its correlation id).
+        attempt_id: Uuid,
+        /// Why it was dead-lettered.
+        reason: &'a str,
+    },
+    /// An operator put a failed or compensated order back.
+    Resubmitted {
+        /// How many times it was resubmitted before: fresh keys get a new generation.
+        earlier: i64,
+    },
+    /// An operator cancelled a running order: undo what was done.
+    Cancelled {
+        /// The operator's reason.
+        reason: &'a str,
+    },
+}
+
+/// The inputs of a decision that come from outside the order.
+#[derive(Debug, Clone, Copy)]
+pub struct Context<'a> {
+    /// The database clock (`now()` of the transaction), never a local clock.
+    pub now: DateTime<Utc>,
+    /// The service instance deciding (recorded in the history).
+    pub actor: &'a str,
+    /// The id a new attempt gets, if the decision starts one.
+    pub next_attempt_id: Uuid,
+}
+
+/// Whether an event changed the order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The decision's changes are to be applied.
+    Applied,
+    /// An operator's resubmission was accepted; this is what it does.
+    Resubmitted(ResubmitAction),
+    /// A reply for an attempt that is not current: recorded, nothing else.
+    Stale(String),
+    /// The event does not apply to the order as it is: nothing changes.
+    Unchanged(String),
+    /// An operator action the order's state does not allow.
+    Refused(ProcessState),
+}
+
+/// A step's new row, guarded by what it was decided on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepChange {
+    /// The state the step must still be in.
+    pub expected_state: StepState,
+    /// The attempt id the step must still have.
+    pub expected_attempt_id: Option<Uuid>,
+    /// The step after the change.
+    pub row: StepRow,
+}
+
+/// One history line (its time and actor come from the context).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HistoryLine {
+    /// What was decided.
+    pub event: HistoryEvent,
+    /// The step concerned.
+    pub step: Option<String>,
+    /// The attempt concerned.
+    pub attempt_id: Option<Uuid>,
+    /// Reason or detail.
+    pub detail: Option<String>,
+}
+
+/// An alert for the operator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NewAlert {
+    /// Why.
+    pub kind: AlertKind,
+    /// What happened and what to do.
+    pub message: String,
+}
+
+/// Everything one event does to one order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Whether anything changes.
+    pub verdict: Verdict,
+    /// The process record after the decision, when it changes.
+    pub process: Option<ProcessRow>,
+    /// The steps that change.
+    pub steps: Vec<StepChange>,
+    /// History lines, in order.
+    pub history: Vec<HistoryLine>,
+    /// An alert to raise.
+    pub alert: Option<NewAlert>,
+    /// Resolve the order's open alerts (an operator took it back).
+    pub resolve_alerts: bool,
+    /// What to publish once committed: status messages and at most one step request.
+    pub progress: Progress,
+}
+
+impl Decision {
+    /// True when the store has rows to write.
+    pub fn writes(&self) -> bool {
+        self.process.is_some()
+            || !self.steps.is_empty()
+            || !self.history.is_empty()
+            || self.alert.is_some()
+            || self.resolve_alerts
+    }
+}
+
+/// A status message for `order_id` stamped with the database clock.
+pub fn status(
+    order_id: &str,
+    event: StatusEvent,
+    step: Option<&str>,
+    detail: Option<&str>,
+    at: DateTime<Utc>,
+) -> OrderStatus {
+    OrderStatus {
+        schema_version: SCHEMA_VERSION,
+        order_id: order_id.to_owned(),
+        event,
+        step: step.map(str::to_owned),
+        detail: detail.map(str::to_owned),
+        at,
+    }
+}
+
+/// `at` cut to whole microseconds, the precision Postgres keeps, so that a
+/// time decided here equals the one read back.
+pub fn to_micros(at: DateTime<Utc>) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(at.timestamp_micros()).unwrap_or(at)
+}

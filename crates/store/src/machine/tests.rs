@@ -1,0 +1,520 @@
+//! The state machine without Postgres: every process state against every
+//! event, then the rules one by one.
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
+use uuid::Uuid;
+
+use super::*;
+use crate::model::{NewStep, ProcessState, StepState};
+
+const SCHEDULER: &str = "scheduler-1";
+
+fn t(seconds: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_800_000_000 + seconds, 0).unwrap()
+}
+
+fn workflow() -> Vec<NewStep> {
+    [
+        ("reserve_stock", "inventory", "reserve", Some("release")),
+        ("charge_payment", "payment", "charge", Some("refund")),
+        ("create_shipment", "shipping", "ship", None),
+    ]
+    .into_iter()
+    .map(|(name, agent, action, compensation)| NewStep {
+        name: name.into(),
+        agent: agent.into(),
+        action: action.into(),
+        compensation: compensation.map(str::to_owned),
+        timeout: Duration::from_secs(5),
+    })
+    .collect()
+}
+
+fn attempt(n: u128) -> Uuid {
+    Uuid::from_u128(n)
+}
+
+fn policy() -> RecoveryPolicy {
+    RecoveryPolicy {
+        max_failures: 2,
+        backoff_base: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(8),
+    }
+}
+
+fn ctx(now: DateTime<Utc>) -> Context<'static> {
+    Context {
+        now,
+        actor: SCHEDULER,
+        next_attempt_id: attempt(99),
+    }
+}
+
+fn fresh() -> Snapshot {
+    Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1" }),
+        Some("client-q".into()),
+        Some("trace".into()),
+        &workflow(),
+        t(0),
+    )
+}
+
+/// Sets step `index` to `state` with attempt `n` (deadline 5 s after `t(n)`).
+fn step(snapshot: &mut Snapshot, index: usize, state: StepState, n: u128) {
+    let step = &mut snapshot.steps[index];
+    step.state = state;
+    step.attempt = n as i32;
+    step.attempt_id = Some(attempt(n));
+    step.complete_by = Some(t(n as i64 + 5));
+    if state == StepState::Completed || state == StepState::Compensated {
+        step.result = Some(serde_json::json!({ "id": format!("r-{index}") }));
+    }
+}
+
+/// A representative order in each state, and the attempt a reply to it would answer.
+fn order_in(state: ProcessState) -> (Snapshot, Uuid) {
+    let mut s = fresh();
+    s.process.state = state;
+    let current = match state {
+        // Sent back by the supervisor: its step still running, due now.
+        ProcessState::Pending => {
+            step(&mut s, 0, StepState::Running, 1);
+            1
+        }
+        ProcessState::Processing => {
+            step(&mut s, 0, StepState::Completed, 1);
+            step(&mut s, 1, StepState::Running, 2);
+            s.process.locked_by = Some(SCHEDULER.into());
+            s.process.complete_by = s.steps[1].complete_by;
+            2
+        }
+        ProcessState::Compensating => {
+            step(&mut s, 0, StepState::Completed, 1);
+            step(&mut s, 1, StepState::Compensating, 3);
+            s.process.locked_by = Some(SCHEDULER.into());
+            s.process.complete_by = s.steps[1].complete_by;
+            3
+        }
+        ProcessState::Processed => {
+            for index in 0..3 {
+                step(&mut s, index, StepState::Completed, index as u128 + 1);
+            }
+            3
+        }
+        ProcessState::Compensated => {
+            step(&mut s, 0, StepState::Compensated, 3);
+            step(&mut s, 1, StepState::Failed, 2);
+            3
+        }
+        ProcessState::Error => {
+            step(&mut s, 0, StepState::Compensating, 3);
+            step(&mut s, 1, StepState::Failed, 2);
+            3
+        }
+    };
+    (s, attempt(current))
+}
+
+fn reply(attempt_id: Uuid, outcome: StepOutcome) -> StepReply {
+    StepReply {
+        schema_version: SCHEMA_VERSION,
+        order_id: "o-1".into(),
+        step: "charge_payment".into(),
+        attempt_id,
+        agent_id: "agent-1".into(),
+        outcome,
+    }
+}
+
+fn succeeded() -> StepOutcome {
+    StepOutcome::Succeeded {
+        result: serde_json::json!({ "id": "new" }),
+    }
+}
+
+fn failed(permanent: bool) -> StepOutcome {
+    StepOutcome::Failed {
+        error: "no".into(),
+        permanent,
+    }
+}
+
+/// What an event did, in one word: the state it led to, or why nothing changed.
+fn outcome(decision: &Decision, before: ProcessState) -> String {
+    match &decision.verdict {
+        Verdict::Applied | Verdict::Resubmitted(_) => {
+            let after = decision.process.as_ref().map_or(before, |p| p.state);
+            after.as_str().to_owned()
+        }
+        Verdict::Stale(_) => "stale".into(),
+        Verdict::Unchanged(_) => "-".into(),
+        Verdict::Refused(_) => "refused".into(),
+    }
+}
+
+#[test]
+fn every_state_meets_every_event() {
+    use ProcessState::*;
+    // Columns: submitted, claimed, reply succeeded / failed for good /
+    // failed transiently / for another attempt, deadline missed, dead
+    // letter, resubmitted, cancelled.
+    let table: [(ProcessState, [&str; 10]); 6] = [
+        (
+            Pending,
+            [
+                "-",
+                "processing",
+                "stale",
+                "stale",
+                "stale",
+                "stale",
+                "-",
+                "compensating",
+                "refused",
+                "compensating",
+            ],
+        ),
+        (
+            Processing,
+            [
+                "-",
+                "-",
+                "processing",
+                "compensating",
+                "processing",
+                "stale",
+                "pending",
+                "compensating",
+                "refused",
+                "compensating",
+            ],
+        ),
+        (
+            Compensating,
+            [
+                "-",
+                "-",
+                "compensating",
+                "error",
+                "compensating",
+                "stale",
+                "compensating",
+                "error",
+                "refused",
+                "refused",
+            ],
+        ),
+        (
+            Processed,
+            [
+                "-", "-", "stale", "stale", "stale", "stale", "-", "-", "refused", "refused",
+            ],
+        ),
+        (
+            Compensated,
+            [
+                "-", "-", "stale", "stale", "stale", "stale", "-", "-", "pending", "refused",
+            ],
+        ),
+        (
+            Error,
+            [
+                "-",
+                "-",
+                "stale",
+                "stale",
+                "stale",
+                "stale",
+                "-",
+                "-",
+                "compensating",
+                "refused",
+            ],
+        ),
+    ];
+    for (state, expected) in table {
+        let (snapshot, current) = order_in(state);
+        let (ok, permanent, transient, other) = (
+            reply(current, succeeded()),
+            reply(current, failed(true)),
+            reply(current, failed(false)),
+            reply(attempt(1234), succeeded()),
+        );
+        let policy = policy();
+        let events = [
+            Event::Submitted,
+            Event::Claimed,
+            Event::Reply(&ok),
+            Event::Reply(&permanent),
+            Event::Reply(&transient),
+            Event::Reply(&other),
+            Event::DeadlineMissed {
+                policy: &policy,
+                jitter: 0.5,
+            },
+            Event::DeadLettered {
+                attempt_id: current,
+                reason: "poison",
+            },
+            Event::Resubmitted { earlier: 0 },
+            Event::Cancelled {
+                reason: "customer asked",
+            },
+        ];
+        // Late enough for every deadline and backoff to have passed.
+        let ctx = ctx(t(60));
+        for (event, want) in events.iter().zip(expected) {
+            let decision = decide(&snapshot, event, &ctx);
+            assert_eq!(
+                outcome(&decision, state),
+                want,
+                "{state} + {event:?}: {decision:#?}"
+            );
+            if !matches!(decision.verdict, Verdict::Applied | Verdict::Resubmitted(_)) {
+                assert!(
+                    decision.process.is_none() && decision.steps.is_empty(),
+                    "{state} + {event:?} changed rows"
+                );
+                assert!(decision.alert.is_none() && decision.progress.statuses.is_empty());
+                assert!(decision.progress.dispatch.is_none());
+                let stale_line = decision
+                    .history
+                    .iter()
+                    .all(|h| h.event == HistoryEvent::StaleReply);
+                assert!(
+                    stale_line && decision.history.len() <= 1,
+                    "{state} + {event:?}"
+                );
+            }
+            for change in &decision.steps {
+                let before = &snapshot.steps[change.row.position as usize];
+                assert_eq!(
+                    (change.expected_state, change.expected_attempt_id),
+                    (before.state, before.attempt_id)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_submitted_order_is_held_and_its_first_step_dispatched() {
+    let decision = decide(&fresh(), &Event::Submitted, &ctx(t(0)));
+    let process = decision.process.unwrap();
+    assert_eq!(process.state, ProcessState::Processing);
+    assert_eq!(process.locked_by.as_deref(), Some(SCHEDULER));
+    assert_eq!(process.complete_by, Some(t(5)));
+    let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
+    assert_eq!(events, [HistoryEvent::Received, HistoryEvent::Dispatched]);
+    assert_eq!(
+        decision.history[1].detail.as_deref(),
+        Some("attempt 1: inventory.reserve")
+    );
+    let dispatch = decision.progress.dispatch.unwrap();
+    assert_eq!(dispatch.idempotency_key, "o-1:reserve_stock");
+    assert_eq!((dispatch.attempt, dispatch.attempt_id), (1, attempt(99)));
+    assert_eq!(dispatch.payload["results"], serde_json::json!({}));
+    assert_eq!(decision.progress.statuses[0].event, StatusEvent::Received);
+}
+
+#[test]
+fn a_success_starts_the_next_step_with_the_results_so_far() {
+    let (snapshot, current) = order_in(ProcessState::Processing);
+    let ok = reply(current, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
+    let dispatch = decision.progress.dispatch.unwrap();
+    assert_eq!(dispatch.step, "create_shipment");
+    assert_eq!(
+        dispatch.payload["results"]["charge_payment"],
+        serde_json::json!({ "id": "new" })
+    );
+    assert_eq!(
+        dispatch.payload["results"]["reserve_stock"],
+        serde_json::json!({ "id": "r-0" })
+    );
+    let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
+    assert_eq!(
+        events,
+        [HistoryEvent::StepCompleted, HistoryEvent::Dispatched]
+    );
+    assert_eq!(decision.history[0].detail.as_deref(), Some("by agent-1"));
+}
+
+#[test]
+fn the_last_success_finishes_the_order() {
+    let (mut snapshot, _) = order_in(ProcessState::Processing);
+    step(&mut snapshot, 1, StepState::Completed, 2);
+    step(&mut snapshot, 2, StepState::Running, 4);
+    let ok = reply(attempt(4), succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(6)));
+    let process = decision.process.unwrap();
+    assert_eq!(
+        (process.state, process.locked_by, process.complete_by),
+        (ProcessState::Processed, None, None)
+    );
+    let statuses: Vec<_> = decision.progress.statuses.iter().map(|s| s.event).collect();
+    assert_eq!(
+        statuses,
+        [StatusEvent::StepCompleted, StatusEvent::Processed]
+    );
+}
+
+#[test]
+fn a_refusal_undoes_the_completed_steps_from_the_last() {
+    let (snapshot, current) = order_in(ProcessState::Processing);
+    let refused = reply(current, failed(true));
+    let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(3)));
+    let dispatch = decision.progress.dispatch.unwrap();
+    // The refused charge applied nothing: the reservation is released.
+    assert_eq!(
+        (dispatch.step.as_str(), dispatch.kind),
+        ("reserve_stock", StepKind::Compensation)
+    );
+    assert_eq!(dispatch.idempotency_key, "o-1:reserve_stock:undo");
+    assert_eq!(dispatch.action, "release");
+    assert_eq!(decision.process.unwrap().failure_count, 0);
+}
+
+#[test]
+fn a_step_without_compensation_is_not_undone() {
+    let (mut snapshot, _) = order_in(ProcessState::Compensating);
+    step(&mut snapshot, 1, StepState::Compensated, 3);
+    step(&mut snapshot, 2, StepState::Completed, 4);
+    snapshot.process.locked_by = None;
+    let decision = decide(&snapshot, &Event::Claimed, &ctx(t(60)));
+    assert_eq!(decision.progress.dispatch.unwrap().step, "reserve_stock");
+}
+
+#[test]
+fn missed_deadlines_back_off_then_give_up_then_fail_with_an_alert() {
+    let policy = policy();
+    let missed = Event::DeadlineMissed {
+        policy: &policy,
+        jitter: 0.0,
+    };
+    let (mut snapshot, _) = order_in(ProcessState::Processing);
+    snapshot.process.failure_count = 1;
+    let decision = decide(&snapshot, &missed, &ctx(t(60)));
+    let process = decision.process.unwrap();
+    // Second failure: 2 s backoff, half of it with jitter 0.
+    assert_eq!(
+        (process.state, process.failure_count),
+        (ProcessState::Pending, 2)
+    );
+    assert_eq!(process.not_before, t(61));
+    assert_eq!(decision.history[0].event, HistoryEvent::RetryScheduled);
+    assert!(decision.steps[0]
+        .row
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("missed its deadline"));
+
+    snapshot.process.failure_count = 2;
+    let decision = decide(&snapshot, &missed, &ctx(t(60)));
+    let process = decision.process.unwrap();
+    assert_eq!(
+        (process.state, process.failure_count),
+        (ProcessState::Compensating, 0)
+    );
+    assert_eq!(
+        decision.progress.statuses[0].event,
+        StatusEvent::Compensating
+    );
+
+    let (mut snapshot, _) = order_in(ProcessState::Compensating);
+    snapshot.process.failure_count = 2;
+    let decision = decide(&snapshot, &missed, &ctx(t(60)));
+    assert_eq!(decision.process.unwrap().state, ProcessState::Error);
+    assert_eq!(
+        decision.alert.unwrap().kind,
+        AlertKind::CompensationExhausted
+    );
+    assert_eq!(decision.progress.statuses[0].event, StatusEvent::Failed);
+}
+
+#[test]
+fn a_deadline_not_yet_passed_changes_nothing() {
+    let policy = policy();
+    let missed = Event::DeadlineMissed {
+        policy: &policy,
+        jitter: 0.5,
+    };
+    let (snapshot, _) = order_in(ProcessState::Processing);
+    let decision = decide(&snapshot, &missed, &ctx(t(2)));
+    assert!(matches!(decision.verdict, Verdict::Unchanged(_)));
+}
+
+#[test]
+fn a_cancelled_order_waits_for_its_step_in_flight_before_undoing() {
+    let (snapshot, _) = order_in(ProcessState::Processing);
+    let decision = decide(&snapshot, &Event::Cancelled { reason: "fraud" }, &ctx(t(3)));
+    let process = decision.process.unwrap();
+    assert_eq!(process.state, ProcessState::Compensating);
+    assert_eq!(process.locked_by, None);
+    // The charge in flight may still land until its deadline.
+    assert_eq!(process.not_before, t(7));
+    assert_eq!(decision.history[0].event, HistoryEvent::Cancelled);
+    assert_eq!(
+        decision.history[0].detail.as_deref(),
+        Some("cancelled by scheduler-1: fraud")
+    );
+}
+
+#[test]
+fn a_resubmitted_order_restarts_with_fresh_keys_of_a_new_generation() {
+    let (snapshot, _) = order_in(ProcessState::Compensated);
+    let decision = decide(&snapshot, &Event::Resubmitted { earlier: 1 }, &ctx(t(60)));
+    assert_eq!(
+        decision.verdict,
+        Verdict::Resubmitted(ResubmitAction::WorkflowRestarted)
+    );
+    let keys: Vec<_> = decision
+        .steps
+        .iter()
+        .map(|c| c.row.idempotency_key.as_str())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "o-1:reserve_stock:r2",
+            "o-1:charge_payment:r2",
+            "o-1:create_shipment:r2"
+        ]
+    );
+    assert!(decision.resolve_alerts);
+
+    let (snapshot, _) = order_in(ProcessState::Error);
+    let decision = decide(&snapshot, &Event::Resubmitted { earlier: 0 }, &ctx(t(60)));
+    assert_eq!(
+        decision.verdict,
+        Verdict::Resubmitted(ResubmitAction::CompensationResumed)
+    );
+    assert!(decision.steps.is_empty());
+}
+
+#[test]
+fn applying_a_decision_in_memory_gives_the_rows_it_describes() {
+    let (mut snapshot, current) = order_in(ProcessState::Processing);
+    let ok = reply(current, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
+    snapshot.apply(&decision);
+    let states: Vec<_> = snapshot.steps.iter().map(|s| s.state).collect();
+    assert_eq!(
+        states,
+        [
+            StepState::Completed,
+            StepState::Completed,
+            StepState::Running
+        ]
+    );
+    assert_eq!(snapshot.process.complete_by, Some(t(8)));
+    // The same reply again is stale now.
+    let again = decide(&snapshot, &Event::Reply(&ok), &ctx(t(4)));
+    assert!(matches!(again.verdict, Verdict::Stale(_)));
+}
