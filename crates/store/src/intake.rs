@@ -1,6 +1,7 @@
 //! Storing a submitted order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use sas_messages::SubmitOrder;
@@ -30,6 +31,41 @@ pub struct Submission {
     pub order: SubmitOrder,
     /// Its trace id (the client's, or a new root).
     pub trace_id: String,
+}
+
+/// One intake batch: the submissions, their bodies as stored, and the
+/// workflow they start.
+struct Batch<'a> {
+    submissions: &'a [Submission],
+    bodies: Vec<serde_json::Value>,
+    workflow: &'a str,
+    steps: &'a [NewStep],
+    actor: &'a str,
+}
+
+impl Batch<'_> {
+    /// What to publish for submission `index`, stored by the statement at
+    /// `received_at` with its first attempt `attempt_id`. The statement wrote
+    /// what the state machine decides for a submission (the property test
+    /// holds it to that); what to publish comes from the state machine itself.
+    fn accepted(&self, index: usize, attempt_id: Uuid, received_at: DateTime<Utc>) -> Intake {
+        let submission = &self.submissions[index];
+        let order = &submission.order;
+        let snapshot = Snapshot::new_order(
+            &order.order_id,
+            self.bodies[index].clone(),
+            order.reply_to.clone(),
+            Some(submission.trace_id.clone()),
+            self.steps,
+            received_at,
+        );
+        let ctx = Context {
+            now: received_at,
+            actor: self.actor,
+            next_attempt_id: attempt_id,
+        };
+        Intake::Accepted(decide(&snapshot, &Event::Submitted, &ctx).progress)
+    }
 }
 
 impl Store {
@@ -76,137 +112,122 @@ impl Store {
         steps: &[NewStep],
         actor: &str,
     ) -> Vec<Result<Intake, StoreError>> {
-        if steps.is_empty() {
-            return submissions
+        let every = |error: StoreError| {
+            let shared = Arc::new(error);
+            submissions
                 .iter()
-                .map(|_| {
-                    Err(StoreError::Invariant(
-                        "a workflow needs at least one step".into(),
-                    ))
-                })
-                .collect();
+                .map(|_| Err(StoreError::Shared(shared.clone())))
+                .collect()
+        };
+        if steps.is_empty() {
+            return every(StoreError::Invariant(
+                "a workflow needs at least one step".into(),
+            ));
         }
-        let bodies: Vec<serde_json::Value> = match submissions
+        let bodies = match submissions
             .iter()
             .map(|s| serde_json::to_value(&s.order))
             .collect::<Result<_, _>>()
         {
             Ok(bodies) => bodies,
-            Err(error) => {
-                return submissions
-                    .iter()
-                    .map(|_| Err(StoreError::Invariant(error.to_string())))
-                    .collect()
-            }
+            Err(error) => return every(StoreError::Invariant(error.to_string())),
+        };
+        let batch = Batch {
+            submissions,
+            bodies,
+            workflow,
+            steps,
+            actor,
         };
         // One submission per order id goes into the statement; a repeat in
         // the same batch is checked afterwards, like any duplicate.
-        let mut seen = std::collections::HashSet::new();
-        let batch: Vec<usize> = (0..submissions.len())
+        let mut seen = HashSet::new();
+        let distinct: Vec<usize> = (0..submissions.len())
             .filter(|&i| seen.insert(submissions[i].order.order_id.as_str()))
             .collect();
-        let attempt_ids: Vec<Uuid> = batch.iter().map(|_| Uuid::now_v7()).collect();
-        let mut failed: HashMap<usize, StoreError> = HashMap::new();
-        let mut stored = match self
-            .insert_batch(
-                submissions,
-                &bodies,
-                &batch,
-                &attempt_ids,
-                workflow,
-                steps,
-                actor,
-            )
-            .await
-        {
-            Ok(stored) => stored,
-            Err(error) if StoreError::is_transient_sqlx(&error) || batch.len() == 1 => {
+        let attempt_ids: Vec<Uuid> = distinct.iter().map(|_| Uuid::now_v7()).collect();
+        let (mut stored, mut failed) =
+            match self.store_distinct(&batch, &distinct, &attempt_ids).await {
+                Ok(done) => done,
                 // The database is away (or this was the only order): every
                 // caller gets the error, and retries or gives up on its own.
-                let shared = std::sync::Arc::new(StoreError::Database(error));
-                return submissions
-                    .iter()
-                    .map(|_| Err(StoreError::Shared(shared.clone())))
-                    .collect();
-            }
-            Err(error) => {
-                // One bad order must not fail the others: one by one.
-                tracing::warn!(error = %error, orders = batch.len(), "a batched intake statement failed; storing its orders one by one");
-                let mut stored = HashMap::new();
-                for (slot, &index) in batch.iter().enumerate() {
-                    match self
-                        .insert_batch(
-                            submissions,
-                            &bodies,
-                            &[index],
-                            &attempt_ids[slot..=slot],
-                            workflow,
-                            steps,
-                            actor,
-                        )
-                        .await
-                    {
-                        Ok(one) => stored.extend(one),
-                        Err(error) => {
-                            failed.insert(index, error.into());
-                        }
-                    }
-                }
-                stored
-            }
-        };
+                Err(error) => return every(StoreError::Database(error)),
+            };
         let mut outcomes = Vec::with_capacity(submissions.len());
         for (index, submission) in submissions.iter().enumerate() {
-            let order = &submission.order;
+            let order_id = &submission.order.order_id;
             if let Some(error) = failed.remove(&index) {
                 outcomes.push(Err(error));
                 continue;
             }
-            let attempt = batch
+            let attempt = distinct
                 .iter()
                 .position(|&i| i == index)
                 .map(|slot| attempt_ids[slot]);
-            let received = attempt.and_then(|_| stored.remove(&order.order_id));
-            let (Some(attempt_id), Some(received_at)) = (attempt, received) else {
-                outcomes.push(self.existing(&order.order_id, &bodies[index]).await);
-                continue;
-            };
-            // The statement wrote what the state machine decides for a
-            // submission (the property test holds it to that); what to
-            // publish comes from the state machine itself.
-            let snapshot = Snapshot::new_order(
-                &order.order_id,
-                bodies[index].clone(),
-                order.reply_to.clone(),
-                Some(submission.trace_id.clone()),
-                steps,
-                received_at,
-            );
-            let ctx = Context {
-                now: received_at,
-                actor,
-                next_attempt_id: attempt_id,
-            };
-            let progress = decide(&snapshot, &Event::Submitted, &ctx).progress;
-            outcomes.push(Ok(Intake::Accepted(progress)));
+            let received = attempt.and_then(|_| stored.remove(order_id));
+            outcomes.push(match (attempt, received) {
+                (Some(attempt_id), Some(received_at)) => {
+                    Ok(batch.accepted(index, attempt_id, received_at))
+                }
+                _ => self.existing(order_id, &batch.bodies[index]).await,
+            });
         }
         outcomes
+    }
+
+    /// Stores the submissions at `distinct` (distinct order ids) in one
+    /// statement, or, when that statement fails for one bad order, one by
+    /// one so that the others are stored. Returns when each stored order was
+    /// received, and the error of each that failed alone.
+    ///
+    /// # Errors
+    /// When the database is away, or the batch held a single order.
+    async fn store_distinct(
+        &self,
+        batch: &Batch<'_>,
+        distinct: &[usize],
+        attempt_ids: &[Uuid],
+    ) -> Result<(HashMap<String, DateTime<Utc>>, HashMap<usize, StoreError>), sqlx::Error> {
+        let error = match self.insert_batch(batch, distinct, attempt_ids).await {
+            Ok(stored) => return Ok((stored, HashMap::new())),
+            Err(error) if StoreError::is_transient_sqlx(&error) || distinct.len() == 1 => {
+                return Err(error)
+            }
+            Err(error) => error,
+        };
+        tracing::warn!(error = %error, orders = distinct.len(), "a batched intake statement failed; storing its orders one by one");
+        let (mut stored, mut failed) = (HashMap::new(), HashMap::new());
+        for (slot, &index) in distinct.iter().enumerate() {
+            match self
+                .insert_batch(batch, &[index], &attempt_ids[slot..=slot])
+                .await
+            {
+                Ok(one) => stored.extend(one),
+                Err(error) => {
+                    failed.insert(index, error.into());
+                }
+            }
+        }
+        Ok((stored, failed))
     }
 
     /// Inserts the submissions at `batch` (distinct order ids) in one
     /// statement; returns, per order inserted, when it was received (the
     /// statement's `now()`). Orders already stored are left out.
-    #[allow(clippy::too_many_arguments)]
     async fn insert_batch(
         &self,
-        submissions: &[Submission],
-        bodies: &[serde_json::Value],
-        batch: &[usize],
+        batch: &Batch<'_>,
+        indices: &[usize],
         attempt_ids: &[Uuid],
-        workflow: &str,
-        steps: &[NewStep],
-        actor: &str,
     ) -> Result<HashMap<String, DateTime<Utc>>, sqlx::Error> {
+        let Batch {
+            submissions,
+            bodies,
+            workflow,
+            steps,
+            actor,
+        } = batch;
+        let batch = indices;
         let order_ids: Vec<&str> = batch
             .iter()
             .map(|&i| submissions[i].order.order_id.as_str())

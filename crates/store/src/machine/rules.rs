@@ -81,8 +81,17 @@ fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
         );
         return draft.stale(reply, reason);
     };
+    answered(draft, index, reply);
+}
+
+/// A reply to the current attempt of step `index`: a success completes the
+/// step (or its compensation) and moves on; a refusal of an action starts
+/// compensation, of a compensation ends the order in error; a transient
+/// failure leaves the decision to the supervisor's next scan.
+fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
     let name = draft.steps[index].name.clone();
     let by = format!("by {}", reply.agent_id);
+    let expected = draft.steps[index].state;
     match (&reply.outcome, expected) {
         (StepOutcome::Succeeded { result }, StepState::Running) => {
             draft.change_step(index, |step| {
@@ -177,26 +186,7 @@ fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) 
         return draft.unchanged("no deadline of the order has passed");
     }
     let failures = draft.process.failure_count + 1;
-    let in_flight = draft
-        .steps
-        .iter()
-        .position(|s| matches!(s.state, StepState::Running | StepState::Compensating));
-    let name = in_flight.map(|index| draft.steps[index].name.clone());
-    let what = match in_flight {
-        Some(index) => {
-            let step = &draft.steps[index];
-            let (attempt, by) = (step.attempt, step.complete_by);
-            let missed = by.map_or_else(String::new, |by| by.to_rfc3339());
-            draft.change_step(index, |step| {
-                step.last_error = Some(format!("attempt {attempt} missed its deadline {missed}"));
-            });
-            format!(
-                "step {} attempt {attempt} timed out",
-                draft.steps[index].name
-            )
-        }
-        None => "held order made no progress before its deadline".to_owned(),
-    };
+    let (name, what) = mark_missed(draft);
     let reason = format!(
         "{what}; failure {failures} of {} allowed",
         policy.max_failures
@@ -249,6 +239,31 @@ fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) 
     if event == HistoryEvent::CompensationStarted {
         draft.notify(StatusEvent::Compensating, name.as_deref(), Some(&reason));
     }
+}
+
+/// Records on the step in flight, if any, that its attempt missed its
+/// deadline; returns its name and what happened, for the reason.
+fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
+    let in_flight = draft
+        .steps
+        .iter()
+        .position(|s| matches!(s.state, StepState::Running | StepState::Compensating));
+    let Some(index) = in_flight else {
+        return (
+            None,
+            "held order made no progress before its deadline".to_owned(),
+        );
+    };
+    let step = &draft.steps[index];
+    let (name, attempt) = (step.name.clone(), step.attempt);
+    let missed = step
+        .complete_by
+        .map_or_else(String::new, |by| by.to_rfc3339());
+    draft.change_step(index, |step| {
+        step.last_error = Some(format!("attempt {attempt} missed its deadline {missed}"));
+    });
+    let what = format!("step {name} attempt {attempt} timed out");
+    (Some(name), what)
 }
 
 /// A message of the current attempt was dead-lettered: it would fail again,
