@@ -139,9 +139,7 @@ impl Session {
             tracing::warn!(error = %error, "RabbitMQ connection error");
             on_error.cancel();
         });
-        let publisher = Publisher::open(&connection, self.settings.operation_timeout())
-            .await?
-            .with_status_exchange(self.settings.status_exchange);
+        let publisher = Publisher::open(&connection, self.settings.operation_timeout()).await?;
         Ok((Arc::new(connection), publisher, lost))
     }
 }

@@ -1,6 +1,5 @@
 //! Publishing with confirms.
 
-use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -19,7 +18,6 @@ use crate::BrokerError;
 pub struct Publisher {
     channel: Channel,
     timeout: Duration,
-    status_exchange: bool,
 }
 
 impl Publisher {
@@ -40,11 +38,7 @@ impl Publisher {
             channel.confirm_select(ConfirmSelectOptions::default()),
         )
         .await?;
-        Ok(Self {
-            channel,
-            timeout,
-            status_exchange: true,
-        })
+        Ok(Self { channel, timeout })
     }
 
     /// Sends `body` without waiting for its confirm: the returned [`Pending`]
@@ -255,97 +249,4 @@ impl SharedPublisher {
             .clone()
             .ok_or(BrokerError::NotConnected)
     }
-}
-
-impl Publisher {
-    /// Whether [`Publisher::send_statuses`] also sends to the status exchange
-    /// (`amqp.status_exchange`).
-    pub fn with_status_exchange(mut self, enabled: bool) -> Self {
-        self.status_exchange = enabled;
-        self
-    }
-
-    /// Sends `statuses` in order (see [`Publisher::status_sends`]).
-    ///
-    /// # Errors
-    /// As [`Publisher::send`].
-    pub async fn send_statuses(
-        &self,
-        names: &sas_messages::QueueNames,
-        reply_to: Option<&str>,
-        trace_id: Option<&str>,
-        statuses: &[sas_messages::OrderStatus],
-    ) -> Result<Vec<Pending>, BrokerError> {
-        send_all(
-            statuses
-                .iter()
-                .flat_map(|status| self.status_sends(names, reply_to, trace_id, status)),
-        )
-        .await
-    }
-
-    /// The sends of one status message, not started yet: to the status
-    /// exchange (routing key `order.<id>`, where `sasctl watch` listens) and
-    /// to the client's `reply_to` queue, if the order named one. Neither is
-    /// mandatory: nobody may be listening. The confirms are left to the caller.
-    fn status_sends<'a>(
-        &'a self,
-        names: &sas_messages::QueueNames,
-        reply_to: Option<&'a str>,
-        trace_id: Option<&str>,
-        status: &'a sas_messages::OrderStatus,
-    ) -> Vec<impl Future<Output = Result<Pending, BrokerError>> + Send + 'a> {
-        let properties = || {
-            json_properties(&uuid::Uuid::now_v7().to_string())
-                .with_headers(order_headers(&status.order_id, trace_id))
-        };
-        let mut destinations = Vec::with_capacity(2);
-        if self.status_exchange {
-            destinations.push((
-                names.status_exchange(),
-                sas_messages::QueueNames::status_routing_key(&status.order_id),
-            ));
-        }
-        if let Some(queue) = reply_to {
-            destinations.push((String::new(), queue.to_owned()));
-        }
-        destinations
-            .into_iter()
-            .map(|(exchange, routing_key)| {
-                let properties = properties();
-                async move {
-                    self.send_json(&exchange, &routing_key, status, properties, false)
-                        .await
-                }
-            })
-            .collect()
-    }
-}
-
-/// Counts the orders that a committed transition's `statuses` finish in
-/// `sas_orders_finished_total{event}`, whether or not anybody listens and
-/// whether or not the broker is up: the supervisor's gauges count only open
-/// orders. Called by whoever committed the transition, before publishing.
-pub fn count_finished(statuses: &[sas_messages::OrderStatus]) {
-    for status in statuses.iter().filter(|status| status.event.is_terminal()) {
-        metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
-            .increment(1);
-    }
-}
-
-/// Runs sends together and returns their [`Pending`] confirms in order.
-///
-/// Each send waits until lapin's IO loop has written its frames; awaited one
-/// after another, a transition's messages cost one wake-up of the IO loop
-/// each before the last (the step request) leaves. Together they leave in one.
-/// The order is kept: every send hands its frames to the channel in its
-/// first poll, and the sends are first polled in the order given.
-///
-/// # Errors
-/// The first send that fails.
-async fn send_all<F>(sends: impl IntoIterator<Item = F>) -> Result<Vec<Pending>, BrokerError>
-where
-    F: Future<Output = Result<Pending, BrokerError>>,
-{
-    futures_util::future::try_join_all(sends).await
 }

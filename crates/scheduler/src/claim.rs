@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use sas_broker::{BrokerError, Publisher};
 
-use crate::publish::publish_progress;
 use crate::Scheduler;
 
 impl Scheduler {
@@ -36,7 +35,7 @@ impl Scheduler {
                     tracing::info!(order_id = %dispatch.order_id, step = %dispatch.step, attempt = dispatch.attempt, "claimed order");
                 }
                 metrics::counter!("sas_orders_claimed_total").increment(1);
-                publish_progress(&publisher, &self.names, progress).await?;
+                self.announcer.announce(Some(&publisher), progress).await?;
             }
             if full && !self.shutdown.is_cancelled() {
                 continue;

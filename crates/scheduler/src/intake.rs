@@ -5,7 +5,6 @@ use sas_broker::Publisher;
 use sas_messages::{decode, SubmitOrder};
 use sas_store::intake::{Intake, Submission};
 
-use crate::publish::publish_progress;
 use crate::{stopping, Scheduler};
 
 impl Scheduler {
@@ -56,7 +55,7 @@ impl Scheduler {
             Intake::Accepted(progress) => {
                 metrics::counter!("sas_orders_received_total").increment(1);
                 tracing::info!(order_id = %order.order_id, trace_id = %trace_id, redelivered = delivery.redelivered, "order received");
-                match publish_progress(publisher, &self.names, &progress).await {
+                match self.announcer.announce(Some(publisher), &progress).await {
                     Ok(()) => Consumed::Ack,
                     Err(error) => {
                         // Committed but not announced: the redelivery will be a

@@ -4,7 +4,8 @@
 //! step to its agent and advances on the agent's reply ([`replies`]), and
 //! claims the orders the supervisor sent back for another try ([`claim`]).
 //! Every state change is a transaction in the state store; requests and
-//! status messages are published only after it commits ([`publish`]).
+//! status messages are published only after it commits (by
+//! [`sas_announce::Announcer`], which the supervisor shares).
 //!
 //! Any number of schedulers may run: they compete on the orders queue, share
 //! one durable reply queue, and the store's row locks make sure no two of them
@@ -12,7 +13,6 @@
 
 pub mod claim;
 pub mod intake;
-pub mod publish;
 pub mod replies;
 pub mod settings;
 pub mod workflow;
@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use sas_announce::Announcer;
 use sas_broker::lapin::Connection;
 use sas_broker::{topology, BrokerError, Publisher, Session};
 use sas_messages::QueueNames;
@@ -46,6 +47,8 @@ pub struct Scheduler {
     pub store: Store,
     /// Queue and exchange names.
     pub names: QueueNames,
+    /// Publishes what each committed transition asks for, and counts it.
+    pub announcer: Announcer,
     /// Fired on SIGTERM: handlers stop retrying and hand their message back.
     pub shutdown: CancellationToken,
     /// Stores the submitted orders of concurrent handlers together.
@@ -134,6 +137,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let scheduler = Arc::new(Scheduler {
         id,
         names: settings.amqp.names(),
+        announcer: Announcer::new(&settings.amqp),
         settings,
         workflow,
         store,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use sas_announce::Announcer;
 use sas_broker::lapin::Connection;
 use sas_broker::{topology, BrokerError, Publisher, Session};
 use sas_messages::QueueNames;
@@ -39,6 +40,8 @@ pub struct Supervisor {
     pub session: Session,
     /// Queue and exchange names.
     pub names: QueueNames,
+    /// Publishes the status messages of its decisions, and counts them.
+    pub announcer: Announcer,
     /// Fired on SIGTERM.
     pub shutdown: CancellationToken,
 }
@@ -83,6 +86,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let supervisor = Arc::new(Supervisor {
         id,
         names: settings.amqp.names(),
+        announcer: Announcer::new(&settings.amqp),
         settings,
         store,
         session: session.clone(),

@@ -52,34 +52,19 @@ impl Supervisor {
         }
     }
 
-    /// Sends status messages to the client, if the broker is up (status
-    /// messages are notifications; the state store is the record).
+    /// Announces a committed decision (see [`sas_announce::Announcer`]):
+    /// finished orders are counted whether or not the broker is up; the
+    /// status messages are sent if it is, and otherwise logged and dropped
+    /// (they are notifications; the state store is the record), so that a
+    /// broker outage never stops the scan.
     pub(crate) async fn announce(&self, progress: &sas_store::Progress) {
-        if progress.statuses.is_empty() {
-            return;
-        }
-        sas_broker::publish::count_finished(&progress.statuses);
-        let publisher = match self.session.publisher().get() {
-            Ok(publisher) => publisher,
-            Err(error) => {
-                tracing::warn!(error = %error, "status messages not sent");
-                return;
-            }
-        };
-        let sent = publisher
-            .send_statuses(
-                &self.names,
-                progress.reply_to.as_deref(),
-                progress.trace_id.as_deref(),
-                &progress.statuses,
-            )
-            .await;
-        let confirmed = match sent {
-            Ok(pending) => sas_broker::publish::confirm_all(pending).await,
-            Err(error) => Err(error),
-        };
-        if let Err(error) = confirmed {
-            tracing::warn!(order_id = %progress.statuses[0].order_id, error = %error, "status messages not sent");
+        let publisher = self.session.publisher().get().ok();
+        if let Err(error) = self.announcer.announce(publisher.as_ref(), progress).await {
+            let order_id = progress
+                .statuses
+                .first()
+                .map_or("", |s| s.order_id.as_str());
+            tracing::warn!(order_id, error = %error, "status messages not sent");
         }
     }
 

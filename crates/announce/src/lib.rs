@@ -1,0 +1,403 @@
+//! Announcing committed transitions.
+//!
+//! Every transition of the state store commits first and then hands back a
+//! [`Progress`]: the status messages a client should see and, at most, one
+//! step request for an agent. Both the scheduler and the supervisor commit
+//! transitions; this crate is the one place that turns a [`Progress`] into
+//! messages and metrics, so that neither can forget a counter or send the
+//! messages in another order than the other.
+//!
+//! - [`Announcer::announce`]: count what the transition finished, then
+//!   publish its status messages and its step request, and await the
+//!   broker's confirms.
+//! - [`send_request`]: one step request to its agent's queue.
+//!
+//! Metrics, under the names operators and the benchmark read:
+//! `sas_orders_finished_total{event}` (processed, compensated, failed),
+//! `sas_status_messages_total{event}` and `sas_step_requests_total{agent,kind}`.
+//!
+//! The broker crate below stays generic (channels, confirms, properties);
+//! what a status message or a step request is belongs here.
+
+use std::future::Future;
+
+use sas_broker::publish::{confirm_all, json_properties, order_headers, Pending};
+use sas_broker::{AmqpSettings, BrokerError, Publisher};
+use sas_messages::{OrderStatus, QueueNames, StepRequest, SCHEMA_VERSION};
+use sas_store::{Dispatch, Progress};
+
+/// Publishes what committed transitions ask for, on behalf of one service.
+///
+/// It holds the deployment's names and whether status messages also go to
+/// the status exchange, so that callers only pass the publisher of the
+/// connection that is up (if any) and the transition's [`Progress`].
+#[derive(Debug, Clone)]
+pub struct Announcer {
+    /// Queue and exchange names of the deployment (its prefix).
+    names: QueueNames,
+    /// Whether every status message also goes to the status exchange, where
+    /// `sasctl watch` listens (`amqp.status_exchange`); a client's own
+    /// `reply_to` gets it either way.
+    status_exchange: bool,
+}
+
+impl Announcer {
+    /// An announcer for the deployment described by `settings`.
+    pub fn new(settings: &AmqpSettings) -> Self {
+        Self {
+            names: settings.names(),
+            status_exchange: settings.status_exchange,
+        }
+    }
+
+    /// Announces a committed transition: counts the orders it finished, then
+    /// publishes its status messages and its step request through
+    /// `publisher` and awaits the broker's confirms.
+    ///
+    /// Finished orders are counted first, whatever happens to the messages:
+    /// the transition is committed, and the supervisor's gauges count only
+    /// open orders, so a finish not counted here is never counted. Pass
+    /// `None` for `publisher` while no broker connection is up: the count
+    /// still happens, and the result says the messages were not sent.
+    ///
+    /// The step request is mandatory (a missing agent queue is an error, not
+    /// a silently dropped step); status messages are not (nobody may be
+    /// listening). Status messages are handed to the channel before the
+    /// request, so a client sees `received` before the first
+    /// `step_completed`.
+    ///
+    /// # Errors
+    /// [`BrokerError::NotConnected`] without a publisher (when there is
+    /// something to send), or when the broker does not take or confirm a
+    /// message. The transition stays committed either way: a request that
+    /// was never sent is retried by the supervisor once its deadline passes,
+    /// and status messages are notifications (the state store is the record).
+    pub async fn announce(
+        &self,
+        publisher: Option<&Publisher>,
+        progress: &Progress,
+    ) -> Result<(), BrokerError> {
+        count_finished(&progress.statuses);
+        if progress.statuses.is_empty() && progress.dispatch.is_none() {
+            return Ok(());
+        }
+        let publisher = publisher.ok_or(BrokerError::NotConnected)?;
+        // Everything is sent together and the confirms awaited together: one
+        // round trip to the broker per transition, not one per message. The
+        // statuses are handed to the channel before the request (`join` polls
+        // its first future first, and each send hands over its frames in its
+        // first poll).
+        let trace_id = progress.trace_id.as_deref();
+        let statuses = self.send_statuses(
+            publisher,
+            progress.reply_to.as_deref(),
+            trace_id,
+            &progress.statuses,
+        );
+        let request = async {
+            match &progress.dispatch {
+                Some(dispatch) => send_request(publisher, &self.names, dispatch, trace_id)
+                    .await
+                    .map(Some),
+                None => Ok(None),
+            }
+        };
+        let (statuses, request) = futures_util::future::join(statuses, request).await;
+        let mut pending = statuses?;
+        // Each status goes to the same destinations (status exchange, reply_to).
+        let per_status = (pending.len() / progress.statuses.len().max(1)) as u64;
+        for status in &progress.statuses {
+            metrics::counter!("sas_status_messages_total", "event" => status.event.as_str())
+                .increment(per_status);
+        }
+        pending.extend(request?);
+        confirm_all(pending).await
+    }
+
+    /// Sends `statuses` in order (see [`Announcer::status_sends`]) and
+    /// returns their confirms, not awaited yet.
+    async fn send_statuses(
+        &self,
+        publisher: &Publisher,
+        reply_to: Option<&str>,
+        trace_id: Option<&str>,
+        statuses: &[OrderStatus],
+    ) -> Result<Vec<Pending>, BrokerError> {
+        send_all(
+            statuses
+                .iter()
+                .flat_map(|status| self.status_sends(publisher, reply_to, trace_id, status)),
+        )
+        .await
+    }
+
+    /// The sends of one status message, not started yet: to the status
+    /// exchange (routing key `order.<id>`, where `sasctl watch` listens) and
+    /// to the client's `reply_to` queue, if the order named one. Neither is
+    /// mandatory: nobody may be listening. The confirms are left to the caller.
+    fn status_sends<'a>(
+        &self,
+        publisher: &'a Publisher,
+        reply_to: Option<&'a str>,
+        trace_id: Option<&str>,
+        status: &'a OrderStatus,
+    ) -> Vec<impl Future<Output = Result<Pending, BrokerError>> + Send + 'a> {
+        let properties = || {
+            json_properties(&uuid::Uuid::now_v7().to_string())
+                .with_headers(order_headers(&status.order_id, trace_id))
+        };
+        let mut destinations = Vec::with_capacity(2);
+        if self.status_exchange {
+            destinations.push((
+                self.names.status_exchange(),
+                QueueNames::status_routing_key(&status.order_id),
+            ));
+        }
+        if let Some(queue) = reply_to {
+            destinations.push((String::new(), queue.to_owned()));
+        }
+        destinations
+            .into_iter()
+            .map(|(exchange, routing_key)| {
+                let properties = properties();
+                async move {
+                    publisher
+                        .send_json(&exchange, &routing_key, status, properties, false)
+                        .await
+                }
+            })
+            .collect()
+    }
+}
+
+/// Counts the orders that a committed transition's `statuses` finish in
+/// `sas_orders_finished_total{event}` (processed, compensated, failed),
+/// whether or not anybody listens and whether or not the broker is up.
+fn count_finished(statuses: &[OrderStatus]) {
+    for status in statuses.iter().filter(|status| status.event.is_terminal()) {
+        metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
+            .increment(1);
+    }
+}
+
+/// Sends one step request to its agent's queue, with `correlation_id` =
+/// attempt id and `reply_to` = the shared scheduler reply queue, and counts
+/// it in `sas_step_requests_total`; the caller awaits the confirm.
+///
+/// The request is mandatory: a missing agent queue is an error.
+///
+/// # Errors
+/// When the broker cannot take it.
+pub async fn send_request(
+    publisher: &Publisher,
+    names: &QueueNames,
+    dispatch: &Dispatch,
+    trace_id: Option<&str>,
+) -> Result<Pending, BrokerError> {
+    let request = StepRequest {
+        schema_version: SCHEMA_VERSION,
+        order_id: dispatch.order_id.clone(),
+        step: dispatch.step.clone(),
+        kind: dispatch.kind,
+        action: dispatch.action.clone(),
+        attempt_id: dispatch.attempt_id,
+        attempt: u32::try_from(dispatch.attempt).unwrap_or(0),
+        idempotency_key: dispatch.idempotency_key.clone(),
+        complete_by: dispatch.complete_by,
+        payload: dispatch.payload.clone(),
+    };
+    let attempt_id = dispatch.attempt_id.to_string();
+    let properties = json_properties(&attempt_id)
+        .with_correlation_id(attempt_id.as_str().into())
+        .with_reply_to(names.scheduler_replies().into())
+        .with_headers(order_headers(&dispatch.order_id, trace_id));
+    let pending = publisher
+        .send_json(
+            "",
+            &names.agent_requests(&dispatch.agent),
+            &request,
+            properties,
+            true,
+        )
+        .await?;
+    metrics::counter!("sas_step_requests_total", "agent" => dispatch.agent.clone(), "kind" => format!("{:?}", dispatch.kind)).increment(1);
+    tracing::debug!(order_id = %dispatch.order_id, correlation_id = %attempt_id, step = %dispatch.step, agent = %dispatch.agent, "step request sent");
+    Ok(pending)
+}
+
+/// Runs sends together and returns their [`Pending`] confirms in order.
+///
+/// Each send waits until lapin's IO loop has written its frames; awaited one
+/// after another, a transition's messages cost one wake-up of the IO loop
+/// each before the last (the step request) leaves. Together they leave in one.
+/// The order is kept: every send hands its frames to the channel in its
+/// first poll, and the sends are first polled in the order given.
+///
+/// # Errors
+/// The first send that fails.
+async fn send_all<F>(sends: impl IntoIterator<Item = F>) -> Result<Vec<Pending>, BrokerError>
+where
+    F: Future<Output = Result<Pending, BrokerError>>,
+{
+    futures_util::future::try_join_all(sends).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+
+    use futures_util::FutureExt as _;
+    use metrics::{
+        Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+    use sas_broker::{AmqpSettings, BrokerError};
+    use sas_messages::{OrderStatus, StatusEvent, SCHEMA_VERSION};
+    use sas_store::Progress;
+
+    use super::Announcer;
+
+    /// Counters by `name{label=value,...}`, for asserting what was counted.
+    #[derive(Default)]
+    struct Counts(Arc<Mutex<BTreeMap<String, u64>>>);
+
+    struct Cell {
+        key: String,
+        counts: Arc<Mutex<BTreeMap<String, u64>>>,
+    }
+
+    impl CounterFn for Cell {
+        fn increment(&self, value: u64) {
+            *self
+                .counts
+                .lock()
+                .unwrap()
+                .entry(self.key.clone())
+                .or_default() += value;
+        }
+
+        fn absolute(&self, value: u64) {
+            self.counts.lock().unwrap().insert(self.key.clone(), value);
+        }
+    }
+
+    impl Recorder for Counts {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|label| format!("{}={}", label.key(), label.value()))
+                .collect();
+            Counter::from_arc(Arc::new(Cell {
+                key: format!("{}{{{}}}", key.name(), labels.join(",")),
+                counts: self.0.clone(),
+            }))
+        }
+
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    fn settings() -> AmqpSettings {
+        AmqpSettings {
+            url: "amqp://127.0.0.1:5672/%2f".into(),
+            prefix: "t.".into(),
+            prefetch: 1,
+            operation_timeout_ms: 1_000,
+            delivery_limit: 3,
+            max_message_bytes: 65_536,
+            reconnect_base_ms: 100,
+            reconnect_max_ms: 1_000,
+            status_exchange: true,
+        }
+    }
+
+    fn status(event: StatusEvent) -> OrderStatus {
+        OrderStatus {
+            schema_version: SCHEMA_VERSION,
+            order_id: "ord-1".into(),
+            event,
+            step: None,
+            detail: None,
+            at: chrono::Utc::now(),
+        }
+    }
+
+    /// Runs `announce` without a broker (it awaits nothing then) under a
+    /// recorder of its own, and returns its result and what it counted.
+    fn announce_without_broker(
+        progress: &Progress,
+    ) -> (Result<(), BrokerError>, BTreeMap<String, u64>) {
+        let counts = Counts::default();
+        let announcer = Announcer::new(&settings());
+        let result = metrics::with_local_recorder(&counts, || {
+            announcer
+                .announce(None, progress)
+                .now_or_never()
+                .expect("nothing to wait for without a publisher")
+        });
+        let counted = counts.0.lock().unwrap().clone();
+        (result, counted)
+    }
+
+    #[test]
+    fn a_finished_order_is_counted_even_when_the_broker_is_away() {
+        let progress = Progress {
+            statuses: vec![
+                status(StatusEvent::StepCompleted),
+                status(StatusEvent::Compensated),
+            ],
+            ..Progress::default()
+        };
+        let (result, counted) = announce_without_broker(&progress);
+        assert!(
+            matches!(result, Err(BrokerError::NotConnected)),
+            "{result:?}"
+        );
+        assert_eq!(
+            counted,
+            BTreeMap::from([("sas_orders_finished_total{event=compensated}".to_owned(), 1)]),
+            "the finish is counted, and no message is counted as sent"
+        );
+    }
+
+    #[test]
+    fn only_processed_compensated_and_failed_count_as_finished() {
+        let progress = Progress {
+            statuses: [
+                StatusEvent::Received,
+                StatusEvent::StepCompleted,
+                StatusEvent::Compensating,
+                StatusEvent::Processed,
+                StatusEvent::Failed,
+            ]
+            .into_iter()
+            .map(status)
+            .collect(),
+            ..Progress::default()
+        };
+        let (_, counted) = announce_without_broker(&progress);
+        assert_eq!(
+            counted.keys().collect::<Vec<_>>(),
+            [
+                "sas_orders_finished_total{event=failed}",
+                "sas_orders_finished_total{event=processed}"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_transition_that_asks_for_nothing_needs_no_broker() {
+        let (result, counted) = announce_without_broker(&Progress::default());
+        assert!(result.is_ok(), "{result:?}");
+        assert!(counted.is_empty(), "{counted:?}");
+    }
+}
