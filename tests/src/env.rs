@@ -6,6 +6,7 @@ use std::time::Duration;
 use sas_broker::lapin::{BasicProperties, Connection};
 use sas_broker::{topology, AmqpSettings, Publisher};
 use sas_messages::SubmitOrder;
+use sas_store::connect::SslMode;
 use sas_store::{DatabaseSettings, ProcessState, Store};
 use sqlx::Connection as _;
 
@@ -298,7 +299,7 @@ pub fn database_settings(url: &str) -> DatabaseSettings {
         acquire_timeout_ms: 10_000,
         statement_timeout_ms: 30_000,
         migrate: true,
-        ssl_mode: "prefer".into(),
+        ssl_mode: SslMode::Prefer,
         ssl_root_cert: String::new(),
         index_plans: false,
     }

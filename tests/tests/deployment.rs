@@ -437,4 +437,11 @@ fn check_config_names_a_bad_key_and_an_unknown_variable() {
     let (code, error) = run(&[("SAS_AMQP__URL", "http://nope")]);
     assert_eq!(code, Some(2));
     assert!(error.contains("amqp.url"), "{error}");
+    let (code, error) = run(&[("SAS_DATABASE__SSL_MODE", "verify_full")]);
+    assert_eq!(code, Some(2));
+    assert!(
+        error.contains("database.ssl_mode") && error.contains("verify-full"),
+        "{error}"
+    );
+    assert_eq!(run(&[("SAS_DATABASE__SSL_MODE", "verify-full")]).0, Some(0));
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use sas_broker::AmqpSettings;
+use sas_store::connect::SslMode;
 use sas_store::{DatabaseSettings, ProcessState, Store};
 
 /// Operate a Scheduler Agent Supervisor deployment: submit orders, watch
@@ -82,7 +83,7 @@ impl Target {
             acquire_timeout_ms: 5_000,
             statement_timeout_ms: 10_000,
             migrate: false,
-            ssl_mode: "prefer".into(),
+            ssl_mode: SslMode::Prefer,
             ssl_root_cert: String::new(),
             // Ad hoc queries: the planner's own choice.
             index_plans: false,

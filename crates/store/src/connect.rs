@@ -32,8 +32,8 @@ pub struct DatabaseSettings {
     /// TLS: `disable`, `prefer`, `require`, `verify-ca` or `verify-full`.
     /// `prefer` falls back to plaintext silently; a deployment that needs TLS
     /// must say `verify-full`.
-    #[serde(default = "default_ssl_mode")]
-    pub ssl_mode: String,
+    #[serde(default)]
+    pub ssl_mode: SslMode,
     /// CA certificate (PEM) to verify the server with; empty uses the system roots.
     #[serde(default)]
     pub ssl_root_cert: String,
@@ -55,8 +55,96 @@ fn default_true() -> bool {
     true
 }
 
-fn default_ssl_mode() -> String {
-    "prefer".into()
+/// TLS to Postgres (`database.ssl_mode`), with libpq's `sslmode` names in
+/// kebab-case: `disable`, `prefer`, `require`, `verify-ca`, `verify-full`.
+///
+/// An enum rather than a string, so that a misspelt mode is refused when the
+/// settings are loaded instead of when the first connection is made. It is
+/// read through [`SslMode::from_str`] rather than serde's derived enum
+/// support: the `config` crate reports an unknown variant without the
+/// allowed names, while this error lists them (and `config` adds the key,
+/// `database.ssl_mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum SslMode {
+    /// Plaintext only.
+    Disable,
+    /// TLS when the server offers it, plaintext otherwise, without a word:
+    /// sqlx's and libpq's default, and ours, for local setups.
+    #[default]
+    Prefer,
+    /// TLS, without checking the server's certificate.
+    Require,
+    /// TLS with a certificate signed by a trusted CA (`ssl_root_cert`).
+    VerifyCa,
+    /// TLS with a trusted certificate issued for the host: what a deployment
+    /// that needs TLS must ask for.
+    VerifyFull,
+}
+
+impl SslMode {
+    /// Every mode, from least to most strict.
+    pub const ALL: [Self; 5] = [
+        Self::Disable,
+        Self::Prefer,
+        Self::Require,
+        Self::VerifyCa,
+        Self::VerifyFull,
+    ];
+
+    /// The setting's name of the mode (libpq's `sslmode`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disable => "disable",
+            Self::Prefer => "prefer",
+            Self::Require => "require",
+            Self::VerifyCa => "verify-ca",
+            Self::VerifyFull => "verify-full",
+        }
+    }
+}
+
+impl std::fmt::Display for SslMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SslMode {
+    type Err = String;
+
+    /// Reads a mode by its name.
+    ///
+    /// # Errors
+    /// A message listing the allowed names, for an unknown one.
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|mode| mode.as_str() == name)
+            .ok_or_else(|| {
+                format!("expected disable, prefer, require, verify-ca or verify-full, got {name:?}")
+            })
+    }
+}
+
+impl TryFrom<String> for SslMode {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        name.parse()
+    }
+}
+
+impl From<SslMode> for PgSslMode {
+    fn from(mode: SslMode) -> Self {
+        match mode {
+            SslMode::Disable => Self::Disable,
+            SslMode::Prefer => Self::Prefer,
+            SslMode::Require => Self::Require,
+            SslMode::VerifyCa => Self::VerifyCa,
+            SslMode::VerifyFull => Self::VerifyFull,
+        }
+    }
 }
 
 impl DatabaseSettings {
@@ -71,12 +159,6 @@ impl DatabaseSettings {
         if self.max_connections == 0 {
             return Err("database.max_connections must be at least 1".into());
         }
-        self.ssl_mode.parse::<PgSslMode>().map_err(|_| {
-            format!(
-                "database.ssl_mode must be disable, prefer, require, verify-ca or verify-full (got {:?})",
-                self.ssl_mode
-            )
-        })?;
         if !self.ssl_root_cert.is_empty() && !std::path::Path::new(&self.ssl_root_cert).is_file() {
             return Err(format!(
                 "database.ssl_root_cert {:?} is not a readable file",
@@ -102,11 +184,8 @@ impl DatabaseSettings {
             options = options.password(password);
         }
         // The URL may carry sslmode too; the setting wins when it is not the default.
-        if self.ssl_mode != "prefer" || !self.url.contains("sslmode=") {
-            let mode: PgSslMode = self.ssl_mode.parse().map_err(|_| {
-                StoreError::Invariant(format!("invalid database.ssl_mode {:?}", self.ssl_mode))
-            })?;
-            options = options.ssl_mode(mode);
+        if self.ssl_mode != SslMode::Prefer || !self.url.contains("sslmode=") {
+            options = options.ssl_mode(self.ssl_mode.into());
         }
         if !self.ssl_root_cert.is_empty() {
             options = options.ssl_root_cert(&self.ssl_root_cert);
@@ -198,5 +277,81 @@ impl Store {
     /// True when a trivial query succeeds: the readiness probe.
     pub async fn is_reachable(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::postgres::PgSslMode;
+
+    use super::{DatabaseSettings, SslMode};
+
+    fn settings(url: &str, ssl_mode: SslMode) -> DatabaseSettings {
+        DatabaseSettings {
+            url: url.to_owned(),
+            password: None,
+            max_connections: 1,
+            acquire_timeout_ms: 1_000,
+            statement_timeout_ms: 1_000,
+            migrate: false,
+            ssl_mode,
+            ssl_root_cert: String::new(),
+            index_plans: false,
+        }
+    }
+
+    #[test]
+    fn every_ssl_mode_is_read_by_its_libpq_name() {
+        for (name, mode) in [
+            ("disable", SslMode::Disable),
+            ("prefer", SslMode::Prefer),
+            ("require", SslMode::Require),
+            ("verify-ca", SslMode::VerifyCa),
+            ("verify-full", SslMode::VerifyFull),
+        ] {
+            assert_eq!(
+                serde_json::from_value::<SslMode>(name.into()).unwrap(),
+                mode
+            );
+        }
+        assert_eq!(SslMode::default(), SslMode::Prefer);
+    }
+
+    #[test]
+    fn an_unknown_ssl_mode_is_refused_naming_the_allowed_ones() {
+        let error = serde_json::from_value::<SslMode>("verify_full".into())
+            .unwrap_err()
+            .to_string();
+        for mode in SslMode::ALL {
+            assert!(error.contains(mode.as_str()), "{error}");
+        }
+        assert!(error.contains("\"verify_full\""), "{error}");
+    }
+
+    #[test]
+    fn the_url_s_sslmode_is_kept_unless_the_setting_asks_for_another_than_prefer() {
+        let mode = |url: &str, ssl_mode| {
+            settings(url, ssl_mode)
+                .connect_options("test")
+                .unwrap()
+                .get_ssl_mode()
+        };
+        let with_require = "postgres://u@localhost/db?sslmode=require";
+        assert!(matches!(
+            mode(with_require, SslMode::Prefer),
+            PgSslMode::Require
+        ));
+        assert!(matches!(
+            mode(with_require, SslMode::VerifyFull),
+            PgSslMode::VerifyFull
+        ));
+        assert!(matches!(
+            mode("postgres://u@localhost/db", SslMode::Disable),
+            PgSslMode::Disable
+        ));
+        assert!(matches!(
+            mode("postgres://u@localhost/db", SslMode::Prefer),
+            PgSslMode::Prefer
+        ));
     }
 }
