@@ -9,7 +9,7 @@ use sas_broker::lapin::BasicProperties;
 use sas_broker::publish::string_headers;
 use sas_messages::headers;
 use sas_store::ProcessState;
-use sas_tests::process::{free_port, metric};
+use sas_tests::process::{bin_dir, free_port, metric};
 use sas_tests::{order, wait_until, TestEnv};
 
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
@@ -296,4 +296,64 @@ async fn with_the_status_exchange_off_status_messages_still_reach_the_order_s_re
     )
     .await;
     assert!(stray.is_err(), "nothing went to the status exchange");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_migration_the_database_refuses_stops_scheduler_migrate_at_once_naming_it() {
+    let env = TestEnv::unmigrated(3000).await;
+    // A table by the name the first migration creates, as in a database
+    // shared with another application, or pointed at by mistake.
+    sqlx::query("CREATE TABLE orders (x int)")
+        .execute(env.store.pool())
+        .await
+        .expect("create the conflicting table");
+    let log = env.dir.join("migrate.log");
+    let file = std::fs::File::create(&log).expect("log file");
+    let mut command = tokio::process::Command::new(bin_dir().join("scheduler"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("SAS_") {
+            command.env_remove(key);
+        }
+    }
+    let mut migrate = command
+        .arg("migrate")
+        .env("SAS_DATABASE__URL", &env.database_url)
+        .env("SAS_LOG__FILTER", "info")
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(file.try_clone().expect("log file"))
+        .stderr(file)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start scheduler migrate");
+
+    // Not retried as if the database were away (that would take a minute):
+    // the same SQL fails the same way every time.
+    let status = wait_until("scheduler migrate to exit", Duration::from_secs(15), || {
+        let exited = migrate.try_wait();
+        async move {
+            match exited {
+                Ok(Some(status)) => Ok(status),
+                Ok(None) => Err("still running".to_owned()),
+                Err(error) => Err(error.to_string()),
+            }
+        }
+    })
+    .await;
+    let output = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!status.success(), "{status}: {output}");
+    assert!(
+        output.contains("migration 1 (initial)") && output.contains("already exists"),
+        "names the migration and the database's reason: {output}"
+    );
+    assert!(
+        !output.contains("retrying"),
+        "a failing migration is not retried: {output}"
+    );
+    // Each migration runs in one transaction: nothing of it is left behind.
+    let applied: bool = sqlx::query_scalar("SELECT to_regclass('order_process') IS NOT NULL")
+        .fetch_one(env.store.pool())
+        .await
+        .expect("query the catalog");
+    assert!(!applied, "the failed migration left nothing behind");
 }

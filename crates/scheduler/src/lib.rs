@@ -173,8 +173,14 @@ pub async fn migrate(settings: Settings, shutdown: CancellationToken) -> anyhow:
         }
         expire.cancel();
     });
+    // Only an unreachable database is waited for; a migration that fails
+    // (its SQL refused, or the database migrated by another build) fails
+    // the same way every time, and ends the job at once with the reason.
     anyhow::ensure!(
-        store.migrate_if_asked(&database, &deadline).await?,
+        store
+            .migrate_if_asked(&database, &deadline)
+            .await
+            .context("cannot apply database migrations")?,
         "the database was not reachable within 60 s"
     );
     tracing::info!(
