@@ -867,3 +867,74 @@ async fn an_agent_never_calls_the_remote_service_after_the_attempt_s_deadline() 
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_cancels_a_running_order_and_everything_it_did_is_undone_after_its_call_in_flight(
+) {
+    let env = TestEnv::new().await;
+    let system = env.system(1).await;
+    // Charges take 1.5 s: the cancel lands while one is in flight.
+    system
+        .sim
+        .set_faults(Some("payment"), faults(1500, 0.0, 0.0))
+        .await
+        .unwrap();
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("cancel-1")).await;
+    wait_for_event(
+        &env,
+        "cancel-1",
+        HistoryEvent::StepCompleted,
+        Duration::from_secs(20),
+    )
+    .await;
+    let (code, out) = env
+        .sasctl(&["cancel", "cancel-1", "--reason", "customer asked"])
+        .await;
+    assert_eq!(code, 0, "{out}");
+    wait_for_state(
+        &env,
+        "cancel-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+    let history = env.store.history("cancel-1").await.unwrap();
+    let cancelled = history
+        .iter()
+        .find(|h| h.event == HistoryEvent::Cancelled)
+        .expect("the cancellation is in the history");
+    assert_eq!(cancelled.actor, "sasctl");
+    assert_eq!(
+        cancelled.detail.as_deref(),
+        Some("cancelled by sasctl: customer asked")
+    );
+    // The charge in flight was undone only after its attempt's deadline.
+    let charge = history
+        .iter()
+        .find(|h| {
+            h.event == HistoryEvent::Dispatched && h.step.as_deref() == Some("charge_payment")
+        })
+        .expect("the charge was dispatched");
+    let refund = history
+        .iter()
+        .find(|h| {
+            h.event == HistoryEvent::CompensationDispatched
+                && h.step.as_deref() == Some("charge_payment")
+        })
+        .expect("the charge was refunded");
+    let timeout = chrono::Duration::milliseconds(env.step_timeout_ms as i64);
+    assert!(
+        refund.at >= charge.at + timeout,
+        "refund at {} before the charge's deadline",
+        refund.at
+    );
+    // Every effect applied was undone, each once.
+    let effects = system.sim.effects_by_order().await;
+    let (applied, undone) = effects.get("cancel-1").copied().unwrap_or_default();
+    assert!(applied >= 1, "{effects:?}");
+    assert_eq!(applied, undone, "{effects:?}");
+    // Only running orders can be cancelled.
+    let (code, out) = env.sasctl(&["cancel", "cancel-1"]).await;
+    assert_eq!(code, 1, "{out}");
+}

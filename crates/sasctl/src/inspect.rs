@@ -163,3 +163,47 @@ pub async fn resubmit(store: &Store, order_id: &str) -> anyhow::Result<ExitCode>
         }
     }
 }
+
+/// `sasctl cancel`: exit 1 when the order does not exist or is not running.
+/// The client's `compensating` status is sent when the broker is reachable;
+/// the cancellation itself is committed either way.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn cancel(
+    target: &crate::Target,
+    order_id: &str,
+    reason: &str,
+) -> anyhow::Result<ExitCode> {
+    match target.store()?.cancel(order_id, reason, "sasctl").await? {
+        sas_store::operator::Cancel::Cancelled(progress) => {
+            println!("order {order_id} cancelled: its completed steps are being undone");
+            if let Err(error) = announce(target, &progress).await {
+                eprintln!("the client's status message was not sent: {error:#}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        sas_store::operator::Cancel::NotFound => {
+            eprintln!("no order {order_id}");
+            Ok(ExitCode::FAILURE)
+        }
+        sas_store::operator::Cancel::NotRunning(state) => {
+            eprintln!(
+                "order {order_id} is {state}: only pending or processing orders can be cancelled"
+            );
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// Publishes what an operator's transition asks for, as the services do.
+async fn announce(target: &crate::Target, progress: &sas_store::Progress) -> anyhow::Result<()> {
+    let settings = target.amqp();
+    let connection = sas_broker::connect(&settings, "sasctl").await?;
+    let publisher = sas_broker::Publisher::open(&connection, settings.operation_timeout()).await?;
+    sas_announce::Announcer::new(&settings)
+        .announce(Some(&publisher), progress)
+        .await?;
+    let _ = connection.close(200, "done").await;
+    Ok(())
+}

@@ -125,6 +125,15 @@ pub enum Command {
         /// Order id.
         order_id: String,
     },
+    /// Cancel a pending or processing order: what was done is undone
+    /// (compensation), after any step in flight has passed its deadline.
+    Cancel {
+        /// Order id.
+        order_id: String,
+        /// Why, recorded in the order's history.
+        #[arg(long, default_value = "cancelled by an operator")]
+        reason: String,
+    },
     /// Exit 0 when an HTTP URL answers 200 within 3 s, 1 otherwise: the
     /// container health check (the images carry no curl).
     Probe {
@@ -188,6 +197,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Alerts { all, json } => inspect::alerts(&cli.target.store()?, all, json).await,
         Command::Probe { url } => probe::run(&url).await,
         Command::Resubmit { order_id } => inspect::resubmit(&cli.target.store()?, &order_id).await,
+        Command::Cancel { order_id, reason } => {
+            inspect::cancel(&cli.target, &order_id, &reason).await
+        }
         Command::DeadLetters { limit, json } => {
             inspect::dead_letters(&cli.target.store()?, limit, json).await
         }
