@@ -20,7 +20,7 @@ pub use wait::wait_until;
 pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
     sas_messages::SubmitOrder {
         schema_version: sas_messages::SCHEMA_VERSION,
-        order_id: order_id.to_owned(),
+        order_id: order_id.into(),
         customer_id: "cust-1".into(),
         items: vec![sas_messages::OrderLine {
             sku: "SKU-1".into(),

@@ -173,7 +173,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
         .collect();
 
     let mut stale = success(&dispatches[2]);
-    stale.attempt_id = uuid::Uuid::now_v7();
+    stale.attempt_id = sas_messages::AttemptId::new();
     let mut declined = success(&dispatches[3]);
     declined.outcome = StepOutcome::Failed {
         error: "out of stock".into(),

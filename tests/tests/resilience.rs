@@ -435,7 +435,7 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
         schema_version: sas_messages::SCHEMA_VERSION,
         order_id: "late-1".into(),
         step: "charge_payment".into(),
-        attempt_id: first,
+        attempt_id: first.into(),
         agent_id: "payment-late".into(),
         outcome: sas_messages::StepOutcome::Succeeded {
             result: json!({"id": "late"}),
@@ -784,7 +784,12 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
 
     let first = env
         .store
-        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-0")
+        .settle_dead_letter(
+            "dead-twice",
+            attempt.into(),
+            "delivery_limit",
+            "supervisor-0",
+        )
         .await
         .unwrap();
     assert!(first.is_some(), "the order is undone");
@@ -796,7 +801,12 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     // before its ack): the step is not the one the compensation awaits.
     let second = env
         .store
-        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-1")
+        .settle_dead_letter(
+            "dead-twice",
+            attempt.into(),
+            "delivery_limit",
+            "supervisor-1",
+        )
         .await
         .unwrap();
     assert!(second.is_none(), "nothing changes twice");

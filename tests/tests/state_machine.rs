@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use chrono::{DateTime, Utc};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use sas_messages::{StepOutcome, StepReply, SCHEMA_VERSION};
+use sas_messages::{AttemptId, OrderId, StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::intake::{Intake, Submission};
 use sas_store::machine::{
     decide, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
@@ -174,7 +174,7 @@ impl Model {
     }
 
     /// Attempt ids in the order they were dispatched.
-    fn dispatched(&self) -> Vec<Uuid> {
+    fn dispatched(&self) -> Vec<AttemptId> {
         self.history
             .iter()
             .filter(|(_, line)| {
@@ -188,7 +188,7 @@ impl Model {
     }
 
     /// The attempt a message aimed at `target` carries, and its step.
-    fn attempt(&self, target: Target) -> (Uuid, String) {
+    fn attempt(&self, target: Target) -> (AttemptId, String) {
         let dispatched = self.dispatched();
         let in_flight = self
             .snapshot
@@ -201,7 +201,7 @@ impl Model {
             Target::Previous => dispatched.len().checked_sub(2).map(|i| dispatched[i]),
             Target::Unknown => None,
         }
-        .unwrap_or_else(Uuid::new_v4);
+        .unwrap_or_else(|| Uuid::new_v4().into());
         let step = self
             .snapshot
             .step_of_attempt(id)
@@ -247,7 +247,9 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
         timeout_ms: row.get("timeout_ms"),
         state: row.get("state"),
         attempt: row.get("attempt"),
-        attempt_id: row.get("attempt_id"),
+        attempt_id: row
+            .get::<Option<Uuid>, _>("attempt_id")
+            .map(AttemptId::from),
         complete_by: row.get("complete_by"),
         idempotency_key: row.get("idempotency_key"),
         result: row.get("result"),
@@ -267,7 +269,7 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
         let line = HistoryLine {
             event: event.parse().expect("a known history event"),
             step: row.get("step"),
-            attempt_id: row.get("attempt_id"),
+            attempt_id: row.get::<Option<Uuid>, _>("attempt_id").map(AttemptId::from),
             detail: row.get("detail"),
         };
         (row.get("actor"), line)
@@ -307,7 +309,7 @@ async fn database_inputs(
     order_id: &str,
     rows: &Rows,
     seen: usize,
-) -> (DateTime<Utc>, Uuid) {
+) -> (DateTime<Utc>, AttemptId) {
     let fresh = &rows.history[seen.min(rows.history.len())..];
     let attempt = fresh
         .iter()
@@ -318,7 +320,7 @@ async fn database_inputs(
             )
         })
         .and_then(|(_, line)| line.attempt_id)
-        .unwrap_or_else(Uuid::nil);
+        .unwrap_or_default();
     let now: DateTime<Utc> = if fresh.is_empty() {
         sqlx::query_scalar("SELECT now()")
             .fetch_one(store.pool())
@@ -382,7 +384,7 @@ async fn run_case(
         .execute(store.pool())
         .await
         .map_err(|e| e.to_string())?;
-    let order_id = format!("p-{case}");
+    let order_id: OrderId = format!("p-{case}").into();
     let mut order = sas_tests::order(&order_id);
     order.reply_to = Some("client-q".into());
     let submission = Submission {
@@ -473,7 +475,7 @@ async fn run_case(
         match step {
             Step::DeadlineMissed => {
                 sqlx::query("UPDATE order_process SET complete_by = complete_by - interval '1 hour' WHERE order_id = $1")
-                    .bind(&order_id)
+                    .bind(order_id.as_str())
                     .execute(store.pool())
                     .await
                     .map_err(|e| e.to_string())?;
@@ -482,7 +484,7 @@ async fn run_case(
             }
             Step::Claimed => {
                 sqlx::query("UPDATE order_process SET not_before = not_before - interval '1 hour' WHERE order_id = $1")
-                    .bind(&order_id)
+                    .bind(order_id.as_str())
                     .execute(store.pool())
                     .await
                     .map_err(|e| e.to_string())?;

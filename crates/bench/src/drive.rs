@@ -138,7 +138,7 @@ impl StatusListener {
                         record
                             .lock()
                             .expect("lock")
-                            .insert(status.order_id, Instant::now());
+                            .insert(status.order_id.into_string(), Instant::now());
                     }
                 }
             }

@@ -120,7 +120,7 @@ mod tests {
             schema_version: SCHEMA_VERSION,
             order_id: "o".into(),
             step: "charge_payment".into(),
-            attempt_id: uuid::Uuid::nil(),
+            attempt_id: uuid::Uuid::nil().into(),
             agent_id: "a".into(),
             outcome: StepOutcome::Failed {
                 error: "declined".into(),

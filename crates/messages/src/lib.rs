@@ -5,6 +5,7 @@
 //! README documents each type here with a JSON example so that any AMQP client
 //! can take part.
 //!
+//! - [`ids`]: the order id and attempt id types.
 //! - [`names`]: queue, exchange and header names (with a deployment prefix).
 //! - [`order`]: the order a client submits, and its validation.
 //! - [`step`]: the request an agent receives and the reply it sends back.
@@ -14,6 +15,7 @@
 //!   dead-letter header.
 
 pub mod decode;
+pub mod ids;
 pub mod names;
 pub mod order;
 pub mod status;
@@ -21,6 +23,7 @@ pub mod step;
 pub mod trace;
 
 pub use decode::{decode, DecodeError};
+pub use ids::{AttemptId, OrderId};
 pub use names::{headers, QueueNames};
 pub use order::{OrderLine, SubmitOrder};
 pub use status::{OrderStatus, StatusEvent};

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::SCHEMA_VERSION;
+use crate::{OrderId, SCHEMA_VERSION};
 
 /// Longest accepted order id, SKU or customer id, in bytes.
 pub const MAX_ID_LEN: usize = 64;
@@ -19,7 +19,7 @@ pub struct SubmitOrder {
     /// Must equal [`SCHEMA_VERSION`].
     pub schema_version: u32,
     /// The client's id for the order: submitting the same id twice is a no-op.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// Who is buying; passed to the payment service.
     pub customer_id: String,
     /// What to reserve and ship.

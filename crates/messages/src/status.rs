@@ -3,6 +3,8 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::OrderId;
+
 /// What happened to an order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -48,7 +50,7 @@ pub struct OrderStatus {
     /// Always [`crate::SCHEMA_VERSION`].
     pub schema_version: u32,
     /// The order this is about.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// What happened.
     pub event: StatusEvent,
     /// The step concerned, for step events.

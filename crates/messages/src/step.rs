@@ -2,7 +2,8 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use uuid::Uuid;
+
+use crate::{AttemptId, OrderId};
 
 /// Whether a request moves the order forward or undoes a completed step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,7 +25,7 @@ pub struct StepRequest {
     /// Must equal [`crate::SCHEMA_VERSION`].
     pub schema_version: u32,
     /// Order the step belongs to.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// Step name from the workflow definition (e.g. `reserve_stock`).
     pub step: String,
     /// Action or compensation.
@@ -32,7 +33,7 @@ pub struct StepRequest {
     /// Remote operation to invoke (e.g. `reserve` or `release`).
     pub action: String,
     /// Id of this attempt; the reply must carry it (fencing).
-    pub attempt_id: Uuid,
+    pub attempt_id: AttemptId,
     /// 1 for the first attempt of this step, then 2, 3, ...
     pub attempt: u32,
     /// Stable across every attempt of the same step and kind: the remote service
@@ -72,11 +73,11 @@ pub struct StepReply {
     /// Must equal [`crate::SCHEMA_VERSION`].
     pub schema_version: u32,
     /// Order the step belongs to.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// Step name, for logs.
     pub step: String,
     /// The attempt being answered; a reply for another attempt is stale.
-    pub attempt_id: Uuid,
+    pub attempt_id: AttemptId,
     /// Which agent replica answered, for logs and tests.
     pub agent_id: String,
     /// What happened.

@@ -9,7 +9,7 @@ use clap::Args;
 use futures_util::{stream, StreamExt};
 use sas_broker::publish::json_properties;
 use sas_broker::{topology, Publisher};
-use sas_messages::{OrderLine, SubmitOrder, SCHEMA_VERSION};
+use sas_messages::{OrderId, OrderLine, SubmitOrder, SCHEMA_VERSION};
 
 use crate::Target;
 
@@ -62,7 +62,7 @@ fn generated(args: &SubmitArgs, index: usize) -> SubmitOrder {
     };
     SubmitOrder {
         schema_version: SCHEMA_VERSION,
-        order_id,
+        order_id: order_id.into(),
         customer_id: args.customer_id.clone(),
         items: vec![OrderLine {
             sku: args.sku.clone(),
@@ -132,7 +132,7 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
     let queue = settings.names().orders();
     let started = Instant::now();
     let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
-    let results: Vec<anyhow::Result<String>> = stream::iter(orders.into_iter().enumerate())
+    let results: Vec<anyhow::Result<OrderId>> = stream::iter(orders.into_iter().enumerate())
         .map(|(index, order)| {
             let (publisher, queue) = (publisher.clone(), queue.clone());
             async move {

@@ -10,8 +10,10 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
+use sas_messages::AttemptId;
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
+use uuid::Uuid;
 
 use crate::machine::{Decision, ProcessRow, Snapshot, StepRow};
 use crate::StoreError;
@@ -25,7 +27,7 @@ use crate::StoreError;
 /// When the database fails.
 pub(crate) async fn load_snapshots(
     conn: &mut PgConnection,
-    order_ids: &[String],
+    order_ids: &[&str],
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
     let rows = sqlx::query(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
@@ -52,6 +54,7 @@ pub(crate) async fn load_snapshots(
         }
     };
     let mut snapshots: BTreeMap<String, Snapshot> = BTreeMap::new();
+    // Rows come ordered by order id, then position.
     for row in &rows {
         let order_id: String = row.try_get("order_id")?;
         let step = step_from_row(row)?;
@@ -75,13 +78,13 @@ pub(crate) async fn load_snapshot(
     conn: &mut PgConnection,
     order_id: &str,
 ) -> Result<(Option<Snapshot>, DateTime<Utc>), StoreError> {
-    let (mut snapshots, now) = load_snapshots(conn, &[order_id.to_owned()]).await?;
+    let (mut snapshots, now) = load_snapshots(conn, &[order_id]).await?;
     Ok((snapshots.pop(), now))
 }
 
 fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
     Ok(Snapshot {
-        order_id: row.try_get("order_id")?,
+        order_id: row.try_get::<String, _>("order_id")?.into(),
         body: row.try_get("body")?,
         reply_to: row.try_get("reply_to")?,
         trace_id: row.try_get("trace_id")?,
@@ -107,7 +110,9 @@ fn step_from_row(row: &PgRow) -> Result<StepRow, StoreError> {
         timeout_ms: row.try_get("timeout_ms")?,
         state: row.try_get("step_state")?,
         attempt: row.try_get("attempt")?,
-        attempt_id: row.try_get("attempt_id")?,
+        attempt_id: row
+            .try_get::<Option<Uuid>, _>("attempt_id")?
+            .map(AttemptId::from),
         complete_by: row.try_get("step_complete_by")?,
         idempotency_key: row.try_get("idempotency_key")?,
         result: row.try_get("result")?,
@@ -169,7 +174,7 @@ pub(crate) async fn apply(
               WHERE order_id = $1 AND resolved_at IS NULL AND $26)
          SELECT (SELECT count(*) FROM p) AS process, (SELECT count(*) FROM s) AS steps",
     )
-    .bind(&snapshot.order_id)
+    .bind(snapshot.order_id.as_str())
     .bind(process.state)
     .bind(&process.locked_by)
     .bind(process.complete_by)
@@ -180,17 +185,17 @@ pub(crate) async fn apply(
     .bind(steps.iter().map(|c| c.row.position).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.state.as_str()).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.attempt).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.attempt_id).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.attempt_id.map(AttemptId::as_uuid)).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.complete_by).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.idempotency_key.as_str()).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.result.clone()).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.last_error.as_deref()).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.expected_state.as_str()).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.expected_attempt_id).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.expected_attempt_id.map(AttemptId::as_uuid)).collect::<Vec<_>>())
     .bind(actor)
     .bind(history.iter().map(|h| h.event.as_str()).collect::<Vec<_>>())
     .bind(history.iter().map(|h| h.step.as_deref()).collect::<Vec<_>>())
-    .bind(history.iter().map(|h| h.attempt_id).collect::<Vec<_>>())
+    .bind(history.iter().map(|h| h.attempt_id.map(AttemptId::as_uuid)).collect::<Vec<_>>())
     .bind(history.iter().map(|h| h.detail.as_deref()).collect::<Vec<_>>())
     .bind(decision.alert.as_ref().map(|a| a.kind.as_str()))
     .bind(decision.alert.as_ref().map(|a| a.message.as_str()))

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use sas_messages::{StatusEvent, StepKind, StepReply};
+use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 use sqlx::Row;
 use uuid::Uuid;
 
@@ -40,7 +40,10 @@ impl Store {
         actor: &str,
     ) -> Result<HashMap<String, Completed>, StoreError> {
         let order_ids: Vec<&str> = replies.iter().map(|(r, _)| r.order_id.as_str()).collect();
-        let attempt_ids: Vec<Uuid> = replies.iter().map(|(r, _)| r.attempt_id).collect();
+        let attempt_ids: Vec<Uuid> = replies
+            .iter()
+            .map(|(r, _)| r.attempt_id.as_uuid())
+            .collect();
         let results: Vec<&serde_json::Value> = replies.iter().map(|(_, result)| *result).collect();
         let next_attempt_ids: Vec<Uuid> = replies.iter().map(|_| Uuid::now_v7()).collect();
         let details: Vec<String> = replies
@@ -168,7 +171,9 @@ fn completed_from_row(
                 timeout_ms: row.try_get("next_timeout_ms")?,
                 state: row.try_get("next_state")?,
                 attempt: row.try_get("next_attempt")?,
-                attempt_id: row.try_get("next_attempt_id")?,
+                attempt_id: row
+                    .try_get::<Option<Uuid>, _>("next_attempt_id")?
+                    .map(AttemptId::from),
                 complete_by: row.try_get("next_complete_by")?,
                 idempotency_key: row.try_get("next_key")?,
                 result: row.try_get("next_result")?,

@@ -62,7 +62,7 @@ impl Batch<'_> {
         let ctx = Context {
             now: received_at,
             actor: self.actor,
-            next_attempt_id: attempt_id,
+            next_attempt_id: attempt_id.into(),
         };
         Intake::Accepted(decide(&snapshot, &Event::Submitted, &ctx).progress)
     }
@@ -164,7 +164,7 @@ impl Store {
                 .iter()
                 .position(|&i| i == index)
                 .map(|slot| attempt_ids[slot]);
-            let received = attempt.and_then(|_| stored.remove(order_id));
+            let received = attempt.and_then(|_| stored.remove(order_id.as_str()));
             outcomes.push(match (attempt, received) {
                 (Some(attempt_id), Some(received_at)) => {
                     Ok(batch.accepted(index, attempt_id, received_at))

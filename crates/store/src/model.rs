@@ -5,9 +5,8 @@ use std::fmt;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sas_messages::{OrderStatus, StepKind};
+use sas_messages::{AttemptId, OrderId, OrderStatus, StepKind};
 use serde::Serialize;
-use uuid::Uuid;
 
 /// The pattern's ProcessState of an order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
@@ -141,7 +140,7 @@ pub struct NewStep {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dispatch {
     /// Order the step belongs to.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// Step name.
     pub step: String,
     /// Agent whose queue receives the request.
@@ -153,7 +152,7 @@ pub struct Dispatch {
     /// Attempt number of this step (1-based, action and compensation attempts together).
     pub attempt: i32,
     /// Correlation id of the request, and the fence for its reply.
-    pub attempt_id: Uuid,
+    pub attempt_id: AttemptId,
     /// Stable key the remote service deduplicates on.
     pub idempotency_key: String,
     /// Deadline, from the database clock.

@@ -1,7 +1,7 @@
 //! Transitions that come from outside the workflow: a message the broker
 //! dead-lettered, and an operator resubmitting or cancelling an order.
 
-use uuid::Uuid;
+use sas_messages::AttemptId;
 
 use crate::apply::{apply, load_snapshot};
 use crate::machine::{decide, Context, Decision, Event, ResubmitAction, Verdict};
@@ -46,7 +46,7 @@ impl Store {
     pub async fn settle_dead_letter(
         &self,
         order_id: &str,
-        attempt_id: Uuid,
+        attempt_id: AttemptId,
         reason: &str,
         actor: &str,
     ) -> Result<Option<Progress>, StoreError> {
@@ -132,7 +132,7 @@ impl Store {
         let ctx = Context {
             now,
             actor,
-            next_attempt_id: Uuid::now_v7(),
+            next_attempt_id: AttemptId::new(),
         };
         let decision = decide(&snapshot, event, &ctx);
         apply(&mut tx, &snapshot, &decision, actor).await?;

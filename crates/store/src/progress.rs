@@ -10,8 +10,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use sas_messages::{StepOutcome, StepReply};
-use uuid::Uuid;
+use sas_messages::{AttemptId, StepOutcome, StepReply};
 
 use crate::apply::{apply, load_snapshot, load_snapshots};
 use crate::machine::{decide, Context, Event, Verdict};
@@ -63,13 +62,14 @@ impl Store {
         if ready.is_empty() {
             return Ok(Vec::new());
         }
+        let ready: Vec<&str> = ready.iter().map(String::as_str).collect();
         let (snapshots, now) = load_snapshots(&mut tx, &ready).await?;
         let mut claimed = Vec::with_capacity(snapshots.len());
         for snapshot in snapshots {
             let ctx = Context {
                 now,
                 actor,
-                next_attempt_id: Uuid::now_v7(),
+                next_attempt_id: AttemptId::new(),
             };
             let decision = decide(&snapshot, &Event::Claimed, &ctx);
             apply(&mut tx, &snapshot, &decision, actor).await?;
@@ -134,7 +134,9 @@ impl Store {
             }
         };
         let outcomes = replies.iter().zip(in_fast).map(|(reply, fast)| {
-            let done = fast.then(|| applied.remove(&reply.order_id)).flatten();
+            let done = fast
+                .then(|| applied.remove(reply.order_id.as_str()))
+                .flatten();
             async move {
                 match done {
                     Some(done) => Ok(ReplyOutcome::Applied {
@@ -169,7 +171,7 @@ impl Store {
         let ctx = Context {
             now,
             actor,
-            next_attempt_id: Uuid::now_v7(),
+            next_attempt_id: AttemptId::new(),
         };
         let decision = decide(&snapshot, &Event::Reply(reply), &ctx);
         apply(&mut tx, &snapshot, &decision, actor).await?;

@@ -1,7 +1,7 @@
 //! The supervisor's transitions: orders whose deadline passed, and dead letters.
 
 use chrono::{DateTime, Utc};
-use uuid::Uuid;
+use sas_messages::{AttemptId, OrderId};
 
 use crate::apply::{apply, load_snapshots};
 pub use crate::machine::RecoveryPolicy;
@@ -13,7 +13,7 @@ use crate::{Store, StoreError};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recovery {
     /// The order concerned.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// State it was in (processing or compensating).
     pub from: ProcessState,
     /// State it was put in.
@@ -76,13 +76,14 @@ impl Store {
         if due.is_empty() {
             return Ok(Vec::new());
         }
+        let due: Vec<&str> = due.iter().map(String::as_str).collect();
         let (snapshots, now) = load_snapshots(&mut tx, &due).await?;
         let mut recoveries = Vec::with_capacity(snapshots.len());
         for snapshot in snapshots {
             let ctx = Context {
                 now,
                 actor,
-                next_attempt_id: Uuid::now_v7(),
+                next_attempt_id: AttemptId::new(),
             };
             let event = Event::DeadlineMissed {
                 policy,

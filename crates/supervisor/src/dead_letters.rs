@@ -82,7 +82,7 @@ impl Supervisor {
         }
         let Some(attempt_id) = delivery
             .correlation_id()
-            .and_then(|id| id.parse::<uuid::Uuid>().ok())
+            .and_then(|id| id.parse::<sas_messages::AttemptId>().ok())
         else {
             return;
         };

@@ -69,7 +69,7 @@ impl Dispatch {
             StepKind::Compensation => compensation_key(&step.idempotency_key),
         };
         Self {
-            order_id: order_id.to_owned(),
+            order_id: order_id.into(),
             step: step.name.clone(),
             agent: step.agent.clone(),
             kind,

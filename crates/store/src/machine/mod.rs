@@ -29,9 +29,8 @@ mod tests;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sas_messages::{OrderStatus, StatusEvent, StepReply, SCHEMA_VERSION};
+use sas_messages::{AttemptId, OrderId, OrderStatus, StatusEvent, StepReply, SCHEMA_VERSION};
 use serde::Serialize;
-use uuid::Uuid;
 
 use crate::model::{NewStep, ProcessState, Progress, StepState};
 pub use names::{AlertKind, HistoryEvent, ResubmitAction};
@@ -74,7 +73,7 @@ pub struct StepRow {
     /// Attempts started so far, actions and compensations together.
     pub attempt: i32,
     /// The current attempt: the only one whose reply counts.
-    pub attempt_id: Option<Uuid>,
+    pub attempt_id: Option<AttemptId>,
     /// Deadline of the current attempt.
     pub complete_by: Option<DateTime<Utc>>,
     /// Key the remote service deduplicates the action on.
@@ -116,7 +115,7 @@ impl StepRow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Snapshot {
     /// The client's order id.
-    pub order_id: String,
+    pub order_id: OrderId,
     /// The order as submitted: part of every step request's payload.
     pub body: serde_json::Value,
     /// The client's status queue, if it named one.
@@ -141,7 +140,7 @@ impl Snapshot {
         now: DateTime<Utc>,
     ) -> Self {
         Self {
-            order_id: order_id.to_owned(),
+            order_id: order_id.into(),
             body,
             reply_to,
             trace_id,
@@ -161,7 +160,7 @@ impl Snapshot {
     }
 
     /// The step whose attempt `attempt_id` is current, if any.
-    pub fn step_of_attempt(&self, attempt_id: Uuid) -> Option<&StepRow> {
+    pub fn step_of_attempt(&self, attempt_id: AttemptId) -> Option<&StepRow> {
         self.steps
             .iter()
             .find(|step| step.attempt_id == Some(attempt_id))
@@ -230,7 +229,7 @@ pub enum Event<'a> {
     /// A request or reply of an attempt was dead-lettered.
     DeadLettered {
         /// The attempt the message belonged to (its correlation id).
-        attempt_id: Uuid,
+        attempt_id: AttemptId,
         /// Why it was dead-lettered.
         reason: &'a str,
     },
@@ -254,7 +253,7 @@ pub struct Context<'a> {
     /// The service instance deciding (recorded in the history).
     pub actor: &'a str,
     /// The id a new attempt gets, if the decision starts one.
-    pub next_attempt_id: Uuid,
+    pub next_attempt_id: AttemptId,
 }
 
 /// Whether an event changed the order.
@@ -278,7 +277,7 @@ pub struct StepChange {
     /// The state the step must still be in.
     pub expected_state: StepState,
     /// The attempt id the step must still have.
-    pub expected_attempt_id: Option<Uuid>,
+    pub expected_attempt_id: Option<AttemptId>,
     /// The step after the change.
     pub row: StepRow,
 }
@@ -291,7 +290,7 @@ pub struct HistoryLine {
     /// The step concerned.
     pub step: Option<String>,
     /// The attempt concerned.
-    pub attempt_id: Option<Uuid>,
+    pub attempt_id: Option<AttemptId>,
     /// Reason or detail.
     pub detail: Option<String>,
 }
@@ -345,7 +344,7 @@ pub fn status(
 ) -> OrderStatus {
     OrderStatus {
         schema_version: SCHEMA_VERSION,
-        order_id: order_id.to_owned(),
+        order_id: order_id.into(),
         event,
         step: step.map(str::to_owned),
         detail: detail.map(str::to_owned),

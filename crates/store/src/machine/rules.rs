@@ -4,8 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply};
-use uuid::Uuid;
+use sas_messages::{AttemptId, StatusEvent, StepKind, StepOutcome, StepReply};
 
 use super::dispatch::{attempt_detail, operation, payload, resubmitted_key};
 use super::{
@@ -269,7 +268,7 @@ fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
 /// A message of the current attempt was dead-lettered: it would fail again,
 /// so the order is not retried. A forward run is compensated; a compensation
 /// ends in error with an alert. A dead letter of an old attempt changes nothing.
-fn dead_lettered(draft: &mut Draft<'_>, attempt_id: Uuid, reason: &str) {
+fn dead_lettered(draft: &mut Draft<'_>, attempt_id: AttemptId, reason: &str) {
     let state = draft.process.state;
     let expected = if state == ProcessState::Compensating {
         StepState::Compensating
@@ -401,7 +400,7 @@ struct Failure<'a> {
     /// The step that could not be undone.
     step: Option<&'a str>,
     /// Its attempt, when one message settled it.
-    attempt_id: Option<Uuid>,
+    attempt_id: Option<AttemptId>,
     /// The alert's kind.
     kind: AlertKind,
     /// The history line's detail.
@@ -471,7 +470,7 @@ impl<'a> Draft<'a> {
         &mut self,
         event: HistoryEvent,
         step: Option<&str>,
-        attempt_id: Option<Uuid>,
+        attempt_id: Option<AttemptId>,
         detail: Option<String>,
     ) {
         self.history.push(HistoryLine {
@@ -488,7 +487,12 @@ impl<'a> Draft<'a> {
     }
 
     /// The forward run is given up: undo what was, or may have been, done.
-    fn start_compensation(&mut self, step: Option<&str>, attempt_id: Option<Uuid>, reason: &str) {
+    fn start_compensation(
+        &mut self,
+        step: Option<&str>,
+        attempt_id: Option<AttemptId>,
+        reason: &str,
+    ) {
         self.process.state = ProcessState::Compensating;
         self.process.failure_count = 0;
         self.process.last_error = Some(reason.to_owned());

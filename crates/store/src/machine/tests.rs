@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
+use sas_messages::{AttemptId, StatusEvent, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
 use uuid::Uuid;
 
 use super::*;
@@ -33,8 +33,8 @@ fn workflow() -> Vec<NewStep> {
     .collect()
 }
 
-fn attempt(n: u128) -> Uuid {
-    Uuid::from_u128(n)
+fn attempt(n: u128) -> AttemptId {
+    Uuid::from_u128(n).into()
 }
 
 fn policy() -> RecoveryPolicy {
@@ -77,7 +77,7 @@ fn step(snapshot: &mut Snapshot, index: usize, state: StepState, n: u128) {
 }
 
 /// A representative order in each state, and the attempt a reply to it would answer.
-fn order_in(state: ProcessState) -> (Snapshot, Uuid) {
+fn order_in(state: ProcessState) -> (Snapshot, AttemptId) {
     let mut s = fresh();
     s.process.state = state;
     let current = match state {
@@ -120,7 +120,7 @@ fn order_in(state: ProcessState) -> (Snapshot, Uuid) {
     (s, attempt(current))
 }
 
-fn reply(attempt_id: Uuid, outcome: StepOutcome) -> StepReply {
+fn reply(attempt_id: AttemptId, outcome: StepOutcome) -> StepReply {
     StepReply {
         schema_version: SCHEMA_VERSION,
         order_id: "o-1".into(),
