@@ -178,6 +178,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
     declined.outcome = StepOutcome::Failed {
         error: "out of stock".into(),
         permanent: true,
+        maybe_applied: false,
     };
     let replies = vec![
         success(&dispatches[0]),

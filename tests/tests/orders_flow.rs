@@ -95,6 +95,8 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         attempt: 1,
         idempotency_key: step.idempotency_key.clone(),
         complete_by: chrono::Utc::now() + chrono::Duration::seconds(30),
+        start_by: None,
+        dispatched_at: None,
         payload: serde_json::json!({ "order": detail.body, "results": {} }),
     };
     let names = env.amqp().names();

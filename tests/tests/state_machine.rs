@@ -446,10 +446,12 @@ async fn run_case(
                     Answer::Refused => StepOutcome::Failed {
                         error: "refused".into(),
                         permanent: true,
+                        maybe_applied: false,
                     },
                     Answer::Transient => StepOutcome::Failed {
                         error: "busy".into(),
                         permanent: false,
+                        maybe_applied: false,
                     },
                 };
                 let reply = StepReply {

@@ -167,6 +167,7 @@ impl Agent {
                     return Finished::Reply(StepOutcome::Failed {
                         error,
                         permanent: true,
+                        maybe_applied: false,
                     });
                 }
                 CallResult::Transient(error) => {

@@ -125,6 +125,7 @@ mod tests {
             outcome: StepOutcome::Failed {
                 error: "declined".into(),
                 permanent: true,
+                maybe_applied: false,
             },
         };
         let body = serde_json::to_vec(&reply).unwrap();

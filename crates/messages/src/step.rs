@@ -42,6 +42,17 @@ pub struct StepRequest {
     /// Absolute deadline from the database clock. Past it, the agent stops and
     /// sends nothing: the supervisor has taken over.
     pub complete_by: DateTime<Utc>,
+    /// Last moment to start a call to the remote service (database clock):
+    /// `complete_by` less the deployment's start margin, so that no call
+    /// starts late enough to land after the supervisor gave up on it and
+    /// its undo went out. Absent from older schedulers: the agent then uses
+    /// `complete_by` less its own margin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_by: Option<DateTime<Utc>>,
+    /// When the request was dispatched (database clock): agents compare it
+    /// with their own clock to find out how far behind it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatched_at: Option<DateTime<Utc>>,
     /// What the remote service needs: the order, and results of earlier steps.
     pub payload: serde_json::Value,
 }
@@ -55,13 +66,20 @@ pub enum StepOutcome {
         /// The service's answer, kept for compensation (e.g. a reservation id).
         result: serde_json::Value,
     },
-    /// The remote service refused the operation.
+    /// The operation did not succeed.
     Failed {
         /// The service's reason, recorded on the order.
         error: String,
         /// True when retrying cannot help (declined payment, unknown SKU). A
         /// transient failure reply makes the supervisor retry the step now.
         permanent: bool,
+        /// True when the operation may have been applied all the same: some
+        /// call of this request may have reached the remote service and its
+        /// answer is unknown (a timeout, a reset after sending, a 5xx, a 409
+        /// "in progress"). Once set for a step it stays set, and compensation
+        /// undoes the step whatever later attempts answer.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        maybe_applied: bool,
     },
 }
 

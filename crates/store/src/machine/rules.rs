@@ -125,6 +125,7 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             StepOutcome::Failed {
                 error,
                 permanent: true,
+                ..
             },
             StepState::Running,
         ) => {
@@ -140,6 +141,7 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             StepOutcome::Failed {
                 error,
                 permanent: true,
+                ..
             },
             _,
         ) => {
@@ -158,6 +160,7 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             StepOutcome::Failed {
                 error,
                 permanent: false,
+                ..
             },
             _,
         ) => {

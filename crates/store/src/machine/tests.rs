@@ -141,6 +141,7 @@ fn failed(permanent: bool) -> StepOutcome {
     StepOutcome::Failed {
         error: "no".into(),
         permanent,
+        maybe_applied: false,
     }
 }
 
