@@ -132,6 +132,20 @@ impl TestEnv {
             .env("SAS_SUPERVISOR__INTERVAL_MS", "200")
             .env("SAS_SUPERVISOR__BACKOFF_BASE_MS", "100")
             .env("SAS_SUPERVISOR__BACKOFF_MAX_MS", "1000")
+            // Margins in proportion to the test's step deadline (the defaults
+            // suit deadlines of seconds).
+            .env(
+                "SAS_DEADLINES__START_MARGIN_MS",
+                (self.step_timeout_ms / 10).to_string(),
+            )
+            .env(
+                "SAS_DEADLINES__GRACE_MS",
+                (self.step_timeout_ms / 5).to_string(),
+            )
+            .env(
+                "SAS_DEADLINES__MAX_CLOCK_SKEW_MS",
+                (self.step_timeout_ms / 20).to_string(),
+            )
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log file"))

@@ -490,7 +490,7 @@ async fn orders_held_by_a_killed_scheduler_finish_on_another_one_within_the_dead
     let killed_at = Instant::now();
     env.wait_for_count(ProcessState::Processed, 150, Duration::from_secs(60))
         .await;
-    // complete-by (2 s) + one supervisor interval (0.2 s) + backoff (at most 1 s) + the work left.
+    // complete-by (2 s) + grace (0.4 s) + one supervisor interval (0.2 s) + backoff (at most 1 s) + the work left.
     let took = killed_at.elapsed();
     assert!(took < Duration::from_secs(20), "recovery took {took:?}");
     let by_order = sim.effects_by_order().await;

@@ -30,7 +30,7 @@ use sas_store::machine::{
 };
 use sas_store::operator::{Cancel, Resubmit};
 use sas_store::progress::ReplyOutcome;
-use sas_store::{NewStep, Progress, StepState, Store};
+use sas_store::{DeadlineSettings, NewStep, Progress, StepState, Store};
 use sas_tests::TestEnv;
 use sqlx::Row;
 use uuid::Uuid;
@@ -52,6 +52,8 @@ enum Answer {
     Succeeded,
     Refused,
     Transient,
+    /// A failure after a call whose outcome is unknown: maybe applied.
+    Unknown,
 }
 
 /// Which code applies a reply.
@@ -94,6 +96,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         6 => Just(Answer::Succeeded),
         2 => Just(Answer::Refused),
         1 => Just(Answer::Transient),
+        1 => Just(Answer::Unknown),
     ];
     let path = prop_oneof![Just(Path::Batched), Just(Path::General)];
     let step = prop_oneof![
@@ -120,6 +123,7 @@ fn policy() -> RecoveryPolicy {
         max_failures: 2,
         backoff_base: std::time::Duration::from_millis(100),
         backoff_max: std::time::Duration::from_secs(1),
+        grace: std::time::Duration::from_millis(500),
     }
 }
 
@@ -230,7 +234,8 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
     };
     let steps = sqlx::query(
         "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
-                attempt_id, complete_by, idempotency_key, result, last_error
+                attempt_id, complete_by, idempotency_key, result, last_error, maybe_applied,
+                undo_generation, undo_refused, undo_result
            FROM steps WHERE order_id = $1 ORDER BY position",
     )
     .bind(order_id)
@@ -254,6 +259,10 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
         idempotency_key: row.get("idempotency_key"),
         result: row.get("result"),
         last_error: row.get("last_error"),
+        maybe_applied: row.get("maybe_applied"),
+        undo_generation: row.get("undo_generation"),
+        undo_refused: row.get("undo_refused"),
+        undo_result: row.get("undo_result"),
     })
     .collect();
     let history = sqlx::query(
@@ -421,6 +430,7 @@ async fn run_case(
         now,
         actor: INTAKE,
         next_attempt_id: attempt,
+        start_margin: DeadlineSettings::default().start_margin(),
     };
     let decision = decide(&model.snapshot, &Event::Submitted, &ctx);
     model.record(&decision, INTAKE);
@@ -440,8 +450,11 @@ async fn run_case(
             Step::Reply { target, answer, .. } => {
                 let (attempt_id, step) = model.attempt(*target);
                 let outcome = match answer {
+                    // Every other answer carries a NUL, which Postgres cannot store.
                     Answer::Succeeded => StepOutcome::Succeeded {
-                        result: serde_json::json!({ "id": format!("r-{index}") }),
+                        result: serde_json::json!({
+                            "id": format!("r-{index}{}", if index % 2 == 1 { "\u{0}" } else { "" })
+                        }),
                     },
                     Answer::Refused => StepOutcome::Failed {
                         error: "refused".into(),
@@ -452,6 +465,11 @@ async fn run_case(
                         error: "busy".into(),
                         permanent: false,
                         maybe_applied: false,
+                    },
+                    Answer::Unknown => StepOutcome::Failed {
+                        error: "no answer in time".into(),
+                        permanent: false,
+                        maybe_applied: true,
                     },
                 };
                 let reply = StepReply {
@@ -583,6 +601,7 @@ async fn run_case(
             now,
             actor,
             next_attempt_id,
+            start_margin: DeadlineSettings::default().start_margin(),
         };
         let event = match (step, &event_reply) {
             (_, Some(reply)) => Event::Reply(reply),

@@ -204,8 +204,8 @@ pub async fn send_request(
         attempt: u32::try_from(dispatch.attempt).unwrap_or(0),
         idempotency_key: dispatch.idempotency_key.clone(),
         complete_by: dispatch.complete_by,
-        start_by: None,
-        dispatched_at: None,
+        start_by: Some(dispatch.start_by),
+        dispatched_at: Some(dispatch.dispatched_at),
         payload: dispatch.payload.clone(),
     };
     let attempt_id = dispatch.attempt_id.to_string();

@@ -72,7 +72,15 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings.scheduler.id.clone()
     };
     let workflow = Workflow::load(&settings.scheduler.workflow_file)?;
-    let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
+    let shortest = workflow.steps.iter().map(|step| step.timeout_ms).min();
+    settings
+        .deadlines
+        .validate(shortest.map(std::time::Duration::from_millis))
+        .map_err(anyhow::Error::msg)
+        .context("the deadline margins do not fit the workflow")?;
+    let store = Store::connect_lazy(&settings.database, &id)
+        .context("database settings")?
+        .with_start_margin(settings.deadlines.start_margin());
     let session = Session::new(settings.amqp.clone(), id.clone());
     let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(

@@ -2,7 +2,7 @@
 
 use sas_broker::AmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
-use sas_store::DatabaseSettings;
+use sas_store::{DatabaseSettings, DeadlineSettings};
 use serde::Deserialize;
 
 /// Compiled-in defaults.
@@ -20,6 +20,8 @@ pub struct Settings {
     pub amqp: AmqpSettings,
     /// Postgres.
     pub database: DatabaseSettings,
+    /// Deadline margins, shared with the other services (see [`sas_store::timing`]).
+    pub deadlines: DeadlineSettings,
     /// The scheduler itself.
     pub scheduler: SchedulerSettings,
 }
@@ -50,6 +52,7 @@ impl Validate for Settings {
     fn validate(&self) -> Result<(), String> {
         self.amqp.validate()?;
         self.database.validate()?;
+        self.deadlines.validate(None)?;
         if self.scheduler.claim_interval_ms == 0 {
             return Err("scheduler.claim_interval_ms must be positive".into());
         }

@@ -34,7 +34,8 @@ pub(crate) async fn load_snapshots(
                 p.last_error, p.reply_to, p.trace_id, o.body, now() AS now,
                 s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
                 s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
-                s.idempotency_key, s.result, s.last_error AS step_last_error
+                s.idempotency_key, s.result, s.last_error AS step_last_error,
+                s.maybe_applied, s.undo_generation, s.undo_refused, s.undo_result
            FROM order_process p
            JOIN orders o ON o.order_id = p.order_id
            JOIN steps s ON s.order_id = p.order_id
@@ -117,6 +118,10 @@ fn step_from_row(row: &PgRow) -> Result<StepRow, StoreError> {
         idempotency_key: row.try_get("idempotency_key")?,
         result: row.try_get("result")?,
         last_error: row.try_get("step_last_error")?,
+        maybe_applied: row.try_get("maybe_applied")?,
+        undo_generation: row.try_get("undo_generation")?,
+        undo_refused: row.try_get("undo_refused")?,
+        undo_result: row.try_get("undo_result")?,
     })
 }
 
@@ -147,14 +152,18 @@ pub(crate) async fn apply(
           RETURNING 1),
          c AS (
              SELECT * FROM UNNEST($9::int4[], $10::text[], $11::int4[], $12::uuid[], $13::timestamptz[],
-                                  $14::text[], $15::jsonb[], $16::text[], $17::text[], $18::uuid[])
+                                  $14::text[], $15::jsonb[], $16::text[], $17::text[], $18::uuid[],
+                                  $27::bool[], $28::int4[], $29::bool[], $30::jsonb[])
                     AS c(position, state, attempt, attempt_id, complete_by, idempotency_key, result,
-                         last_error, expected_state, expected_attempt_id)),
+                         last_error, expected_state, expected_attempt_id,
+                         maybe_applied, undo_generation, undo_refused, undo_result)),
          s AS (
              UPDATE steps st
                 SET state = c.state::step_state, attempt = c.attempt, attempt_id = c.attempt_id,
                     complete_by = c.complete_by, idempotency_key = c.idempotency_key,
-                    result = c.result, last_error = c.last_error, updated_at = now()
+                    result = c.result, last_error = c.last_error,
+                    maybe_applied = c.maybe_applied, undo_generation = c.undo_generation,
+                    undo_refused = c.undo_refused, undo_result = c.undo_result, updated_at = now()
                FROM c
               WHERE st.order_id = $1 AND st.position = c.position
                 AND st.state = c.expected_state::step_state
@@ -200,6 +209,10 @@ pub(crate) async fn apply(
     .bind(decision.alert.as_ref().map(|a| a.kind.as_str()))
     .bind(decision.alert.as_ref().map(|a| a.message.as_str()))
     .bind(decision.resolve_alerts)
+    .bind(steps.iter().map(|c| c.row.maybe_applied).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.undo_generation).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.undo_refused).collect::<Vec<_>>())
+    .bind(steps.iter().map(|c| c.row.undo_result.clone()).collect::<Vec<_>>())
     .fetch_one(&mut *conn)
     .await?;
     let (changed_process, changed_steps): (i64, i64) =

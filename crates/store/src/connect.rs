@@ -207,6 +207,9 @@ impl DatabaseSettings {
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
+    /// How long before an attempt's deadline agents stop starting calls
+    /// (the `start_by` of every request this store dispatches).
+    start_margin: Duration,
 }
 
 impl Store {
@@ -224,7 +227,36 @@ impl Store {
             .acquire_timeout(Duration::from_millis(settings.acquire_timeout_ms))
             .test_before_acquire(false)
             .connect_lazy_with(settings.connect_options(application_name)?);
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            start_margin: crate::DeadlineSettings::default().start_margin(),
+        })
+    }
+
+    /// This store with `margin` as the start margin of the requests it
+    /// dispatches (see [`crate::timing`]).
+    pub fn with_start_margin(mut self, margin: Duration) -> Self {
+        self.start_margin = margin;
+        self
+    }
+
+    /// The inputs of a decision taken now (database clock) by `actor`.
+    pub(crate) fn context<'a>(
+        &self,
+        now: chrono::DateTime<chrono::Utc>,
+        actor: &'a str,
+    ) -> crate::machine::Context<'a> {
+        crate::machine::Context {
+            now,
+            actor,
+            next_attempt_id: sas_messages::AttemptId::new(),
+            start_margin: self.start_margin,
+        }
+    }
+
+    /// The start margin of the requests this store dispatches.
+    pub(crate) fn start_margin(&self) -> Duration {
+        self.start_margin
     }
 
     /// The underlying pool, for queries this crate does not offer.

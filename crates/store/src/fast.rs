@@ -16,7 +16,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use crate::machine::dispatch::payload;
-use crate::machine::{status, StepRow};
+use crate::machine::{status, storable, StepRow};
 use crate::model::{Dispatch, Progress};
 use crate::{Store, StoreError};
 
@@ -44,7 +44,10 @@ impl Store {
             .iter()
             .map(|(r, _)| r.attempt_id.as_uuid())
             .collect();
-        let results: Vec<&serde_json::Value> = replies.iter().map(|(_, result)| *result).collect();
+        // Stored as the state machine stores any answer (no U+0000), so one
+        // odd answer cannot fail the whole batch.
+        let results: Vec<serde_json::Value> =
+            replies.iter().map(|(_, result)| storable(result)).collect();
         let next_attempt_ids: Vec<Uuid> = replies.iter().map(|_| Uuid::now_v7()).collect();
         let details: Vec<String> = replies
             .iter()
@@ -85,7 +88,8 @@ impl Store {
                   WHERE n.order_id = done.order_id AND n.position = done.position + 1
               RETURNING n.order_id, n.position, n.name, n.agent, n.action, n.compensation,
                         n.timeout_ms, n.state, n.attempt, n.attempt_id, n.complete_by,
-                        n.idempotency_key, n.result, n.last_error),
+                        n.idempotency_key, n.result, n.last_error, n.maybe_applied,
+                        n.undo_generation, n.undo_refused, n.undo_result),
              process AS (
                  UPDATE order_process op
                     SET state = CASE WHEN next.order_id IS NULL THEN 'processed' ELSE 'processing' END::process_state,
@@ -112,6 +116,9 @@ impl Store {
                     next.attempt AS next_attempt, next.attempt_id AS next_attempt_id,
                     next.complete_by AS next_complete_by, next.idempotency_key AS next_key,
                     next.result AS next_result, next.last_error AS next_last_error,
+                    next.maybe_applied AS next_maybe_applied,
+                    next.undo_generation AS next_undo_generation,
+                    next.undo_refused AS next_undo_refused, next.undo_result AS next_undo_result,
                     CASE WHEN next.order_id IS NOT NULL THEN
                         (SELECT body FROM orders o WHERE o.order_id = done.order_id) END AS body,
                     CASE WHEN next.order_id IS NOT NULL THEN
@@ -134,7 +141,7 @@ impl Store {
         rows.iter()
             .map(|row| {
                 let order_id: String = row.try_get("order_id")?;
-                let completed = completed_from_row(&order_id, row)?;
+                let completed = completed_from_row(&order_id, row, self.start_margin())?;
                 Ok((order_id, completed))
             })
             .collect()
@@ -145,6 +152,7 @@ impl Store {
 fn completed_from_row(
     order_id: &str,
     row: &sqlx::postgres::PgRow,
+    start_margin: std::time::Duration,
 ) -> Result<Completed, StoreError> {
     let step: String = row.try_get("step")?;
     let at: DateTime<Utc> = row.try_get("at")?;
@@ -178,12 +186,17 @@ fn completed_from_row(
                 idempotency_key: row.try_get("next_key")?,
                 result: row.try_get("next_result")?,
                 last_error: row.try_get("next_last_error")?,
+                maybe_applied: row.try_get("next_maybe_applied")?,
+                undo_generation: row.try_get("next_undo_generation")?,
+                undo_refused: row.try_get("next_undo_refused")?,
+                undo_result: row.try_get("next_undo_result")?,
             };
             let body: serde_json::Value = row.try_get("body")?;
             let results: serde_json::Value = row.try_get("results")?;
             let results = results.as_object().into_iter().flatten();
             let payload = payload(&body, results.map(|(name, result)| (name.as_str(), result)));
-            let dispatch = Dispatch::for_step(order_id, &next, StepKind::Action, payload);
+            let dispatch =
+                Dispatch::for_step(order_id, &next, StepKind::Action, payload, start_margin);
             progress.dispatch = Some(Box::new(dispatch));
         }
         None => {

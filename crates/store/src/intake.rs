@@ -41,6 +41,7 @@ struct Batch<'a> {
     workflow: &'a str,
     steps: &'a [NewStep],
     actor: &'a str,
+    start_margin: std::time::Duration,
 }
 
 impl Batch<'_> {
@@ -63,6 +64,7 @@ impl Batch<'_> {
             now: received_at,
             actor: self.actor,
             next_attempt_id: attempt_id.into(),
+            start_margin: self.start_margin,
         };
         Intake::Accepted(decide(&snapshot, &Event::Submitted, &ctx).progress)
     }
@@ -138,6 +140,7 @@ impl Store {
             workflow,
             steps,
             actor,
+            start_margin: self.start_margin(),
         };
         // One submission per order id goes into the statement; a repeat in
         // the same batch is checked afterwards, like any duplicate.
@@ -226,6 +229,7 @@ impl Store {
             workflow,
             steps,
             actor,
+            ..
         } = batch;
         let batch = indices;
         let order_ids: Vec<&str> = batch

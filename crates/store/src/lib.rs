@@ -12,6 +12,7 @@
 //! - [`operator`]: dead letters, resubmission and cancellation.
 //! - `apply`: loading snapshots under the order's lock, writing decisions.
 //! - `fast`: the batched statement for successes of forward steps.
+//! - [`timing`]: the deadline margins (start margin, grace) and their check.
 //! - [`queries`]: read models for the CLI and metrics.
 //!
 //! Every transition runs in one transaction that first locks the order's
@@ -33,10 +34,12 @@ pub mod operator;
 pub mod progress;
 pub mod queries;
 pub mod recovery;
+pub mod timing;
 
 pub use connect::{DatabaseSettings, Store};
 pub use error::StoreError;
 pub use model::{Dispatch, NewStep, ProcessState, Progress, StepState};
+pub use timing::DeadlineSettings;
 
 /// The schema migrations, embedded in every binary that touches the store.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -157,6 +157,10 @@ pub struct Dispatch {
     pub idempotency_key: String,
     /// Deadline, from the database clock.
     pub complete_by: DateTime<Utc>,
+    /// Last moment an agent may start a call (the deadline less the start margin).
+    pub start_by: DateTime<Utc>,
+    /// When the attempt was started (database clock).
+    pub dispatched_at: DateTime<Utc>,
     /// The order and the results of earlier steps.
     pub payload: serde_json::Value,
 }

@@ -4,7 +4,7 @@
 use sas_messages::AttemptId;
 
 use crate::apply::{apply, load_snapshot};
-use crate::machine::{decide, Context, Decision, Event, ResubmitAction, Verdict};
+use crate::machine::{decide, Decision, Event, ResubmitAction, Verdict};
 use crate::model::{ProcessState, Progress};
 use crate::{Store, StoreError};
 
@@ -129,11 +129,7 @@ impl Store {
         let Some(snapshot) = snapshot else {
             return Ok(None);
         };
-        let ctx = Context {
-            now,
-            actor,
-            next_attempt_id: AttemptId::new(),
-        };
+        let ctx = self.context(now, actor);
         let decision = decide(&snapshot, event, &ctx);
         apply(&mut tx, &snapshot, &decision, actor).await?;
         tx.commit().await?;

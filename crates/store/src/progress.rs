@@ -10,10 +10,10 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use sas_messages::{AttemptId, StepOutcome, StepReply};
+use sas_messages::{StepOutcome, StepReply};
 
 use crate::apply::{apply, load_snapshot, load_snapshots};
-use crate::machine::{decide, Context, Event, Verdict};
+use crate::machine::{decide, Event, Verdict};
 use crate::model::Progress;
 use crate::{Store, StoreError};
 
@@ -66,11 +66,7 @@ impl Store {
         let (snapshots, now) = load_snapshots(&mut tx, &ready).await?;
         let mut claimed = Vec::with_capacity(snapshots.len());
         for snapshot in snapshots {
-            let ctx = Context {
-                now,
-                actor,
-                next_attempt_id: AttemptId::new(),
-            };
+            let ctx = self.context(now, actor);
             let decision = decide(&snapshot, &Event::Claimed, &ctx);
             apply(&mut tx, &snapshot, &decision, actor).await?;
             if decision.verdict == Verdict::Applied {
@@ -168,11 +164,7 @@ impl Store {
                 reason: "no such order".into(),
             });
         };
-        let ctx = Context {
-            now,
-            actor,
-            next_attempt_id: AttemptId::new(),
-        };
+        let ctx = self.context(now, actor);
         let decision = decide(&snapshot, &Event::Reply(reply), &ctx);
         apply(&mut tx, &snapshot, &decision, actor).await?;
         tx.commit().await?;

@@ -1,11 +1,11 @@
 //! The supervisor's transitions: orders whose deadline passed, and dead letters.
 
 use chrono::{DateTime, Utc};
-use sas_messages::{AttemptId, OrderId};
+use sas_messages::OrderId;
 
 use crate::apply::{apply, load_snapshots};
 pub use crate::machine::RecoveryPolicy;
-use crate::machine::{decide, Context, Event, Verdict};
+use crate::machine::{decide, Event, Verdict};
 use crate::model::{ProcessState, Progress};
 use crate::{Store, StoreError};
 
@@ -65,12 +65,14 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let due: Vec<String> = sqlx::query_scalar(
             "SELECT order_id FROM order_process
-              WHERE state IN ('processing', 'compensating') AND complete_by < now()
+              WHERE state IN ('processing', 'compensating')
+                AND complete_by < now() - make_interval(secs => $2::float8 / 1000)
               ORDER BY complete_by
               LIMIT $1
                 FOR UPDATE SKIP LOCKED",
         )
         .bind(limit)
+        .bind(policy.grace.as_millis() as f64)
         .fetch_all(&mut *tx)
         .await?;
         if due.is_empty() {
@@ -80,11 +82,7 @@ impl Store {
         let (snapshots, now) = load_snapshots(&mut tx, &due).await?;
         let mut recoveries = Vec::with_capacity(snapshots.len());
         for snapshot in snapshots {
-            let ctx = Context {
-                now,
-                actor,
-                next_attempt_id: AttemptId::new(),
-            };
+            let ctx = self.context(now, actor);
             let event = Event::DeadlineMissed {
                 policy,
                 jitter: jitter(),

@@ -14,7 +14,7 @@ impl Supervisor {
     pub async fn scan_loop(self: Arc<Self>) {
         let settings = &self.settings.supervisor;
         let interval = Duration::from_millis(settings.interval_ms);
-        let policy = settings.policy();
+        let policy = settings.policy(&self.settings.deadlines);
         let mut last_gauge = tokio::time::Instant::now() - interval;
         loop {
             let full = match self

@@ -5,7 +5,7 @@ use std::time::Duration;
 use sas_broker::AmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
 use sas_store::recovery::RecoveryPolicy;
-use sas_store::DatabaseSettings;
+use sas_store::{DatabaseSettings, DeadlineSettings};
 use serde::Deserialize;
 
 /// Compiled-in defaults.
@@ -23,6 +23,8 @@ pub struct Settings {
     pub amqp: AmqpSettings,
     /// Postgres.
     pub database: DatabaseSettings,
+    /// Deadline margins, shared with the other services (see [`sas_store::timing`]).
+    pub deadlines: DeadlineSettings,
     /// The supervisor itself.
     pub supervisor: SupervisorSettings,
 }
@@ -49,11 +51,12 @@ pub struct SupervisorSettings {
 
 impl SupervisorSettings {
     /// The recovery policy these settings describe.
-    pub fn policy(&self) -> RecoveryPolicy {
+    pub fn policy(&self, deadlines: &DeadlineSettings) -> RecoveryPolicy {
         RecoveryPolicy {
             max_failures: self.max_failures,
             backoff_base: Duration::from_millis(self.backoff_base_ms),
             backoff_max: Duration::from_millis(self.backoff_max_ms),
+            grace: deadlines.grace(),
         }
     }
 }
@@ -62,6 +65,7 @@ impl Validate for Settings {
     fn validate(&self) -> Result<(), String> {
         self.amqp.validate()?;
         self.database.validate()?;
+        self.deadlines.validate(None)?;
         let s = &self.supervisor;
         if s.interval_ms == 0 {
             return Err("supervisor.interval_ms must be positive".into());

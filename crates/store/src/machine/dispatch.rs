@@ -24,9 +24,14 @@ pub fn resubmitted_key(order_id: &str, step: &str, generation: i64) -> String {
     format!("{order_id}:{step}:r{generation}")
 }
 
-/// The key of the compensation of the action keyed `action_key`.
-pub fn compensation_key(action_key: &str) -> String {
-    format!("{action_key}{COMPENSATION_KEY_SUFFIX}")
+/// The key of the compensation of the action keyed `action_key`, in its
+/// `generation`: 0 at first, one more each time an operator resumes a
+/// compensation the remote service refused for good (that key is decided).
+pub fn compensation_key(action_key: &str, generation: i32) -> String {
+    match generation {
+        0 => format!("{action_key}{COMPENSATION_KEY_SUFFIX}"),
+        n => format!("{action_key}{COMPENSATION_KEY_SUFFIX}:r{n}"),
+    }
 }
 
 /// The history detail of a dispatched attempt: `attempt 2: payment.charge`.
@@ -57,16 +62,22 @@ pub fn operation(step: &StepRow, kind: StepKind) -> &str {
 
 impl Dispatch {
     /// The request of the attempt just started on `step` (its attempt
-    /// number, id and deadline already set), with `payload`.
+    /// number, id and deadline already set), with `payload`; its calls must
+    /// start `start_margin` before the deadline.
     pub fn for_step(
         order_id: &str,
         step: &StepRow,
         kind: StepKind,
         payload: serde_json::Value,
+        start_margin: std::time::Duration,
     ) -> Self {
+        let complete_by = step.complete_by.unwrap_or_default();
+        let dispatched_at = step.started_at().unwrap_or(complete_by);
+        let margin = chrono::Duration::from_std(start_margin).unwrap_or_default();
+        let start_by = (complete_by - margin).max(dispatched_at);
         let idempotency_key = match kind {
             StepKind::Action => step.idempotency_key.clone(),
-            StepKind::Compensation => compensation_key(&step.idempotency_key),
+            StepKind::Compensation => compensation_key(&step.idempotency_key, step.undo_generation),
         };
         Self {
             order_id: order_id.into(),
@@ -77,7 +88,9 @@ impl Dispatch {
             attempt: step.attempt,
             attempt_id: step.attempt_id.unwrap_or_default(),
             idempotency_key,
-            complete_by: step.complete_by.unwrap_or_default(),
+            complete_by,
+            start_by,
+            dispatched_at,
             payload,
         }
     }

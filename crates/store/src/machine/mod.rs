@@ -34,7 +34,7 @@ use serde::Serialize;
 
 use crate::model::{NewStep, ProcessState, Progress, StepState};
 pub use names::{AlertKind, HistoryEvent, ResubmitAction};
-pub use rules::decide;
+pub use rules::{decide, storable, storable_text};
 
 /// The process record of an order: the fields transitions change.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -82,6 +82,16 @@ pub struct StepRow {
     pub result: Option<serde_json::Value>,
     /// Last error seen.
     pub last_error: Option<String>,
+    /// Some attempt of the action may have reached the remote service without
+    /// a known outcome; once true it stays true, and compensation undoes the
+    /// step whatever later attempts answered.
+    pub maybe_applied: bool,
+    /// Which undo key the compensation uses (see [`dispatch::compensation_key`]).
+    pub undo_generation: i32,
+    /// The current undo key was refused for good by the remote service.
+    pub undo_refused: bool,
+    /// What the remote service answered to the undo.
+    pub undo_result: Option<serde_json::Value>,
 }
 
 impl StepRow {
@@ -101,7 +111,24 @@ impl StepRow {
             idempotency_key: dispatch::idempotency_key(order_id, &step.name),
             result: None,
             last_error: None,
+            maybe_applied: false,
+            undo_generation: 0,
+            undo_refused: false,
+            undo_result: None,
         }
+    }
+
+    /// Whether compensation must undo this step: it had, or may have had, an
+    /// effect (completed; in flight when the order was given up; its undo
+    /// under way; or failed after an attempt whose outcome is unknown). A
+    /// step refused without any such attempt applied nothing.
+    pub fn needs_undo(&self) -> bool {
+        self.compensation.is_some()
+            && match self.state {
+                StepState::Completed | StepState::Running | StepState::Compensating => true,
+                StepState::Failed => self.maybe_applied,
+                StepState::NotStarted | StepState::Compensated => false,
+            }
     }
 
     /// When its current attempt was started: its deadline less its timeout.
@@ -194,6 +221,9 @@ pub struct RecoveryPolicy {
     pub backoff_base: Duration,
     /// Longest wait before a retry.
     pub backoff_max: Duration,
+    /// How long after a deadline the supervisor waits before acting, so that
+    /// a call started just in time has landed before any undo is sent.
+    pub grace: Duration,
 }
 
 impl RecoveryPolicy {
@@ -254,6 +284,9 @@ pub struct Context<'a> {
     pub actor: &'a str,
     /// The id a new attempt gets, if the decision starts one.
     pub next_attempt_id: AttemptId,
+    /// How long before its deadline a new attempt's calls must have started
+    /// (see [`crate::timing`]).
+    pub start_margin: Duration,
 }
 
 /// Whether an event changed the order.

@@ -91,11 +91,22 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
     let name = draft.steps[index].name.clone();
     let by = format!("by {}", reply.agent_id);
     let expected = draft.steps[index].state;
+    // "Maybe applied" is never read as "not applied": an action whose
+    // outcome this reply leaves open stays marked for undo for good.
+    if let StepOutcome::Failed {
+        maybe_applied: true,
+        ..
+    } = reply.outcome
+    {
+        if expected == StepState::Running {
+            draft.change_step(index, |step| step.maybe_applied = true);
+        }
+    }
     match (&reply.outcome, expected) {
         (StepOutcome::Succeeded { result }, StepState::Running) => {
             draft.change_step(index, |step| {
                 step.state = StepState::Completed;
-                step.result = Some(result.clone());
+                step.result = Some(storable(result));
                 step.last_error = None;
             });
             draft.log(
@@ -108,9 +119,10 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             draft.advance();
         }
         (StepOutcome::Succeeded { result }, _) => {
+            // The action's answer stays in `result`, beside the undo's.
             draft.change_step(index, |step| {
                 step.state = StepState::Compensated;
-                step.result = Some(result.clone());
+                step.undo_result = Some(storable(result));
                 step.last_error = None;
             });
             draft.log(
@@ -131,9 +143,9 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
         ) => {
             draft.change_step(index, |step| {
                 step.state = StepState::Failed;
-                step.last_error = Some(error.clone());
+                step.last_error = Some(storable_text(error));
             });
-            let reason = format!("step {name} failed: {error}");
+            let reason = format!("step {name} failed: {}", storable_text(error));
             draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
             draft.advance();
         }
@@ -145,8 +157,16 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             },
             _,
         ) => {
-            draft.change_step(index, |step| step.last_error = Some(error.clone()));
-            let reason = format!("compensation of step {name} failed permanently: {error}");
+            // This undo key is decided at the remote: an operator's
+            // resubmission retries with a fresh one.
+            draft.change_step(index, |step| {
+                step.last_error = Some(storable_text(error));
+                step.undo_refused = true;
+            });
+            let reason = format!(
+                "compensation of step {name} failed permanently: {}",
+                storable_text(error)
+            );
             draft.fail(Failure {
                 step: Some(&name),
                 attempt_id: Some(reply.attempt_id),
@@ -165,13 +185,13 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             _,
         ) => {
             // The supervisor decides at its next scan whether to retry or undo.
-            draft.change_step(index, |step| step.last_error = Some(error.clone()));
+            draft.change_step(index, |step| step.last_error = Some(storable_text(error)));
             draft.process.complete_by = Some(draft.ctx.now);
             draft.log(
                 HistoryEvent::TransientFailure,
                 Some(&name),
                 Some(reply.attempt_id),
-                Some(error.clone()),
+                Some(storable_text(error)),
             );
         }
     }
@@ -184,7 +204,8 @@ fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) 
     let now = draft.ctx.now;
     let from = draft.process.state;
     let held = matches!(from, ProcessState::Processing | ProcessState::Compensating);
-    if !held || draft.process.complete_by.is_none_or(|by| by >= now) {
+    let grace = chrono::Duration::from_std(policy.grace).unwrap_or_default();
+    if !held || draft.process.complete_by.is_none_or(|by| by + grace >= now) {
         return draft.unchanged("no deadline of the order has passed");
     }
     let failures = draft.process.failure_count + 1;
@@ -243,6 +264,33 @@ fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) 
     }
 }
 
+/// A remote service's answer as Postgres can store it: `jsonb` refuses the
+/// character U+0000 in strings and keys, and one such answer must not fail
+/// the batch of replies it arrives in, so it becomes U+FFFD.
+pub fn storable(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::String(text) => Value::String(storable_text(text)),
+        Value::Array(items) => Value::Array(items.iter().map(storable).collect()),
+        Value::Object(fields) => Value::Object(
+            fields
+                .iter()
+                .map(|(key, value)| (storable_text(key), storable(value)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// Text as Postgres can store it (no U+0000).
+pub fn storable_text(text: &str) -> String {
+    if text.contains('\0') {
+        text.replace('\0', "\u{fffd}")
+    } else {
+        text.to_owned()
+    }
+}
+
 /// Records on the step in flight, if any, that its attempt missed its
 /// deadline; returns its name and what happened, for the reason.
 fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
@@ -263,6 +311,10 @@ fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
         .map_or_else(String::new, |by| by.to_rfc3339());
     draft.change_step(index, |step| {
         step.last_error = Some(format!("attempt {attempt} missed its deadline {missed}"));
+        // Its call may have landed: undo it if the order is given up.
+        if step.state == StepState::Running {
+            step.maybe_applied = true;
+        }
     });
     let what = format!("step {name} attempt {attempt} timed out");
     (Some(name), what)
@@ -333,6 +385,14 @@ fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
         .iter()
         .any(|s| s.state == StepState::Compensating);
     let (reopened, action) = if state == ProcessState::Error && compensation_underway {
+        for index in 0..draft.steps.len() {
+            if draft.steps[index].undo_refused {
+                draft.change_step(index, |step| {
+                    step.undo_generation += 1;
+                    step.undo_refused = false;
+                });
+            }
+        }
         (
             ProcessState::Compensating,
             ResubmitAction::CompensationResumed,
@@ -347,6 +407,10 @@ fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
                     step.complete_by = None;
                     step.result = None;
                     step.last_error = None;
+                    step.maybe_applied = false;
+                    step.undo_generation = 0;
+                    step.undo_refused = false;
+                    step.undo_result = None;
                     step.idempotency_key = resubmitted_key(&order_id, &step.name, earlier + 1);
                 });
             }
@@ -541,13 +605,7 @@ impl<'a> Draft<'a> {
                 StepKind::Action,
             ),
             ProcessState::Compensating => (
-                self.steps.iter().rposition(|s| {
-                    s.compensation.is_some()
-                        && matches!(
-                            s.state,
-                            StepState::Completed | StepState::Running | StepState::Compensating
-                        )
-                }),
+                self.steps.iter().rposition(StepRow::needs_undo),
                 StepKind::Compensation,
             ),
             _ => return,
@@ -584,8 +642,13 @@ impl<'a> Draft<'a> {
             .iter()
             .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
         let payload = payload(&self.snapshot.body, results);
-        let dispatch =
-            Dispatch::for_step(&self.snapshot.order_id, &self.steps[index], kind, payload);
+        let dispatch = Dispatch::for_step(
+            &self.snapshot.order_id,
+            &self.steps[index],
+            kind,
+            payload,
+            self.ctx.start_margin,
+        );
         self.progress.dispatch = Some(Box::new(dispatch));
         self.log(event, Some(&name), Some(attempt_id), Some(detail));
     }

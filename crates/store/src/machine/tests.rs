@@ -42,6 +42,7 @@ fn policy() -> RecoveryPolicy {
         max_failures: 2,
         backoff_base: Duration::from_secs(1),
         backoff_max: Duration::from_secs(8),
+        grace: Duration::from_secs(2),
     }
 }
 
@@ -50,6 +51,7 @@ fn ctx(now: DateTime<Utc>) -> Context<'static> {
         now,
         actor: SCHEDULER,
         next_attempt_id: attempt(99),
+        start_margin: Duration::from_secs(1),
     }
 }
 
@@ -518,4 +520,125 @@ fn applying_a_decision_in_memory_gives_the_rows_it_describes() {
     // The same reply again is stale now.
     let again = decide(&snapshot, &Event::Reply(&ok), &ctx(t(4)));
     assert!(matches!(again.verdict, Verdict::Stale(_)));
+}
+
+#[test]
+fn a_refusal_after_an_unknown_outcome_is_still_undone() {
+    let (snapshot, current) = order_in(ProcessState::Processing);
+    // The charge timed out at the agent: maybe applied.
+    let unknown = reply(
+        current,
+        StepOutcome::Failed {
+            error: "no answer within 5s".into(),
+            permanent: false,
+            maybe_applied: true,
+        },
+    );
+    let decision = decide(&snapshot, &Event::Reply(&unknown), &ctx(t(3)));
+    let mut snapshot = snapshot;
+    snapshot.apply(&decision);
+    assert!(snapshot.steps[1].maybe_applied);
+    // The retry of the same key is refused: the first call may still have landed.
+    let refused = reply(current, failed(true));
+    let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(4)));
+    let dispatch = decision.progress.dispatch.unwrap();
+    assert_eq!(
+        (dispatch.step.as_str(), dispatch.kind),
+        ("charge_payment", StepKind::Compensation)
+    );
+    assert_eq!(dispatch.action, "refund");
+}
+
+#[test]
+fn a_step_that_missed_its_deadline_counts_as_maybe_applied() {
+    let policy = policy();
+    let (snapshot, _) = order_in(ProcessState::Processing);
+    let missed = Event::DeadlineMissed {
+        policy: &policy,
+        jitter: 0.5,
+    };
+    let decision = decide(&snapshot, &missed, &ctx(t(60)));
+    assert!(decision.steps[0].row.maybe_applied);
+}
+
+#[test]
+fn the_supervisor_waits_out_the_grace_period_after_a_deadline() {
+    let policy = policy();
+    let (snapshot, _) = order_in(ProcessState::Processing);
+    let missed = Event::DeadlineMissed {
+        policy: &policy,
+        jitter: 0.5,
+    };
+    // complete_by is t(7); grace 2 s.
+    assert!(matches!(
+        decide(&snapshot, &missed, &ctx(t(8))).verdict,
+        Verdict::Unchanged(_)
+    ));
+    assert_eq!(
+        decide(&snapshot, &missed, &ctx(t(10))).verdict,
+        Verdict::Applied
+    );
+}
+
+#[test]
+fn a_request_must_start_a_margin_before_its_deadline() {
+    let decision = decide(&fresh(), &Event::Submitted, &ctx(t(0)));
+    let dispatch = decision.progress.dispatch.unwrap();
+    assert_eq!(dispatch.dispatched_at, t(0));
+    assert_eq!(dispatch.complete_by, t(5));
+    assert_eq!(dispatch.start_by, t(4));
+}
+
+#[test]
+fn an_undo_refused_for_good_is_retried_with_a_fresh_key_after_resubmission() {
+    let (snapshot, current) = order_in(ProcessState::Compensating);
+    let refused = reply(current, failed(true));
+    let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(4)));
+    let mut snapshot = snapshot;
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Error);
+    assert!(snapshot.steps[1].undo_refused);
+    let decision = decide(&snapshot, &Event::Resubmitted { earlier: 0 }, &ctx(t(60)));
+    assert_eq!(
+        decision.verdict,
+        Verdict::Resubmitted(ResubmitAction::CompensationResumed)
+    );
+    snapshot.apply(&decision);
+    snapshot.process.not_before = t(0);
+    let decision = decide(&snapshot, &Event::Claimed, &ctx(t(61)));
+    let dispatch = decision.progress.dispatch.unwrap();
+    assert_eq!(dispatch.idempotency_key, "o-1:charge_payment:undo:r1");
+}
+
+#[test]
+fn an_undone_step_keeps_its_action_result_beside_the_undo_result() {
+    let (snapshot, current) = order_in(ProcessState::Compensating);
+    let ok = reply(current, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(4)));
+    let row = &decision
+        .steps
+        .iter()
+        .find(|c| c.row.position == 1)
+        .unwrap()
+        .row;
+    assert_eq!(row.state, StepState::Compensated);
+    assert_eq!(row.result, snapshot.steps[1].result);
+    assert_eq!(row.undo_result, Some(serde_json::json!({ "id": "new" })));
+}
+
+#[test]
+fn an_answer_with_a_nul_character_is_stored_without_it() {
+    let (snapshot, current) = order_in(ProcessState::Processing);
+    let odd = reply(
+        current,
+        StepOutcome::Succeeded {
+            result: serde_json::json!({ "id\u{0}": ["a\u{0}b", 1] }),
+        },
+    );
+    let decision = decide(&snapshot, &Event::Reply(&odd), &ctx(t(3)));
+    let stored = decision.steps[0].row.result.clone().unwrap();
+    assert_eq!(
+        stored,
+        serde_json::json!({ "id\u{fffd}": ["a\u{fffd}b", 1] })
+    );
 }
