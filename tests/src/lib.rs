@@ -29,6 +29,7 @@ pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
         amount_cents: 1999,
         currency: "EUR".into(),
         reply_to: None,
+        priority: None,
     }
 }
 

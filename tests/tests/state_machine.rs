@@ -15,14 +15,14 @@
 //!
 //! `SAS_PROPTEST_CASES` sets the number of sequences (default 200).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use sas_messages::{AttemptId, OrderId, StepOutcome, StepReply, SCHEMA_VERSION};
+use sas_messages::{AttemptId, OrderId, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::intake::{Intake, Submission};
 use sas_store::machine::{
     decide, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
@@ -81,7 +81,11 @@ enum Step {
     DeadLettered {
         target: Target,
     },
-    Claimed,
+    /// A claim; first, with `frees`, another order's attempt at the agent
+    /// this order waits for settles and gives its slot back.
+    Claimed {
+        frees: bool,
+    },
     Resubmitted,
     Cancelled,
 }
@@ -105,7 +109,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         1 => path.prop_map(|path| Step::Repeat { path }),
         2 => Just(Step::DeadlineMissed),
         1 => target.prop_map(|target| Step::DeadLettered { target }),
-        2 => Just(Step::Claimed),
+        2 => proptest::bool::ANY.prop_map(|frees| Step::Claimed { frees }),
         1 => Just(Step::Resubmitted),
         1 => Just(Step::Cancelled),
     ];
@@ -139,6 +143,8 @@ struct Rows {
     steps: Vec<StepRow>,
     history: Vec<HistoryRow>,
     alerts: Vec<AlertRow>,
+    /// Per agent: (in flight, waiting), from the admission table.
+    admission: BTreeMap<String, (i32, i32)>,
 }
 
 /// The in-memory side: the order as the state machine's decisions left it.
@@ -147,11 +153,21 @@ struct Model {
     history: Vec<HistoryRow>,
     alerts: Vec<AlertRow>,
     last_reply: Option<StepReply>,
+    /// Per agent: (in flight, waiting, limit).
+    admission: BTreeMap<String, (i32, i32, i32)>,
 }
 
 impl Model {
     fn record(&mut self, decision: &Decision, actor: &str) {
         self.snapshot.apply(decision);
+        for delta in &decision.admission {
+            let counters = self
+                .admission
+                .get_mut(&delta.agent)
+                .expect("a registered agent");
+            counters.0 += delta.in_flight;
+            counters.1 += delta.waiting;
+        }
         self.history.extend(
             decision
                 .history
@@ -174,6 +190,37 @@ impl Model {
             steps: self.snapshot.steps.clone(),
             history: self.history.clone(),
             alerts: self.alerts.clone(),
+            admission: self
+                .admission
+                .iter()
+                .map(|(agent, (in_flight, waiting, _))| (agent.clone(), (*in_flight, *waiting)))
+                .collect(),
+        }
+    }
+
+    /// Whether `agent` has a slot for an attempt of `kind` (see the store's
+    /// admission rule): room under the limit, and for new forward work
+    /// nobody in line ahead.
+    fn has_room(&self, agent: &str, kind: StepKind) -> bool {
+        let (in_flight, waiting, limit) = self.admission[agent];
+        let first_in_line =
+            kind == StepKind::Compensation || self.snapshot.process.waiting_for.is_some();
+        in_flight < limit && (waiting == 0 || first_in_line)
+    }
+
+    /// The state machine's decision as the store takes it: again with the
+    /// agent closed when the decision takes a slot it does not have.
+    fn decide(&self, event: &Event<'_>, ctx: &Context<'_>) -> Decision {
+        let decision = decide(&self.snapshot, event, ctx);
+        match decision.takes_slot() {
+            Some((agent, kind)) if !self.has_room(agent, kind) => {
+                let closed = Context {
+                    closed: Some(agent),
+                    ..*ctx
+                };
+                decide(&self.snapshot, event, &closed)
+            }
+            _ => decision,
         }
     }
 
@@ -217,7 +264,8 @@ impl Model {
 async fn read_rows(store: &Store, order_id: &str) -> Rows {
     let pool = store.pool();
     let process = sqlx::query(
-        "SELECT state, locked_by, complete_by, failure_count, not_before, last_error
+        "SELECT state, locked_by, complete_by, failure_count, not_before, last_error,
+                waiting_for, admit_key
            FROM order_process WHERE order_id = $1",
     )
     .bind(order_id)
@@ -231,6 +279,8 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
         failure_count: process.get("failure_count"),
         not_before: process.get("not_before"),
         last_error: process.get("last_error"),
+        waiting_for: process.get("waiting_for"),
+        admit_key: process.get("admit_key"),
     };
     let steps = sqlx::query(
         "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
@@ -302,11 +352,21 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
         )
     })
     .collect();
+    let admission = sqlx::query_as::<_, (String, i32, i32)>(
+        "SELECT agent, in_flight, waiting FROM admission ORDER BY agent",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("read the admission counters")
+    .into_iter()
+    .map(|(agent, in_flight, waiting)| (agent, (in_flight, waiting)))
+    .collect();
     Rows {
         process,
         steps,
         history,
         alerts,
+        admission,
     }
 }
 
@@ -386,13 +446,28 @@ async fn run_case(
     store: &Store,
     workflow: &[NewStep],
     case: usize,
-    sequence: &[Step],
+    (sequence, full): &(Vec<Step>, [bool; 3]),
     covered: &Mutex<HashSet<String>>,
 ) -> Result<(), String> {
-    sqlx::query("TRUNCATE orders, order_process, steps, history, alerts CASCADE")
+    sqlx::query("TRUNCATE orders, order_process, steps, history, alerts, admission CASCADE")
         .execute(store.pool())
         .await
         .map_err(|e| e.to_string())?;
+    // Each agent has one slot; a full one has it taken by some other order.
+    let mut admission = BTreeMap::new();
+    for (step, &full) in workflow.iter().zip(full) {
+        let in_flight = i32::from(full);
+        sqlx::query(
+            "INSERT INTO admission (agent, in_flight, admit_limit, ceiling, deadline_ms)
+             VALUES ($1, $2, 1, 1, 600000)",
+        )
+        .bind(&step.agent)
+        .bind(in_flight)
+        .execute(store.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+        admission.insert(step.agent.clone(), (in_flight, 0, 1));
+    }
     let order_id: OrderId = format!("p-{case}").into();
     let mut order = sas_tests::order(&order_id);
     order.reply_to = Some("client-q".into());
@@ -417,6 +492,7 @@ async fn run_case(
         body,
         order.reply_to.clone(),
         Some(submission.trace_id.clone()),
+        5,
         workflow,
         now,
     );
@@ -425,14 +501,16 @@ async fn run_case(
         history: Vec::new(),
         alerts: Vec::new(),
         last_reply: None,
+        admission,
     };
     let ctx = Context {
         now,
         actor: INTAKE,
         next_attempt_id: attempt,
         start_margin: DeadlineSettings::default().start_margin(),
+        closed: None,
     };
-    let decision = decide(&model.snapshot, &Event::Submitted, &ctx);
+    let decision = model.decide(&Event::Submitted, &ctx);
     model.record(&decision, INTAKE);
     compare(
         "intake",
@@ -487,7 +565,7 @@ async fn run_case(
                 None => continue,
             },
             Step::DeadlineMissed | Step::DeadLettered { .. } => (None, SUPERVISOR),
-            Step::Claimed => (None, CLAIMER),
+            Step::Claimed { .. } => (None, CLAIMER),
             Step::Resubmitted | Step::Cancelled => (None, OPERATOR),
         };
         // The world moves on: deadlines and backoffs pass, on both sides.
@@ -502,7 +580,17 @@ async fn run_case(
                 let process = &mut model.snapshot.process;
                 process.complete_by = process.complete_by.map(|at| at - hour);
             }
-            Step::Claimed => {
+            Step::Claimed { frees } => {
+                let waited_for = model.snapshot.process.waiting_for.clone();
+                if let (true, Some(agent)) = (*frees, waited_for) {
+                    sqlx::query("UPDATE admission SET in_flight = in_flight - 1 WHERE agent = $1 AND in_flight > 0")
+                        .bind(&agent)
+                        .execute(store.pool())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let counters = model.admission.get_mut(&agent).expect("a registered agent");
+                    counters.0 = (counters.0 - 1).max(0);
+                }
                 sqlx::query("UPDATE order_process SET not_before = not_before - interval '1 hour' WHERE order_id = $1")
                     .bind(order_id.as_str())
                     .execute(store.pool())
@@ -552,11 +640,14 @@ async fn run_case(
                 .await
                 .map_err(|e| e.to_string())?
                 .map_or(Returned::NotApplied, Returned::Applied),
-            (Step::Claimed, _) => one_or_none(
+            (Step::Claimed { .. }, _) => one_or_none(
                 store
                     .claim_ready(CLAIMER, 10)
                     .await
-                    .map_err(|e| e.to_string())?,
+                    .map_err(|e| e.to_string())?
+                    .into_iter()
+                    .map(|claimed| claimed.progress)
+                    .collect(),
             ),
             (Step::Resubmitted, _) => match store
                 .resubmit(&order_id, OPERATOR)
@@ -602,6 +693,7 @@ async fn run_case(
             actor,
             next_attempt_id,
             start_margin: DeadlineSettings::default().start_margin(),
+            closed: None,
         };
         let event = match (step, &event_reply) {
             (_, Some(reply)) => Event::Reply(reply),
@@ -613,25 +705,59 @@ async fn run_case(
                 attempt_id: dead_letter.unwrap_or_default(),
                 reason: "poison",
             },
-            (Step::Claimed, _) => Event::Claimed,
+            (Step::Claimed { .. }, _) => Event::Claimed,
             (Step::Resubmitted, _) => Event::Resubmitted { earlier },
             (Step::Cancelled, _) => Event::Cancelled {
                 reason: "customer asked",
             },
             _ => unreachable!("every reply step carries a reply"),
         };
-        let decision = decide(&model.snapshot, &event, &ctx);
-        model.record(&decision, actor);
+        // A claim serves an agent's line only while the agent has room: an
+        // order in line without it is left alone.
+        let untouched_in_line = matches!(step, Step::Claimed { .. })
+            && model
+                .snapshot
+                .process
+                .waiting_for
+                .as_deref()
+                .is_some_and(|agent| {
+                    let (in_flight, _, limit) = model.admission[agent];
+                    in_flight >= limit
+                });
+        if untouched_in_line {
+            covered
+                .lock()
+                .expect("coverage lock")
+                .insert("a full agent's line left alone".into());
+        } else if matches!(step, Step::Claimed { .. })
+            && model.snapshot.process.waiting_for.is_some()
+        {
+            covered
+                .lock()
+                .expect("coverage lock")
+                .insert("the head of a line claimed".into());
+        }
+        let decided = if untouched_in_line {
+            Returned::NotApplied
+        } else {
+            let decision = model.decide(&event, &ctx);
+            model.record(&decision, actor);
+            expected(&decision)
+        };
         if event_reply.is_some() {
             model.last_reply = event_reply.clone();
         }
-        compare(
-            &label,
-            &model.rows(),
-            &rows,
-            &expected(&decision),
-            &returned,
-        )?;
+        compare(&label, &model.rows(), &rows, &decided, &returned)?;
+        if model
+            .history
+            .iter()
+            .any(|(_, line)| line.event == HistoryEvent::Queued)
+        {
+            covered
+                .lock()
+                .expect("coverage lock")
+                .insert("an order in a line".into());
+        }
     }
     Ok(())
 }
@@ -673,7 +799,9 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
     });
     let counter = AtomicUsize::new(0);
     let covered = Mutex::new(HashSet::new());
-    let result = runner.run(&steps(), |sequence| {
+    // Each agent is full in about one case in four.
+    let full = proptest::array::uniform3(proptest::bool::weighted(0.25));
+    let result = runner.run(&(steps(), full), |sequence| {
         let case = counter.fetch_add(1, Ordering::Relaxed);
         runtime
             .block_on(run_case(&env.store, &workflow, case, &sequence, &covered))
@@ -700,6 +828,9 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         "Resubmitted: refused",
         "Cancelled: applied",
         "Cancelled: refused",
+        "an order in a line",
+        "the head of a line claimed",
+        "a full agent's line left alone",
     ] {
         assert!(
             covered.contains(path),

@@ -8,6 +8,11 @@ use crate::{OrderId, SCHEMA_VERSION};
 pub const MAX_ID_LEN: usize = 64;
 /// Most lines one order may carry.
 pub const MAX_LINES: usize = 100;
+/// Highest priority an order may ask for; 0 is the lowest.
+pub const MAX_PRIORITY: u8 = 9;
+/// The priority of an order that names none: the middle of the range, so
+/// that background work can ask to go after it.
+pub const DEFAULT_PRIORITY: u8 = 5;
 
 /// A client's order, published as JSON to [`crate::QueueNames::orders`].
 ///
@@ -31,6 +36,17 @@ pub struct SubmitOrder {
     /// Queue that receives [`crate::OrderStatus`] messages for this order, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
+    /// 0 (lowest) to [`MAX_PRIORITY`]; [`DEFAULT_PRIORITY`] when absent. Under
+    /// a backlog, higher priorities start first (see the README's admission).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
+}
+
+impl SubmitOrder {
+    /// The order's priority, its default filled in.
+    pub fn priority(&self) -> u8 {
+        self.priority.unwrap_or(DEFAULT_PRIORITY)
+    }
 }
 
 /// One line of an order.
@@ -103,6 +119,12 @@ impl SubmitOrder {
                 self.currency
             )));
         }
+        if self.priority() > MAX_PRIORITY {
+            return Err(InvalidOrder(format!(
+                "priority must be 0 to {MAX_PRIORITY} (got {})",
+                self.priority()
+            )));
+        }
         if let Some(reply_to) = &self.reply_to {
             if reply_to.is_empty() || reply_to.len() > 255 {
                 return Err(InvalidOrder(
@@ -127,6 +149,7 @@ pub(crate) fn sample() -> SubmitOrder {
         amount_cents: 1999,
         currency: "EUR".into(),
         reply_to: None,
+        priority: None,
     }
 }
 

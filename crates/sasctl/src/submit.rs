@@ -43,6 +43,9 @@ pub struct SubmitArgs {
     /// Queue that receives the orders' status messages.
     #[arg(long)]
     pub reply_to: Option<String>,
+    /// Priority of generated orders, 0 (lowest) to 9; 5 when not given.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=9))]
+    pub priority: Option<u8>,
     /// Follow the order until it ends (a single order only).
     #[arg(long)]
     pub watch: bool,
@@ -71,6 +74,7 @@ fn generated(args: &SubmitArgs, index: usize) -> SubmitOrder {
         amount_cents: args.amount_cents,
         currency: args.currency.clone(),
         reply_to: args.reply_to.clone(),
+        priority: args.priority,
     }
 }
 

@@ -30,9 +30,14 @@ impl Scheduler {
                 }
             };
             let full = claimed.len() as i64 == batch;
-            for progress in &claimed {
+            for claim in &claimed {
+                let progress = &claim.progress;
                 if let Some(dispatch) = &progress.dispatch {
                     tracing::info!(order_id = %dispatch.order_id, step = %dispatch.step, attempt = dispatch.attempt, "claimed order");
+                }
+                if let Some((agent, waited)) = &claim.waited {
+                    metrics::histogram!("sas_admission_wait_seconds", "agent" => agent.clone())
+                        .record(waited.as_secs_f64());
                 }
                 metrics::counter!("sas_orders_claimed_total").increment(1);
                 self.announcer.announce(Some(&publisher), progress).await?;

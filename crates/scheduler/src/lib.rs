@@ -103,6 +103,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         return Ok(());
     }
 
+    register_agents(&store, &workflow, &settings.scheduler, &shutdown).await;
     tracing::info!(scheduler = %id, workflow = %workflow.name, steps = workflow.steps.len(), "scheduler starting");
     let (batch_max, batch_workers) = (
         settings.scheduler.batch_max,
@@ -276,4 +277,44 @@ fn stopping() -> StoreError {
         "the batch holding this message gave no answer (it panicked, or the scheduler is stopping)"
             .into(),
     )
+}
+
+/// Gives every agent of `workflow` its admission row (with its shortest step
+/// deadline), waiting out a database that is not up yet.
+async fn register_agents(
+    store: &Store,
+    workflow: &Workflow,
+    settings: &settings::SchedulerSettings,
+    shutdown: &CancellationToken,
+) {
+    let agents: Vec<(String, std::time::Duration)> = workflow
+        .agents()
+        .into_iter()
+        .map(|agent| {
+            let shortest = workflow
+                .steps
+                .iter()
+                .filter(|step| step.agent == agent)
+                .map(|step| step.timeout_ms)
+                .min()
+                .unwrap_or(1);
+            (agent.to_owned(), std::time::Duration::from_millis(shortest))
+        })
+        .collect();
+    let registered = sas_runtime::retry_transient(
+        shutdown,
+        "registering the agents for admission control",
+        |e: &sas_store::StoreError| e.is_transient(),
+        || {
+            store.register_agents(
+                &agents,
+                settings.admission_initial,
+                settings.admission_ceiling,
+            )
+        },
+    )
+    .await;
+    if let Some(Err(error)) = registered {
+        tracing::error!(error = %error, "cannot register the agents for admission control; their requests are not limited");
+    }
 }

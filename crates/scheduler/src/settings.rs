@@ -46,6 +46,11 @@ pub struct SchedulerSettings {
     pub batch_max: usize,
     /// Statements of orders, and of replies, running at once.
     pub batch_workers: usize,
+    /// Attempts in flight per agent allowed at first, before the supervisors
+    /// have measured what the agent finishes.
+    pub admission_initial: i32,
+    /// The most attempts in flight per agent the limit may ever reach.
+    pub admission_ceiling: i32,
 }
 
 impl Validate for Settings {
@@ -58,6 +63,11 @@ impl Validate for Settings {
         }
         if !(1..=1000).contains(&self.scheduler.claim_batch) {
             return Err("scheduler.claim_batch must be between 1 and 1000".into());
+        }
+        if self.scheduler.admission_initial < 1
+            || self.scheduler.admission_ceiling < self.scheduler.admission_initial
+        {
+            return Err("scheduler.admission_initial must be at least 1 and at most scheduler.admission_ceiling".into());
         }
         if self.scheduler.intake_prefetch == 0 {
             return Err("scheduler.intake_prefetch must be at least 1".into());

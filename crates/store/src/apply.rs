@@ -10,12 +10,12 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use sas_messages::AttemptId;
+use sas_messages::{AttemptId, StepKind};
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use crate::machine::{Decision, ProcessRow, Snapshot, StepRow};
+use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot, StepRow};
 use crate::StoreError;
 
 /// Locks the `order_process` rows of `order_ids` (in order id order, as
@@ -31,7 +31,8 @@ pub(crate) async fn load_snapshots(
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
     let rows = sqlx::query(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
-                p.last_error, p.reply_to, p.trace_id, o.body, now() AS now,
+                p.last_error, p.reply_to, p.trace_id, p.priority, p.waiting_for, p.admit_key,
+                o.body, now() AS now,
                 s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
                 s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
                 s.idempotency_key, s.result, s.last_error AS step_last_error,
@@ -89,6 +90,7 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
         body: row.try_get("body")?,
         reply_to: row.try_get("reply_to")?,
         trace_id: row.try_get("trace_id")?,
+        priority: row.try_get("priority")?,
         process: ProcessRow {
             state: row.try_get("state")?,
             locked_by: row.try_get("locked_by")?,
@@ -96,6 +98,8 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
             failure_count: row.try_get("failure_count")?,
             not_before: row.try_get("not_before")?,
             last_error: row.try_get("last_error")?,
+            waiting_for: row.try_get("waiting_for")?,
+            admit_key: row.try_get("admit_key")?,
         },
         steps: Vec::new(),
     })
@@ -147,7 +151,8 @@ pub(crate) async fn apply(
         "WITH p AS (
              UPDATE order_process
                 SET state = $2, locked_by = $3, complete_by = $4, failure_count = $5,
-                    not_before = $6, last_error = $7, updated_at = now()
+                    not_before = $6, last_error = $7, waiting_for = $31, admit_key = $32,
+                    updated_at = now()
               WHERE order_id = $1 AND $8
           RETURNING 1),
          c AS (
@@ -180,7 +185,14 @@ pub(crate) async fn apply(
              SELECT $1, $24, $25 WHERE $24::text IS NOT NULL),
          r AS (
              UPDATE alerts SET resolved_at = now()
-              WHERE order_id = $1 AND resolved_at IS NULL AND $26)
+              WHERE order_id = $1 AND resolved_at IS NULL AND $26),
+         q AS (
+             UPDATE admission a
+                SET in_flight = a.in_flight + d.in_flight, waiting = a.waiting + d.waiting,
+                    settled = a.settled + GREATEST(-d.in_flight, 0)
+               FROM (SELECT * FROM UNNEST($33::text[], $34::int4[], $35::int4[])
+                              AS d(agent, in_flight, waiting) ORDER BY agent) d
+              WHERE a.agent = d.agent)
          SELECT (SELECT count(*) FROM p) AS process, (SELECT count(*) FROM s) AS steps",
     )
     .bind(snapshot.order_id.as_str())
@@ -213,6 +225,11 @@ pub(crate) async fn apply(
     .bind(steps.iter().map(|c| c.row.undo_generation).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.undo_refused).collect::<Vec<_>>())
     .bind(steps.iter().map(|c| c.row.undo_result.clone()).collect::<Vec<_>>())
+    .bind(&process.waiting_for)
+    .bind(process.admit_key)
+    .bind(decision.admission.iter().map(|d| d.agent.as_str()).collect::<Vec<_>>())
+    .bind(decision.admission.iter().map(|d| d.in_flight).collect::<Vec<_>>())
+    .bind(decision.admission.iter().map(|d| d.waiting).collect::<Vec<_>>())
     .fetch_one(&mut *conn)
     .await?;
     let (changed_process, changed_steps): (i64, i64) =
@@ -227,4 +244,47 @@ pub(crate) async fn apply(
         )));
     }
     Ok(())
+}
+
+/// Decides `event` for the order of `snapshot` under admission control:
+/// when the decision would take a slot of an agent with none free, decides
+/// again with that agent closed, and the order waits in its line instead.
+///
+/// A slot is free when fewer attempts are in flight than the agent's limit
+/// and, for new forward work, nobody waits in its line (an undo, or the
+/// order at the head of the line, does not queue behind others). The check
+/// reads the counters without locking them, so schedulers deciding at the
+/// same moment can overshoot the limit by a few: it bounds queueing, it is
+/// not a semaphore.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn decide_admitted(
+    conn: &mut PgConnection,
+    snapshot: &Snapshot,
+    event: &Event<'_>,
+    ctx: &Context<'_>,
+) -> Result<Decision, StoreError> {
+    let decision = decide(snapshot, event, ctx);
+    let Some((agent, kind)) = decision.takes_slot() else {
+        return Ok(decision);
+    };
+    let first_in_line = kind == StepKind::Compensation || snapshot.process.waiting_for.is_some();
+    let room: Option<bool> = sqlx::query_scalar(
+        "SELECT in_flight < admit_limit AND (waiting = 0 OR $2) FROM admission WHERE agent = $1",
+    )
+    .bind(agent)
+    .bind(first_in_line)
+    .fetch_optional(&mut *conn)
+    .await?;
+    // An agent without a row has no admission control.
+    if room.unwrap_or(true) {
+        return Ok(decision);
+    }
+    let agent = agent.to_owned();
+    let closed = Context {
+        closed: Some(&agent),
+        ..*ctx
+    };
+    Ok(decide(snapshot, event, &closed))
 }

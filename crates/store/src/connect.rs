@@ -251,6 +251,7 @@ impl Store {
             actor,
             next_attempt_id: sas_messages::AttemptId::new(),
             start_margin: self.start_margin,
+            closed: None,
         }
     }
 

@@ -69,6 +69,18 @@ impl Store {
                   WHERE op.order_id = ANY($1) AND op.state::text = 'processing'
                   ORDER BY op.order_id
                     FOR UPDATE),
+             -- Admission: a next step starts here only if its agent has room
+                 -- for every reply of the batch that wants it and nobody waits
+                 -- in its line; the others take the general path, which puts
+                 -- the order in the line.
+             wanted AS MATERIALIZED (
+                 SELECT n.agent, count(*) AS n
+                   FROM r JOIN steps c ON c.order_id = r.order_id AND c.attempt_id = r.attempt_id
+                   JOIN steps n ON n.order_id = c.order_id AND n.position = c.position + 1
+                  GROUP BY n.agent),
+             full_agents AS MATERIALIZED (
+                 SELECT a.agent FROM admission a JOIN wanted w ON w.agent = a.agent
+                  WHERE NOT (a.waiting = 0 AND a.in_flight + w.n <= a.admit_limit)),
              done AS (
                  UPDATE steps d
                     SET state = 'completed', result = r.result, last_error = NULL, updated_at = now()
@@ -76,7 +88,9 @@ impl Store {
                   WHERE d.order_id = r.order_id AND d.attempt_id = r.attempt_id AND d.state = 'running'
                     AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = d.order_id AND e.position < d.position AND e.state <> 'completed')
                     AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = d.order_id AND e.position > d.position AND e.state = 'completed')
-              RETURNING d.order_id, d.position, d.name, d.updated_at, r.attempt_id, r.result,
+                    AND NOT EXISTS (SELECT 1 FROM steps e JOIN full_agents f ON f.agent = e.agent
+                                     WHERE e.order_id = d.order_id AND e.position = d.position + 1)
+              RETURNING d.order_id, d.position, d.name, d.agent, d.updated_at, r.attempt_id, r.result,
                         r.next_attempt_id, r.detail,
                         EXTRACT(EPOCH FROM now() - (d.complete_by - make_interval(secs => d.timeout_ms::float8 / 1000)))::float8 AS latency),
              next AS (
@@ -99,6 +113,15 @@ impl Store {
                    FROM done LEFT JOIN next ON next.order_id = done.order_id
                   WHERE op.order_id = done.order_id
               RETURNING op.order_id, op.updated_at),
+             q AS (
+                 UPDATE admission a
+                    SET in_flight = a.in_flight + x.delta, settled = a.settled + x.released
+                   FROM (SELECT agent, sum(delta)::int4 AS delta, sum(released)::int4 AS released
+                           FROM (SELECT agent, -1 AS delta, 1 AS released FROM done
+                                 UNION ALL
+                                 SELECT agent, 1, 0 FROM next) u
+                          GROUP BY agent ORDER BY agent) x
+                  WHERE a.agent = x.agent),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
                  SELECT order_id, $6, 'step_completed', name, attempt_id, detail FROM done

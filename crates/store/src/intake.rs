@@ -49,7 +49,13 @@ impl Batch<'_> {
     /// `received_at` with its first attempt `attempt_id`. The statement wrote
     /// what the state machine decides for a submission (the property test
     /// holds it to that); what to publish comes from the state machine itself.
-    fn accepted(&self, index: usize, attempt_id: Uuid, received_at: DateTime<Utc>) -> Intake {
+    fn accepted(
+        &self,
+        index: usize,
+        attempt_id: Uuid,
+        received_at: DateTime<Utc>,
+        admitted: bool,
+    ) -> Intake {
         let submission = &self.submissions[index];
         let order = &submission.order;
         let snapshot = Snapshot::new_order(
@@ -57,6 +63,7 @@ impl Batch<'_> {
             self.bodies[index].clone(),
             order.reply_to.clone(),
             Some(submission.trace_id.clone()),
+            i16::from(order.priority()),
             self.steps,
             received_at,
         );
@@ -65,6 +72,9 @@ impl Batch<'_> {
             actor: self.actor,
             next_attempt_id: attempt_id.into(),
             start_margin: self.start_margin,
+            // Not admitted: the first agent had no room, and the statement
+            // put the order in its line.
+            closed: (!admitted).then(|| self.steps[0].agent.as_str()),
         };
         Intake::Accepted(decide(&snapshot, &Event::Submitted, &ctx).progress)
     }
@@ -169,8 +179,8 @@ impl Store {
                 .map(|slot| attempt_ids[slot]);
             let received = attempt.and_then(|_| stored.remove(order_id.as_str()));
             outcomes.push(match (attempt, received) {
-                (Some(attempt_id), Some(received_at)) => {
-                    Ok(batch.accepted(index, attempt_id, received_at))
+                (Some(attempt_id), Some((received_at, admitted))) => {
+                    Ok(batch.accepted(index, attempt_id, received_at, admitted))
                 }
                 _ => self.existing(order_id, &batch.bodies[index]).await,
             });
@@ -190,7 +200,13 @@ impl Store {
         batch: &Batch<'_>,
         distinct: &[usize],
         attempt_ids: &[Uuid],
-    ) -> Result<(HashMap<String, DateTime<Utc>>, HashMap<usize, StoreError>), sqlx::Error> {
+    ) -> Result<
+        (
+            HashMap<String, (DateTime<Utc>, bool)>,
+            HashMap<usize, StoreError>,
+        ),
+        sqlx::Error,
+    > {
         let error = match self.insert_batch(batch, distinct, attempt_ids).await {
             Ok(stored) => return Ok((stored, HashMap::new())),
             Err(error) if StoreError::is_transient_sqlx(&error) || distinct.len() == 1 => {
@@ -222,7 +238,7 @@ impl Store {
         batch: &Batch<'_>,
         indices: &[usize],
         attempt_ids: &[Uuid],
-    ) -> Result<HashMap<String, DateTime<Utc>>, sqlx::Error> {
+    ) -> Result<HashMap<String, (DateTime<Utc>, bool)>, sqlx::Error> {
         let Batch {
             submissions,
             bodies,
@@ -241,6 +257,10 @@ impl Store {
             .iter()
             .map(|&i| submissions[i].order.reply_to.as_deref())
             .collect();
+        let priorities: Vec<i16> = batch
+            .iter()
+            .map(|&i| i16::from(submissions[i].order.priority()))
+            .collect();
         let trace_ids: Vec<&str> = batch
             .iter()
             .map(|&i| submissions[i].trace_id.as_str())
@@ -257,8 +277,8 @@ impl Store {
             .collect();
         let rows = sqlx::query(
             "WITH i AS MATERIALIZED (
-                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[])
-                        AS i(order_id, body, reply_to, trace_id, attempt_id)),
+                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[], $14::int2[])
+                        AS i(order_id, body, reply_to, trace_id, attempt_id, priority)),
              o AS (
                  INSERT INTO orders (order_id, body)
                  SELECT order_id, body FROM i ORDER BY order_id
@@ -270,28 +290,50 @@ impl Store {
              first AS (
                  SELECT t.*, now() + make_interval(secs => t.timeout_ms::float8 / 1000) AS complete_by
                    FROM t WHERE t.position = 0),
+             -- Admission: the whole batch starts if the first agent has room
+             -- for it and nobody waits in its line; otherwise the whole
+             -- batch joins the line (and the claims admit it in order).
+             ok AS MATERIALIZED (
+                 SELECT COALESCE((SELECT a.waiting = 0 AND a.in_flight + (SELECT count(*) FROM o) <= a.admit_limit
+                                    FROM admission a JOIN first ON a.agent = first.agent), true) AS admitted),
              p AS (
-                 INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id, complete_by)
-                 SELECT o.order_id, $6, 'processing', $7, i.reply_to, i.trace_id, first.complete_by
-                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first),
+                 INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id,
+                                            complete_by, priority, waiting_for, admit_key)
+                 SELECT o.order_id, $6,
+                        CASE WHEN ok.admitted THEN 'processing' ELSE 'pending' END::process_state,
+                        CASE WHEN ok.admitted THEN $7 END, i.reply_to, i.trace_id,
+                        CASE WHEN ok.admitted THEN first.complete_by END, i.priority,
+                        CASE WHEN NOT ok.admitted THEN first.agent END,
+                        CASE WHEN NOT ok.admitted THEN date_trunc('microseconds', now() - i.priority * interval '10 seconds') END
+                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first CROSS JOIN ok),
+             q AS (
+                 UPDATE admission a
+                    SET in_flight = a.in_flight + CASE WHEN ok.admitted THEN (SELECT count(*) FROM o) ELSE 0 END,
+                        waiting = a.waiting + CASE WHEN ok.admitted THEN 0 ELSE (SELECT count(*) FROM o) END
+                   FROM first CROSS JOIN ok
+                  WHERE a.agent = first.agent),
              s AS (
                  INSERT INTO steps (order_id, position, name, agent, action, compensation, timeout_ms,
                                     idempotency_key, state, attempt, attempt_id, complete_by)
                  SELECT o.order_id, t.position, t.name, t.agent, t.action, t.compensation, t.timeout_ms,
                         o.order_id || ':' || t.name,
-                        CASE WHEN t.position = 0 THEN 'running' ELSE 'not_started' END::step_state,
-                        CASE WHEN t.position = 0 THEN 1 ELSE 0 END,
-                        CASE WHEN t.position = 0 THEN i.attempt_id END,
-                        CASE WHEN t.position = 0 THEN first.complete_by END
-                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN t CROSS JOIN first),
+                        CASE WHEN t.position = 0 AND ok.admitted THEN 'running' ELSE 'not_started' END::step_state,
+                        CASE WHEN t.position = 0 AND ok.admitted THEN 1 ELSE 0 END,
+                        CASE WHEN t.position = 0 AND ok.admitted THEN i.attempt_id END,
+                        CASE WHEN t.position = 0 AND ok.admitted THEN first.complete_by END
+                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN t CROSS JOIN first CROSS JOIN ok),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
                  SELECT o.order_id, $7, 'received', NULL, NULL, NULL FROM o
                  UNION ALL
                  SELECT o.order_id, $7, 'dispatched', first.name, i.attempt_id,
                         'attempt 1: ' || first.agent || '.' || first.action
-                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first)
-             SELECT o.order_id, o.received_at FROM o",
+                   FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first CROSS JOIN ok WHERE ok.admitted
+                 UNION ALL
+                 SELECT o.order_id, $7, 'waiting_for_admission', first.name, NULL,
+                        first.agent || ' has no free slot; waiting in its line'
+                   FROM o CROSS JOIN first CROSS JOIN ok WHERE NOT ok.admitted)
+             SELECT o.order_id, o.received_at, ok.admitted FROM o CROSS JOIN ok",
         )
         .bind(&order_ids)
         .bind(&batch_bodies)
@@ -306,10 +348,16 @@ impl Store {
         .bind(&actions)
         .bind(&compensations)
         .bind(&timeouts)
+        .bind(&priorities)
         .fetch_all(self.pool())
         .await?;
         rows.iter()
-            .map(|row| Ok((row.try_get("order_id")?, row.try_get("received_at")?)))
+            .map(|row| {
+                Ok((
+                    row.try_get("order_id")?,
+                    (row.try_get("received_at")?, row.try_get("admitted")?),
+                ))
+            })
             .collect()
     }
 

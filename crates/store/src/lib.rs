@@ -4,6 +4,7 @@
 //! who holds each one and until when, each step's current attempt, and every
 //! decision taken. The services are stateless between messages.
 //!
+//! - [`admission`]: the agents' shared admission counters and limits.
 //! - [`machine`]: the order state machine, pure: every transition is decided there.
 //! - [`connect`]: pool settings with timeouts on every await.
 //! - [`intake`]: storing a submitted order with its process record, idempotently.
@@ -23,6 +24,7 @@
 //! (intake, a forward step's success) are held to the state machine by a
 //! property test.
 
+pub mod admission;
 mod apply;
 pub mod connect;
 mod error;

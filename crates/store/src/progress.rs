@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use sas_messages::{StepOutcome, StepReply};
 
-use crate::apply::{apply, load_snapshot, load_snapshots};
-use crate::machine::{decide, Event, Verdict};
+use crate::apply::{apply, decide_admitted, load_snapshot, load_snapshots};
+use crate::machine::{Event, Verdict};
 use crate::model::Progress;
 use crate::{Store, StoreError};
 
@@ -36,22 +36,83 @@ pub enum ReplyOutcome {
     },
 }
 
+/// An order a claim started (or put in its agent's line).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claimed {
+    /// What to publish.
+    pub progress: Progress,
+    /// When it was taken from an agent's line: the agent and how long the
+    /// order waited in it (database clock).
+    pub waited: Option<(String, std::time::Duration)>,
+}
+
 impl Store {
-    /// Claims up to `limit` orders that are ready to run (pending and past
-    /// their backoff, or compensating and held by nobody) for `actor`, and
-    /// starts each one's next attempt, all in one transaction.
+    /// Claims up to `limit` orders that are ready to run for `actor`, and
+    /// starts each one's next attempt, in one transaction: first the heads of
+    /// the agents' lines, as many as each agent has free slots (in
+    /// `admit_key` order: undo first, then by priority and waiting time),
+    /// then orders back from the supervisor's backoff and compensations
+    /// nobody holds, which take a slot if one is free and otherwise join
+    /// their agent's line.
     ///
     /// `FOR UPDATE SKIP LOCKED` makes the claim atomic: two schedulers never
-    /// claim the same order.
+    /// claim the same order. The agent's admission row is locked while its
+    /// line is served, so two schedulers do not hand out the same free slots.
     ///
     /// # Errors
     /// When the database fails; nothing is claimed then.
-    pub async fn claim_ready(&self, actor: &str, limit: i64) -> Result<Vec<Progress>, StoreError> {
+    pub async fn claim_ready(&self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+        let mut claimed = self.claim_heads(actor, limit).await?;
+        let left = limit - claimed.len() as i64;
+        if left > 0 {
+            claimed.extend(self.claim_due(actor, left).await?);
+        }
+        Ok(claimed)
+    }
+
+    /// The heads of the agents' lines, as many as each has free slots, in
+    /// one transaction that holds each served agent's admission row.
+    async fn claim_heads(&self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let ready: Vec<String> = sqlx::query_scalar(
+        let lines: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT agent, (admit_limit - in_flight)::int8 FROM admission
+              WHERE waiting > 0 AND in_flight < admit_limit
+              ORDER BY agent
+                FOR UPDATE",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut ready: Vec<String> = Vec::new();
+        for (agent, room) in lines {
+            let left = limit - ready.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            let heads: Vec<String> = sqlx::query_scalar(
+                "SELECT order_id FROM order_process
+                  WHERE waiting_for = $1 AND not_before <= now()
+                  ORDER BY admit_key
+                  LIMIT $2
+                    FOR UPDATE SKIP LOCKED",
+            )
+            .bind(&agent)
+            .bind(room.min(left))
+            .fetch_all(&mut *tx)
+            .await?;
+            ready.extend(heads);
+        }
+        self.start_claimed(tx, &ready, actor).await
+    }
+
+    /// Orders back from the supervisor's backoff and compensations nobody
+    /// holds, oldest first: each takes a slot if one is free, or joins its
+    /// agent's line.
+    async fn claim_due(&self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let due: Vec<String> = sqlx::query_scalar(
             "SELECT order_id FROM order_process
               WHERE (state = 'pending' OR (state = 'compensating' AND locked_by IS NULL))
-                AND not_before <= now()
+                AND waiting_for IS NULL AND not_before <= now()
               ORDER BY not_before
               LIMIT $1
                 FOR UPDATE SKIP LOCKED",
@@ -59,18 +120,35 @@ impl Store {
         .bind(limit)
         .fetch_all(&mut *tx)
         .await?;
-        if ready.is_empty() {
+        self.start_claimed(tx, &due, actor).await
+    }
+
+    /// Claims the orders `ids`, locked by `tx`, for `actor`, and commits.
+    async fn start_claimed(
+        &self,
+        mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+        ids: &[String],
+        actor: &str,
+    ) -> Result<Vec<Claimed>, StoreError> {
+        if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let ready: Vec<&str> = ready.iter().map(String::as_str).collect();
-        let (snapshots, now) = load_snapshots(&mut tx, &ready).await?;
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let (snapshots, now) = load_snapshots(&mut tx, &ids).await?;
         let mut claimed = Vec::with_capacity(snapshots.len());
         for snapshot in snapshots {
             let ctx = self.context(now, actor);
-            let decision = decide(&snapshot, &Event::Claimed, &ctx);
+            let decision = decide_admitted(&mut tx, &snapshot, &Event::Claimed, &ctx).await?;
             apply(&mut tx, &snapshot, &decision, actor).await?;
             if decision.verdict == Verdict::Applied {
-                claimed.push(decision.progress);
+                let waited = snapshot.process.waiting_for.clone().map(|agent| {
+                    let since = snapshot.process.not_before;
+                    (agent, (now - since).to_std().unwrap_or_default())
+                });
+                claimed.push(Claimed {
+                    progress: decision.progress,
+                    waited,
+                });
             }
         }
         tx.commit().await?;
@@ -165,7 +243,7 @@ impl Store {
             });
         };
         let ctx = self.context(now, actor);
-        let decision = decide(&snapshot, &Event::Reply(reply), &ctx);
+        let decision = decide_admitted(&mut tx, &snapshot, &Event::Reply(reply), &ctx).await?;
         apply(&mut tx, &snapshot, &decision, actor).await?;
         tx.commit().await?;
         match decision.verdict {

@@ -41,6 +41,7 @@ impl Supervisor {
             if last_gauge.elapsed() >= interval {
                 last_gauge = tokio::time::Instant::now();
                 self.refresh_gauges().await;
+                self.adapt_admission().await;
             }
             if full && !self.shutdown.is_cancelled() {
                 continue;
@@ -65,6 +66,27 @@ impl Supervisor {
                 .first()
                 .map_or("", |s| s.order_id.as_str());
             tracing::warn!(order_id, error = %error, "status messages not sent");
+        }
+    }
+
+    /// Adapts the agents' admission limits (see [`sas_store::admission`])
+    /// and exports each agent's counters: waiting in line, admitted and in
+    /// flight, and the current limit.
+    async fn adapt_admission(&self) {
+        let adaptation = self.settings.supervisor.adaptation();
+        match self.store.adapt_admission(&adaptation).await {
+            Ok(agents) => {
+                for agent in agents {
+                    let name = agent.agent.clone();
+                    metrics::gauge!("sas_admission_waiting", "agent" => name.clone())
+                        .set(f64::from(agent.waiting));
+                    metrics::gauge!("sas_admission_in_flight", "agent" => name.clone())
+                        .set(f64::from(agent.in_flight));
+                    metrics::gauge!("sas_admission_limit", "agent" => name)
+                        .set(f64::from(agent.admit_limit));
+                }
+            }
+            Err(error) => tracing::debug!(error = %error, "cannot adapt admission limits"),
         }
     }
 

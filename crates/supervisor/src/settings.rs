@@ -47,6 +47,22 @@ pub struct SupervisorSettings {
     pub backoff_max_ms: u64,
     /// Longest wait for in-flight work at shutdown, in milliseconds.
     pub drain_ms: u64,
+    /// Length of the window over which an agent's completions are measured
+    /// before its admission limit is adapted, in milliseconds.
+    pub admission_window_ms: u64,
+    /// Share of a step's deadline that admitted attempts may spend queued and
+    /// running: the limit is completions/s × deadline × this.
+    pub admission_deadline_share: f64,
+}
+
+impl SupervisorSettings {
+    /// How admission limits are adapted.
+    pub fn adaptation(&self) -> sas_store::admission::Adaptation {
+        sas_store::admission::Adaptation {
+            window: Duration::from_millis(self.admission_window_ms),
+            deadline_share: self.admission_deadline_share,
+        }
+    }
 }
 
 impl SupervisorSettings {
@@ -72,6 +88,9 @@ impl Validate for Settings {
         }
         if !(1..=10_000).contains(&s.batch) {
             return Err("supervisor.batch must be between 1 and 10000".into());
+        }
+        if s.admission_window_ms == 0 || !(0.05..=1.0).contains(&s.admission_deadline_share) {
+            return Err("supervisor.admission_window_ms must be positive and supervisor.admission_deadline_share between 0.05 and 1".into());
         }
         if s.max_failures < 0 {
             return Err("supervisor.max_failures must not be negative".into());

@@ -51,6 +51,10 @@ pub struct ProcessRow {
     pub not_before: DateTime<Utc>,
     /// Why the order last failed, if it did.
     pub last_error: Option<String>,
+    /// The agent whose slot the order waits for (admission), if any.
+    pub waiting_for: Option<String>,
+    /// The order's place in that agent's line (see [`admit_key`]).
+    pub admit_key: Option<DateTime<Utc>>,
 }
 
 /// One step of an order: its definition (copied at intake) and its state.
@@ -149,6 +153,8 @@ pub struct Snapshot {
     pub reply_to: Option<String>,
     /// The order's W3C trace id.
     pub trace_id: Option<String>,
+    /// 0 (lowest) to 9: its place when it has to wait for a slot.
+    pub priority: i16,
     /// The process record.
     pub process: ProcessRow,
     /// The steps, by position.
@@ -163,6 +169,7 @@ impl Snapshot {
         body: serde_json::Value,
         reply_to: Option<String>,
         trace_id: Option<String>,
+        priority: i16,
         steps: &[NewStep],
         now: DateTime<Utc>,
     ) -> Self {
@@ -171,6 +178,7 @@ impl Snapshot {
             body,
             reply_to,
             trace_id,
+            priority,
             process: ProcessRow {
                 state: ProcessState::Pending,
                 locked_by: None,
@@ -178,12 +186,19 @@ impl Snapshot {
                 failure_count: 0,
                 not_before: now,
                 last_error: None,
+                waiting_for: None,
+                admit_key: None,
             },
             steps: (0..)
                 .zip(steps)
                 .map(|(position, step)| StepRow::new(order_id, position, step))
                 .collect(),
         }
+    }
+
+    /// The agent whose slot this order holds (see [`slot_held`]).
+    pub fn holds_slot(&self) -> Option<&str> {
+        slot_held(&self.process, &self.steps)
     }
 
     /// The step whose attempt `attempt_id` is current, if any.
@@ -287,6 +302,9 @@ pub struct Context<'a> {
     /// How long before its deadline a new attempt's calls must have started
     /// (see [`crate::timing`]).
     pub start_margin: Duration,
+    /// An agent with no slot free for this decision: an attempt for it is
+    /// not started, the order waits in that agent's line instead.
+    pub closed: Option<&'a str>,
 }
 
 /// Whether an event changed the order.
@@ -354,6 +372,97 @@ pub struct Decision {
     pub resolve_alerts: bool,
     /// What to publish once committed: status messages and at most one step request.
     pub progress: Progress,
+    /// How the agents' admission counters move.
+    pub admission: Vec<AdmissionDelta>,
+}
+
+/// How one agent's admission counters move with a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmissionDelta {
+    /// The agent.
+    pub agent: String,
+    /// Attempts in flight: +1 for a slot taken, -1 for one given back.
+    pub in_flight: i32,
+    /// Orders in line.
+    pub waiting: i32,
+}
+
+/// The agent whose slot an order holds: the agent of its attempt in flight,
+/// while a scheduler holds the order with a deadline.
+pub fn slot_held<'a>(process: &ProcessRow, steps: &'a [StepRow]) -> Option<&'a str> {
+    let in_flight = match process.state {
+        ProcessState::Processing => StepState::Running,
+        ProcessState::Compensating => StepState::Compensating,
+        _ => return None,
+    };
+    if process.locked_by.is_none() || process.complete_by.is_none() {
+        return None;
+    }
+    steps
+        .iter()
+        .find(|step| step.state == in_flight)
+        .map(|step| step.agent.as_str())
+}
+
+/// How the admission counters move when an order goes from `before` to
+/// `after` (process record and steps): a slot given back and one taken, a
+/// place in line left and one taken.
+pub fn admission_delta(
+    before: (&ProcessRow, &[StepRow]),
+    after: (&ProcessRow, &[StepRow]),
+) -> Vec<AdmissionDelta> {
+    let mut deltas: Vec<AdmissionDelta> = Vec::new();
+    let mut add = |agent: Option<&str>, in_flight: i32, waiting: i32| {
+        let Some(agent) = agent else { return };
+        match deltas.iter_mut().find(|d| d.agent == agent) {
+            Some(delta) => {
+                delta.in_flight += in_flight;
+                delta.waiting += waiting;
+            }
+            None => deltas.push(AdmissionDelta {
+                agent: agent.to_owned(),
+                in_flight,
+                waiting,
+            }),
+        }
+    };
+    add(slot_held(before.0, before.1), -1, 0);
+    add(slot_held(after.0, after.1), 1, 0);
+    add(before.0.waiting_for.as_deref(), 0, -1);
+    add(after.0.waiting_for.as_deref(), 0, 1);
+    deltas.retain(|d| d.in_flight != 0 || d.waiting != 0);
+    deltas.sort_by(|a, b| a.agent.cmp(&b.agent));
+    deltas
+}
+
+/// Levels of priority are worth this much waiting: an order of priority p
+/// goes before orders of priority p-1 that started waiting less than this
+/// before it, and never waits more than this per level behind later ones.
+pub const PRIORITY_STEP: chrono::TimeDelta = chrono::TimeDelta::seconds(10);
+
+/// Compensations go before any new work of the same agent.
+pub const UNDO_HEAD_START: chrono::TimeDelta = chrono::TimeDelta::days(1);
+
+/// An order's place in an agent's line: the time it started waiting, less
+/// [`PRIORITY_STEP`] per priority level, less [`UNDO_HEAD_START`] for an undo.
+pub fn admit_key(now: DateTime<Utc>, priority: i16, undo: bool) -> DateTime<Utc> {
+    let head_start = PRIORITY_STEP * i32::from(priority)
+        + if undo {
+            UNDO_HEAD_START
+        } else {
+            chrono::TimeDelta::zero()
+        };
+    to_micros(now - head_start)
+}
+
+impl Decision {
+    /// The agent this decision takes a new slot of, and for what kind of
+    /// attempt: the store checks it has room before applying.
+    pub fn takes_slot(&self) -> Option<(&str, sas_messages::StepKind)> {
+        let taken = self.admission.iter().find(|delta| delta.in_flight > 0)?;
+        let kind = self.progress.dispatch.as_ref()?.kind;
+        Some((taken.agent.as_str(), kind))
+    }
 }
 
 impl Decision {

@@ -102,6 +102,8 @@ stored_names! {
         Resubmitted = "resubmitted",
         /// An operator cancelled the order: what was done is undone.
         Cancelled = "cancelled",
+        /// The step's agent had no free slot: the order waits in its line.
+        Queued = "waiting_for_admission",
     }
 }
 

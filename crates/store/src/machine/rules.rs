@@ -8,8 +8,9 @@ use sas_messages::{AttemptId, StatusEvent, StepKind, StepOutcome, StepReply};
 
 use super::dispatch::{attempt_detail, operation, payload, resubmitted_key};
 use super::{
-    status, to_micros, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, NewAlert,
-    ProcessRow, RecoveryPolicy, ResubmitAction, Snapshot, StepChange, StepRow, Verdict,
+    admission_delta, admit_key, status, to_micros, AlertKind, Context, Decision, Event,
+    HistoryEvent, HistoryLine, NewAlert, ProcessRow, RecoveryPolicy, ResubmitAction, Snapshot,
+    StepChange, StepRow, Verdict,
 };
 use crate::model::{Dispatch, ProcessState, Progress, StepState};
 
@@ -52,6 +53,8 @@ fn claimed(draft: &mut Draft<'_>) {
         return draft.unchanged("the order is not ready to be claimed");
     }
     draft.log(HistoryEvent::Claimed, None, None, None);
+    draft.process.waiting_for = None;
+    draft.process.admit_key = None;
     if draft.process.state == ProcessState::Pending {
         draft.process.state = ProcessState::Processing;
     }
@@ -256,6 +259,8 @@ fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) 
         failure_count: count,
         not_before,
         last_error: Some(reason.clone()),
+        waiting_for: None,
+        admit_key: None,
     };
     let detail = format!("{reason}; next attempt not before {not_before}");
     draft.log(event, name.as_deref(), None, Some(detail));
@@ -348,6 +353,8 @@ fn dead_lettered(draft: &mut Draft<'_>, attempt_id: AttemptId, reason: &str) {
                 failure_count: 0,
                 not_before: draft.ctx.now,
                 last_error: Some(why.clone()),
+                waiting_for: None,
+                admit_key: None,
             };
             draft.log(
                 HistoryEvent::CompensationStarted,
@@ -457,6 +464,8 @@ fn cancelled(draft: &mut Draft<'_>, reason: &str) {
         failure_count: 0,
         not_before: in_flight.map_or(now, |by| by.max(now)),
         last_error: Some(why.clone()),
+        waiting_for: None,
+        admit_key: None,
     };
     draft.log(HistoryEvent::Cancelled, None, None, Some(why.clone()));
     draft.notify(StatusEvent::Compensating, None, Some(&why));
@@ -617,6 +626,9 @@ impl<'a> Draft<'a> {
     }
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
+        if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
+            return self.wait_for_slot(index, kind);
+        }
         let (now, attempt_id) = (self.ctx.now, self.ctx.next_attempt_id);
         self.change_step(index, |step| {
             step.state = match kind {
@@ -651,6 +663,29 @@ impl<'a> Draft<'a> {
         );
         self.progress.dispatch = Some(Box::new(dispatch));
         self.log(event, Some(&name), Some(attempt_id), Some(detail));
+    }
+
+    /// No slot of the step's agent is free: the order waits in that agent's
+    /// line, held by nobody and with no deadline, so waiting never fails.
+    fn wait_for_slot(&mut self, index: usize, kind: StepKind) {
+        let now = self.ctx.now;
+        let step = &self.steps[index];
+        let agent = step.agent.clone();
+        let name = step.name.clone();
+        if self.process.state == ProcessState::Processing {
+            self.process.state = ProcessState::Pending;
+        }
+        self.process.locked_by = None;
+        self.process.complete_by = None;
+        self.process.not_before = now;
+        self.process.admit_key = Some(admit_key(
+            now,
+            self.snapshot.priority,
+            kind == StepKind::Compensation,
+        ));
+        let detail = format!("{agent} has no free slot; waiting in its line");
+        self.process.waiting_for = Some(agent);
+        self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
     }
 
     fn finish_order(&mut self) {
@@ -695,6 +730,7 @@ impl<'a> Draft<'a> {
                     trace_id: self.snapshot.trace_id.clone(),
                     ..Progress::default()
                 },
+                admission: Vec::new(),
             };
         }
         let steps = self
@@ -710,7 +746,12 @@ impl<'a> Draft<'a> {
                 }
             })
             .collect();
+        let admission = admission_delta(
+            (&self.snapshot.process, &self.snapshot.steps),
+            (&self.process, &self.steps),
+        );
         Decision {
+            admission,
             verdict: self.verdict,
             process: (self.process != self.snapshot.process).then_some(self.process),
             steps,

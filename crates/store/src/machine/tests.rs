@@ -52,6 +52,7 @@ fn ctx(now: DateTime<Utc>) -> Context<'static> {
         actor: SCHEDULER,
         next_attempt_id: attempt(99),
         start_margin: Duration::from_secs(1),
+        closed: None,
     }
 }
 
@@ -61,6 +62,7 @@ fn fresh() -> Snapshot {
         serde_json::json!({ "order_id": "o-1" }),
         Some("client-q".into()),
         Some("trace".into()),
+        5,
         &workflow(),
         t(0),
     )
@@ -641,4 +643,109 @@ fn an_answer_with_a_nul_character_is_stored_without_it() {
         stored,
         serde_json::json!({ "id\u{fffd}": ["a\u{fffd}b", 1] })
     );
+}
+
+#[test]
+fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() {
+    let closed = Context {
+        closed: Some("inventory"),
+        ..ctx(t(0))
+    };
+    let decision = decide(&fresh(), &Event::Submitted, &closed);
+    let process = decision.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Pending);
+    assert_eq!((process.locked_by, process.complete_by), (None, None));
+    assert_eq!(process.waiting_for.as_deref(), Some("inventory"));
+    // Priority 5: five steps of ten seconds ahead of a priority-0 order.
+    assert_eq!(process.admit_key, Some(t(-50)));
+    assert!(decision.progress.dispatch.is_none());
+    let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
+    assert_eq!(events, [HistoryEvent::Received, HistoryEvent::Queued]);
+    assert_eq!(
+        decision.admission,
+        [AdmissionDelta {
+            agent: "inventory".into(),
+            in_flight: 0,
+            waiting: 1
+        }]
+    );
+    // Its claim takes it out of the line and into a slot.
+    let mut snapshot = fresh();
+    snapshot.apply(&decision);
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(1)));
+    assert_eq!(
+        claimed.progress.dispatch.as_ref().unwrap().step,
+        "reserve_stock"
+    );
+    assert_eq!(claimed.process.as_ref().unwrap().waiting_for, None);
+    assert_eq!(
+        claimed.admission,
+        [AdmissionDelta {
+            agent: "inventory".into(),
+            in_flight: 1,
+            waiting: -1
+        }]
+    );
+    assert_eq!(
+        claimed.takes_slot().map(|(agent, _)| agent),
+        Some("inventory")
+    );
+}
+
+#[test]
+fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
+    let (snapshot, current) = order_in(ProcessState::Processing);
+    let ok = reply(current, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
+    assert_eq!(
+        decision.admission,
+        [
+            AdmissionDelta {
+                agent: "payment".into(),
+                in_flight: -1,
+                waiting: 0
+            },
+            AdmissionDelta {
+                agent: "shipping".into(),
+                in_flight: 1,
+                waiting: 0
+            },
+        ]
+    );
+    // With shipping full, the order waits for it, and payment's slot is free.
+    let closed = Context {
+        closed: Some("shipping"),
+        ..ctx(t(3))
+    };
+    let decision = decide(&snapshot, &Event::Reply(&ok), &closed);
+    assert_eq!(
+        decision.process.unwrap().waiting_for.as_deref(),
+        Some("shipping")
+    );
+    assert_eq!(
+        decision.admission,
+        [
+            AdmissionDelta {
+                agent: "payment".into(),
+                in_flight: -1,
+                waiting: 0
+            },
+            AdmissionDelta {
+                agent: "shipping".into(),
+                in_flight: 0,
+                waiting: 1
+            },
+        ]
+    );
+}
+
+#[test]
+fn an_undo_waits_ahead_of_any_new_work() {
+    let undo = admit_key(t(0), 0, true);
+    let urgent_later = admit_key(t(3600), 9, false);
+    assert!(undo < urgent_later);
+    // A priority-9 order that started waiting 80 s after a priority-1 order goes first;
+    // one 100 s after it does not: the low one waits at most 80 s behind it.
+    assert!(admit_key(t(80), 9, false) <= admit_key(t(0), 1, false));
+    assert!(admit_key(t(100), 9, false) > admit_key(t(0), 1, false));
 }
