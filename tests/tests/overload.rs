@@ -1,0 +1,270 @@
+//! Overload slows orders down and never fails them.
+//!
+//! The remote services here are healthy but slow: 100 ms a call, one call at
+//! a time per agent, so about 10 orders a second, while a step's deadline is
+//! 1.5 s: at most about 15 attempts can be outstanding per agent and still
+//! finish in time. Each test pushes at least ten times that at once. Without
+//! admission control every request would wait in its agent queue past its
+//! deadline and the orders would be compensated.
+
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use sas_messages::SubmitOrder;
+use sas_store::machine::HistoryEvent;
+use sas_store::ProcessState;
+use sas_tests::process::System;
+use sas_tests::sim::SimClient;
+use sas_tests::{order, wait_until, TestEnv};
+use serde_json::json;
+
+const STEP_TIMEOUT_MS: u64 = 1500;
+
+/// Agents of one call at a time, and a small starting limit that the
+/// supervisors adapt every second.
+fn agent_vars() -> Vec<(&'static str, String)> {
+    vec![("SAS_AGENT__CONCURRENCY", "1".to_owned())]
+}
+
+fn scheduler_vars() -> Vec<(&'static str, String)> {
+    vec![
+        ("SAS_SCHEDULER__ADMISSION_INITIAL", "4".to_owned()),
+        ("SAS_SCHEDULER__CLAIM_INTERVAL_MS", "50".to_owned()),
+    ]
+}
+
+fn supervisor_vars(max_failures: u32) -> Vec<(&'static str, String)> {
+    vec![
+        ("SAS_SUPERVISOR__ADMISSION_WINDOW_MS", "1000".to_owned()),
+        ("SAS_SUPERVISOR__MAX_FAILURES", max_failures.to_string()),
+    ]
+}
+
+/// A slow system: remote-sim at 100 ms a call, `replicas` agents per queue,
+/// `schedulers` schedulers, one supervisor that compensates after
+/// `max_failures` missed deadlines.
+async fn slow_system(
+    env: &TestEnv,
+    replicas: usize,
+    schedulers: usize,
+    max_failures: u32,
+) -> System {
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    set_latency(&sim, 100).await;
+    System {
+        agents: env.agents(replicas, &sim, &agent_vars()),
+        schedulers: (0..schedulers)
+            .map(|index| env.scheduler(index, &scheduler_vars()))
+            .collect(),
+        supervisors: vec![env.supervisor(0, &supervisor_vars(max_failures))],
+        sim_process,
+        sim,
+    }
+}
+
+async fn set_latency(sim: &SimClient, latency_ms: u64) {
+    let faults = json!({ "latency_ms": latency_ms, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0 });
+    sim.set_faults(None, faults)
+        .await
+        .expect("set remote-sim latency");
+}
+
+fn orders(prefix: &str, n: usize, priority: Option<u8>) -> Vec<SubmitOrder> {
+    (0..n)
+        .map(|i| {
+            let mut order = order(&format!("{prefix}-{i}"));
+            order.priority = priority;
+            order
+        })
+        .collect()
+}
+
+/// Every order ended processed: none compensated, failed or dead-lettered,
+/// and some of them waited in an agent's line (admission was needed).
+async fn assert_all_processed_and_some_waited(env: &TestEnv, n: i64) {
+    assert_eq!(env.count(ProcessState::Processed).await, n);
+    for state in [
+        ProcessState::Compensated,
+        ProcessState::Compensating,
+        ProcessState::Error,
+    ] {
+        assert_eq!(env.count(state).await, 0, "no order is {state}");
+    }
+    let dead_letters: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letters")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(dead_letters, 0, "nothing was dead-lettered");
+    let waited: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE event = $1")
+            .bind(HistoryEvent::Queued.as_str())
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+    assert!(waited > n / 2, "only {waited} orders waited for admission");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_failed() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    // A single missed deadline would compensate an order.
+    let mut system = slow_system(&env, 1, 1, 0).await;
+    let (_connection, publisher) = env.broker().await;
+    for order in orders("burst", 160, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    // The scheduler's memory stays bounded while the line is long.
+    let scheduler_pid = system.schedulers[0].pid();
+    let mut peak_rss_kib = 0;
+    wait_until("160 orders processed", Duration::from_secs(90), || {
+        peak_rss_kib = peak_rss_kib.max(rss_kib(scheduler_pid));
+        let env = &env;
+        async move {
+            let processed = env.count(ProcessState::Processed).await;
+            if processed == 160 {
+                Ok(())
+            } else {
+                Err(format!("{processed} processed"))
+            }
+        }
+    })
+    .await;
+    system.assert_all_running();
+    assert_all_processed_and_some_waited(&env, 160).await;
+    let retries: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM history WHERE event IN ('retry_scheduled', 'compensation_started')",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(retries, 0, "no attempt missed its deadline");
+    assert!(
+        peak_rss_kib < 128 * 1024,
+        "scheduler RSS peaked at {peak_rss_kib} KiB"
+    );
+    let effects = system.sim.effects_by_order().await;
+    assert!(
+        effects
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{effects:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_burst_survives_a_scheduler_and_an_agent_killed_in_the_middle() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    // Killed agents leave attempts to expire: those are retried, not compensated.
+    let mut system = slow_system(&env, 2, 2, 5).await;
+    let (_connection, publisher) = env.broker().await;
+    for order in orders("kill", 200, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    env.wait_for_count(ProcessState::Processed, 50, Duration::from_secs(60))
+        .await;
+    system.schedulers[0].kill9().await;
+    system.agents[0].kill9().await;
+    env.wait_for_count(ProcessState::Processed, 200, Duration::from_secs(120))
+        .await;
+    assert_all_processed_and_some_waited(&env, 200).await;
+    let effects = system.sim.effects_by_order().await;
+    assert_eq!(effects.len(), 200);
+    assert!(
+        effects
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{effects:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_supervisor_frozen_under_backlog_makes_no_order_fail() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let system = slow_system(&env, 1, 1, 0).await;
+    let (_connection, publisher) = env.broker().await;
+    for order in orders("frozen", 160, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    env.wait_for_count(ProcessState::Processed, 20, Duration::from_secs(60))
+        .await;
+    let supervisor = Pid::from_raw(system.supervisors[0].pid() as i32);
+    kill(supervisor, Signal::SIGSTOP).expect("freeze the supervisor");
+    let frozen_at = env.count(ProcessState::Processed).await;
+    // Orders go on while the supervisor is frozen: admission needs no supervisor.
+    env.wait_for_count(
+        ProcessState::Processed,
+        frozen_at + 30,
+        Duration::from_secs(60),
+    )
+    .await;
+    kill(supervisor, Signal::SIGCONT).expect("thaw the supervisor");
+    env.wait_for_count(ProcessState::Processed, 160, Duration::from_secs(90))
+        .await;
+    assert_all_processed_and_some_waited(&env, 160).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let _system = slow_system(&env, 1, 1, 0).await;
+    let (_connection, publisher) = env.broker().await;
+    for order in orders("low", 100, Some(0)) {
+        env.publish_order(&publisher, &order).await;
+    }
+    wait_until(
+        "a backlog of low-priority orders",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM order_process WHERE waiting_for IS NOT NULL",
+            )
+            .fetch_one(env.store.pool())
+            .await
+            .map_err(|e| e.to_string())?;
+            if waiting >= 60 {
+                Ok(())
+            } else {
+                Err(format!("{waiting} waiting"))
+            }
+        },
+    )
+    .await;
+    for order in orders("high", 10, Some(9)) {
+        env.publish_order(&publisher, &order).await;
+    }
+    env.wait_for_count(ProcessState::Processed, 110, Duration::from_secs(90))
+        .await;
+    // The order in which they finished.
+    let finished: Vec<String> = sqlx::query_scalar(
+        "SELECT order_id FROM order_process WHERE state = 'processed' ORDER BY updated_at, order_id",
+    )
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap();
+    let last_high = finished
+        .iter()
+        .rposition(|id| id.starts_with("high-"))
+        .unwrap();
+    let low_after = finished[last_high..]
+        .iter()
+        .filter(|id| id.starts_with("low-"))
+        .count();
+    assert!(
+        low_after >= 40,
+        "every urgent order finishes ahead of at least 40 low-priority orders submitted before it; only {low_after} low ones finished after the last urgent one: {finished:?}"
+    );
+}
+
+/// Resident memory of a process, in KiB (0 when it cannot be read).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
