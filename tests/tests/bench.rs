@@ -60,4 +60,11 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         assert!(peak > 1.0 && peak < 4096.0, "{binary}: {peak} MiB");
     }
     assert!(number("/recovery_secs") < number("/recovery_bound_secs") + 30.0);
+    let overload = report["overload"].as_array().expect("overload points");
+    assert_eq!(overload.len(), 2, "{report}");
+    for point in overload {
+        assert_eq!(point["failed_or_compensated"], 0, "{point}");
+        let goodput = point["goodput_fraction"].as_f64().unwrap_or_default();
+        assert!(goodput > 0.0 && goodput < 2.0, "{point}");
+    }
 }

@@ -19,12 +19,25 @@ pub async fn publish(
     rate: f64,
     reply_to: Option<&str>,
 ) -> HashMap<String, Instant> {
+    publish_with_priority(env, publisher, ids, rate, reply_to, |_| None).await
+}
+
+/// [`publish`], each order with the priority `priority_of` gives its index.
+pub async fn publish_with_priority(
+    env: &TestEnv,
+    publisher: &Publisher,
+    ids: &[String],
+    rate: f64,
+    reply_to: Option<&str>,
+    priority_of: impl Fn(usize) -> Option<u8>,
+) -> HashMap<String, Instant> {
     let queue = env.amqp().names().orders();
     let started = Instant::now();
     let sent = Arc::new(Mutex::new(HashMap::with_capacity(ids.len())));
     stream::iter(ids.iter().enumerate())
         .map(|(index, id)| {
             let (queue, sent) = (queue.clone(), sent.clone());
+            let priority_of = &priority_of;
             async move {
                 if rate > 0.0 {
                     tokio::time::sleep_until(
@@ -34,6 +47,7 @@ pub async fn publish(
                 }
                 let mut submitted = order(id);
                 submitted.reply_to = reply_to.map(str::to_owned);
+                submitted.priority = priority_of(index);
                 let body = serde_json::to_vec(&submitted).expect("order");
                 let at = Instant::now();
                 publisher

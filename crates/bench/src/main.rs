@@ -9,6 +9,7 @@
 
 mod calibrate;
 mod drive;
+mod overload;
 mod phases;
 mod report;
 mod system;
@@ -61,6 +62,8 @@ pub struct Sizes {
     pub scaling_orders_per_agent: usize,
     /// Orders in flight when an agent is killed.
     pub recovery_orders: usize,
+    /// Seconds each overload factor is offered.
+    pub overload_offer_secs: f64,
 }
 
 const FULL: Sizes = Sizes {
@@ -71,6 +74,7 @@ const FULL: Sizes = Sizes {
     scaling_agents: &[1, 2, 4, 8],
     scaling_orders_per_agent: 100,
     recovery_orders: 400,
+    overload_offer_secs: 5.0,
 };
 
 const QUICK: Sizes = Sizes {
@@ -81,6 +85,7 @@ const QUICK: Sizes = Sizes {
     scaling_agents: &[1, 2],
     scaling_orders_per_agent: 15,
     recovery_orders: 60,
+    overload_offer_secs: 0.5,
 };
 
 fn main() -> std::process::ExitCode {
@@ -119,7 +124,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         ));
     }
     let _ = system::EXTRA.set(extra);
-    let progress = ProgressBar::new(6);
+    let progress = ProgressBar::new(7);
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}")?
             .progress_chars("=> "),

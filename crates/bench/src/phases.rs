@@ -257,5 +257,16 @@ pub async fn run_all(
     record_memory(&system, &mut report.rss_mib, true);
     progress.inc(1);
     drop(agents);
+
+    progress.set_message("overload: a slow remote offered 3x and 10x its capacity");
+    report.overload = crate::overload::run(
+        &env,
+        &publisher,
+        &system,
+        &[3.0, 10.0],
+        sizes.overload_offer_secs,
+    )
+    .await?;
+    progress.inc(1);
     Ok(report)
 }

@@ -25,6 +25,26 @@ pub struct ScalingPoint {
     pub orders_per_sec: f64,
 }
 
+/// One offered load of the overload phase.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct OverloadPoint {
+    /// Offered load as a multiple of what the remote service can absorb.
+    pub offered_factor: f64,
+    /// Orders offered.
+    pub orders: usize,
+    /// What the remote service can absorb, orders/s.
+    pub capacity_orders_per_sec: f64,
+    /// Orders processed per second from the first submit to the last
+    /// processed, as a fraction of the capacity.
+    pub goodput_fraction: f64,
+    /// Orders that ended compensated or in error (target 0).
+    pub failed_or_compensated: i64,
+    /// Submit to processed of priority-9 orders (one in ten), ms.
+    pub latency_urgent_ms: Latency,
+    /// Submit to processed of orders without a priority, ms.
+    pub latency_normal_ms: Latency,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
@@ -62,6 +82,8 @@ pub struct Report {
     pub rss_mib: BTreeMap<String, f64>,
     /// Resident memory per binary at idle, MiB.
     pub rss_idle_mib: BTreeMap<String, f64>,
+    /// Offered loads beyond what a slow remote service absorbs.
+    pub overload: Vec<OverloadPoint>,
     /// CPU milliseconds per order during saturation, by program (the
     /// services, Postgres, RabbitMQ, the benchmark's own client): where the
     /// time goes.
@@ -159,6 +181,24 @@ impl Report {
                 self.recovery_secs, self.recovery_bound_secs
             ),
         );
+        for point in &self.overload {
+            row(
+                &mut out,
+                &format!(
+                    "overload {:.0}x ({} orders, capacity {:.0}/s)",
+                    point.offered_factor, point.orders, point.capacity_orders_per_sec
+                ),
+                format!(
+                    "goodput {:.2}  failed {}  urgent p50/p99 {:.0}/{:.0} ms  normal p50/p99 {:.0}/{:.0} ms",
+                    point.goodput_fraction,
+                    point.failed_or_compensated,
+                    point.latency_urgent_ms.p50,
+                    point.latency_urgent_ms.p99,
+                    point.latency_normal_ms.p50,
+                    point.latency_normal_ms.p99
+                ),
+            );
+        }
         for (binary, peak) in &self.rss_mib {
             let idle = self.rss_idle_mib.get(binary).copied().unwrap_or_default();
             row(
