@@ -73,7 +73,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     };
     let workflow = Workflow::load(&settings.scheduler.workflow_file)?;
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
-    let session = Session::new(settings.amqp.clone(), id.clone());
+    let session = Session::new(settings.amqp.broker.clone(), id.clone());
     let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,
@@ -207,7 +207,7 @@ impl Scheduler {
         // what is admitted competes with the orders already running.
         let intake_amqp = sas_broker::AmqpSettings {
             prefetch: self.settings.scheduler.intake_prefetch,
-            ..amqp.clone()
+            ..amqp.broker.clone()
         };
         let orders = {
             let me = self.clone();
