@@ -237,3 +237,41 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Cli;
+
+    #[test]
+    fn the_database_password_comes_from_a_file_not_the_command_line() {
+        let file = std::env::temp_dir().join(format!("sasctl-password-{}", std::process::id()));
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let cli = Cli::try_parse_from([
+            "sasctl",
+            "--database-password-file",
+            file.to_str().unwrap(),
+            "alerts",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.target.database_password().unwrap().as_deref(),
+            Some("s3cret")
+        );
+        std::fs::remove_file(&file).unwrap();
+        assert!(
+            Cli::try_parse_from(["sasctl", "--database-password", "x", "alerts"]).is_err(),
+            "no option takes the password itself"
+        );
+        let missing = Cli::try_parse_from([
+            "sasctl",
+            "--database-password-file",
+            "/nonexistent/sas-password",
+            "alerts",
+        ])
+        .unwrap();
+        let error = missing.target.database_password().unwrap_err().to_string();
+        assert!(error.contains("/nonexistent/sas-password"), "{error}");
+    }
+}
