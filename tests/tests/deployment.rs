@@ -236,22 +236,30 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
 fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
     let dir = root().join("deploy/k8s");
     let mut documents = Vec::new();
+    // `kubectl apply -f deploy/k8s/` applies the .yaml files only.
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
         .collect();
     files.sort();
     for file in &files {
         documents.extend(load_yaml_documents(file));
     }
     let kind = |doc: &Value| as_str(&doc["kind"]);
+    // The example Secret is never applied over a real one.
+    assert!(
+        !documents.iter().any(|d| kind(d) == "Secret"),
+        "an applied manifest holds a Secret: it would overwrite the real one"
+    );
+    let example = load_yaml_documents(&dir.join("02-secret.yaml.example"));
     let config: BTreeMap<String, String> = documents
         .iter()
         .find(|d| kind(d) == "ConfigMap")
         .and_then(|d| d["data"].as_mapping())
         .map(|m| m.iter().map(|(k, v)| (as_str(k), as_str(v))).collect())
         .expect("a ConfigMap");
-    let secret: HashMap<String, String> = documents
+    let secret: HashMap<String, String> = example
         .iter()
         .find(|d| kind(d) == "Secret")
         .and_then(|d| d["stringData"].as_mapping())
@@ -405,6 +413,165 @@ fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
             .any(|l| l.trim_start().starts_with("ENV ") && l.contains("SAS_")),
         "no settings or credentials baked into the image"
     );
+    // A `# syntax=` line makes BuildKit fetch a frontend image from a registry.
+    assert!(
+        !dockerfile
+            .lines()
+            .any(|l| l.trim_start().to_lowercase().starts_with("# syntax=")),
+        "the Dockerfile asks for a frontend image"
+    );
+    // It builds the shipped packages only, offline and locked.
+    let build = dockerfile
+        .split("RUN ")
+        .find(|step| step.contains("cargo build"))
+        .expect("a cargo build step")
+        .replace("\\\n", " ");
+    let command = build.split("&&").next().unwrap_or_default();
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let packages: Vec<&str> = words
+        .windows(2)
+        .filter(|w| w[0] == "-p" || w[0] == "--package")
+        .map(|w| w[1])
+        .collect();
+    assert_eq!(packages, BINARIES, "packages built: {build}");
+    for flag in ["--release", "--locked", "--offline"] {
+        assert!(words.contains(&flag), "cargo build without {flag}: {build}");
+    }
+    for flag in ["--workspace", "--all", "--bins"] {
+        assert!(
+            !words.contains(&flag),
+            "cargo build {flag} compiles what the image does not ship: {build}"
+        );
+    }
+    // Every package the image builds is one of its binaries.
+    for package in &packages {
+        let manifest =
+            std::fs::read_to_string(root().join("crates").join(package).join("Cargo.toml"))
+                .unwrap_or_else(|e| panic!("package {package} is not crates/{package}: {e}"));
+        assert!(
+            manifest.contains(&format!("name = \"{package}\"")),
+            "{package}"
+        );
+    }
+}
+
+/// Every `${NAME...}` reference of a compose file: (name, what follows it).
+fn variables(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("${") {
+        let end = rest[start..].find('}').expect("closing brace") + start;
+        let inner = &rest[start + 2..end];
+        let cut = inner.find([':', '-', '?']).unwrap_or(inner.len());
+        found.push((inner[..cut].to_owned(), inner[cut..].to_owned()));
+        rest = &rest[end + 1..];
+    }
+    found
+}
+
+#[test]
+fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
+    let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
+    let compose = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
+    let services = compose["services"].as_mapping().expect("services");
+    // Nothing is published on all interfaces.
+    for (name, service) in services {
+        for port in strings(service.get("ports").unwrap_or(&Value::Null)) {
+            assert!(
+                port.starts_with("127.0.0.1:"),
+                "{} publishes {port} on every interface",
+                as_str(name)
+            );
+        }
+    }
+    // The override publishes them wider.
+    let public = load_yaml_documents(&root().join("docker-compose.public.yml")).remove(0);
+    let mut widened = Vec::new();
+    for (name, service) in public["services"].as_mapping().expect("services") {
+        let ports = match &service["ports"] {
+            Value::Tagged(tagged) => tagged.value.clone(),
+            other => other.clone(),
+        };
+        for port in strings(&ports) {
+            assert!(!port.starts_with("127.0.0.1"), "{port}");
+            widened.push(as_str(name));
+        }
+    }
+    for name in ["rabbitmq", "remote-sim"] {
+        assert!(widened.iter().any(|n| n == name), "{name} is not widened");
+    }
+    // No password has a default: compose stops, naming the variable.
+    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    assert!(example.contains("DEVELOPMENT"), "the example is labelled");
+    let defined: Vec<&str> = example
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('=').map(|(k, _)| k.trim()))
+        .collect();
+    let mut required = 0;
+    for (name, rest) in variables(&text) {
+        if name.contains("PASSWORD") {
+            assert!(
+                rest.starts_with(":?") && rest.contains(&name),
+                "${{{name}{rest}}} must be required, with a message naming it"
+            );
+            required += 1;
+        }
+        if rest.starts_with(":?") {
+            assert!(
+                defined.contains(&name.as_str()),
+                "{name} is required by compose but not in .env.example"
+            );
+        }
+    }
+    assert!(required >= 6, "{required} required passwords");
+    // Each role logs in as its own broker user; schedulers and supervisors
+    // trust the agents' and services' users by name.
+    let url_user = |service: &str| {
+        let url = as_str(&services[service]["environment"]["SAS_AMQP__URL"]);
+        url.split("://")
+            .nth(1)
+            .unwrap()
+            .split(':')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let (scheduler, supervisor, agent) = (
+        url_user("scheduler"),
+        url_user("supervisor"),
+        url_user("agent"),
+    );
+    assert!(scheduler != supervisor && supervisor != agent && agent != scheduler);
+    for service in ["scheduler", "supervisor"] {
+        let env = &services[service]["environment"];
+        assert_eq!(as_str(&env["SAS_AMQP__AGENT_USERS"]), agent, "{service}");
+        let users = as_str(&env["SAS_AMQP__SERVICE_USERS"]);
+        assert!(
+            users.split(',').any(|u| u == scheduler) && users.split(',').any(|u| u == supervisor),
+            "{service}: {users}"
+        );
+    }
+    // The broker's own bounds and users are set up by files it mounts.
+    let rabbitmq = strings(&services["rabbitmq"]["volumes"]).join(" ");
+    for file in [
+        "deploy/rabbitmq/20-sas.conf",
+        "deploy/rabbitmq/setup-users.sh",
+    ] {
+        assert!(rabbitmq.contains(file), "rabbitmq does not mount {file}");
+    }
+    let conf = std::fs::read_to_string(root().join("deploy/rabbitmq/20-sas.conf")).unwrap();
+    assert!(
+        conf.lines().any(|l| l.starts_with("max_message_size =")),
+        "{conf}"
+    );
+    let script = std::fs::read_to_string(root().join("deploy/rabbitmq/setup-users.sh")).unwrap();
+    for user in [scheduler, supervisor, agent] {
+        assert!(
+            script.contains(&format!(":-{user}}}")),
+            "setup-users.sh does not create {user}"
+        );
+    }
 }
 
 #[test]

@@ -139,7 +139,10 @@ impl Session {
             tracing::warn!(error = %error, "RabbitMQ connection error");
             on_error.cancel();
         });
-        let publisher = Publisher::open(&connection, self.settings.operation_timeout()).await?;
+        let mut publisher = Publisher::open(&connection, self.settings.operation_timeout()).await?;
+        if let Some(user) = self.settings.user() {
+            publisher = publisher.identified_as(user);
+        }
         Ok((Arc::new(connection), publisher, lost))
     }
 }

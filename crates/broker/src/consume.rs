@@ -163,13 +163,30 @@ where
         // Registered before the handler starts, so the settler knows every
         // delivery in flight before any later one can be acknowledged.
         let _ = settle.send(Settle::Delivered(tag));
-        let work = handler(message.clone());
         let (publisher, settings, settle) = (publisher.clone(), settings.clone(), settle.clone());
-        tracker.spawn(async move {
-            let outcome = work.await;
-            let requeue = decide(&settings, &publisher, &message, outcome).await;
-            let _ = settle.send(Settle::Finished { tag, requeue });
-        });
+        match oversized(&settings, &message) {
+            // Refused before any handler sees (and parses, and copies) it.
+            Some(reason) => {
+                tracker.spawn(async move {
+                    let requeue = decide(
+                        &settings,
+                        &publisher,
+                        &message,
+                        Consumed::DeadLetter(reason),
+                    )
+                    .await;
+                    let _ = settle.send(Settle::Finished { tag, requeue });
+                });
+            }
+            None => {
+                let work = handler(message.clone());
+                tracker.spawn(async move {
+                    let outcome = work.await;
+                    let requeue = decide(&settings, &publisher, &message, outcome).await;
+                    let _ = settle.send(Settle::Finished { tag, requeue });
+                });
+            }
+        }
     };
 
     if result.is_ok() {
@@ -193,6 +210,23 @@ where
     let _ = tokio::time::timeout(timeout, settler).await;
     let _ = timed("closing a channel", timeout, channel.close(200, "done")).await;
     result
+}
+
+/// Why `message` is refused for its size, if it is over
+/// `amqp.max_message_bytes`.
+///
+/// The dead-letter record queue is the exception: dead-lettering from it
+/// would feed it again, so its handler (the supervisor) keeps a bounded part
+/// of a large body itself.
+fn oversized(settings: &AmqpSettings, message: &Delivery) -> Option<String> {
+    let limit = settings.max_message_bytes;
+    let size = message.body.len();
+    (size > limit && message.queue != settings.names().dead_letter_records()).then(|| {
+        format!(
+            "message of {size} bytes is over the limit of {limit} bytes (amqp.max_message_bytes); \
+             refused unread, the dead letter keeps its first {limit} bytes"
+        )
+    })
 }
 
 /// Longest an acknowledgement waits for an older delivery to finish so that
@@ -345,8 +379,20 @@ async fn requeue_one(channel: &Channel, timeout: Duration, tag: u64) {
     }
 }
 
+/// Header of a dead letter published by one of our services: the
+/// `user_id` of the message it copies (the identity RabbitMQ validated when
+/// that message was published), absent when it had none. The dead letter
+/// itself carries the `user_id` of the service that dead-lettered it, so
+/// the supervisor can tell a service's word from a client's. Whatever a
+/// publisher put in this header is removed first.
+pub const ORIGINAL_USER_HEADER: &str = "x-sas-original-user";
+
 /// Publishes `message` to the dead-letter exchange with `reason` and its
-/// source queue in headers (keeping its other properties).
+/// source queue in headers (keeping its other properties), and the
+/// `user_id` of its publisher in [`ORIGINAL_USER_HEADER`].
+///
+/// A body over `amqp.max_message_bytes` is cut to that size, so that no
+/// queue or table downstream holds more than the limit of one message.
 ///
 /// # Errors
 /// When the broker does not confirm the dead letter.
@@ -357,25 +403,40 @@ pub async fn dead_letter(
     reason: &str,
 ) -> Result<(), BrokerError> {
     let mut table = message.properties.headers().clone().unwrap_or_default();
+    let mut entries = table.inner().clone();
+    entries.remove(&lapin::types::ShortString::from(ORIGINAL_USER_HEADER));
+    table = entries.into();
+    let original_user = message
+        .properties
+        .user_id()
+        .as_ref()
+        .map(|user| user.as_str().to_owned());
     for (key, value) in [
-        (headers::DEAD_LETTER_REASON, reason),
-        (headers::DEAD_LETTER_SOURCE_QUEUE, message.queue.as_str()),
+        (headers::DEAD_LETTER_REASON, Some(reason)),
+        (
+            headers::DEAD_LETTER_SOURCE_QUEUE,
+            Some(message.queue.as_str()),
+        ),
+        (ORIGINAL_USER_HEADER, original_user.as_deref()),
     ] {
-        table.insert(
-            key.into(),
-            lapin::types::AMQPValue::LongString(value.to_owned().into()),
-        );
+        if let Some(value) = value {
+            table.insert(
+                key.into(),
+                lapin::types::AMQPValue::LongString(value.to_owned().into()),
+            );
+        }
     }
     let properties = message
         .properties
         .clone()
         .with_headers(table)
         .with_delivery_mode(2);
+    let body = &message.body[..message.body.len().min(settings.max_message_bytes)];
     publisher
         .publish(
             &settings.names().dead_letter_exchange(),
             "",
-            &message.body,
+            body,
             properties,
             true,
         )

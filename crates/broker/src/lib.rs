@@ -6,6 +6,7 @@
 //! - [`topology`]: declaring the quorum queues and exchanges, identically everywhere.
 //! - [`publish`]: publishing with confirms, with a timeout on every await.
 //! - [`consume`]: consuming with manual acks, concurrent handlers, dead-lettering.
+//! - [`identity`]: the broker users of our services, and the settings that name them.
 //!
 //! lapin's own recovery is not relied on: a session that loses its connection
 //! drops every channel and starts over, and the broker requeues whatever was
@@ -14,6 +15,7 @@
 pub mod connection;
 pub mod consume;
 mod error;
+pub mod identity;
 pub mod publish;
 pub mod settings;
 pub mod topology;
@@ -21,6 +23,7 @@ pub mod topology;
 pub use connection::{connect, Session};
 pub use consume::{Consumed, Delivery};
 pub use error::BrokerError;
+pub use identity::ServiceAmqpSettings;
 pub use publish::{Publisher, SharedPublisher};
 pub use settings::AmqpSettings;
 

@@ -14,10 +14,18 @@ use crate::error::timed;
 use crate::BrokerError;
 
 /// A channel in confirm mode: every publish waits for the broker's ack.
+///
+/// A publisher opened by a [`crate::Session`] knows the broker user of its
+/// connection and stamps it on every message as the AMQP `user_id`
+/// property. RabbitMQ refuses a `user_id` other than the authenticated
+/// user, so a consumer can trust it: that is how the scheduler knows a reply
+/// comes from an agent, and the supervisor that a dead letter comes from one
+/// of our services.
 #[derive(Clone)]
 pub struct Publisher {
     channel: Channel,
     timeout: Duration,
+    user_id: Option<ShortString>,
 }
 
 impl Publisher {
@@ -38,7 +46,26 @@ impl Publisher {
             channel.confirm_select(ConfirmSelectOptions::default()),
         )
         .await?;
-        Ok(Self { channel, timeout })
+        Ok(Self {
+            channel,
+            timeout,
+            user_id: None,
+        })
+    }
+
+    /// Stamps `user` (the broker user of this publisher's connection) as the
+    /// `user_id` of every message it sends, replacing whatever `user_id` the
+    /// properties carry (a dead letter keeps the properties of the message
+    /// it copies, whose `user_id` is another identity's).
+    #[must_use]
+    pub fn identified_as(mut self, user: impl Into<String>) -> Self {
+        self.user_id = Some(ShortString::from(user.into()));
+        self
+    }
+
+    /// The `user_id` this publisher stamps on its messages, if any.
+    pub fn user_id(&self) -> Option<&str> {
+        self.user_id.as_ref().map(ShortString::as_str)
     }
 
     /// Sends `body` without waiting for its confirm: the returned [`Pending`]
@@ -62,6 +89,10 @@ impl Publisher {
         let options = BasicPublishOptions {
             mandatory,
             ..BasicPublishOptions::default()
+        };
+        let properties = match &self.user_id {
+            Some(user) => properties.with_user_id(user.clone()),
+            None => properties,
         };
         let confirm = timed(
             "publishing",

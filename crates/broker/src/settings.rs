@@ -84,6 +84,16 @@ impl AmqpSettings {
         QueueNames::new(self.prefix.clone())
     }
 
+    /// The broker user of [`AmqpSettings::url`] (percent-decoded; `guest`
+    /// when the URL names none, as the client then logs in as guest), or
+    /// `None` when the URL does not parse. Publishers stamp it as `user_id`.
+    pub fn user(&self) -> Option<String> {
+        self.url
+            .parse::<lapin::uri::AMQPUri>()
+            .ok()
+            .map(|uri| uri.authority.userinfo.username)
+    }
+
     /// [`AmqpSettings::operation_timeout_ms`] as a duration.
     pub fn operation_timeout(&self) -> Duration {
         Duration::from_millis(self.operation_timeout_ms)
@@ -111,7 +121,39 @@ pub fn redact(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{redact, AmqpSettings};
+
+    fn with_url(url: &str) -> AmqpSettings {
+        AmqpSettings {
+            url: url.into(),
+            prefix: String::new(),
+            prefetch: 1,
+            operation_timeout_ms: 1_000,
+            delivery_limit: 3,
+            max_message_bytes: 65_536,
+            reconnect_base_ms: 100,
+            reconnect_max_ms: 1_000,
+            status_exchange: true,
+        }
+    }
+
+    #[test]
+    fn the_user_of_the_url_is_the_identity_stamped_on_messages() {
+        assert_eq!(
+            with_url("amqp://sas-agent:pw@rabbit:5672/%2f?heartbeat=10")
+                .user()
+                .as_deref(),
+            Some("sas-agent")
+        );
+        assert_eq!(
+            with_url("amqp://sas%2Dx:pw@rabbit/%2f").user().as_deref(),
+            Some("sas-x")
+        );
+        assert_eq!(
+            with_url("amqp://rabbit:5672/%2f").user().as_deref(),
+            Some("guest")
+        );
+    }
 
     #[test]
     fn a_password_never_reaches_a_log_line() {

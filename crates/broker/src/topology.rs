@@ -3,6 +3,17 @@
 //! Every service declares what it uses, with the same arguments (a queue
 //! declared twice with different arguments is refused by RabbitMQ), so the
 //! services can start in any order.
+//!
+//! - Work queues (orders, agent requests, replies): quorum, delivery limit,
+//!   dead-lettered to the dead-letter exchange.
+//! - The dead-letter record queue (consumed by supervisors): quorum with a
+//!   delivery limit and no dead-letter exchange (a message it gives up on is
+//!   dropped; its copy stays in the operators' queue).
+//! - The operators' dead-letter queue (consumed by nobody): quorum, bounded
+//!   in length and bytes, oldest dropped first.
+//! - The orders exchange, a fanout named like the orders queue and bound to
+//!   it: clients publish orders there, so that their broker user needs no
+//!   write permission on the default exchange, which reaches every queue.
 
 use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
@@ -14,21 +25,54 @@ use lapin::{Channel, Connection, ExchangeKind};
 use crate::error::timed;
 use crate::{AmqpSettings, BrokerError};
 
-fn quorum_arguments(settings: &AmqpSettings, dead_letter: bool) -> FieldTable {
+/// Most messages kept in the operators' dead-letter queue (nobody consumes
+/// it); the oldest go first.
+pub const DEAD_LETTERS_MAX_LENGTH: i64 = 100_000;
+
+/// Most bytes kept in the operators' dead-letter queue.
+pub const DEAD_LETTERS_MAX_BYTES: i64 = 1 << 30;
+
+/// What a queue is for, which decides its arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QueueKind {
+    /// Consumed by a service; what fails there goes to the dead-letter exchange.
+    Work,
+    /// The dead-letter record queue: consumed, but dead-lettering from it
+    /// would feed it again.
+    Record,
+    /// The operators' dead-letter queue: consumed by nobody.
+    Kept,
+}
+
+fn quorum_arguments(settings: &AmqpSettings, kind: QueueKind) -> FieldTable {
     let mut arguments = FieldTable::default();
     arguments.insert(
         ShortString::from("x-queue-type"),
         AMQPValue::LongString(LongString::from("quorum")),
     );
-    if dead_letter {
-        arguments.insert(
-            ShortString::from("x-delivery-limit"),
-            AMQPValue::LongInt(i32::try_from(settings.delivery_limit).unwrap_or(i32::MAX)),
-        );
-        arguments.insert(
-            ShortString::from("x-dead-letter-exchange"),
-            AMQPValue::LongString(LongString::from(settings.names().dead_letter_exchange())),
-        );
+    let delivery_limit =
+        AMQPValue::LongInt(i32::try_from(settings.delivery_limit).unwrap_or(i32::MAX));
+    match kind {
+        QueueKind::Work => {
+            arguments.insert(ShortString::from("x-delivery-limit"), delivery_limit);
+            arguments.insert(
+                ShortString::from("x-dead-letter-exchange"),
+                AMQPValue::LongString(LongString::from(settings.names().dead_letter_exchange())),
+            );
+        }
+        QueueKind::Record => {
+            arguments.insert(ShortString::from("x-delivery-limit"), delivery_limit);
+        }
+        QueueKind::Kept => {
+            arguments.insert(
+                ShortString::from("x-max-length"),
+                AMQPValue::LongLongInt(DEAD_LETTERS_MAX_LENGTH),
+            );
+            arguments.insert(
+                ShortString::from("x-max-length-bytes"),
+                AMQPValue::LongLongInt(DEAD_LETTERS_MAX_BYTES),
+            );
+        }
     }
     arguments
 }
@@ -37,7 +81,7 @@ async fn declare_queue(
     channel: &Channel,
     settings: &AmqpSettings,
     name: &str,
-    dead_letter: bool,
+    kind: QueueKind,
 ) -> Result<(), BrokerError> {
     timed(
         "declaring a queue",
@@ -48,7 +92,7 @@ async fn declare_queue(
                 durable: true,
                 ..QueueDeclareOptions::default()
             },
-            quorum_arguments(settings, dead_letter),
+            quorum_arguments(settings, kind),
         ),
     )
     .await?;
@@ -108,8 +152,11 @@ pub async fn declare_common(channel: &Channel, settings: &AmqpSettings) -> Resul
     let names = settings.names();
     let exchange = names.dead_letter_exchange();
     declare_exchange(channel, settings, &exchange, ExchangeKind::Fanout).await?;
-    for queue in [names.dead_letters(), names.dead_letter_records()] {
-        declare_queue(channel, settings, &queue, false).await?;
+    for (queue, kind) in [
+        (names.dead_letters(), QueueKind::Kept),
+        (names.dead_letter_records(), QueueKind::Record),
+    ] {
+        declare_queue(channel, settings, &queue, kind).await?;
         bind(channel, settings, &queue, &exchange, "").await?;
     }
     declare_exchange(
@@ -132,7 +179,20 @@ pub async fn declare_work_queue(
     settings: &AmqpSettings,
     name: &str,
 ) -> Result<(), BrokerError> {
-    declare_queue(channel, settings, name, true).await
+    declare_queue(channel, settings, name, QueueKind::Work).await?;
+    if name == settings.names().orders() {
+        let exchange = orders_exchange(settings);
+        declare_exchange(channel, settings, &exchange, ExchangeKind::Fanout).await?;
+        bind(channel, settings, name, &exchange, "").await?;
+    }
+    Ok(())
+}
+
+/// The exchange clients publish orders to: a fanout bound to the orders
+/// queue, with the same name (`sas.orders`; exchanges and queues have
+/// separate names in RabbitMQ). Declared with the orders queue.
+pub fn orders_exchange(settings: &AmqpSettings) -> String {
+    settings.names().orders()
 }
 
 /// Deletes every queue and exchange of a prefix: test teardown, and operators
@@ -156,7 +216,11 @@ pub async fn delete_all(
         )
         .await?;
     }
-    for exchange in names.all_exchanges() {
+    for exchange in names
+        .all_exchanges()
+        .into_iter()
+        .chain([orders_exchange(settings)])
+    {
         timed(
             "deleting an exchange",
             timeout,

@@ -53,7 +53,16 @@ pub struct Target {
         default_value = "postgres://postgres@127.0.0.1:5432/sas"
     )]
     pub database_url: String,
+    /// File holding the database password (a mounted secret). Without it the
+    /// password comes from `SAS_DATABASE__PASSWORD`, or from the URL. There
+    /// is no option for the password itself: a command line is visible to
+    /// every user of the machine (`ps`) and lands in shell history.
+    #[arg(long, global = true, env = "SAS_DATABASE__PASSWORD_FILE")]
+    pub database_password_file: Option<std::path::PathBuf>,
 }
+
+/// Environment variable holding the database password, as the services read it.
+pub const DATABASE_PASSWORD_VAR: &str = "SAS_DATABASE__PASSWORD";
 
 impl Target {
     /// AMQP settings for a short-lived client.
@@ -78,7 +87,7 @@ impl Target {
     pub fn store(&self) -> anyhow::Result<Store> {
         let settings = DatabaseSettings {
             url: self.database_url.clone(),
-            password: None,
+            password: self.database_password()?,
             max_connections: 4,
             acquire_timeout_ms: 5_000,
             statement_timeout_ms: 10_000,
@@ -90,6 +99,29 @@ impl Target {
         };
         settings.validate().map_err(anyhow::Error::msg)?;
         Ok(Store::connect_lazy(&settings, "sasctl")?)
+    }
+}
+
+impl Target {
+    /// The database password: the file of `--database-password-file` (or
+    /// `SAS_DATABASE__PASSWORD_FILE`, trailing newline removed), else
+    /// `SAS_DATABASE__PASSWORD`, else none (the URL may hold one).
+    ///
+    /// # Errors
+    /// When the password file cannot be read.
+    pub fn database_password(&self) -> anyhow::Result<Option<String>> {
+        if let Some(path) = &self.database_password_file {
+            let text = std::fs::read_to_string(path).map_err(|error| {
+                anyhow::anyhow!(
+                    "cannot read the database password file {}: {error}",
+                    path.display()
+                )
+            })?;
+            return Ok(Some(text.trim_end_matches(['\r', '\n']).to_owned()));
+        }
+        Ok(std::env::var(DATABASE_PASSWORD_VAR)
+            .ok()
+            .filter(|password| !password.is_empty()))
     }
 }
 
@@ -203,5 +235,43 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::DeadLetters { limit, json } => {
             inspect::dead_letters(&cli.target.store()?, limit, json).await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Cli;
+
+    #[test]
+    fn the_database_password_comes_from_a_file_not_the_command_line() {
+        let file = std::env::temp_dir().join(format!("sasctl-password-{}", std::process::id()));
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let cli = Cli::try_parse_from([
+            "sasctl",
+            "--database-password-file",
+            file.to_str().unwrap(),
+            "alerts",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.target.database_password().unwrap().as_deref(),
+            Some("s3cret")
+        );
+        std::fs::remove_file(&file).unwrap();
+        assert!(
+            Cli::try_parse_from(["sasctl", "--database-password", "x", "alerts"]).is_err(),
+            "no option takes the password itself"
+        );
+        let missing = Cli::try_parse_from([
+            "sasctl",
+            "--database-password-file",
+            "/nonexistent/sas-password",
+            "alerts",
+        ])
+        .unwrap();
+        let error = missing.target.database_password().unwrap_err().to_string();
+        assert!(error.contains("/nonexistent/sas-password"), "{error}");
     }
 }

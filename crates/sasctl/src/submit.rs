@@ -133,18 +133,29 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
         None
     };
 
-    let queue = settings.names().orders();
+    // Through the orders exchange: a client's broker user may write there
+    // and nowhere else (see deploy/README.md, broker users).
+    let (exchange, queue) = (
+        topology::orders_exchange(&settings),
+        settings.names().orders(),
+    );
     let started = Instant::now();
     let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
     let results: Vec<anyhow::Result<OrderId>> = stream::iter(orders.into_iter().enumerate())
         .map(|(index, order)| {
-            let (publisher, queue) = (publisher.clone(), queue.clone());
+            let (publisher, exchange, queue) = (publisher.clone(), exchange.clone(), queue.clone());
             async move {
                 if let Some(pace) = pace {
                     tokio::time::sleep_until((started + pace * index as u32).into()).await;
                 }
                 publisher
-                    .publish_json("", &queue, &order, json_properties(&order.order_id), true)
+                    .publish_json(
+                        &exchange,
+                        &queue,
+                        &order,
+                        json_properties(&order.order_id),
+                        true,
+                    )
                     .await
                     .with_context(|| format!("order {} was not confirmed", order.order_id))?;
                 Ok(order.order_id)

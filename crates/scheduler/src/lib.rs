@@ -81,7 +81,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let store = Store::connect_lazy(&settings.database, &id)
         .context("database settings")?
         .with_start_margin(settings.deadlines.start_margin());
-    let session = Session::new(settings.amqp.clone(), id.clone());
+    let session = Session::new(settings.amqp.broker.clone(), id.clone());
     let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,
@@ -216,7 +216,7 @@ impl Scheduler {
         // what is admitted competes with the orders already running.
         let intake_amqp = sas_broker::AmqpSettings {
             prefetch: self.settings.scheduler.intake_prefetch,
-            ..amqp.clone()
+            ..amqp.broker.clone()
         };
         let orders = {
             let me = self.clone();

@@ -1,4 +1,5 @@
-//! Replies: an agent's answer advances the workflow, unless it is stale.
+//! Replies: an agent's answer advances the workflow, unless it is stale or
+//! does not come from an agent.
 
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::Publisher;
@@ -15,7 +16,33 @@ impl Scheduler {
     /// duplicate) is acknowledged, counted and ignored. Otherwise the
     /// reply is applied (together with the replies other handlers hold at
     /// the same moment, see [`sas_runtime::Batcher`]) and the next request published.
+    ///
+    /// Before anything else, the reply must come from an agent: its
+    /// `user_id`, which RabbitMQ checked against the publishing connection's
+    /// user, must be one of `amqp.agent_users` (when that is set). Anyone
+    /// who can publish to the reply queue and has seen an attempt id could
+    /// otherwise answer for the agent: "charged" without a charge. A refused
+    /// reply is counted in `sas_forged_replies_total`, logged, and
+    /// dead-lettered with the reason; it changes nothing.
     pub async fn handle_reply(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
+        let user_id = delivery
+            .properties
+            .user_id()
+            .as_ref()
+            .map(|user| user.as_str().to_owned());
+        if !self.settings.amqp.accepts_reply_from(user_id.as_deref()) {
+            metrics::counter!("sas_forged_replies_total").increment(1);
+            let publisher_name = user_id.as_deref().unwrap_or("(no user_id)");
+            tracing::warn!(
+                user_id = publisher_name,
+                correlation_id = delivery.correlation_id().unwrap_or(""),
+                "reply refused: not published by an agent identity (amqp.agent_users)"
+            );
+            return Consumed::DeadLetter(format!(
+                "forged reply refused: published by broker user {publisher_name:?}, \
+                 which is not one of amqp.agent_users"
+            ));
+        }
         let reply: StepReply = match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
             Ok(reply) => reply,
             Err(error) => return Consumed::DeadLetter(error.to_string()),

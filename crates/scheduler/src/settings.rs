@@ -1,6 +1,6 @@
 //! The scheduler's settings (defaults in `defaults.toml`).
 
-use sas_broker::AmqpSettings;
+use sas_broker::ServiceAmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
 use sas_store::{DatabaseSettings, DeadlineSettings};
 use serde::Deserialize;
@@ -17,7 +17,7 @@ pub struct Settings {
     /// Operations endpoint.
     pub http: HttpSettings,
     /// RabbitMQ.
-    pub amqp: AmqpSettings,
+    pub amqp: ServiceAmqpSettings,
     /// Postgres.
     pub database: DatabaseSettings,
     /// Deadline margins, shared with the other services (see [`sas_store::timing`]).

@@ -60,7 +60,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings.supervisor.id.clone()
     };
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
-    let session = Session::new(settings.amqp.clone(), id.clone());
+    let session = Session::new(settings.amqp.broker.clone(), id.clone());
     let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,

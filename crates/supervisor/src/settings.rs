@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use sas_broker::AmqpSettings;
+use sas_broker::ServiceAmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
 use sas_store::recovery::RecoveryPolicy;
 use sas_store::{DatabaseSettings, DeadlineSettings};
@@ -20,7 +20,7 @@ pub struct Settings {
     /// Operations endpoint.
     pub http: HttpSettings,
     /// RabbitMQ (status messages and dead-letter records).
-    pub amqp: AmqpSettings,
+    pub amqp: ServiceAmqpSettings,
     /// Postgres.
     pub database: DatabaseSettings,
     /// Deadline margins, shared with the other services (see [`sas_store::timing`]).

@@ -1,0 +1,48 @@
+-- The roles of a sas database. Run with psql as the schema owner (the role
+-- that applies the migrations), before the first migration; safe to run
+-- again on an existing database (an upgrade), which it brings to the same
+-- rights:
+--   psql -v ON_ERROR_STOP=1 -v owner=sas_owner -v db=sas -v app_role=sas_app \
+--        -v app_password="$SAS_APP_PASSWORD" -f deploy/postgres/roles.sql <owner's connection>
+-- Compose runs it from init-roles.sh on the first start of Postgres.
+--
+-- app_role (sas_app) is what the scheduler and supervisor log in as. It owns
+-- nothing, and may SELECT, INSERT and UPDATE the rows of the tables the owner
+-- creates. It may not DELETE or TRUNCATE anything (history is append-only,
+-- and nothing in the services deletes rows), and may only read
+-- _sqlx_migrations, so a compromised service can neither erase what
+-- happened nor mark a migration as applied.
+
+SELECT format('CREATE ROLE %I LOGIN PASSWORD %L', :'app_role', :'app_password')
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'app_role')\gexec
+
+GRANT CONNECT ON DATABASE :"db" TO :"app_role";
+GRANT USAGE ON SCHEMA public TO :"app_role";
+
+-- sqlx's bookkeeping table, created now, before the default privileges
+-- below exist, so that they never apply to it. Same definition as sqlx's
+-- own `CREATE TABLE IF NOT EXISTS` (sqlx-postgres migrate.rs), which then
+-- finds it and uses it. Owned by the owner, like every table.
+CREATE TABLE IF NOT EXISTS public._sqlx_migrations (
+    version BIGINT PRIMARY KEY,
+    description TEXT NOT NULL,
+    installed_on TIMESTAMPTZ NOT NULL DEFAULT now(),
+    success BOOLEAN NOT NULL,
+    checksum BYTEA NOT NULL,
+    execution_time BIGINT NOT NULL
+);
+
+-- Tables and sequences the owner creates later (the migrations) ...
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+  REVOKE DELETE, TRUNCATE ON TABLES FROM :"app_role";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+  GRANT SELECT, INSERT, UPDATE ON TABLES TO :"app_role";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+  GRANT USAGE, SELECT ON SEQUENCES TO :"app_role";
+-- ... and those that already exist (a database set up by an older version).
+GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA public TO :"app_role";
+REVOKE DELETE, TRUNCATE ON ALL TABLES IN SCHEMA public FROM :"app_role";
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO :"app_role";
+-- Read-only for the services, whatever the lines above granted.
+REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON public._sqlx_migrations FROM :"app_role";
+GRANT SELECT ON public._sqlx_migrations TO :"app_role";

@@ -1,0 +1,93 @@
+#!/bin/sh
+# Creates (or updates) the broker user of each role with only the permissions
+# it needs, idempotently. Run where rabbitmqctl reaches the broker: compose
+# runs it inside the rabbitmq container at every start (entrypoint.sh);
+# on Kubernetes: kubectl exec -i <rabbitmq-pod> -- sh -s < deploy/rabbitmq/setup-users.sh
+# with the variables below in its environment (see deploy/README.md).
+#
+# Passwords come from the environment, never from a file in the repository:
+#   SAS_RABBITMQ_SCHEDULER_PASSWORD, SAS_RABBITMQ_SUPERVISOR_PASSWORD,
+#   SAS_RABBITMQ_AGENT_PASSWORD, SAS_RABBITMQ_CLIENT_PASSWORD
+# Optional: SAS_AMQP_PREFIX (the deployment's amqp.prefix, default empty),
+#   SAS_RABBITMQ_VHOST (default /), SAS_RABBITMQ_{SCHEDULER,SUPERVISOR,AGENT,CLIENT}_USER
+#   (defaults sas-scheduler, sas-supervisor, sas-agent, sas-client),
+#   SAS_RABBITMQ_DELETE=1 deletes the four users instead (cleanup).
+#
+# Permissions (configure / write / read regexes; P is the prefix):
+#   scheduler  declares orders, replies and agent queues; consumes orders and
+#              replies; publishes requests and client statuses (default
+#              exchange), statuses (P sas.status) and dead letters; sasctl in
+#              its container may follow orders (server-named amq.gen-* queues).
+#   supervisor declares the dead-letter queues and the status exchange;
+#              consumes P sas.dead-letters.record; publishes statuses,
+#              compensation requests (default exchange) and dead letters.
+#   agent      declares and consumes P sas.agent.*; publishes replies (default
+#              exchange) and dead letters.
+#   client     publishes to the exchange P sas.orders only (not the default
+#              exchange, which reaches every queue); declares and reads only
+#              queues named P sas.client.<its user>.<anything>, its reply_to
+#              queues. Client user names: letters, digits, - and _.
+set -eu
+
+prefix=$(printf '%s' "${SAS_AMQP_PREFIX:-}" | sed 's/[].[^$*+?(){}|\\]/\\&/g')
+vhost=${SAS_RABBITMQ_VHOST:-/}
+scheduler=${SAS_RABBITMQ_SCHEDULER_USER:-sas-scheduler}
+supervisor=${SAS_RABBITMQ_SUPERVISOR_USER:-sas-supervisor}
+agent=${SAS_RABBITMQ_AGENT_USER:-sas-agent}
+client=${SAS_RABBITMQ_CLIENT_USER:-sas-client}
+
+if [ "${SAS_RABBITMQ_DELETE:-}" = 1 ]; then
+  for user in "$scheduler" "$supervisor" "$agent" "$client"; do
+    rabbitmqctl -q delete_user "$user" >/dev/null 2>&1 || true
+  done
+  exit 0
+fi
+
+case $client in
+  *[!A-Za-z0-9_-]*) echo "client user name $client: only letters, digits, - and _" >&2; exit 2 ;;
+esac
+
+# Names of the topology, as regex alternatives (see crates/messages names.rs).
+common="sas\.dead-letter|sas\.dead-letters|sas\.dead-letters\.record|sas\.status"
+agents="sas\.agent\..+"
+work="sas\.orders|sas\.scheduler\.replies|$agents"
+
+ensure_user() { # user password-variable
+  eval "password=\${$2:?$2 must be set: the broker password of $1}"
+  if rabbitmqctl -q list_users | cut -f1 | grep -qx -- "$1"; then
+    rabbitmqctl -q change_password "$1" "$password" >/dev/null
+  else
+    rabbitmqctl -q add_user "$1" "$password" >/dev/null
+  fi
+  rabbitmqctl -q set_user_tags "$1" >/dev/null
+}
+
+grant() { # user configure write read
+  rabbitmqctl -q set_permissions -p "$vhost" "$1" "$2" "$3" "$4" >/dev/null
+}
+
+ensure_user "$scheduler" SAS_RABBITMQ_SCHEDULER_PASSWORD
+grant "$scheduler" \
+  "^$prefix($work|$common|amq\.gen-.+)\$" \
+  "^(amq\.default|$prefix($work|$common|amq\.gen-.+))\$" \
+  "^$prefix($work|sas\.dead-letter|sas\.status|amq\.gen-.+)\$"
+
+ensure_user "$supervisor" SAS_RABBITMQ_SUPERVISOR_PASSWORD
+grant "$supervisor" \
+  "^$prefix($common)\$" \
+  "^(amq\.default|$prefix($common))\$" \
+  "^$prefix(sas\.dead-letters\.record|sas\.dead-letter)\$"
+
+ensure_user "$agent" SAS_RABBITMQ_AGENT_PASSWORD
+grant "$agent" \
+  "^$prefix($agents|$common)\$" \
+  "^(amq\.default|$prefix(sas\.dead-letter|sas\.dead-letters|sas\.dead-letters\.record))\$" \
+  "^$prefix($agents|sas\.dead-letter)\$"
+
+ensure_user "$client" SAS_RABBITMQ_CLIENT_PASSWORD
+grant "$client" \
+  "^${prefix}sas\.client\.$client\..+\$" \
+  "^${prefix}sas\.orders\$" \
+  "^${prefix}sas\.client\.$client\..+\$"
+
+echo "broker users ready: $scheduler $supervisor $agent $client (vhost $vhost, prefix '${SAS_AMQP_PREFIX:-}')"
