@@ -105,6 +105,10 @@ impl Agent {
             }
             Finished::Interrupted => return Consumed::Requeue,
         };
+        let failure = match &outcome {
+            StepOutcome::Failed { error, .. } => Some(error.clone()),
+            StepOutcome::Succeeded { .. } => None,
+        };
         let label = match &outcome {
             StepOutcome::Succeeded { .. } => "succeeded",
             StepOutcome::Failed {
@@ -142,7 +146,10 @@ impl Agent {
             .await
         {
             Ok(()) => {
-                tracing::info!(outcome = label, "replied");
+                match failure {
+                    Some(error) => tracing::warn!(outcome = label, error = %error, "replied"),
+                    None => tracing::info!(outcome = label, "replied"),
+                }
                 Consumed::Ack
             }
             Err(error) => {
