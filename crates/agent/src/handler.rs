@@ -301,14 +301,24 @@ impl Agent {
     }
 
     /// The request's deadlines on the database clock.
+    ///
+    /// `start_by` is the request's own; a request without one (from a
+    /// scheduler that does not set it) stops starting calls at
+    /// `complete_by - agent.start_margin_ms`, the margin capped at half the
+    /// attempt's window (from `dispatched_at`, or from now), so that a step
+    /// with a deadline shorter than the margin still gets its calls.
     fn deadlines(&self, request: &StepRequest) -> Deadlines {
-        let margin = chrono::Duration::milliseconds(
-            i64::try_from(self.settings.agent.start_margin_ms).unwrap_or(i64::MAX),
-        );
-        let start_by = request
-            .start_by
-            .unwrap_or(request.complete_by - margin)
-            .min(request.complete_by);
+        let start_by = request.start_by.unwrap_or_else(|| {
+            let margin = chrono::Duration::milliseconds(
+                i64::try_from(self.settings.agent.start_margin_ms).unwrap_or(i64::MAX),
+            );
+            let opened = request
+                .dispatched_at
+                .unwrap_or_else(|| self.clock.database_now());
+            let half_window = (request.complete_by - opened) / 2;
+            request.complete_by - margin.min(half_window.max(chrono::Duration::zero()))
+        });
+        let start_by = start_by.min(request.complete_by);
         Deadlines {
             start_by,
             complete_by: request.complete_by,
