@@ -9,6 +9,7 @@ pub use remote_sim::ledger::{Decision, Entry, Stats};
 pub struct SimClient {
     base: String,
     http: reqwest::Client,
+    admin_token: Option<String>,
 }
 
 impl SimClient {
@@ -17,6 +18,42 @@ impl SimClient {
         Self {
             base: format!("http://127.0.0.1:{port}"),
             http: reqwest::Client::new(),
+            admin_token: None,
+        }
+    }
+
+    /// A client for remote-sim serving HTTPS at `port` on 127.0.0.1 (an IP
+    /// address its certificate names), trusting only `ca_pem`.
+    ///
+    /// # Panics
+    /// When `ca_pem` is not a PEM certificate.
+    pub fn https(port: u16, ca_pem: &str) -> Self {
+        let http = reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(
+                reqwest::Certificate::from_pem(ca_pem.as_bytes()).expect("a PEM CA"),
+            )
+            .build()
+            .expect("an HTTPS client");
+        Self {
+            base: format!("https://127.0.0.1:{port}"),
+            http,
+            admin_token: None,
+        }
+    }
+
+    /// This client, sending `Authorization: Bearer <token>` on the admin
+    /// and ledger routes (remote-sim's `sim.admin_token`).
+    pub fn with_admin_token(mut self, token: &str) -> Self {
+        self.admin_token = Some(token.to_owned());
+        self
+    }
+
+    fn admin(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.admin_token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
         }
     }
 
@@ -31,8 +68,7 @@ impl SimClient {
     /// When remote-sim cannot be reached.
     pub async fn side_effects(&self) -> anyhow::Result<Vec<Entry>> {
         Ok(self
-            .http
-            .get(format!("{}/side-effects", self.base))
+            .admin(self.http.get(format!("{}/side-effects", self.base)))
             .send()
             .await?
             .error_for_status()?
@@ -84,8 +120,7 @@ impl SimClient {
     /// When remote-sim cannot be reached.
     pub async fn stats(&self) -> anyhow::Result<Stats> {
         Ok(self
-            .http
-            .get(format!("{}/stats", self.base))
+            .admin(self.http.get(format!("{}/stats", self.base)))
             .send()
             .await?
             .error_for_status()?
@@ -106,9 +141,22 @@ impl SimClient {
             Some(service) => format!("{}/admin/faults/{service}", self.base),
             None => format!("{}/admin/faults", self.base),
         };
-        self.http
-            .put(url)
+        self.admin(self.http.put(url))
             .json(&faults)
+            .send()
+            .await?
+            .error_for_status()?;
+        Ok(())
+    }
+
+    /// Sets the provider behaviour (`{"mode": "strict", "late_answer_rate":
+    /// 0.1, "late_answer_ms": 6500, "late_action": "refuse"}`).
+    ///
+    /// # Errors
+    /// When remote-sim refuses.
+    pub async fn set_provider(&self, provider: serde_json::Value) -> anyhow::Result<()> {
+        self.admin(self.http.put(format!("{}/admin/provider", self.base)))
+            .json(&provider)
             .send()
             .await?
             .error_for_status()?;

@@ -9,41 +9,72 @@ use sas_broker::Publisher;
 use sas_messages::{decode, StepOutcome, StepReply, StepRequest, SCHEMA_VERSION};
 use tracing::Instrument;
 
-use crate::remote::CallResult;
+use chrono::{DateTime, Utc};
+use tokio_util::sync::CancellationToken;
+
+use crate::remote::{bounded_text, is_operation_name, CallResult};
 use crate::{Agent, Lane};
 
 /// How a request ended, before the reply.
 enum Finished {
     /// Send this outcome.
     Reply(StepOutcome),
-    /// The deadline passed: the supervisor owns the step now; send nothing.
+    /// The start deadline passed before any call could have reached the
+    /// service: the supervisor owns the step now; send nothing.
     Expired,
-    /// Shutting down: hand the request back.
+    /// Shutting down, or the broker connection is lost: hand the request back.
     Interrupted,
 }
 
 impl Agent {
     /// Handles one request: calls the remote service (with retries inside the
     /// deadline), then publishes the reply and acknowledges.
-    pub async fn handle(&self, lane: &Lane, delivery: Delivery, publisher: &Publisher) -> Consumed {
+    ///
+    /// `connection_lost` fires when the broker connection the delivery came
+    /// on is gone: calls for it stop (the delivery comes back to the queue).
+    pub async fn handle(
+        &self,
+        lane: &Lane,
+        delivery: Delivery,
+        publisher: &Publisher,
+        connection_lost: &CancellationToken,
+    ) -> Consumed {
+        let received = self.clock.local_now();
         let request: StepRequest =
             match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
                 Ok(request) => request,
                 Err(error) => return Consumed::DeadLetter(error.to_string()),
             };
+        if !is_operation_name(&request.action) {
+            tracing::warn!(order_id = %request.order_id, action = %bounded_text(&request.action), "request names no operation this agent may call");
+            return Consumed::DeadLetter(format!(
+                "action {:?} is not an operation name (1 to 64 letters, digits, '_' or '-'); no call made",
+                bounded_text(&request.action)
+            ));
+        }
+        if let Some(dispatched_at) = request.dispatched_at {
+            self.clock.observe(dispatched_at, received);
+        }
         let Some(reply_to) = delivery.reply_to().map(str::to_owned) else {
             return Consumed::DeadLetter("request has no reply_to".into());
         };
         let correlation_id = request.attempt_id.to_string();
         let trace_id = sas_broker::publish::trace_id_of(&delivery.properties);
         let span = tracing::info_span!("step", order_id = %request.order_id, correlation_id = %correlation_id, trace_id = trace_id.as_deref().unwrap_or(""), step = %request.step, action = %request.action);
+        if delivery.redelivered {
+            span.in_scope(|| {
+                tracing::info!(
+                    "redelivered request; the idempotency key makes the call safe to repeat"
+                );
+            });
+        }
         self.handle_request(
             lane,
             request,
             &reply_to,
             trace_id.as_deref(),
-            delivery.redelivered,
             publisher,
+            connection_lost,
         )
         .instrument(span)
         .await
@@ -55,33 +86,43 @@ impl Agent {
         request: StepRequest,
         reply_to: &str,
         trace_id: Option<&str>,
-        redelivered: bool,
         publisher: &Publisher,
+        connection_lost: &CancellationToken,
     ) -> Consumed {
         let correlation_id = request.attempt_id.to_string();
-        if redelivered {
-            tracing::info!(
-                "redelivered request; the idempotency key makes the call safe to repeat"
-            );
-        }
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
-        let finished = self.call_until_deadline(lane, &request).await;
+        let finished = self
+            .call_until_deadline(lane, &request, connection_lost)
+            .await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
         let outcome = match finished {
             Finished::Reply(outcome) => outcome,
             Finished::Expired => {
                 metrics::counter!("sas_agent_deadline_expired_total").increment(1);
-                tracing::warn!(complete_by = %request.complete_by, "deadline passed; stopping without a reply");
+                tracing::warn!(complete_by = %request.complete_by, start_by = ?request.start_by, "start deadline passed and no call can have reached the service; stopping without a reply");
                 return Consumed::Ack;
             }
             Finished::Interrupted => return Consumed::Requeue,
         };
+        let failure = match &outcome {
+            StepOutcome::Failed { error, .. } => Some(error.clone()),
+            StepOutcome::Succeeded { .. } => None,
+        };
         let label = match &outcome {
             StepOutcome::Succeeded { .. } => "succeeded",
             StepOutcome::Failed {
-                permanent: true, ..
+                permanent: true,
+                maybe_applied: false,
+                ..
             } => "failed_permanent",
+            StepOutcome::Failed {
+                permanent: true, ..
+            } => "failed_permanent_maybe_applied",
+            StepOutcome::Failed {
+                maybe_applied: true,
+                ..
+            } => "failed_maybe_applied",
             StepOutcome::Failed { .. } => "failed_transient",
         };
         metrics::histogram!("sas_agent_step_duration_seconds", "action" => request.action.clone(), "outcome" => label)
@@ -105,7 +146,10 @@ impl Agent {
             .await
         {
             Ok(()) => {
-                tracing::info!(outcome = label, "replied");
+                match failure {
+                    Some(error) => tracing::warn!(outcome = label, error = %error, "replied"),
+                    None => tracing::info!(outcome = label, "replied"),
+                }
                 Consumed::Ack
             }
             Err(error) => {
@@ -117,12 +161,23 @@ impl Agent {
         }
     }
 
-    async fn call_until_deadline(&self, lane: &Lane, request: &StepRequest) -> Finished {
+    async fn call_until_deadline(
+        &self,
+        lane: &Lane,
+        request: &StepRequest,
+        connection_lost: &CancellationToken,
+    ) -> Finished {
         let settings = &self.settings.agent;
+        let deadlines = self.deadlines(request);
         let mut attempt: u32 = 0;
+        // Whether some call of this request may have reached the service
+        // (an unknown outcome, or a 409 "in progress"): once true, no later
+        // answer makes the step "not applied".
+        let mut maybe_applied = false;
+        let mut last_error = String::new();
         loop {
-            let Some(left) = time_left(request) else {
-                return Finished::Expired;
+            let Some(left) = self.time_left(deadlines.start_by) else {
+                return expired(maybe_applied, &last_error);
             };
             if !lane.circuit.allow() {
                 // Fail fast: no call to a service that keeps failing. The
@@ -132,75 +187,175 @@ impl Agent {
                 metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone()).increment(1);
                 let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
                 if wait >= left {
-                    return Finished::Expired;
+                    return expired(maybe_applied, &last_error);
                 }
                 tokio::select! {
                     () = tokio::time::sleep(wait) => continue,
                     () = self.shutdown.cancelled() => return Finished::Interrupted,
+                    () = connection_lost.cancelled() => return Finished::Interrupted,
                 }
             }
             // Waiting for a call slot counts against the deadline too: a call
-            // must never start after complete-by, when the supervisor may
-            // already have sent the undo.
+            // must never start after start-by, when the supervisor may soon
+            // send the undo.
             let permit = tokio::select! {
                 permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
                     Ok(permit) => permit.expect("the semaphore is never closed"),
-                    Err(_) => return Finished::Expired,
+                    Err(_) => return expired(maybe_applied, &last_error),
                 },
                 () = self.shutdown.cancelled() => return Finished::Interrupted,
+                () = connection_lost.cancelled() => return Finished::Interrupted,
             };
-            let Some(left) = time_left(request) else {
-                return Finished::Expired;
+            if self.time_left(deadlines.start_by).is_none() {
+                return expired(maybe_applied, &last_error);
+            }
+            let Some(until_complete) = self.time_left(deadlines.complete_by) else {
+                return expired(maybe_applied, &last_error);
             };
-            let timeout = left.min(Duration::from_millis(settings.call_timeout_ms));
+            let timeout = until_complete.min(Duration::from_millis(settings.call_timeout_ms));
             // A call under way is not cut short by shutdown: the drain limit
-            // bounds it, and cutting it would only make the call repeat.
-            let result = lane.remote.call(request, timeout).await;
+            // bounds it, and cutting it would only make the call repeat. A
+            // lost broker connection does cut it: the request is back in the
+            // queue for another agent, and this one must stop calling for it.
+            let result = tokio::select! {
+                result = lane.remote.call(request, timeout) => result,
+                () = connection_lost.cancelled() => {
+                    metrics::counter!("sas_agent_calls_abandoned_total").increment(1);
+                    tracing::warn!("broker connection lost: call abandoned; the request goes back to its queue");
+                    return Finished::Interrupted;
+                }
+            };
             drop(permit);
-            match result {
-                CallResult::Success(result) => {
+            metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => result.class()).increment(1);
+            let class = result.class();
+            let mut logged = false;
+            let error = match result {
+                CallResult::Succeeded(result) => {
                     lane.circuit.record_success();
                     return Finished::Reply(StepOutcome::Succeeded { result });
                 }
-                CallResult::Permanent(error) => {
+                CallResult::Refused(error) => {
                     lane.circuit.record_success();
+                    let error = if maybe_applied {
+                        bounded_text(&format!(
+                            "{error} (after an earlier call whose outcome is unknown: {last_error})"
+                        ))
+                    } else {
+                        error
+                    };
                     return Finished::Reply(StepOutcome::Failed {
                         error,
                         permanent: true,
-                        maybe_applied: false,
+                        maybe_applied,
                     });
                 }
-                CallResult::Transient(error) => {
+                CallResult::Transient { error, certificate } => {
                     lane.circuit.record_failure();
-                    metrics::counter!("sas_agent_retries_total").increment(1);
-                    attempt = attempt.saturating_add(1);
-                    let ceiling = settings
-                        .retry_base_ms
-                        .saturating_mul(1u64 << attempt.min(16))
-                        .min(settings.retry_max_ms);
-                    let wait = Duration::from_millis(rand::thread_rng().gen_range(0..=ceiling));
-                    tracing::info!(error = %error, attempt, wait_ms = wait.as_millis() as u64, "transient fault; retrying");
-                    match time_left(request) {
-                        Some(left) if left > wait => {}
-                        _ => return Finished::Expired,
+                    if certificate {
+                        // One clear line per failure, naming the URL.
+                        tracing::warn!(error = %error, attempt, "TLS certificate of the remote service not accepted; nothing was sent");
+                        logged = true;
                     }
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        () = self.shutdown.cancelled() => return Finished::Interrupted,
-                    }
+                    error
                 }
+                CallResult::InProgress(error) => {
+                    // The service answered: it is up, and busy with this key.
+                    lane.circuit.record_success();
+                    maybe_applied = true;
+                    error
+                }
+                CallResult::Unknown {
+                    error,
+                    service_failed,
+                } => {
+                    if service_failed {
+                        lane.circuit.record_failure();
+                    } else {
+                        lane.circuit.record_success();
+                    }
+                    maybe_applied = true;
+                    error
+                }
+            };
+            metrics::counter!("sas_agent_retries_total").increment(1);
+            attempt = attempt.saturating_add(1);
+            let ceiling = settings
+                .retry_base_ms
+                .saturating_mul(1u64 << attempt.min(16))
+                .min(settings.retry_max_ms);
+            let wait = Duration::from_millis(rand::thread_rng().gen_range(0..=ceiling));
+            if !logged {
+                tracing::info!(class, error = %error, attempt, wait_ms = wait.as_millis() as u64, maybe_applied, "call not settled; retrying the same key");
+            }
+            last_error = error;
+            match self.time_left(deadlines.start_by) {
+                Some(left) if left > wait => {}
+                _ => return expired(maybe_applied, &last_error),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.shutdown.cancelled() => return Finished::Interrupted,
+                () = connection_lost.cancelled() => return Finished::Interrupted,
             }
         }
     }
+
+    /// The request's deadlines on the database clock.
+    ///
+    /// `start_by` is the request's own; a request without one (from a
+    /// scheduler that does not set it) stops starting calls at
+    /// `complete_by - agent.start_margin_ms`, the margin capped at half the
+    /// attempt's window (from `dispatched_at`, or from now), so that a step
+    /// with a deadline shorter than the margin still gets its calls.
+    fn deadlines(&self, request: &StepRequest) -> Deadlines {
+        let start_by = request.start_by.unwrap_or_else(|| {
+            let margin = chrono::Duration::milliseconds(
+                i64::try_from(self.settings.agent.start_margin_ms).unwrap_or(i64::MAX),
+            );
+            let opened = request
+                .dispatched_at
+                .unwrap_or_else(|| self.clock.database_now());
+            let half_window = (request.complete_by - opened) / 2;
+            request.complete_by - margin.min(half_window.max(chrono::Duration::zero()))
+        });
+        let start_by = start_by.min(request.complete_by);
+        Deadlines {
+            start_by,
+            complete_by: request.complete_by,
+        }
+    }
+
+    /// Time until `deadline` (database clock) by this agent's estimate of
+    /// the database clock, or `None` when it has passed.
+    fn time_left(&self, deadline: DateTime<Utc>) -> Option<Duration> {
+        (deadline - self.clock.database_now())
+            .to_std()
+            .ok()
+            .filter(|left| !left.is_zero())
+    }
 }
 
-/// Time until the request's complete-by, or `None` when it has passed.
-///
-/// complete-by comes from the database clock; this compares it with the
-/// local clock, so hosts must keep their clocks in sync (NTP).
-fn time_left(request: &StepRequest) -> Option<Duration> {
-    (request.complete_by - chrono::Utc::now())
-        .to_std()
-        .ok()
-        .filter(|left| !left.is_zero())
+/// When calls must stop, on the database clock.
+struct Deadlines {
+    /// No call starts after it.
+    start_by: DateTime<Utc>,
+    /// No call runs past it.
+    complete_by: DateTime<Utc>,
+}
+
+/// How a request ends at its start deadline: silently when no call can
+/// have reached the service (the supervisor owns the step), otherwise with
+/// a failure that says the step may have been applied.
+fn expired(maybe_applied: bool, last_error: &str) -> Finished {
+    if maybe_applied {
+        Finished::Reply(StepOutcome::Failed {
+            error: bounded_text(&format!(
+                "start deadline reached; an earlier call may have been applied: {last_error}"
+            )),
+            permanent: false,
+            maybe_applied: true,
+        })
+    } else {
+        Finished::Expired
+    }
 }

@@ -10,8 +10,10 @@
 //! - [`remote`]: the HTTP call and how its answers are classified.
 //! - [`circuit`]: the circuit breaker around the remote service.
 //! - [`handler`]: one request, from delivery to acknowledgement.
+//! - [`clock`]: this agent's estimate of the database clock.
 
 pub mod circuit;
+pub mod clock;
 pub mod handler;
 pub mod remote;
 pub mod settings;
@@ -26,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 pub use settings::Settings;
 
 use crate::circuit::CircuitBreaker;
+use crate::clock::Clock;
 use crate::remote::RemoteClient;
 
 /// One remote service this replica calls, with its own breaker.
@@ -53,6 +56,8 @@ pub struct Agent {
     pub lanes: Vec<Arc<Lane>>,
     /// Fired on SIGTERM: retries stop and the request goes back to the queue.
     pub shutdown: CancellationToken,
+    /// The local clock and how far it runs behind the database clock.
+    pub clock: Clock,
 }
 
 /// Runs an agent replica until `shutdown`, then drains in-flight requests.
@@ -84,7 +89,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         let url = settings.agent.remote_url_for(&name);
         tracing::info!(agent = %name, remote = %url, "serving agent queue");
         lanes.push(Arc::new(Lane {
-            remote: RemoteClient::new(&url)?,
+            remote: RemoteClient::new(&name, &url, &settings.agent)?,
             circuit: CircuitBreaker::new(
                 &name,
                 settings.circuit.failure_threshold,
@@ -96,6 +101,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     }
     let agent = Arc::new(Agent {
         id,
+        clock: Clock::new(settings.agent.clock_offset_ms),
         settings,
         lanes,
         shutdown: shutdown.clone(),
@@ -124,11 +130,17 @@ impl Agent {
             .collect();
         topology::declare(&connection, amqp, &queues).await?;
         let drain = Duration::from_millis(self.settings.agent.drain_ms);
+        // Fired when this connection's work ends: dropped by the session when
+        // the connection is lost, or done after the drain at shutdown. Calls
+        // still running for its deliveries stop (the broker requeues them).
+        let connection_lost = tokio_util::sync::CancellationToken::new();
+        let _cancel_calls = connection_lost.clone().drop_guard();
         let consumers = self.lanes.iter().map(|lane| {
             let queue = amqp.names().agent_requests(&lane.name);
             let (me, lane, reply_publisher) = (self.clone(), lane.clone(), publisher.clone());
             let connection = connection.clone();
             let publisher = publisher.clone();
+            let connection_lost = connection_lost.clone();
             async move {
                 sas_broker::consume::consume(
                     &connection,
@@ -138,9 +150,13 @@ impl Agent {
                     me.shutdown.clone(),
                     drain,
                     move |delivery| {
-                        let (me, lane, publisher) =
-                            (me.clone(), lane.clone(), reply_publisher.clone());
-                        async move { me.handle(&lane, delivery, &publisher).await }
+                        let (me, lane, publisher, lost) = (
+                            me.clone(),
+                            lane.clone(),
+                            reply_publisher.clone(),
+                            connection_lost.clone(),
+                        );
+                        async move { me.handle(&lane, delivery, &publisher, &lost).await }
                     },
                 )
                 .await

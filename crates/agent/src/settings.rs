@@ -34,6 +34,24 @@ pub struct AgentSettings {
     pub id: String,
     /// Base URL of the remote service; `{agent}` is replaced by the agent name.
     pub remote_url: String,
+    /// PEM file of extra CA certificates trusted for an https remote, besides
+    /// the system's roots; empty adds none.
+    pub remote_ca_file: String,
+    /// PEM client certificate for mutual TLS; empty sends none.
+    pub remote_client_cert_file: String,
+    /// PEM private key of `remote_client_cert_file`.
+    pub remote_client_key_file: String,
+    /// The whole `Authorization` header value sent to the remote (a secret,
+    /// never logged); empty sends none.
+    pub remote_auth_header: Secret,
+    /// Largest answer body read from the remote service, in bytes.
+    pub max_answer_bytes: usize,
+    /// Without a `start_by` in the request, no call starts later than
+    /// `complete_by` minus this, in milliseconds.
+    pub start_margin_ms: u64,
+    /// Test only: shifts this agent's idea of "now", in milliseconds
+    /// (negative: the clock runs behind), to simulate a skewed host.
+    pub clock_offset_ms: i64,
     /// Longest single call, in milliseconds.
     pub call_timeout_ms: u64,
     /// Calls to the remote service in flight at once, per agent name.
@@ -44,6 +62,38 @@ pub struct AgentSettings {
     pub retry_max_ms: u64,
     /// Longest wait for in-flight requests at shutdown, in milliseconds.
     pub drain_ms: u64,
+}
+
+/// A secret setting: its `Debug` never shows the value.
+#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// A secret holding `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The value, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// True when unset.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("\"\"")
+        } else {
+            f.write_str("[redacted]")
+        }
+    }
 }
 
 /// The `[circuit]` section.
@@ -71,6 +121,75 @@ impl AgentSettings {
     }
 }
 
+/// What the TLS files of the `[agent]` section hold, read and parsed.
+#[derive(Default)]
+pub struct TlsFiles {
+    /// Extra trusted CA certificates.
+    pub roots: Vec<reqwest::Certificate>,
+    /// The client certificate and key, for mutual TLS.
+    pub identity: Option<reqwest::Identity>,
+}
+
+impl AgentSettings {
+    /// Reads and parses `remote_ca_file`, `remote_client_cert_file` and
+    /// `remote_client_key_file`.
+    ///
+    /// # Errors
+    /// A message naming the key whose file cannot be read or parsed.
+    pub fn tls_files(&self) -> Result<TlsFiles, String> {
+        let read = |key: &str, path: &str| {
+            std::fs::read(path)
+                .map_err(|error| format!("agent.{key}: cannot read {path:?}: {error}"))
+        };
+        let mut files = TlsFiles::default();
+        if !self.remote_ca_file.is_empty() {
+            let pem = read("remote_ca_file", &self.remote_ca_file)?;
+            files.roots = reqwest::Certificate::from_pem_bundle(&pem).map_err(|error| {
+                format!(
+                    "agent.remote_ca_file: {:?} is not PEM certificates: {error}",
+                    self.remote_ca_file
+                )
+            })?;
+            if files.roots.is_empty() {
+                return Err(format!(
+                    "agent.remote_ca_file: {:?} holds no PEM certificate",
+                    self.remote_ca_file
+                ));
+            }
+        }
+        match (
+            self.remote_client_cert_file.is_empty(),
+            self.remote_client_key_file.is_empty(),
+        ) {
+            (true, true) => {}
+            (false, false) => {
+                let mut pem = read("remote_client_cert_file", &self.remote_client_cert_file)?;
+                let key = read("remote_client_key_file", &self.remote_client_key_file)?;
+                pem.push(b'\n');
+                pem.extend_from_slice(&key);
+                files.identity = Some(reqwest::Identity::from_pem(&pem).map_err(|error| {
+                    format!(
+                        "agent.remote_client_cert_file and agent.remote_client_key_file are not a PEM certificate and its key: {error}"
+                    )
+                })?);
+            }
+            (false, true) => {
+                return Err(
+                    "agent.remote_client_key_file is required with agent.remote_client_cert_file"
+                        .into(),
+                )
+            }
+            (true, false) => {
+                return Err(
+                    "agent.remote_client_cert_file is required with agent.remote_client_key_file"
+                        .into(),
+                )
+            }
+        }
+        Ok(files)
+    }
+}
+
 impl Validate for Settings {
     fn validate(&self) -> Result<(), String> {
         self.amqp.validate()?;
@@ -87,11 +206,30 @@ impl Validate for Settings {
                 ));
             }
         }
-        if !(agent.remote_url.starts_with("http://") || agent.remote_url.starts_with("https://")) {
-            return Err(format!(
-                "agent.remote_url must be an http:// or https:// URL (got {:?})",
-                agent.remote_url
-            ));
+        for name in agent.names() {
+            let url = agent.remote_url_for(&name);
+            let parsed = reqwest::Url::parse(&url)
+                .map_err(|error| format!("agent.remote_url is not a URL ({error}): {url:?}"))?;
+            if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+                return Err(format!(
+                    "agent.remote_url must be an http:// or https:// URL with a host; this binary serves no other (got {url:?})"
+                ));
+            }
+        }
+        agent.tls_files()?;
+        if !agent.remote_auth_header.is_empty() {
+            reqwest::header::HeaderValue::from_str(agent.remote_auth_header.expose()).map_err(
+                |_| "agent.remote_auth_header is not a valid header value (one line of visible ASCII)".to_owned(),
+            )?;
+        }
+        if agent.max_answer_bytes < 64 {
+            return Err("agent.max_answer_bytes must be at least 64".into());
+        }
+        if agent.start_margin_ms >= 3_600_000 {
+            return Err("agent.start_margin_ms must be below an hour".into());
+        }
+        if agent.clock_offset_ms.unsigned_abs() >= 3_600_000 {
+            return Err("agent.clock_offset_ms (test only) must be within an hour".into());
         }
         if agent.call_timeout_ms == 0
             || agent.retry_base_ms == 0

@@ -41,12 +41,17 @@ pub struct Entry {
     /// What was decided.
     #[serde(flatten)]
     pub decision: Decision,
-    /// When.
+    /// When it was decided.
     pub at: DateTime<Utc>,
+    /// When the effect was applied (wall clock, microseconds), for an
+    /// applied decision: tests check that an undo landed after its action.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied_at: Option<DateTime<Utc>>,
 }
 
 /// Counters of what the simulator saw.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Stats {
     /// Calls received.
     pub calls: u64,
@@ -60,6 +65,14 @@ pub struct Stats {
     pub hangs: u64,
     /// Side effects applied.
     pub applied: u64,
+    /// Strict mode: 409s for a key in flight.
+    pub in_progress: u64,
+    /// Strict mode: actions applied at once and answered late.
+    pub late_answers: u64,
+    /// Strict mode: 404s for the undo of a key never applied.
+    pub nothing_to_undo: u64,
+    /// Strict mode: action keys refused for good because their undo came first.
+    pub tombstones: u64,
 }
 
 /// Decisions per key, in order, with an optional journal.

@@ -8,12 +8,15 @@
 //! recorded (`GET /side-effects`), so tests can count them.
 //!
 //! - [`ledger`]: the decisions taken per key, the side effects, the journal.
-//! - [`routes`]: the HTTP API.
+//! - [`routes`]: the HTTP API (plain HTTP, or TLS with `sim.tls_cert_file`).
 
 pub mod ledger;
 pub mod routes;
 pub mod settings;
 
+use std::sync::Arc;
+
+use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 pub use settings::Settings;
@@ -21,21 +24,66 @@ pub use settings::Settings;
 /// Serves the simulated services until `shutdown`.
 ///
 /// # Errors
-/// When the journal cannot be read or the address cannot be bound.
+/// When the journal or the TLS files cannot be read or the address cannot be bound.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let state = routes::SimState::new(&settings, shutdown.clone())?;
-    let listener = tokio::net::TcpListener::bind(&settings.http.listen)
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!("cannot listen on http.listen={}: {e}", settings.http.listen)
-        })?;
-    tracing::info!(addr = %listener.local_addr()?, faults = ?settings.sim.faults, "remote-sim listening");
     let app = routes::router(state).merge(sas_runtime::ops::router(
         sas_runtime::ops::always_ready(),
         shutdown.clone(),
     )?);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await?;
+    let listener = std::net::TcpListener::bind(&settings.http.listen).map_err(|e| {
+        anyhow::anyhow!("cannot listen on http.listen={}: {e}", settings.http.listen)
+    })?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let provider = settings.sim.provider();
+    if settings.sim.tls_cert_file.is_empty() {
+        tracing::info!(%addr, faults = ?settings.sim.faults, ?provider, "remote-sim listening (http)");
+        axum::serve(tokio::net::TcpListener::from_std(listener)?, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await?;
+        return Ok(());
+    }
+    let tls = tls_config(&settings.sim.tls_cert_file, &settings.sim.tls_key_file)?;
+    tracing::info!(%addr, faults = ?settings.sim.faults, ?provider, "remote-sim listening (https)");
+    let handle = axum_server::Handle::new();
+    let stopper = handle.clone();
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        stopper.graceful_shutdown(Some(std::time::Duration::from_secs(5)));
+    });
+    axum_server::from_tcp_rustls(
+        listener,
+        axum_server::tls_rustls::RustlsConfig::from_config(tls),
+    )
+    .handle(handle)
+    .serve(app.into_make_service())
+    .await?;
     Ok(())
+}
+
+/// A rustls server configuration (ring) from PEM files.
+fn tls_config(cert_file: &str, key_file: &str) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    let read = |key: &str, path: &str| {
+        std::fs::read(path).with_context(|| format!("sim.{key}: cannot read {path:?}"))
+    };
+    let certs = rustls_pemfile::certs(&mut read("tls_cert_file", cert_file)?.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("sim.tls_cert_file: {cert_file:?} is not PEM"))?;
+    anyhow::ensure!(
+        !certs.is_empty(),
+        "sim.tls_cert_file: {cert_file:?} holds no certificate"
+    );
+    let key = rustls_pemfile::private_key(&mut read("tls_key_file", key_file)?.as_slice())
+        .with_context(|| format!("sim.tls_key_file: {key_file:?} is not PEM"))?
+        .with_context(|| format!("sim.tls_key_file: {key_file:?} holds no private key"))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .context("sim.tls_cert_file and sim.tls_key_file do not match")?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }

@@ -5,9 +5,24 @@
 //! - `GET /stats`: counters.
 //! - `PUT /admin/faults` (all services) or `PUT /admin/faults/{service}`:
 //!   change latency and fault rates at run time.
+//! - `GET`/`PUT /admin/provider`: the provider mode (`lenient` or `strict`)
+//!   and its late answers, at run time.
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics` (`sas_sim_calls_total{service,outcome}`).
+//!
+//! With `sim.auth_token` set, the service routes require
+//! `Authorization: Bearer <token>` (401 otherwise); with `sim.admin_token`,
+//! so do `/admin/*`, `/side-effects` and `/stats`.
+//!
+//! Strict mode, like a real payment API:
+//! - a call for a key whose first call is still being answered gets 409;
+//! - `late_answer_rate` of the actions are applied at once and answered
+//!   `late_answer_ms` later;
+//! - the undo (`<key>:undo`) of a key never applied gets 404, not recorded
+//!   (a retry looks again); with `late_action = "refuse"` it tombstones the
+//!   action key, so the action arriving late is refused (410);
+//! - `applied_at` in the ledger says when each effect was applied.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -22,7 +37,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::ledger::{Decision, Entry, Ledger};
-use crate::settings::{Faults, Settings};
+use crate::settings::{Faults, LateAction, Mode, Provider, Settings};
 
 /// Services and the operations each offers: the action first, then its compensation.
 pub const SERVICES: [(&str, [&str; 2]); 3] = [
@@ -42,6 +57,27 @@ pub struct SimState {
     rng: Arc<Mutex<StdRng>>,
     decline_above_cents: i64,
     shutdown: CancellationToken,
+    provider: Arc<RwLock<Provider>>,
+    /// Strict mode: keys whose call is being answered.
+    in_flight: Arc<Mutex<HashSet<String>>>,
+    auth_token: Option<Arc<str>>,
+    admin_token: Option<Arc<str>>,
+}
+
+/// Marks a key in flight until the answer is sent or the caller went away
+/// (the handler's future is dropped then).
+struct InFlight {
+    keys: Arc<Mutex<HashSet<String>>>,
+    key: String,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
+    }
 }
 
 impl SimState {
@@ -61,7 +97,15 @@ impl SimState {
             rng: Arc::new(Mutex::new(StdRng::seed_from_u64(seed))),
             decline_above_cents: settings.sim.decline_above_cents,
             shutdown,
+            provider: Arc::new(RwLock::new(settings.sim.provider())),
+            in_flight: Arc::default(),
+            auth_token: settings.sim.auth_token.get().map(Arc::from),
+            admin_token: settings.sim.admin_token.get().map(Arc::from),
         })
+    }
+
+    fn provider(&self) -> Provider {
+        *self.provider.read().unwrap_or_else(|e| e.into_inner())
     }
 
     fn faults_for(&self, service: &str) -> Faults {
@@ -76,13 +120,70 @@ impl SimState {
 
 /// The router of the simulator.
 pub fn router(state: SimState) -> Router {
-    Router::new()
+    let services = Router::new()
+        .route("/{service}/{operation}", post(call))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_service_token,
+        ));
+    let admin = Router::new()
         .route("/side-effects", get(side_effects))
         .route("/stats", get(stats))
         .route("/admin/faults", put(set_faults))
         .route("/admin/faults/{service}", put(set_service_faults))
-        .route("/{service}/{operation}", post(call))
-        .with_state(state)
+        .route("/admin/provider", get(get_provider).put(set_provider))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_admin_token,
+        ));
+    services.merge(admin).with_state(state)
+}
+
+fn bearer_matches(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .is_some_and(|given| given.as_bytes() == token.as_bytes())
+}
+
+fn unauthorized(what: &str) -> Response {
+    let mut response = error(
+        StatusCode::UNAUTHORIZED,
+        format!("{what} require Authorization: Bearer <token>; missing or wrong"),
+    );
+    response.headers_mut().insert(
+        axum::http::header::WWW_AUTHENTICATE,
+        axum::http::HeaderValue::from_static("Bearer"),
+    );
+    response
+}
+
+async fn require_service_token(
+    State(state): State<SimState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match &state.auth_token {
+        Some(token) if !bearer_matches(request.headers(), token) => {
+            tracing::info!(path = %request.uri().path(), "refused a call without the right bearer token (401)");
+            unauthorized("the service routes")
+        }
+        _ => next.run(request).await,
+    }
+}
+
+async fn require_admin_token(
+    State(state): State<SimState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match &state.admin_token {
+        Some(token) if !bearer_matches(request.headers(), token) => {
+            unauthorized("the admin routes")
+        }
+        _ => next.run(request).await,
+    }
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -162,6 +263,8 @@ async fn call(
         );
     };
     let faults = state.faults_for(&service);
+    let provider = state.provider();
+    let strict = provider.mode == Mode::Strict;
     let order = payload
         .get("order")
         .cloned()
@@ -173,14 +276,64 @@ async fn call(
 
     // Deciding and recording happen under one lock, so two concurrent calls
     // with the same key (a retry racing a slow first call) apply once.
-    let (decision, hang) = {
+    let (decision, hang, late, _in_flight) = {
         let mut ledger = state.ledger();
         ledger.stats.calls += 1;
         metrics::counter!("sas_sim_calls_total", "service" => service.clone()).increment(1);
+        let mut in_flight = state.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if strict && in_flight.contains(&key) {
+            ledger.stats.in_progress += 1;
+            return error(
+                StatusCode::CONFLICT,
+                format!("a request with key {key:?} is in progress; retry later"),
+            );
+        }
         if let Some(decision) = ledger.decided(&key) {
             let decision = decision.clone();
             ledger.stats.deduplicated += 1;
             return answer(&decision);
+        }
+        if strict && !is_action {
+            // The undo of a key that was never applied: nothing to undo.
+            let action_key = key.find(":undo").map(|at| &key[..at]);
+            let applied = action_key
+                .and_then(|action_key| ledger.decided(action_key))
+                .is_some_and(|decision| matches!(decision, Decision::Applied { .. }));
+            if !applied {
+                ledger.stats.nothing_to_undo += 1;
+                if let Some(action_key) = action_key {
+                    if provider.late_action == LateAction::Refuse
+                        && ledger.decided(action_key).is_none()
+                        && !in_flight.contains(action_key)
+                    {
+                        ledger.stats.tombstones += 1;
+                        let tombstone = Entry {
+                            key: action_key.to_owned(),
+                            service: service.clone(),
+                            operation: operations[0].to_owned(),
+                            order_id: order_id.clone(),
+                            decision: Decision::Refused {
+                                status: 410,
+                                error: format!(
+                                    "tombstoned: its undo {key:?} came first; nothing applied"
+                                ),
+                            },
+                            at: now_micros(),
+                            applied_at: None,
+                        };
+                        if let Err(e) = ledger.decide(tombstone) {
+                            return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"));
+                        }
+                    }
+                }
+                return error(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "nothing to undo: {} was never applied",
+                        action_key.unwrap_or(key.as_str())
+                    ),
+                );
+            }
         }
         let roll: f64 = state.rng.lock().unwrap_or_else(|e| e.into_inner()).gen();
         if roll < faults.transient_fault_rate {
@@ -214,17 +367,30 @@ async fn call(
                 }),
             }
         };
-        match &decision {
-            Decision::Applied { .. } => {}
-            Decision::Refused { .. } => ledger.stats.permanent_faults += 1,
+        let applied = matches!(decision, Decision::Applied { .. });
+        if !applied {
+            ledger.stats.permanent_faults += 1;
         }
+        let late = strict
+            && is_action
+            && applied
+            && !hang
+            && provider.late_answer_rate > 0.0
+            && state
+                .rng
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .gen::<f64>()
+                < provider.late_answer_rate;
+        let at = now_micros();
         let entry = Entry {
             key: key.clone(),
             service: service.clone(),
             operation: operation.clone(),
             order_id: order_id.clone(),
             decision: decision.clone(),
-            at: chrono::Utc::now(),
+            at,
+            applied_at: applied.then_some(at),
         };
         if let Err(e) = ledger.decide(entry) {
             return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"));
@@ -232,14 +398,37 @@ async fn call(
         if hang {
             ledger.stats.hangs += 1;
         }
-        (decision, hang)
+        if late {
+            ledger.stats.late_answers += 1;
+        }
+        // Strict mode: the key is in flight until its answer leaves (or the
+        // caller gives up): a retry meanwhile gets 409.
+        let guard = strict.then(|| {
+            in_flight.insert(key.clone());
+            InFlight {
+                keys: state.in_flight.clone(),
+                key: key.clone(),
+            }
+        });
+        (decision, hang, late, guard)
     };
-    tracing::debug!(key, service, operation, ?decision, hang, "call decided");
+    tracing::debug!(
+        key,
+        service,
+        operation,
+        ?decision,
+        hang,
+        late,
+        "call decided"
+    );
     // The latency comes after the decision: the effect is applied and the
     // answer is slow, so a caller killed meanwhile leaves an applied effect
     // whose retry must be deduplicated.
     if faults.latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(faults.latency_ms)).await;
+    }
+    if late {
+        tokio::time::sleep(Duration::from_millis(provider.late_answer_ms)).await;
     }
     if hang {
         // Applied, but the answer never comes: the caller must time out and
@@ -249,6 +438,12 @@ async fn call(
         return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
     }
     answer(&decision)
+}
+
+/// The wall clock, to the microsecond.
+fn now_micros() -> chrono::DateTime<chrono::Utc> {
+    use chrono::SubsecRound;
+    chrono::Utc::now().trunc_subsecs(6)
 }
 
 async fn side_effects(State(state): State<SimState>) -> Json<Vec<Entry>> {
@@ -288,4 +483,203 @@ async fn set_service_faults(
         .1
         .insert(service, faults);
     StatusCode::NO_CONTENT.into_response()
+}
+
+async fn get_provider(State(state): State<SimState>) -> Json<Provider> {
+    Json(state.provider())
+}
+
+async fn set_provider(State(state): State<SimState>, Json(provider): Json<Provider>) -> Response {
+    if let Err(message) = provider.validate() {
+        return error(StatusCode::BAD_REQUEST, message);
+    }
+    *state.provider.write().unwrap_or_else(|e| e.into_inner()) = provider;
+    tracing::info!(?provider, "provider behaviour changed");
+    StatusCode::NO_CONTENT.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A simulator with `strict` mode and the given late-action policy,
+    /// served on a free port; returns its base URL and a client.
+    async fn serve(configure: impl FnOnce(&mut Settings)) -> (String, reqwest::Client) {
+        let mut settings: Settings = toml::from_str(crate::settings::DEFAULTS).unwrap();
+        configure(&mut settings);
+        let state = SimState::new(&settings, CancellationToken::new()).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router(state)).await });
+        (format!("http://{addr}"), reqwest::Client::new())
+    }
+
+    fn strict(settings: &mut Settings) {
+        settings.sim.mode = Mode::Strict;
+    }
+
+    async fn post(client: &reqwest::Client, url: &str, key: &str) -> u16 {
+        client
+            .post(url)
+            .header("Idempotency-Key", key)
+            .json(&json!({ "order": { "order_id": "o1", "amount_cents": 100 } }))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    }
+
+    async fn entries(client: &reqwest::Client, base: &str) -> Vec<Entry> {
+        client
+            .get(format!("{base}/side-effects"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn strict_mode_answers_409_while_the_same_key_is_in_flight() {
+        let (base, client) = serve(|settings| {
+            strict(settings);
+            settings.sim.late_answer_rate = 1.0;
+            settings.sim.late_answer_ms = 1500;
+        })
+        .await;
+        let url = format!("{base}/payment/charge");
+        let (first, second) = tokio::join!(post(&client, &url, "o1:charge"), async {
+            // The second call goes out once the first one is decided.
+            tokio::task::yield_now().await;
+            post(&client, &url, "o1:charge").await
+        });
+        let mut statuses = [first, second];
+        statuses.sort_unstable();
+        assert_eq!(statuses, [200, 409]);
+        // Answered: the key is no longer in flight, and a repeat gets the first answer.
+        assert_eq!(post(&client, &url, "o1:charge").await, 200);
+        let applied = entries(&client, &base)
+            .await
+            .into_iter()
+            .filter(|e| matches!(e.decision, Decision::Applied { .. }))
+            .count();
+        assert_eq!(applied, 1);
+    }
+
+    #[tokio::test]
+    async fn strict_mode_answers_404_to_the_undo_of_a_key_never_applied_and_tombstones_it() {
+        let (base, client) = serve(strict).await;
+        assert_eq!(
+            post(&client, &format!("{base}/payment/refund"), "o1:charge:undo").await,
+            404
+        );
+        // The charge arriving after its undo is refused: nothing applied.
+        assert_eq!(
+            post(&client, &format!("{base}/payment/charge"), "o1:charge").await,
+            410
+        );
+        let entries = entries(&client, &base).await;
+        assert!(
+            entries
+                .iter()
+                .all(|e| !matches!(e.decision, Decision::Applied { .. })),
+            "{entries:?}"
+        );
+        // The undo's 404 was not recorded: a retry looks again (still nothing to undo).
+        assert_eq!(
+            post(&client, &format!("{base}/payment/refund"), "o1:charge:undo").await,
+            404
+        );
+    }
+
+    #[tokio::test]
+    async fn strict_mode_with_late_action_apply_applies_an_action_after_its_undo() {
+        let (base, client) = serve(|settings| {
+            strict(settings);
+            settings.sim.late_action = LateAction::Apply;
+        })
+        .await;
+        assert_eq!(
+            post(&client, &format!("{base}/payment/refund"), "o1:charge:undo").await,
+            404
+        );
+        assert_eq!(
+            post(&client, &format!("{base}/payment/charge"), "o1:charge").await,
+            200
+        );
+    }
+
+    #[tokio::test]
+    async fn strict_mode_undoes_an_applied_action_and_records_when_each_applied() {
+        let (base, client) = serve(strict).await;
+        assert_eq!(
+            post(&client, &format!("{base}/payment/charge"), "o1:charge").await,
+            200
+        );
+        assert_eq!(
+            post(&client, &format!("{base}/payment/refund"), "o1:charge:undo").await,
+            200
+        );
+        let entries = entries(&client, &base).await;
+        let action = entries[0].applied_at.expect("applied_at of the action");
+        let undo = entries[1].applied_at.expect("applied_at of the undo");
+        assert!(undo >= action);
+        assert_eq!(action.timestamp_subsec_nanos() % 1000, 0, "micros");
+    }
+
+    #[tokio::test]
+    async fn lenient_mode_applies_the_undo_of_an_unknown_key_as_before() {
+        let (base, client) = serve(|_| {}).await;
+        assert_eq!(
+            post(&client, &format!("{base}/payment/refund"), "o1:charge:undo").await,
+            200
+        );
+    }
+
+    #[tokio::test]
+    async fn the_mode_changes_at_run_time_through_the_admin_api_which_wants_its_token() {
+        let (base, client) = serve(|settings| {
+            settings.sim.admin_token = "adm".into();
+        })
+        .await;
+        let put = |token: Option<&str>| {
+            let mut request = client
+                .put(format!("{base}/admin/provider"))
+                .json(&json!({ "mode": "strict" }));
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            request.send()
+        };
+        assert_eq!(put(None).await.unwrap().status().as_u16(), 401);
+        assert_eq!(put(Some("wrong")).await.unwrap().status().as_u16(), 401);
+        assert_eq!(put(Some("adm")).await.unwrap().status().as_u16(), 204);
+        assert_eq!(
+            post(&client, &format!("{base}/payment/refund"), "o1:charge:undo").await,
+            404,
+            "strict now"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_call_without_the_bearer_token_is_refused_with_401() {
+        let (base, client) = serve(|settings| {
+            settings.sim.auth_token = "svc".into();
+        })
+        .await;
+        let url = format!("{base}/payment/charge");
+        assert_eq!(post(&client, &url, "k").await, 401);
+        let status = client
+            .post(&url)
+            .bearer_auth("svc")
+            .header("Idempotency-Key", "k")
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 200);
+    }
 }

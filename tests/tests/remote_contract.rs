@@ -1,0 +1,618 @@
+//! The contract between agents and real remote services: HTTPS with a CA of
+//! the deployment's own, credentials, answers that are too large, not JSON or
+//! hold U+0000, and an agent whose clock runs behind the database's.
+//!
+//! Most tests publish a `StepRequest` straight to the agent's queue, with
+//! `reply_to` a queue of the test's own, and read the agent's `StepReply`
+//! there: the agent's decision, without a scheduler in between.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+use sas_broker::lapin::types::FieldTable;
+use sas_broker::lapin::{Connection, Consumer};
+use sas_broker::Publisher;
+use sas_messages::{StepKind, StepOutcome, StepReply, StepRequest};
+use sas_store::ProcessState;
+use sas_tests::process::free_port;
+use sas_tests::sim::SimClient;
+use sas_tests::{order, wait_until, Service, TestEnv};
+
+/// A CA and a certificate it signed for 127.0.0.1, as PEM files in the
+/// test's folder.
+struct Pki {
+    ca: std::path::PathBuf,
+    ca_pem: String,
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+}
+
+fn make_ca(name: &str) -> (rcgen::Certificate, rcgen::KeyPair) {
+    let key = rcgen::KeyPair::generate().expect("CA key");
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+    ];
+    (params.self_signed(&key).expect("CA certificate"), key)
+}
+
+fn pki(env: &TestEnv) -> Pki {
+    let (ca, ca_key) = make_ca("sas test CA");
+    let key = rcgen::KeyPair::generate().expect("server key");
+    let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".into()])
+        .expect("server params");
+    let cert = params.signed_by(&key, &ca, &ca_key).expect("server cert");
+    let files = Pki {
+        ca: env.dir.join("ca.pem"),
+        ca_pem: ca.pem(),
+        cert: env.dir.join("server.pem"),
+        key: env.dir.join("server-key.pem"),
+    };
+    std::fs::write(&files.ca, ca.pem()).unwrap();
+    std::fs::write(&files.cert, cert.pem()).unwrap();
+    std::fs::write(&files.key, key.serialize_pem()).unwrap();
+    files
+}
+
+/// Starts remote-sim over HTTPS with `pki`, requiring the bearer tokens, and
+/// waits until it answers.
+async fn https_sim(env: &TestEnv, pki: &Pki, vars: &[(&str, String)]) -> (Service, SimClient, u16) {
+    let port = free_port();
+    let mut all = vec![
+        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+        ("SAS_SIM__TLS_CERT_FILE", pki.cert.display().to_string()),
+        ("SAS_SIM__TLS_KEY_FILE", pki.key.display().to_string()),
+        ("SAS_SIM__AUTH_TOKEN", "service-secret".to_owned()),
+        ("SAS_SIM__ADMIN_TOKEN", "admin-secret".to_owned()),
+    ];
+    all.extend(vars.iter().cloned());
+    let service = env.spawn("remote-sim", "remote-sim", &all);
+    let sim = SimClient::https(port, &pki.ca_pem).with_admin_token("admin-secret");
+    wait_until(
+        "remote-sim to answer over HTTPS",
+        Duration::from_secs(10),
+        || async { sim.stats().await.map(|_| ()).map_err(|e| format!("{e:#}")) },
+    )
+    .await;
+    (service, sim, port)
+}
+
+/// Writes the `Authorization` value to a secret file for `_FILE`.
+fn auth_file(env: &TestEnv, name: &str, value: &str) -> String {
+    let path = env.dir.join(name);
+    std::fs::write(&path, format!("{value}\n")).unwrap();
+    path.display().to_string()
+}
+
+/// Starts one agent process serving `names`, with its ops endpoint on a
+/// known port.
+fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[(&str, String)]) -> (Service, u16) {
+    let ops = free_port();
+    let mut all = vec![
+        ("SAS_AGENT__NAME", names.to_owned()),
+        ("SAS_AGENT__ID", "agent-0".to_owned()),
+        ("SAS_AGENT__REMOTE_URL", remote_url.to_owned()),
+        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")),
+    ];
+    all.extend(vars.iter().cloned());
+    (env.spawn("agent", "agent-0", &all), ops)
+}
+
+/// The test's reply queue (exclusive: it goes with the connection) and a
+/// consumer of it.
+async fn reply_queue(env: &TestEnv, connection: &Connection) -> (String, Consumer) {
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("{}test-replies", env.prefix);
+    channel
+        .queue_declare(
+            &queue,
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let consumer = channel
+        .basic_consume(
+            &queue,
+            "test",
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    (queue, consumer)
+}
+
+/// A step request for `action` with deadlines `start_in` and `complete_in`
+/// from now (the test's clock stands for the database's).
+fn request(
+    order_id: &str,
+    kind: StepKind,
+    action: &str,
+    start_in: Duration,
+    complete_in: Duration,
+) -> StepRequest {
+    let now = Utc::now();
+    StepRequest {
+        schema_version: sas_messages::SCHEMA_VERSION,
+        order_id: order_id.into(),
+        step: "charge_payment".into(),
+        kind,
+        action: action.into(),
+        attempt_id: uuid::Uuid::now_v7().into(),
+        attempt: 1,
+        idempotency_key: format!("{order_id}:charge_payment"),
+        complete_by: now + chrono::Duration::from_std(complete_in).unwrap(),
+        start_by: Some(now + chrono::Duration::from_std(start_in).unwrap()),
+        dispatched_at: Some(now),
+        payload: serde_json::json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
+    }
+}
+
+async fn send(
+    env: &TestEnv,
+    publisher: &Publisher,
+    agent: &str,
+    reply_to: &str,
+    request: &StepRequest,
+) {
+    let names = env.amqp().names();
+    publisher
+        .publish_json(
+            "",
+            &names.agent_requests(agent),
+            request,
+            sas_broker::publish::json_properties(&uuid::Uuid::now_v7().to_string())
+                .with_correlation_id(request.attempt_id.to_string().as_str().into())
+                .with_reply_to(reply_to.into()),
+            true,
+        )
+        .await
+        .unwrap();
+}
+
+/// The next reply on `consumer`, within `timeout`.
+async fn next_reply(consumer: &mut Consumer, timeout: Duration) -> StepReply {
+    let delivery = tokio::time::timeout(timeout, consumer.next())
+        .await
+        .expect("a reply in time")
+        .expect("the consumer is open")
+        .expect("a delivery");
+    serde_json::from_slice(&delivery.data).expect("a StepReply")
+}
+
+/// Waits until the agent's log contains `needle`, and returns the log.
+async fn wait_for_log(service: &Service, needle: &str, timeout: Duration) -> String {
+    wait_until(
+        &format!("{needle:?} in {}", service.log.display()),
+        timeout,
+        || async {
+            let log = service.log_text();
+            if log.contains(needle) {
+                Ok(log)
+            } else {
+                Err(log.lines().rev().take(5).collect::<Vec<_>>().join(" | "))
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_calls_remote_sim_over_https_with_a_ca_made_in_the_test_and_the_order_is_processed(
+) {
+    let env = TestEnv::new().await;
+    let pki = pki(&env);
+    let (_sim_process, sim, port) = https_sim(&env, &pki, &[]).await;
+    let (_connection, publisher) = env.broker().await;
+    let (mut agent, ops) = agent(
+        &env,
+        "inventory,payment,shipping",
+        &format!("https://127.0.0.1:{port}/{{agent}}"),
+        &[
+            ("SAS_AGENT__REMOTE_CA_FILE", pki.ca.display().to_string()),
+            (
+                "SAS_AGENT__REMOTE_AUTH_HEADER_FILE",
+                auth_file(&env, "auth", "Bearer service-secret"),
+            ),
+        ],
+    );
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+
+    env.publish_order(&publisher, &order("tls-1")).await;
+    env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
+        .await;
+    let applied = sim.applied_per_key().await.unwrap();
+    assert_eq!(applied.len(), 3, "{applied:?}");
+    assert!(applied.values().all(|&n| n == 1));
+    assert!(agent.is_running());
+    // The secret never reaches the log.
+    assert!(!agent.log_text().contains("service-secret"));
+    let healthz = reqwest::get(format!("http://127.0.0.1:{ops}/healthz")).await;
+    assert_eq!(healthz.unwrap().status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_wrong_ca_the_agent_says_certificate_stays_up_and_applies_nothing() {
+    let env = TestEnv::new().await;
+    let pki = pki(&env);
+    let (_sim_process, sim, port) = https_sim(&env, &pki, &[]).await;
+    let (other_ca, _) = make_ca("some other CA");
+    let wrong_ca = env.dir.join("wrong-ca.pem");
+    std::fs::write(&wrong_ca, other_ca.pem()).unwrap();
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let url = format!("https://127.0.0.1:{port}/payment");
+    let (mut agent, ops) = agent(
+        &env,
+        "payment",
+        &url,
+        &[
+            ("SAS_AGENT__REMOTE_CA_FILE", wrong_ca.display().to_string()),
+            (
+                "SAS_AGENT__REMOTE_AUTH_HEADER_FILE",
+                auth_file(&env, "auth", "Bearer service-secret"),
+            ),
+        ],
+    );
+
+    let request = request(
+        "wrong-ca-1",
+        StepKind::Action,
+        "charge",
+        Duration::from_millis(2500),
+        Duration::from_secs(4),
+    );
+    send(&env, &publisher, "payment", &reply_to, &request).await;
+    let log = wait_for_log(&agent, "TLS certificate", Duration::from_secs(20)).await;
+    let line = log
+        .lines()
+        .find(|line| line.contains("TLS certificate"))
+        .unwrap();
+    assert!(line.contains(&url), "the line names the URL: {line}");
+    assert!(line.contains("certificate"), "{line}");
+    wait_until(
+        "the failure to be counted",
+        Duration::from_secs(10),
+        || async {
+            match sas_tests::process::metric(
+                ops,
+                "sas_agent_certificate_failures_total{agent=\"payment\"}",
+            )
+            .await
+            {
+                Some(n) if n >= 1.0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    // The request ends at its start deadline without any call having reached
+    // the service: no reply (the supervisor owns the step), nothing applied.
+    wait_until("the request to expire", Duration::from_secs(20), || async {
+        match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
+            Some(n) if n >= 1.0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), replies.next())
+            .await
+            .is_err(),
+        "no reply for a call that never reached the service"
+    );
+    assert!(sim.side_effects().await.unwrap().is_empty());
+    assert!(agent.is_running(), "no crash loop");
+    let healthz = reqwest::get(format!("http://127.0.0.1:{ops}/healthz")).await;
+    assert_eq!(healthz.unwrap().status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_bearer_token_is_refused_clearly_and_nothing_is_applied() {
+    let env = TestEnv::new().await;
+    let pki = pki(&env);
+    let (_sim_process, sim, port) = https_sim(&env, &pki, &[]).await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let (mut agent, _ops) = agent(
+        &env,
+        "payment",
+        &format!("https://127.0.0.1:{port}/payment"),
+        &[
+            ("SAS_AGENT__REMOTE_CA_FILE", pki.ca.display().to_string()),
+            (
+                "SAS_AGENT__REMOTE_AUTH_HEADER_FILE",
+                auth_file(&env, "auth", "Bearer not-the-token"),
+            ),
+        ],
+    );
+    let request = request(
+        "token-1",
+        StepKind::Action,
+        "charge",
+        Duration::from_secs(8),
+        Duration::from_secs(10),
+    );
+    send(&env, &publisher, "payment", &reply_to, &request).await;
+    let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
+    assert_eq!(reply.attempt_id, request.attempt_id);
+    match &reply.outcome {
+        StepOutcome::Failed {
+            error,
+            permanent: true,
+            maybe_applied: false,
+        } => assert!(error.contains("401"), "{error}"),
+        other => panic!("expected a permanent refusal, got {other:?}"),
+    }
+    wait_for_log(&agent, "401", Duration::from_secs(5)).await;
+    assert!(
+        !agent.log_text().contains("not-the-token"),
+        "the secret is never logged"
+    );
+    assert!(sim.side_effects().await.unwrap().is_empty());
+    assert!(agent.is_running());
+}
+
+/// What the bad remote saw: (path, when) of every call.
+type Calls = Arc<Mutex<Vec<(String, DateTime<Utc>)>>>;
+
+/// A remote that answers badly, on a free port: `/bad/oversized` (200 with
+/// 100 KB), `/bad/binary` (200 with bytes that are not JSON), `/bad/nul`
+/// (200 with a JSON string holding U+0000), `/bad/empty` (200, no body),
+/// `/bad/busy` (503 always); any other path is recorded as `other`.
+async fn bad_remote() -> (u16, Calls) {
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    let calls: Calls = Arc::default();
+    let record = |calls: &Calls, path: &str| {
+        calls.lock().unwrap().push((path.to_owned(), Utc::now()));
+    };
+    let (c0, c1, c2, c3, c4, c5) = (
+        calls.clone(),
+        calls.clone(),
+        calls.clone(),
+        calls.clone(),
+        calls.clone(),
+        calls.clone(),
+    );
+    let app = axum::Router::new()
+        .route(
+            "/bad/oversized",
+            post(move || async move {
+                record(&c1, "oversized");
+                (
+                    StatusCode::OK,
+                    format!("{{\"id\":\"{}\"}}", "x".repeat(100_000)),
+                )
+            }),
+        )
+        .route(
+            "/bad/binary",
+            post(move || async move {
+                record(&c2, "binary");
+                (StatusCode::OK, vec![0xffu8, 0x00, 0xfe, 0x81, 0x7b])
+            }),
+        )
+        .route(
+            "/bad/nul",
+            post(move || async move {
+                record(&c3, "nul");
+                (
+                    StatusCode::OK,
+                    [("content-type", "application/json")],
+                    r#"{"id":"ch\u0000-1","note\u0000":"a\u0000"}"#,
+                )
+            }),
+        )
+        .route(
+            "/bad/empty",
+            post(move || async move {
+                record(&c4, "empty");
+                StatusCode::OK
+            }),
+        )
+        .route(
+            "/bad/busy",
+            post(move || async move {
+                record(&c5, "busy");
+                StatusCode::SERVICE_UNAVAILABLE
+            }),
+        )
+        .fallback(move |uri: axum::http::Uri| async move {
+            record(&c0, &format!("other {uri}"));
+            StatusCode::NOT_FOUND
+        });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (port, calls)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_answers_each_get_a_clear_decision_and_nothing_crashes() {
+    let env = TestEnv::new().await;
+    let (port, calls) = bad_remote().await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let (mut agent, _ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/bad"),
+        &[("SAS_AGENT__RETRY_BASE_MS", "100".to_owned())],
+    );
+
+    let mut sent = std::collections::HashMap::new();
+    for action in ["oversized", "binary", "nul", "empty"] {
+        let request = request(
+            &format!("bad-{action}"),
+            StepKind::Action,
+            action,
+            Duration::from_millis(2000),
+            Duration::from_secs(4),
+        );
+        send(&env, &publisher, "payment", &reply_to, &request).await;
+        sent.insert(request.attempt_id, action);
+    }
+    // An action that is not an operation name: dead-lettered, never called.
+    let evil = request(
+        "bad-path",
+        StepKind::Action,
+        "../admin",
+        Duration::from_secs(2),
+        Duration::from_secs(4),
+    );
+    send(&env, &publisher, "payment", &reply_to, &evil).await;
+
+    let mut outcomes = std::collections::HashMap::new();
+    while outcomes.len() < 4 {
+        let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
+        let action = sent[&reply.attempt_id];
+        outcomes.insert(action, reply.outcome);
+    }
+    let maybe_applied = |action: &str, needle: &str| match &outcomes[action] {
+        StepOutcome::Failed {
+            error,
+            permanent: false,
+            maybe_applied: true,
+        } => assert!(error.contains(needle), "{action}: {error}"),
+        other => panic!("{action}: expected an unknown outcome, got {other:?}"),
+    };
+    maybe_applied("oversized", "max_answer_bytes");
+    maybe_applied("binary", "not JSON");
+    maybe_applied("empty", "empty body");
+    match &outcomes["nul"] {
+        StepOutcome::Succeeded { result } => {
+            assert_eq!(result["id"], "ch\u{FFFD}-1");
+            assert!(!result.to_string().contains("\\u0000"), "{result}");
+            assert!(result["sas_note"].as_str().unwrap().contains("U+0000"));
+        }
+        other => panic!("nul: expected success with U+0000 replaced, got {other:?}"),
+    }
+    for outcome in outcomes.values() {
+        if let StepOutcome::Failed { error, .. } = outcome {
+            assert!(error.chars().count() <= 501, "bounded: {}", error.len());
+        }
+    }
+    wait_for_log(&agent, "not an operation name", Duration::from_secs(10)).await;
+    assert!(
+        calls
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(path, _)| !path.starts_with("other")),
+        "no call for a bad action"
+    );
+    assert!(agent.is_running(), "nothing crashed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_whose_clock_runs_two_seconds_behind_never_starts_a_call_after_start_by() {
+    let env = TestEnv::new().await;
+    let (port, calls) = bad_remote().await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, _replies) = reply_queue(&env, &connection).await;
+    let (mut agent, ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/bad"),
+        &[
+            ("SAS_AGENT__CLOCK_OFFSET_MS", "-2000".to_owned()),
+            ("SAS_AGENT__RETRY_BASE_MS", "20".to_owned()),
+            ("SAS_AGENT__RETRY_MAX_MS", "100".to_owned()),
+            // Keep calling through the 503s: the breaker is not under test.
+            ("SAS_CIRCUIT__FAILURE_THRESHOLD", "1000".to_owned()),
+        ],
+    );
+    // The service keeps answering 503 (nothing applied), so the agent
+    // retries until it must stop.
+    let request = request(
+        "skew-1",
+        StepKind::Action,
+        "busy",
+        Duration::from_millis(1500),
+        Duration::from_secs(5),
+    );
+    let start_by = request.start_by.unwrap();
+    send(&env, &publisher, "payment", &reply_to, &request).await;
+    wait_until(
+        "the agent to stop calling",
+        Duration::from_secs(20),
+        || async {
+            match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
+                Some(n) if n >= 1.0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let calls = calls.lock().unwrap().clone();
+    assert!(!calls.is_empty(), "the agent called before start_by");
+    let behind = sas_tests::process::metric(ops, "sas_agent_clock_behind_seconds")
+        .await
+        .unwrap_or(0.0);
+    assert!(behind > 1.5, "the lag was measured: {behind}");
+    // `dispatched_at - received` is a lower bound of the lag: short of the
+    // true 2 s by the time the request took from being stamped to reaching
+    // the agent. A call leaves before start_by by that estimate, and arrives
+    // a few milliseconds later.
+    let shortfall = chrono::Duration::milliseconds(((2.0 - behind).max(0.0) * 1000.0) as i64);
+    let last = calls.iter().map(|(_, at)| *at).max().unwrap();
+    assert!(
+        last <= start_by + shortfall + chrono::Duration::milliseconds(100),
+        "a call started {} ms after start_by ({} calls, lag measured {behind} s)",
+        (last - start_by).num_milliseconds(),
+        calls.len()
+    );
+    assert!(agent.is_running());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_config_refuses_a_url_it_cannot_serve_and_unreadable_tls_files() {
+    let env = TestEnv::new().await;
+    let missing = env.dir.join("missing.pem").display().to_string();
+    for (vars, key) in [
+        (
+            vec![("SAS_AGENT__REMOTE_URL", "ftp://127.0.0.1/x".to_owned())],
+            "agent.remote_url",
+        ),
+        (
+            vec![("SAS_AGENT__REMOTE_CA_FILE", missing.clone())],
+            "agent.remote_ca_file",
+        ),
+        (
+            vec![
+                ("SAS_AGENT__REMOTE_CLIENT_CERT_FILE", missing.clone()),
+                ("SAS_AGENT__REMOTE_CLIENT_KEY_FILE", missing.clone()),
+            ],
+            "agent.remote_client_cert_file",
+        ),
+    ] {
+        let output = tokio::process::Command::new(sas_tests::process::bin_dir().join("agent"))
+            .arg("--check-config")
+            .env_clear()
+            .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+            .env_remove("SAS_AGENT__NAME")
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{vars:?}: {stderr}");
+        assert!(stderr.contains(key), "{key}: {stderr}");
+    }
+}
