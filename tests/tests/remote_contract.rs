@@ -616,3 +616,76 @@ async fn check_config_refuses_a_url_it_cannot_serve_and_unreadable_tls_files() {
         assert!(stderr.contains(key), "{key}: {stderr}");
     }
 }
+
+/// The failing sequence of a real payment API: a charge applied at once but
+/// answered only after the agent gave up on it, and the retries of the same
+/// key answered 409 "in progress" meanwhile. Then the order is undone as a
+/// whole (shipping refuses it): every customer charged must be refunded, and
+/// every undo must land after the action it undoes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is_undone() {
+    let env = TestEnv::with_step_timeout(2000).await;
+    // Three calls in ten are applied at once and answered after 3 s, longer
+    // than a step's whole deadline.
+    let (_sim_process, sim) = env
+        .remote_sim(&[
+            ("SAS_SIM__MODE", "strict".to_owned()),
+            ("SAS_SIM__LATE_ANSWER_RATE", "0.3".to_owned()),
+            ("SAS_SIM__LATE_ANSWER_MS", "3000".to_owned()),
+        ])
+        .await;
+    let refuse = serde_json::json!({ "latency_ms": 0, "transient_fault_rate": 0.0, "permanent_fault_rate": 1.0, "hang_rate": 0.0 });
+    sim.set_faults(Some("shipping"), refuse).await.unwrap();
+    let _agents = env.agents(1, &sim, &[("SAS_AGENT__CALL_TIMEOUT_MS", "500".to_owned())]);
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..40 {
+        env.publish_order(&publisher, &order(&format!("dup-{n}")))
+            .await;
+    }
+    wait_until("all 40 orders ended", Duration::from_secs(120), || async {
+        let (all, open): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE state NOT IN ('processed', 'compensated', 'error'))
+               FROM order_process",
+        )
+        .fetch_one(env.store.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+        if all == 40 && open == 0 { Ok(()) } else { Err(format!("{open} of {all} open")) }
+    })
+    .await;
+    assert_eq!(env.count(ProcessState::Compensated).await, 40);
+    // The sequence happened: some charges' outcome was unknown for a while.
+    let unknown: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM steps WHERE name = 'charge_payment' AND maybe_applied",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    let stats = sim.stats().await.unwrap();
+    assert!(unknown > 0, "no charge was answered late: {stats:?}");
+    // The remote's own record: when each key was applied.
+    let applied: std::collections::HashMap<String, DateTime<Utc>> = sim
+        .side_effects()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
+        .collect();
+    let mut refunded = 0;
+    for n in 0..40 {
+        for step in ["reserve_stock", "charge_payment"] {
+            let action = format!("dup-{n}:{step}");
+            let done = applied
+                .get(&action)
+                .unwrap_or_else(|| panic!("{action} was never applied"));
+            let undone = applied
+                .get(&format!("{action}:undo"))
+                .unwrap_or_else(|| panic!("{action} was applied and never undone"));
+            assert!(undone > done, "the undo of {action} landed before it");
+            refunded += usize::from(step == "charge_payment");
+        }
+    }
+    assert_eq!(refunded, 40, "every customer charged was refunded");
+}

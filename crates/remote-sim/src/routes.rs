@@ -276,7 +276,7 @@ async fn call(
 
     // Deciding and recording happen under one lock, so two concurrent calls
     // with the same key (a retry racing a slow first call) apply once.
-    let (decision, hang, late, _in_flight) = {
+    let (decision, hang, late, in_flight_guard) = {
         let mut ledger = state.ledger();
         ledger.stats.calls += 1;
         metrics::counter!("sas_sim_calls_total", "service" => service.clone()).increment(1);
@@ -428,7 +428,18 @@ async fn call(
         tokio::time::sleep(Duration::from_millis(faults.latency_ms)).await;
     }
     if late {
-        tokio::time::sleep(Duration::from_millis(provider.late_answer_ms)).await;
+        // A real provider keeps working when the caller gives up: the key
+        // stays in flight (a retry meanwhile gets 409) until the answer
+        // would have gone out, even if this caller's connection is gone and
+        // this handler is dropped.
+        let wait = Duration::from_millis(provider.late_answer_ms);
+        let answered = tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            drop(in_flight_guard);
+        });
+        let _ = answered.await;
+    } else {
+        drop(in_flight_guard);
     }
     if hang {
         // Applied, but the answer never comes: the caller must time out and
