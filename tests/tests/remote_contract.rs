@@ -689,3 +689,88 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
     }
     assert_eq!(refunded, 40, "every customer charged was refunded");
 }
+
+/// Every undo the remote applied landed after its action, and every action
+/// of a compensated order was undone.
+async fn assert_every_effect_undone_after_it(env: &TestEnv, sim: &SimClient) -> usize {
+    let applied: std::collections::HashMap<String, DateTime<Utc>> = sim
+        .side_effects()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
+        .collect();
+    for (key, undone) in &applied {
+        if let Some(action) = key.strip_suffix(":undo") {
+            if let Some(done) = applied.get(action) {
+                assert!(undone > done, "the undo of {action} landed before it");
+            }
+        }
+    }
+    let compensated: Vec<String> =
+        sqlx::query_scalar("SELECT order_id FROM order_process WHERE state = 'compensated'")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+    for order_id in &compensated {
+        for step in ["reserve_stock", "charge_payment", "create_shipment"] {
+            let action = format!("{order_id}:{step}");
+            if applied.contains_key(&action) {
+                assert!(
+                    applied.contains_key(&format!("{action}:undo")),
+                    "{action} was applied and never undone"
+                );
+            }
+        }
+    }
+    compensated.len()
+}
+
+/// A payment agent whose clock runs 2 s behind the database's, in a run
+/// where one charge in ten hangs and one in five is answered late: no
+/// refund reaches the remote before its charge, and no charge of an undone
+/// order is left standing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_clock_two_seconds_behind_never_lets_an_undo_land_before_its_action() {
+    let env = TestEnv::with_step_timeout(2000).await;
+    let (_sim_process, sim) = env
+        .remote_sim(&[
+            ("SAS_SIM__MODE", "strict".to_owned()),
+            ("SAS_SIM__LATE_ANSWER_RATE", "0.2".to_owned()),
+            ("SAS_SIM__LATE_ANSWER_MS", "1500".to_owned()),
+        ])
+        .await;
+    let hangs = serde_json::json!({ "latency_ms": 0, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.1 });
+    sim.set_faults(Some("payment"), hangs).await.unwrap();
+    let quick = [("SAS_AGENT__CALL_TIMEOUT_MS", "500".to_owned())];
+    let mut skewed = quick.to_vec();
+    skewed.push(("SAS_AGENT__CLOCK_OFFSET_MS", "-2000".to_owned()));
+    let _agents = [
+        env.agent("inventory", 0, &sim, &quick),
+        env.agent("payment", 0, &sim, &skewed),
+        env.agent("shipping", 0, &sim, &quick),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "1".to_owned())]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..40 {
+        env.publish_order(&publisher, &order(&format!("skew-{n}")))
+            .await;
+    }
+    wait_until("all 40 orders ended", Duration::from_secs(120), || async {
+        let (all, open): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE state NOT IN ('processed', 'compensated', 'error'))
+               FROM order_process",
+        )
+        .fetch_one(env.store.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+        if all == 40 && open == 0 { Ok(()) } else { Err(format!("{open} of {all} open")) }
+    })
+    .await;
+    let compensated = assert_every_effect_undone_after_it(&env, &sim).await;
+    assert!(
+        compensated > 0,
+        "no order was undone: the hangs did not bite"
+    );
+}
