@@ -654,7 +654,7 @@ async fn run_case(
                 .await
                 .map_err(|e| e.to_string())?
             {
-                Resubmit::Resubmitted { what } => Returned::Resubmitted(what.to_string()),
+                Resubmit::Resubmitted { what, .. } => Returned::Resubmitted(what.to_string()),
                 Resubmit::NotFailed(state) => Returned::Refused(state.to_string()),
                 Resubmit::NotFound => return Err("resubmit: order not found".into()),
             },

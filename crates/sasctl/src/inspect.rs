@@ -149,8 +149,17 @@ pub async fn dead_letters(store: &Store, limit: i64, json: bool) -> anyhow::Resu
 /// When the database cannot be reached.
 pub async fn resubmit(store: &Store, order_id: &str) -> anyhow::Result<ExitCode> {
     match store.resubmit(order_id, "sasctl").await? {
-        sas_store::operator::Resubmit::Resubmitted { what } => {
-            println!("order {order_id} resubmitted: {what}");
+        sas_store::operator::Resubmit::Resubmitted { what, fresh_keys } => {
+            let keys = match (what, fresh_keys.is_empty()) {
+                (_, true) => String::new(),
+                (sas_store::machine::ResubmitAction::CompensationResumed, false) => {
+                    format!("; fresh undo keys for {}", fresh_keys.join(", "))
+                }
+                (sas_store::machine::ResubmitAction::WorkflowRestarted, false) => {
+                    format!("; fresh keys for {}", fresh_keys.join(", "))
+                }
+            };
+            println!("order {order_id} resubmitted: {what}{keys}");
             Ok(ExitCode::SUCCESS)
         }
         sas_store::operator::Resubmit::NotFound => {

@@ -15,6 +15,10 @@ pub enum Resubmit {
     Resubmitted {
         /// What will happen.
         what: ResubmitAction,
+        /// The steps that get fresh idempotency keys: for the action when the
+        /// workflow restarts, for the undo when a compensation the remote
+        /// refused for good resumes (the old keys are decided at the remote).
+        fresh_keys: Vec<String>,
     },
     /// No such order.
     NotFound,
@@ -75,7 +79,14 @@ impl Store {
             match self.decide_and_apply(order_id, &event, actor).await? {
                 None => Resubmit::NotFound,
                 Some(decision) => match decision.verdict {
-                    Verdict::Resubmitted(what) => Resubmit::Resubmitted { what },
+                    Verdict::Resubmitted(what) => Resubmit::Resubmitted {
+                        what,
+                        fresh_keys: decision
+                            .steps
+                            .iter()
+                            .map(|change| change.row.name.clone())
+                            .collect(),
+                    },
                     Verdict::Refused(state) => Resubmit::NotFailed(state),
                     other => {
                         return Err(StoreError::Invariant(format!(
