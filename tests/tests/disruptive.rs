@@ -221,6 +221,13 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
             ("SAS_SIM__FAULTS__LATENCY_MS", "10".to_owned()),
             ("SAS_SIM__FAULTS__TRANSIENT_FAULT_RATE", "0.03".to_owned()),
             ("SAS_SIM__FAULTS__HANG_RATE", "0.005".to_owned()),
+            // A provider as real ones behave: 409 while a key is in flight,
+            // 404 for the undo of what was never applied, a late action
+            // after its undo refused, and some answers after the caller's
+            // timeout.
+            ("SAS_SIM__MODE", "strict".to_owned()),
+            ("SAS_SIM__LATE_ANSWER_RATE", "0.01".to_owned()),
+            ("SAS_SIM__LATE_ANSWER_MS", "3000".to_owned()),
         ])
         .await;
     let supervisor_vars = [("SAS_SUPERVISOR__MAX_FAILURES", "8".to_owned())];
@@ -310,6 +317,22 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
                 "{order_id} compensated but {forward} effects and only {undo} undone"
             ),
             _ => {}
+        }
+    }
+    // No undo reached the remote before its action.
+    let applied: HashMap<String, chrono::DateTime<chrono::Utc>> = sim
+        .side_effects()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
+        .collect();
+    for (key, undone) in &applied {
+        if let Some(done) = key
+            .strip_suffix(":undo")
+            .and_then(|action| applied.get(action))
+        {
+            assert!(undone > done, "the undo {key} landed before its action");
         }
     }
     let stats = sim.stats().await.unwrap();

@@ -5,10 +5,11 @@
 //! replicas measurably finish: every adaptation window, the completions
 //! counted (`settled`) give a rate, and `rate × deadline × share` is the
 //! number of attempts that can wait and run within `share` of a step's
-//! deadline. While orders wait in the agent's line the limit moves to that
-//! target (at most doubling or halving per window); while nobody waits it
-//! only grows towards it, so a quiet agent keeps its limit. The ceiling
-//! caps it, and it never drops below one.
+//! deadline. The limit grows to that target at once (a fast agent must not
+//! be held back), and while orders wait in the agent's line it shrinks
+//! towards it, at most halving per window; while nobody waits it never
+//! shrinks, so a quiet agent keeps its limit. The ceiling caps it, and it
+//! never drops below one.
 
 use std::time::Duration;
 
@@ -99,8 +100,8 @@ impl Store {
                  UPDATE admission a
                     SET admit_limit = LEAST(a.ceiling, GREATEST(1,
                             CASE WHEN a.waiting > 0
-                                 THEN LEAST(GREATEST(due.target, a.admit_limit / 2), a.admit_limit * 2::int8)
-                                 ELSE LEAST(GREATEST(due.target, a.admit_limit), a.admit_limit * 2::int8)
+                                 THEN GREATEST(due.target, a.admit_limit / 2)
+                                 ELSE GREATEST(due.target, a.admit_limit)
                             END))::int4,
                         window_settled = a.settled, window_started = now()
                    FROM due WHERE a.agent = due.agent

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use sas_messages::{StepOutcome, StepReply};
 
 use crate::apply::{apply, decide_admitted, load_snapshot, load_snapshots};
-use crate::machine::{Event, Verdict};
+use crate::machine::{decide, Event, Verdict};
 use crate::model::Progress;
 use crate::{Store, StoreError};
 
@@ -101,7 +101,8 @@ impl Store {
             .await?;
             ready.extend(heads);
         }
-        self.start_claimed(tx, &ready, actor).await
+        // Each head was counted against its agent's room above.
+        self.start_claimed(tx, &ready, actor, true).await
     }
 
     /// Orders back from the supervisor's backoff and compensations nobody
@@ -120,15 +121,18 @@ impl Store {
         .bind(limit)
         .fetch_all(&mut *tx)
         .await?;
-        self.start_claimed(tx, &due, actor).await
+        self.start_claimed(tx, &due, actor, false).await
     }
 
     /// Claims the orders `ids`, locked by `tx`, for `actor`, and commits.
+    /// `admitted`: each already has a slot of its agent; otherwise each is
+    /// checked for one, and joins its agent's line without.
     async fn start_claimed(
         &self,
         mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
         ids: &[String],
         actor: &str,
+        admitted: bool,
     ) -> Result<Vec<Claimed>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
@@ -138,7 +142,11 @@ impl Store {
         let mut claimed = Vec::with_capacity(snapshots.len());
         for snapshot in snapshots {
             let ctx = self.context(now, actor);
-            let decision = decide_admitted(&mut tx, &snapshot, &Event::Claimed, &ctx).await?;
+            let decision = if admitted {
+                decide(&snapshot, &Event::Claimed, &ctx)
+            } else {
+                decide_admitted(&mut tx, &snapshot, &Event::Claimed, &ctx).await?
+            };
             apply(&mut tx, &snapshot, &decision, actor).await?;
             if decision.verdict == Verdict::Applied {
                 let waited = snapshot.process.waiting_for.clone().map(|agent| {
