@@ -76,6 +76,36 @@ impl SimClient {
             .await?)
     }
 
+    /// When each applied key took effect (remote-sim's wall clock), to check
+    /// that no undo landed before its action.
+    ///
+    /// # Panics
+    /// When remote-sim cannot be reached.
+    pub async fn applied_at(&self) -> HashMap<String, chrono::DateTime<chrono::Utc>> {
+        self.side_effects()
+            .await
+            .expect("read remote-sim's side effects")
+            .into_iter()
+            .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
+            .collect()
+    }
+
+    /// Panics naming the first undo that took effect before its action.
+    ///
+    /// # Panics
+    /// When remote-sim cannot be reached, or an undo landed first.
+    pub async fn assert_no_undo_before_its_action(&self) {
+        let applied = self.applied_at().await;
+        for (key, undone) in &applied {
+            if let Some(done) = key
+                .strip_suffix(":undo")
+                .and_then(|action| applied.get(action))
+            {
+                assert!(undone > done, "the undo {key} landed before its action");
+            }
+        }
+    }
+
     /// Applied side effects per key: every value must be 1.
     ///
     /// # Errors

@@ -320,21 +320,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         }
     }
     // No undo reached the remote before its action.
-    let applied: HashMap<String, chrono::DateTime<chrono::Utc>> = sim
-        .side_effects()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
-        .collect();
-    for (key, undone) in &applied {
-        if let Some(done) = key
-            .strip_suffix(":undo")
-            .and_then(|action| applied.get(action))
-        {
-            assert!(undone > done, "the undo {key} landed before its action");
-        }
-    }
+    sim.assert_no_undo_before_its_action().await;
     let stats = sim.stats().await.unwrap();
     eprintln!(
         "chaos: seed {seed}, {orders} orders in {:.0?}: {} processed, {} compensated, {} error; kills {kills:?}; remote: {} calls, {} applied, {} deduplicated, {} transient faults, {} hangs",

@@ -644,17 +644,7 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
         env.publish_order(&publisher, &order(&format!("dup-{n}")))
             .await;
     }
-    wait_until("all 40 orders ended", Duration::from_secs(120), || async {
-        let (all, open): (i64, i64) = sqlx::query_as(
-            "SELECT count(*), count(*) FILTER (WHERE state NOT IN ('processed', 'compensated', 'error'))
-               FROM order_process",
-        )
-        .fetch_one(env.store.pool())
-        .await
-        .map_err(|e| e.to_string())?;
-        if all == 40 && open == 0 { Ok(()) } else { Err(format!("{open} of {all} open")) }
-    })
-    .await;
+    wait_until_all_ended(&env, 40).await;
     assert_eq!(env.count(ProcessState::Compensated).await, 40);
     // The sequence happened: some charges' outcome was unknown for a while.
     let unknown: i64 = sqlx::query_scalar(
@@ -666,13 +656,7 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
     let stats = sim.stats().await.unwrap();
     assert!(unknown > 0, "no charge was answered late: {stats:?}");
     // The remote's own record: when each key was applied.
-    let applied: std::collections::HashMap<String, DateTime<Utc>> = sim
-        .side_effects()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
-        .collect();
+    let applied = sim.applied_at().await;
     let mut refunded = 0;
     for n in 0..40 {
         for step in ["reserve_stock", "charge_payment"] {
@@ -693,20 +677,8 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
 /// Every undo the remote applied landed after its action, and every action
 /// of a compensated order was undone.
 async fn assert_every_effect_undone_after_it(env: &TestEnv, sim: &SimClient) -> usize {
-    let applied: std::collections::HashMap<String, DateTime<Utc>> = sim
-        .side_effects()
-        .await
-        .unwrap()
-        .into_iter()
-        .filter_map(|entry| entry.applied_at.map(|at| (entry.key, at)))
-        .collect();
-    for (key, undone) in &applied {
-        if let Some(action) = key.strip_suffix(":undo") {
-            if let Some(done) = applied.get(action) {
-                assert!(undone > done, "the undo of {action} landed before it");
-            }
-        }
-    }
+    sim.assert_no_undo_before_its_action().await;
+    let applied = sim.applied_at().await;
     let compensated: Vec<String> =
         sqlx::query_scalar("SELECT order_id FROM order_process WHERE state = 'compensated'")
             .fetch_all(env.store.pool())
@@ -757,7 +729,17 @@ async fn an_agent_clock_two_seconds_behind_never_lets_an_undo_land_before_its_ac
         env.publish_order(&publisher, &order(&format!("skew-{n}")))
             .await;
     }
-    wait_until("all 40 orders ended", Duration::from_secs(120), || async {
+    wait_until_all_ended(&env, 40).await;
+    let compensated = assert_every_effect_undone_after_it(&env, &sim).await;
+    assert!(
+        compensated > 0,
+        "no order was undone: the hangs did not bite"
+    );
+}
+
+/// Waits until `n` orders exist and every one has ended.
+async fn wait_until_all_ended(env: &TestEnv, n: i64) {
+    wait_until(&format!("all {n} orders ended"), Duration::from_secs(120), || async {
         let (all, open): (i64, i64) = sqlx::query_as(
             "SELECT count(*), count(*) FILTER (WHERE state NOT IN ('processed', 'compensated', 'error'))
                FROM order_process",
@@ -765,12 +747,11 @@ async fn an_agent_clock_two_seconds_behind_never_lets_an_undo_land_before_its_ac
         .fetch_one(env.store.pool())
         .await
         .map_err(|e| e.to_string())?;
-        if all == 40 && open == 0 { Ok(()) } else { Err(format!("{open} of {all} open")) }
+        if all == n && open == 0 {
+            Ok(())
+        } else {
+            Err(format!("{open} of {all} open"))
+        }
     })
     .await;
-    let compensated = assert_every_effect_undone_after_it(&env, &sim).await;
-    assert!(
-        compensated > 0,
-        "no order was undone: the hangs did not bite"
-    );
 }
