@@ -18,10 +18,10 @@ use sas_store::{Dispatch, ProcessState};
 use sas_tests::{database_settings, order, wait_until, TestEnv};
 
 fn submission(order_id: &str) -> Submission {
-    Submission {
-        order: order(order_id),
-        trace_id: sas_messages::TraceParent::new_root().trace_id,
-    }
+    Submission::new(
+        order(order_id),
+        sas_messages::TraceParent::new_root().trace_id,
+    )
 }
 
 fn success(dispatch: &Dispatch) -> StepReply {

@@ -357,3 +357,86 @@ async fn a_migration_the_database_refuses_stops_scheduler_migrate_at_once_naming
         .expect("query the catalog");
     assert!(!applied, "the failed migration left nothing behind");
 }
+
+/// A client following RabbitMQ's request/reply convention sets `reply_to`
+/// and `correlation_id` as message properties and names no `reply_to` in the
+/// body: its status messages come to that queue, each with its correlation id.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_s_reply_to_and_correlation_id_properties_are_honoured() {
+    use futures_util::StreamExt;
+    use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+    use sas_broker::lapin::types::FieldTable;
+
+    let env = TestEnv::new().await;
+    let _system = env.system(1).await;
+    let (connection, publisher) = env.broker().await;
+    let channel = connection.create_channel().await.unwrap();
+    let client_queue = format!("{}rpc-client", env.prefix);
+    channel
+        .queue_declare(
+            &client_queue,
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            &client_queue,
+            "rpc",
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let body = serde_json::to_vec(&order("rpc-1")).unwrap();
+    assert!(!String::from_utf8_lossy(&body).contains("reply_to"));
+    publisher
+        .publish(
+            "",
+            &env.amqp().names().orders(),
+            &body,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into())
+                .with_reply_to(client_queue.as_str().into())
+                .with_correlation_id("client-corr-42".into()),
+            true,
+        )
+        .await
+        .unwrap();
+    let mut events = Vec::new();
+    while events.last() != Some(&sas_messages::StatusEvent::Processed) {
+        let delivery = tokio::time::timeout(Duration::from_secs(20), consumer.next())
+            .await
+            .expect("a status message within 20 s")
+            .expect("the consumer is open")
+            .expect("a delivery");
+        assert_eq!(
+            delivery
+                .properties
+                .correlation_id()
+                .as_ref()
+                .map(|id| id.as_str()),
+            Some("client-corr-42"),
+            "every status message carries the client's correlation id"
+        );
+        let status: sas_messages::OrderStatus = serde_json::from_slice(&delivery.data).unwrap();
+        assert_eq!(status.order_id, "rpc-1");
+        events.push(status.event);
+    }
+    use sas_messages::StatusEvent::*;
+    assert_eq!(
+        events,
+        [
+            Received,
+            StepCompleted,
+            StepCompleted,
+            StepCompleted,
+            Processed
+        ]
+    );
+}

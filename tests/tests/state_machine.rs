@@ -469,11 +469,16 @@ async fn run_case(
         admission.insert(step.agent.clone(), (in_flight, 0, 1));
     }
     let order_id: OrderId = format!("p-{case}").into();
+    // Every other order names its reply queue in the body, the others in the
+    // AMQP properties with a correlation id.
     let mut order = sas_tests::order(&order_id);
-    order.reply_to = Some("client-q".into());
+    let by_property = case % 2 == 1;
+    order.reply_to = (!by_property).then(|| "client-q".to_owned());
     let submission = Submission {
         order: order.clone(),
         trace_id: format!("{case:032x}"),
+        reply_to_property: by_property.then(|| "client-q".to_owned()),
+        correlation_id: by_property.then(|| format!("corr-{case}")),
     };
     let accepted = store
         .insert_orders(std::slice::from_ref(&submission), "order", workflow, INTAKE)
@@ -490,12 +495,14 @@ async fn run_case(
     let snapshot = Snapshot::new_order(
         &order_id,
         body,
-        order.reply_to.clone(),
+        submission.reply_queue().map(str::to_owned),
         Some(submission.trace_id.clone()),
         5,
         workflow,
         now,
     );
+    let mut snapshot = snapshot;
+    snapshot.reply_correlation_id = submission.correlation_id.clone();
     let mut model = Model {
         snapshot,
         history: Vec::new(),

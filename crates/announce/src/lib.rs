@@ -88,12 +88,11 @@ impl Announcer {
         // its first future first, and each send hands over its frames in its
         // first poll).
         let trace_id = progress.trace_id.as_deref();
-        let statuses = self.send_statuses(
-            publisher,
-            progress.reply_to.as_deref(),
-            trace_id,
-            &progress.statuses,
-        );
+        let reply = progress
+            .reply_to
+            .as_deref()
+            .map(|queue| (queue, progress.correlation_id.as_deref()));
+        let statuses = self.send_statuses(publisher, reply, trace_id, &progress.statuses);
         let request = async {
             match &progress.dispatch {
                 Some(dispatch) => send_request(publisher, &self.names, dispatch, trace_id)
@@ -119,26 +118,28 @@ impl Announcer {
     async fn send_statuses(
         &self,
         publisher: &Publisher,
-        reply_to: Option<&str>,
+        reply: Option<(&str, Option<&str>)>,
         trace_id: Option<&str>,
         statuses: &[OrderStatus],
     ) -> Result<Vec<Pending>, BrokerError> {
         send_all(
             statuses
                 .iter()
-                .flat_map(|status| self.status_sends(publisher, reply_to, trace_id, status)),
+                .flat_map(|status| self.status_sends(publisher, reply, trace_id, status)),
         )
         .await
     }
 
     /// The sends of one status message, not started yet: to the status
     /// exchange (routing key `order.<id>`, where `sasctl watch` listens) and
-    /// to the client's `reply_to` queue, if the order named one. Neither is
-    /// mandatory: nobody may be listening. The confirms are left to the caller.
+    /// to the client's `reply_to` queue, if the order named one, with the
+    /// client's `correlation_id` if it gave one (RabbitMQ's request/reply
+    /// convention). Neither is mandatory: nobody may be listening. The
+    /// confirms are left to the caller.
     fn status_sends<'a>(
         &self,
         publisher: &'a Publisher,
-        reply_to: Option<&'a str>,
+        reply: Option<(&'a str, Option<&'a str>)>,
         trace_id: Option<&str>,
         status: &'a OrderStatus,
     ) -> Vec<impl Future<Output = Result<Pending, BrokerError>> + Send + 'a> {
@@ -151,15 +152,19 @@ impl Announcer {
             destinations.push((
                 self.names.status_exchange(),
                 QueueNames::status_routing_key(&status.order_id),
+                None,
             ));
         }
-        if let Some(queue) = reply_to {
-            destinations.push((String::new(), queue.to_owned()));
+        if let Some((queue, correlation_id)) = reply {
+            destinations.push((String::new(), queue.to_owned(), correlation_id));
         }
         destinations
             .into_iter()
-            .map(|(exchange, routing_key)| {
-                let properties = properties();
+            .map(|(exchange, routing_key, correlation_id)| {
+                let properties = match correlation_id {
+                    Some(id) => properties().with_correlation_id(id.into()),
+                    None => properties(),
+                };
                 async move {
                     publisher
                         .send_json(&exchange, &routing_key, status, properties, false)

@@ -24,6 +24,17 @@ impl Scheduler {
         if let Err(error) = order.validate() {
             return reject(error.to_string());
         }
+        // RabbitMQ's request/reply convention: reply_to and correlation_id as
+        // message properties (the body's reply_to wins when both are set).
+        let reply_to_property = delivery.reply_to().map(str::to_owned);
+        let correlation_id = delivery.correlation_id().map(str::to_owned);
+        if let Some(queue) = &reply_to_property {
+            if queue.is_empty() || queue.len() > 255 {
+                return reject(
+                    "the reply_to property must be a queue name of 1 to 255 bytes".into(),
+                );
+            }
+        }
         // Join the client's trace if it sent one; otherwise start the order's own.
         let trace_id = sas_broker::publish::trace_id_of(&delivery.properties)
             .unwrap_or_else(|| sas_messages::TraceParent::new_root().trace_id);
@@ -35,6 +46,8 @@ impl Scheduler {
                 let submission = Submission {
                     order: order.clone(),
                     trace_id: trace_id.clone(),
+                    reply_to_property: reply_to_property.clone(),
+                    correlation_id: correlation_id.clone(),
                 };
                 self.intake
                     .submit(submission)

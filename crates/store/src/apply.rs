@@ -31,7 +31,7 @@ pub(crate) async fn load_snapshots(
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
     let rows = sqlx::query(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
-                p.last_error, p.reply_to, p.trace_id, p.priority, p.waiting_for, p.admit_key,
+                p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
                 o.body, now() AS now,
                 s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
                 s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
@@ -90,6 +90,7 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
         body: row.try_get("body")?,
         reply_to: row.try_get("reply_to")?,
         trace_id: row.try_get("trace_id")?,
+        reply_correlation_id: row.try_get("reply_correlation_id")?,
         priority: row.try_get("priority")?,
         process: ProcessRow {
             state: row.try_get("state")?,

@@ -65,7 +65,7 @@ impl Store {
                  SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::jsonb[], $4::uuid[], $5::text[])
                         AS r(order_id, attempt_id, result, next_attempt_id, detail)),
              p AS MATERIALIZED (
-                 SELECT op.order_id, op.reply_to, op.trace_id FROM order_process op
+                 SELECT op.order_id, op.reply_to, op.reply_correlation_id, op.trace_id FROM order_process op
                   WHERE op.order_id = ANY($1) AND op.state::text = 'processing'
                   ORDER BY op.order_id
                     FOR UPDATE),
@@ -132,7 +132,7 @@ impl Store {
                  SELECT order_id, $6, 'processed', NULL, NULL, NULL FROM done
                   WHERE NOT EXISTS (SELECT 1 FROM next WHERE next.order_id = done.order_id))
              SELECT done.order_id, done.name AS step, done.updated_at AS at, done.latency,
-                    p.reply_to, p.trace_id, process.updated_at AS finished_at,
+                    p.reply_to, p.reply_correlation_id, p.trace_id, process.updated_at AS finished_at,
                     next.position AS next_position, next.name AS next_step, next.agent AS next_agent,
                     next.action AS next_action, next.compensation AS next_compensation,
                     next.timeout_ms AS next_timeout_ms, next.state AS next_state,
@@ -181,6 +181,7 @@ fn completed_from_row(
     let at: DateTime<Utc> = row.try_get("at")?;
     let mut progress = Progress {
         reply_to: row.try_get("reply_to")?,
+        correlation_id: row.try_get("reply_correlation_id")?,
         trace_id: row.try_get("trace_id")?,
         ..Progress::default()
     };

@@ -31,6 +31,34 @@ pub struct Submission {
     pub order: SubmitOrder,
     /// Its trace id (the client's, or a new root).
     pub trace_id: String,
+    /// The AMQP `reply_to` property of the message, for a client that
+    /// follows RabbitMQ's request/reply convention instead of naming
+    /// `reply_to` in the body (the body's wins when both are set).
+    pub reply_to_property: Option<String>,
+    /// The AMQP `correlation_id` property of the message: every status
+    /// message to the order's reply queue carries it back.
+    pub correlation_id: Option<String>,
+}
+
+impl Submission {
+    /// A submission without AMQP reply properties.
+    pub fn new(order: SubmitOrder, trace_id: String) -> Self {
+        Self {
+            order,
+            trace_id,
+            reply_to_property: None,
+            correlation_id: None,
+        }
+    }
+
+    /// The queue the order's status messages go to: the body's `reply_to`,
+    /// else the message's `reply_to` property.
+    pub fn reply_queue(&self) -> Option<&str> {
+        self.order
+            .reply_to
+            .as_deref()
+            .or(self.reply_to_property.as_deref())
+    }
 }
 
 /// One intake batch: the submissions, their bodies as stored, and the
@@ -58,15 +86,16 @@ impl Batch<'_> {
     ) -> Intake {
         let submission = &self.submissions[index];
         let order = &submission.order;
-        let snapshot = Snapshot::new_order(
+        let mut snapshot = Snapshot::new_order(
             &order.order_id,
             self.bodies[index].clone(),
-            order.reply_to.clone(),
+            submission.reply_queue().map(str::to_owned),
             Some(submission.trace_id.clone()),
             i16::from(order.priority()),
             self.steps,
             received_at,
         );
+        snapshot.reply_correlation_id = submission.correlation_id.clone();
         let ctx = Context {
             now: received_at,
             actor: self.actor,
@@ -93,10 +122,7 @@ impl Store {
         trace_id: &str,
         actor: &str,
     ) -> Result<Intake, StoreError> {
-        let submission = Submission {
-            order: order.clone(),
-            trace_id: trace_id.to_owned(),
-        };
+        let submission = Submission::new(order.clone(), trace_id.to_owned());
         self.insert_orders(std::slice::from_ref(&submission), workflow, steps, actor)
             .await
             .pop()
@@ -255,7 +281,11 @@ impl Store {
         let batch_bodies: Vec<&serde_json::Value> = batch.iter().map(|&i| &bodies[i]).collect();
         let reply_tos: Vec<Option<&str>> = batch
             .iter()
-            .map(|&i| submissions[i].order.reply_to.as_deref())
+            .map(|&i| submissions[i].reply_queue())
+            .collect();
+        let correlation_ids: Vec<Option<&str>> = batch
+            .iter()
+            .map(|&i| submissions[i].correlation_id.as_deref())
             .collect();
         let priorities: Vec<i16> = batch
             .iter()
@@ -277,8 +307,8 @@ impl Store {
             .collect();
         let rows = sqlx::query(
             "WITH i AS MATERIALIZED (
-                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[], $14::int2[])
-                        AS i(order_id, body, reply_to, trace_id, attempt_id, priority)),
+                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[], $14::int2[], $15::text[])
+                        AS i(order_id, body, reply_to, trace_id, attempt_id, priority, correlation_id)),
              o AS (
                  INSERT INTO orders (order_id, body)
                  SELECT order_id, body FROM i ORDER BY order_id
@@ -298,13 +328,15 @@ impl Store {
                                     FROM admission a JOIN first ON a.agent = first.agent), true) AS admitted),
              p AS (
                  INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id,
-                                            complete_by, priority, waiting_for, admit_key)
+                                            complete_by, priority, waiting_for, admit_key,
+                                            reply_correlation_id)
                  SELECT o.order_id, $6,
                         CASE WHEN ok.admitted THEN 'processing' ELSE 'pending' END::process_state,
                         CASE WHEN ok.admitted THEN $7 END, i.reply_to, i.trace_id,
                         CASE WHEN ok.admitted THEN first.complete_by END, i.priority,
                         CASE WHEN NOT ok.admitted THEN first.agent END,
-                        CASE WHEN NOT ok.admitted THEN date_trunc('microseconds', now() - i.priority * interval '10 seconds') END
+                        CASE WHEN NOT ok.admitted THEN date_trunc('microseconds', now() - i.priority * interval '10 seconds') END,
+                        i.correlation_id
                    FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first CROSS JOIN ok),
              q AS (
                  UPDATE admission a
@@ -349,6 +381,7 @@ impl Store {
         .bind(&compensations)
         .bind(&timeouts)
         .bind(&priorities)
+        .bind(&correlation_ids)
         .fetch_all(self.pool())
         .await?;
         rows.iter()

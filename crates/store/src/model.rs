@@ -171,6 +171,8 @@ pub struct Dispatch {
 pub struct Progress {
     /// The client's status queue, if the order named one.
     pub reply_to: Option<String>,
+    /// The client's `correlation_id`, set on every message to `reply_to`.
+    pub correlation_id: Option<String>,
     /// The order's W3C trace id, for the `traceparent` header of every message.
     pub trace_id: Option<String>,
     /// Status messages, in order.

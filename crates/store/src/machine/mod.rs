@@ -153,6 +153,8 @@ pub struct Snapshot {
     pub reply_to: Option<String>,
     /// The order's W3C trace id.
     pub trace_id: Option<String>,
+    /// The client's AMQP `correlation_id`, carried back on its status messages.
+    pub reply_correlation_id: Option<String>,
     /// 0 (lowest) to 9: its place when it has to wait for a slot.
     pub priority: i16,
     /// The process record.
@@ -178,6 +180,7 @@ impl Snapshot {
             body,
             reply_to,
             trace_id,
+            reply_correlation_id: None,
             priority,
             process: ProcessRow {
                 state: ProcessState::Pending,

@@ -516,6 +516,7 @@ impl<'a> Draft<'a> {
             resolve_alerts: false,
             progress: Progress {
                 reply_to: snapshot.reply_to.clone(),
+                correlation_id: snapshot.reply_correlation_id.clone(),
                 trace_id: snapshot.trace_id.clone(),
                 ..Progress::default()
             },
@@ -727,6 +728,7 @@ impl<'a> Draft<'a> {
                 resolve_alerts: false,
                 progress: Progress {
                     reply_to: self.snapshot.reply_to.clone(),
+                    correlation_id: self.snapshot.reply_correlation_id.clone(),
                     trace_id: self.snapshot.trace_id.clone(),
                     ..Progress::default()
                 },
