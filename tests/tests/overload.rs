@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 use sas_messages::SubmitOrder;
 use sas_store::machine::HistoryEvent;
 use sas_store::ProcessState;
-use sas_tests::process::System;
+use sas_tests::process::{free_port, System};
 use sas_tests::sim::SimClient;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::json;
@@ -110,10 +110,38 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     // A single missed deadline would compensate an order.
     let mut system = slow_system(&env, 1, 1, 0).await;
+    // A second scheduler whose readiness is watched under the backlog.
+    let ops = free_port();
+    let mut vars = scheduler_vars();
+    vars.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")));
+    system.schedulers.push(env.scheduler(1, &vars));
     let (_connection, publisher) = env.broker().await;
     for order in orders("burst", 160, None) {
         env.publish_order(&publisher, &order).await;
     }
+    // Overload is not ill health: ready while orders wait in line.
+    wait_until(
+        "the scheduler ready while orders wait",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM order_process WHERE waiting_for IS NOT NULL",
+            )
+            .fetch_one(env.store.pool())
+            .await
+            .map_err(|e| e.to_string())?;
+            let ready = reqwest::get(format!("http://127.0.0.1:{ops}/readyz"))
+                .await
+                .map(|response| response.status().as_u16())
+                .map_err(|e| e.to_string())?;
+            if waiting >= 50 && ready == 200 {
+                Ok(())
+            } else {
+                Err(format!("{waiting} waiting, /readyz {ready}"))
+            }
+        },
+    )
+    .await;
     // The scheduler's memory stays bounded while the line is long.
     let scheduler_pid = system.schedulers[0].pid();
     let mut peak_rss_kib = 0;
