@@ -755,3 +755,110 @@ async fn wait_until_all_ended(env: &TestEnv, n: i64) {
     })
     .await;
 }
+
+/// An agent that loses its broker connection cancels the calls it started
+/// for that connection's requests: the redelivered request is the only one
+/// still calling, so the remote never sees the same request twice at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_for_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let env = TestEnv::new().await;
+    // A remote that never answers, counting the calls open at once.
+    let open = Arc::new(AtomicUsize::new(0));
+    let (most, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    struct Open(Arc<AtomicUsize>);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let app = {
+        let (open, most, calls) = (open.clone(), most.clone(), calls.clone());
+        axum::Router::new().route(
+            "/hang/{action}",
+            axum::routing::post(move || {
+                let (open, most, calls) = (open.clone(), most.clone(), calls.clone());
+                async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    let _open = Open(open);
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    axum::http::StatusCode::OK
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let agent_id = format!("{}-cut", env.id);
+    let (mut agent_process, _ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/hang"),
+        &[
+            ("SAS_AGENT__ID", agent_id.clone()),
+            ("SAS_AGENT__CALL_TIMEOUT_MS", "30000".to_owned()),
+        ],
+    );
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, _replies) = reply_queue(&env, &connection).await;
+    let request = request(
+        "cut-1",
+        StepKind::Action,
+        "charge",
+        Duration::from_secs(25),
+        Duration::from_secs(30),
+    );
+    send(&env, &publisher, "payment", &reply_to, &request).await;
+    wait_until("the first call", Duration::from_secs(20), || async {
+        if open.load(Ordering::SeqCst) == 1 {
+            Ok(())
+        } else {
+            Err("no call yet".to_owned())
+        }
+    })
+    .await;
+    // The broker drops the agent's connection (as a network cut would).
+    let listing = tokio::process::Command::new("rabbitmqctl")
+        .args(["list_connections", "pid", "client_properties", "-q"])
+        .output()
+        .await
+        .expect("rabbitmqctl");
+    let listing = String::from_utf8_lossy(&listing.stdout).into_owned();
+    let pid = listing
+        .lines()
+        .find(|line| line.contains(&agent_id))
+        .and_then(|line| line.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the agent's connection is listed: {listing}"))
+        .to_owned();
+    let closed = tokio::process::Command::new("rabbitmqctl")
+        .args(["close_connection", &pid, "test: connection cut"])
+        .status()
+        .await
+        .expect("rabbitmqctl");
+    assert!(closed.success());
+    // The request comes back on the new connection and is called again...
+    wait_until(
+        "the redelivered request's call",
+        Duration::from_secs(30),
+        || async {
+            let (calls, open) = (calls.load(Ordering::SeqCst), open.load(Ordering::SeqCst));
+            if calls >= 2 && open == 1 {
+                Ok(())
+            } else {
+                Err(format!("{calls} calls, {open} open"))
+            }
+        },
+    )
+    .await;
+    // ...while the call of the lost connection was dropped first.
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        1,
+        "two calls of one request were open at once"
+    );
+    assert!(agent_process.is_running());
+}
