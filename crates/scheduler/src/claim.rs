@@ -22,10 +22,25 @@ impl Scheduler {
         let interval = Duration::from_millis(self.settings.scheduler.claim_interval_ms);
         let batch = self.settings.scheduler.claim_batch;
         loop {
-            let claimed = match self.store.claim_ready(&self.id, batch).await {
-                Ok(claimed) => claimed,
-                Err(error) => {
+            // The claim's transaction runs in a task of its own: this loop is
+            // dropped when the broker connection is lost (it is joined with
+            // the consumers), and a transaction dropped halfway, a query
+            // still waiting on a lock, can leave its pooled connection inside
+            // an open transaction that a later statement then joins and
+            // loses. Run to its end, the claim commits or rolls back; what
+            // it claimed and could not publish waits for the supervisor.
+            let claim = {
+                let (store, id) = (self.store.clone(), self.id.clone());
+                tokio::spawn(async move { store.claim_ready(&id, batch).await })
+            };
+            let claimed = match claim.await {
+                Ok(Ok(claimed)) => claimed,
+                Ok(Err(error)) => {
                     tracing::warn!(error = %error, "cannot claim ready orders");
+                    Vec::new()
+                }
+                Err(error) => {
+                    tracing::error!(error = %error, "the claim task failed");
                     Vec::new()
                 }
             };

@@ -138,6 +138,7 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let (snapshot, now) = load_snapshot(&mut tx, order_id).await?;
         let Some(snapshot) = snapshot else {
+            tx.commit().await?;
             return Ok(None);
         };
         let ctx = self.context(now, actor);

@@ -135,6 +135,9 @@ impl Store {
         admitted: bool,
     ) -> Result<Vec<Claimed>, StoreError> {
         if ids.is_empty() {
+            // Ended explicitly, not by dropping it: no connection goes back
+            // to the pool with a rollback still to send.
+            tx.commit().await?;
             return Ok(Vec::new());
         }
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
@@ -246,6 +249,7 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         let (snapshot, now) = load_snapshot(&mut tx, &reply.order_id).await?;
         let Some(snapshot) = snapshot else {
+            tx.commit().await?;
             return Ok(ReplyOutcome::Stale {
                 reason: "no such order".into(),
             });

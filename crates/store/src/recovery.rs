@@ -76,6 +76,7 @@ impl Store {
         .fetch_all(&mut *tx)
         .await?;
         if due.is_empty() {
+            tx.commit().await?;
             return Ok(Vec::new());
         }
         let due: Vec<&str> = due.iter().map(String::as_str).collect();
