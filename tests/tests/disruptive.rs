@@ -165,6 +165,17 @@ async fn outage_during_load<F: std::future::Future<Output = ()>>(
     env.wait_for_count(ProcessState::Processed, 300, Duration::from_secs(120))
         .await;
     system.assert_all_running();
+    // A transaction cut short by the outage must not leave a pooled
+    // connection inside it: a later statement would join it and be lost
+    // with it (Postgres says so when the next one begins).
+    for scheduler in &system.schedulers {
+        assert!(
+            !scheduler.log_text().contains("already a transaction in progress"),
+            "{} began a transaction inside another one: see {}",
+            scheduler.name,
+            scheduler.log.display()
+        );
+    }
     let by_order = system.sim.effects_by_order().await;
     assert_eq!(by_order.len(), 300);
     assert!(by_order
