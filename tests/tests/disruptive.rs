@@ -170,7 +170,9 @@ async fn outage_during_load<F: std::future::Future<Output = ()>>(
     // with it (Postgres says so when the next one begins).
     for scheduler in &system.schedulers {
         assert!(
-            !scheduler.log_text().contains("already a transaction in progress"),
+            !scheduler
+                .log_text()
+                .contains("already a transaction in progress"),
             "{} began a transaction inside another one: see {}",
             scheduler.name,
             scheduler.log.display()
