@@ -3,8 +3,8 @@
 
 use sas_messages::AttemptId;
 
-use crate::apply::{apply, load_snapshot};
-use crate::machine::{decide, Decision, Event, ResubmitAction, Verdict};
+use crate::apply::{apply, decide_admitted, load_snapshot};
+use crate::machine::{Decision, Event, ResubmitAction, Snapshot, Verdict};
 use crate::model::{ProcessState, Progress};
 use crate::{Store, StoreError};
 
@@ -37,6 +37,16 @@ pub enum Cancel {
     NotRunning(ProcessState),
 }
 
+/// What one transaction decided about one order, with what it decided on.
+pub(crate) struct Decided {
+    /// The order as it was read under its lock.
+    pub(crate) snapshot: Snapshot,
+    /// What the state machine decided, now written.
+    pub(crate) decision: Decision,
+    /// The transaction's clock.
+    pub(crate) now: chrono::DateTime<chrono::Utc>,
+}
+
 impl Store {
     /// Settles the order a dead-lettered step request or reply belonged to
     /// (see [`Event::DeadLettered`]): a message that kept failing its
@@ -55,8 +65,9 @@ impl Store {
         actor: &str,
     ) -> Result<Option<Progress>, StoreError> {
         let event = Event::DeadLettered { attempt_id, reason };
-        let decision = self.decide_and_apply(order_id, &event, actor).await?;
-        Ok(decision
+        let decided = self.decide_and_apply(order_id, &event, actor).await?;
+        Ok(decided
+            .map(|d| d.decision)
             .filter(|d| d.verdict == Verdict::Applied)
             .map(|d| d.progress))
     }
@@ -78,7 +89,7 @@ impl Store {
         Ok(
             match self.decide_and_apply(order_id, &event, actor).await? {
                 None => Resubmit::NotFound,
-                Some(decision) => match decision.verdict {
+                Some(Decided { decision, .. }) => match decision.verdict {
                     Verdict::Resubmitted(what) => Resubmit::Resubmitted {
                         what,
                         fresh_keys: decision
@@ -113,7 +124,7 @@ impl Store {
         Ok(
             match self.decide_and_apply(order_id, &event, actor).await? {
                 None => Cancel::NotFound,
-                Some(decision) => match decision.verdict {
+                Some(Decided { decision, .. }) => match decision.verdict {
                     Verdict::Applied => Cancel::Cancelled(decision.progress),
                     Verdict::Refused(state) => Cancel::NotRunning(state),
                     other => {
@@ -127,14 +138,14 @@ impl Store {
     }
 
     /// One order, one event, one transaction: lock and read the order, let
-    /// the state machine decide, write the decision. `None` when the order
-    /// does not exist.
-    async fn decide_and_apply(
+    /// the state machine decide (under admission control), write the
+    /// decision. `None` when the order does not exist.
+    pub(crate) async fn decide_and_apply(
         &self,
         order_id: &str,
         event: &Event<'_>,
         actor: &str,
-    ) -> Result<Option<Decision>, StoreError> {
+    ) -> Result<Option<Decided>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let (snapshot, now) = load_snapshot(&mut tx, order_id).await?;
         let Some(snapshot) = snapshot else {
@@ -142,9 +153,13 @@ impl Store {
             return Ok(None);
         };
         let ctx = self.context(now, actor);
-        let decision = decide(&snapshot, event, &ctx);
+        let decision = decide_admitted(&mut tx, &snapshot, event, &ctx).await?;
         apply(&mut tx, &snapshot, &decision, actor).await?;
         tx.commit().await?;
-        Ok(Some(decision))
+        Ok(Some(Decided {
+            snapshot,
+            decision,
+            now,
+        }))
     }
 }

@@ -12,9 +12,10 @@ use std::sync::Arc;
 
 use sas_messages::{StepOutcome, StepReply};
 
-use crate::apply::{apply, decide_admitted, load_snapshot, load_snapshots};
+use crate::apply::{apply, decide_admitted, load_snapshots};
 use crate::machine::{decide, Event, Verdict};
 use crate::model::Progress;
+use crate::operator::Decided;
 use crate::{Store, StoreError};
 
 /// What became of an agent's reply.
@@ -246,20 +247,21 @@ impl Store {
         reply: &StepReply,
         actor: &str,
     ) -> Result<ReplyOutcome, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        let (snapshot, now) = load_snapshot(&mut tx, &reply.order_id).await?;
-        let Some(snapshot) = snapshot else {
-            tx.commit().await?;
+        let event = Event::Reply(reply);
+        let Some(Decided {
+            snapshot,
+            decision,
+            now,
+        }) = self
+            .decide_and_apply(&reply.order_id, &event, actor)
+            .await?
+        else {
             return Ok(ReplyOutcome::Stale {
                 reason: "no such order".into(),
             });
         };
-        let ctx = self.context(now, actor);
-        let decision = decide_admitted(&mut tx, &snapshot, &Event::Reply(reply), &ctx).await?;
-        apply(&mut tx, &snapshot, &decision, actor).await?;
-        tx.commit().await?;
         match decision.verdict {
-            Verdict::Applied | Verdict::Resubmitted(_) => {
+            Verdict::Applied => {
                 let step = snapshot.step_of_attempt(reply.attempt_id);
                 let started = step.and_then(|step| step.started_at()).unwrap_or(now);
                 Ok(ReplyOutcome::Applied {
@@ -271,9 +273,9 @@ impl Store {
             Verdict::Stale(reason) | Verdict::Unchanged(reason) => {
                 Ok(ReplyOutcome::Stale { reason })
             }
-            Verdict::Refused(state) => Ok(ReplyOutcome::Stale {
-                reason: format!("order is {state}"),
-            }),
+            other => Err(StoreError::Invariant(format!(
+                "a reply was decided as {other:?}"
+            ))),
         }
     }
 }

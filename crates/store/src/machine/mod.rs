@@ -199,11 +199,6 @@ impl Snapshot {
         }
     }
 
-    /// The agent whose slot this order holds (see [`slot_held`]).
-    pub fn holds_slot(&self) -> Option<&str> {
-        slot_held(&self.process, &self.steps)
-    }
-
     /// The step whose attempt `attempt_id` is current, if any.
     pub fn step_of_attempt(&self, attempt_id: AttemptId) -> Option<&StepRow> {
         self.steps
