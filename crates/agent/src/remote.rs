@@ -8,9 +8,12 @@
 //! | 2xx with a JSON body (at most `agent.max_answer_bytes`) | succeeded |
 //! | 404 to a compensation | succeeded: nothing to undo |
 //! | any other 4xx but 408, 409, 425, 429 | refused: nothing applied |
-//! | connect error (refused, DNS, TLS handshake, certificate), 408, 425, 429, 503 | transient: nothing applied |
+//! | connect error (refused, DNS, TLS handshake, certificate), 408, 425, 429 | transient: nothing applied |
 //! | 409 | in progress: retry the same key later |
-//! | timeout or reset after sending, 5xx but 503, 1xx/3xx, a 2xx whose body is not JSON, too large or cut | outcome unknown: may have been applied |
+//! | timeout or reset after sending, any 5xx, 1xx/3xx, a 2xx whose body is not JSON, too large or cut | outcome unknown: may have been applied |
+//!
+//! A 503 too: a gateway can answer it after the service behind it took the
+//! request, so it is never read as "nothing applied".
 //!
 //! reqwest tells a connect error (nothing was sent: the TCP connection or
 //! the TLS handshake failed) apart from one after the request went out; only
@@ -279,7 +282,7 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
             "nothing_to_undo": true,
             "remote_answer": message,
         })),
-        408 | 425 | 429 | 503 => CallResult::Transient {
+        408 | 425 | 429 => CallResult::Transient {
             error: message,
             certificate: false,
         },
@@ -399,11 +402,11 @@ mod tests {
         for status in [400, 401, 402, 403, 404, 410, 422] {
             assert_eq!(answer(status, b"no").class(), "refused", "{status}");
         }
-        for status in [408, 425, 429, 503] {
+        for status in [408, 425, 429] {
             assert_eq!(answer(status, b"later").class(), "transient", "{status}");
         }
         assert_eq!(answer(409, b"busy").class(), "in_progress");
-        for status in [500, 502, 504, 301, 303] {
+        for status in [500, 502, 503, 504, 301, 303] {
             assert_eq!(answer(status, b"?").class(), "unknown", "{status}");
         }
     }
