@@ -41,8 +41,12 @@ struct Cli {
     #[arg(long, value_name = "SECS")]
     latency_secs: Option<f64>,
     /// Stop after the latency phase (no scaling or recovery): for tuning loops.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "overload_only")]
     throughput_only: bool,
+    /// Run only the overload phase (after the calibrations and a warm-up):
+    /// for tuning admission control.
+    #[arg(long)]
+    overload_only: bool,
 }
 
 /// How big each phase is.
@@ -133,6 +137,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let options = phases::Options {
         latency_rate: cli.latency_rate,
         throughput_only: cli.throughput_only,
+        overload_only: cli.overload_only,
     };
     let report = phases::run_all(sizes, options, &progress).await?;
     progress.finish_with_message("done");

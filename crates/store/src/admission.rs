@@ -3,13 +3,16 @@
 //!
 //! The limit of attempts in flight per agent follows what the agent's
 //! replicas measurably finish: every adaptation window, the completions
-//! counted (`settled`) give a rate, and `rate × deadline × share` is the
-//! number of attempts that can wait and run within `share` of a step's
-//! deadline. The limit grows to that target at once (a fast agent must not
-//! be held back), and while orders wait in the agent's line it shrinks
-//! towards it, at most halving per window; while nobody waits it never
-//! shrinks, so a quiet agent keeps its limit. The ceiling caps it, and it
-//! never drops below one.
+//! counted (`settled`; an attempt that never started is not one) give a
+//! rate, and `rate × deadline × share` is the number of attempts that can
+//! wait and run within `share` of a step's deadline. The limit grows to that
+//! target at once (a fast agent must not be held back), and while orders
+//! wait in the agent's line it shrinks towards it, at most halving per
+//! window. Only a limit in use is trusted (as TCP's congestion window
+//! validation): it never exceeds twice the most attempts in flight during
+//! the window, or the initial limit, so a limit learnt while the remote
+//! service was fast and busy decays while it is quiet instead of admitting
+//! the next burst at once. The ceiling caps it, and it never drops below one.
 
 use std::time::Duration;
 
@@ -61,12 +64,13 @@ impl Store {
             .map(|(_, deadline)| i32::try_from(deadline.as_millis()).unwrap_or(i32::MAX))
             .collect();
         sqlx::query(
-            "INSERT INTO admission (agent, admit_limit, ceiling, deadline_ms)
-             SELECT agent, LEAST($3, $4), $4, deadline_ms
+            "INSERT INTO admission (agent, admit_limit, initial_limit, ceiling, deadline_ms)
+             SELECT agent, LEAST($3, $4), LEAST($3, $4), $4, deadline_ms
                FROM UNNEST($1::text[], $2::int4[]) AS a(agent, deadline_ms)
               ORDER BY agent
              ON CONFLICT (agent) DO UPDATE
                 SET ceiling = EXCLUDED.ceiling, deadline_ms = EXCLUDED.deadline_ms,
+                    initial_limit = EXCLUDED.initial_limit,
                     admit_limit = LEAST(admission.admit_limit, EXCLUDED.ceiling)",
         )
         .bind(&names)
@@ -98,15 +102,24 @@ impl Store {
                     FOR UPDATE SKIP LOCKED),
              adapted AS (
                  UPDATE admission a
-                    SET admit_limit = LEAST(a.ceiling, GREATEST(1,
-                            CASE WHEN a.waiting > 0
-                                 THEN GREATEST(due.target, a.admit_limit / 2)
-                                 ELSE GREATEST(due.target, a.admit_limit)
-                            END))::int4,
-                        window_settled = a.settled, window_started = now()
+                    SET admit_limit = LEAST(a.ceiling,
+                            GREATEST(a.initial_limit, 2 * a.peak_in_flight::int8),
+                            GREATEST(1,
+                                CASE WHEN a.waiting > 0
+                                     THEN GREATEST(due.target, a.admit_limit / 2)
+                                     ELSE GREATEST(due.target, a.admit_limit)
+                                END))::int4,
+                        window_settled = a.settled, window_started = now(),
+                        peak_in_flight = a.in_flight
                    FROM due WHERE a.agent = due.agent
-              RETURNING a.agent)
-             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission ORDER BY agent",
+              RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling)
+             -- The statement's own snapshot predates its update: the adapted
+             -- rows come from RETURNING.
+             SELECT * FROM adapted
+             UNION ALL
+             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission
+              WHERE agent NOT IN (SELECT agent FROM adapted)
+             ORDER BY agent",
         )
         .bind(adaptation.window.as_millis() as f64)
         .bind(adaptation.deadline_share)
