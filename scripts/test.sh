@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
+# Dependency policy (deny.toml): licenses, duplicate versions, sources, advisories.
+scripts/deny.sh
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
 cargo test --workspace -- --test-threads 2 "$@"
