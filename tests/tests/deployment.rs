@@ -612,3 +612,502 @@ fn check_config_names_a_bad_key_and_an_unknown_variable() {
     );
     assert_eq!(run(&[("SAS_DATABASE__SSL_MODE", "verify-full")]).0, Some(0));
 }
+
+/// One metric as the services register it: its type and label names.
+#[derive(Debug, Default)]
+struct Exported {
+    kind: String,
+    labels: std::collections::BTreeSet<String>,
+}
+
+/// Every `sas_*` metric the services export, read from their sources: each
+/// `counter!`, `gauge!` and `histogram!` call, its name and label names.
+fn exported_metrics() -> BTreeMap<String, Exported> {
+    let mut files = Vec::new();
+    let mut stack = vec![root().join("crates")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                if !path.ends_with("crates/bench") && !path.ends_with("target") {
+                    stack.push(path);
+                }
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let mut metrics: BTreeMap<String, Exported> = BTreeMap::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for kind in ["counter", "gauge", "histogram"] {
+            let macro_call = format!("{kind}!(");
+            for (at, _) in text.match_indices(&macro_call) {
+                let args = &text[at + macro_call.len()..];
+                let Some(rest) = args.trim_start().strip_prefix('"') else {
+                    continue;
+                };
+                let name = &rest[..rest.find('"').unwrap()];
+                if !name.starts_with("sas_") {
+                    continue;
+                }
+                let metric = metrics.entry(name.to_owned()).or_default();
+                assert!(
+                    metric.kind.is_empty() || metric.kind == kind,
+                    "{name} is registered as a {} and a {kind}",
+                    metric.kind
+                );
+                metric.kind = kind.to_owned();
+                // The labels: every `"name" =>` up to the closing parenthesis.
+                let mut depth = 1;
+                let mut chars = args.char_indices().peekable();
+                let mut end = args.len();
+                let mut strings_seen = Vec::new();
+                while let Some((i, c)) = chars.next() {
+                    match c {
+                        '"' => {
+                            let start = i + 1;
+                            let mut stop = start;
+                            while let Some((j, c)) = chars.next() {
+                                if c == '\\' {
+                                    chars.next();
+                                } else if c == '"' {
+                                    stop = j;
+                                    break;
+                                }
+                            }
+                            strings_seen.push((args[start..stop].to_owned(), stop + 1));
+                        }
+                        '(' => depth += 1,
+                        ')' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = i;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                for (label, after) in strings_seen {
+                    if after <= end && args[after..end].trim_start().starts_with("=>") {
+                        metric.labels.insert(label);
+                    }
+                }
+            }
+        }
+    }
+    metrics
+}
+
+/// Metrics the dashboard reads from elsewhere than our services, with
+/// their labels: RabbitMQ's own Prometheus plugin (per-object metrics).
+const EXTERNAL_METRICS: [(&str, &[&str]); 1] =
+    [("rabbitmq_queue_messages_ready", &["queue", "vhost"])];
+
+/// Labels Prometheus adds to every scraped series.
+const TARGET_LABELS: [&str; 2] = ["instance", "job"];
+
+/// The metric names, selector labels and grouping labels of a PromQL
+/// expression (enough of PromQL for these files: selectors, functions,
+/// aggregations with `by`/`without`, binary operators, ranges, offsets).
+fn promql_references(expr: &str) -> (Vec<(String, Vec<String>)>, Vec<String>) {
+    // Operators, and aggregations (which may be followed by `by (...)`).
+    const KEYWORDS: [&str; 18] = [
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "bool",
+        "inf",
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+    ];
+    const GROUPING: [&str; 6] = [
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+    ];
+    let chars: Vec<char> = expr.chars().collect();
+    let mut metrics = Vec::new();
+    let mut grouping = Vec::new();
+    let mut i = 0;
+    let skip_string = |i: &mut usize| {
+        let quote = chars[*i];
+        *i += 1;
+        while *i < chars.len() && chars[*i] != quote {
+            if chars[*i] == '\\' {
+                *i += 1;
+            }
+            *i += 1;
+        }
+        *i += 1;
+    };
+    // The text up to the bracket that closes the one at `i`, strings skipped.
+    let enclosed = |i: &mut usize, close: char| -> String {
+        let start = *i + 1;
+        *i += 1;
+        while chars[*i] != close {
+            if chars[*i] == '"' || chars[*i] == '\'' {
+                skip_string(i);
+            } else {
+                *i += 1;
+            }
+        }
+        *i += 1;
+        chars[start..*i - 1].iter().collect()
+    };
+    let next_non_space = |i: usize| chars[i..].iter().copied().find(|c| !c.is_whitespace());
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '"' || c == '\'' || c == '`' {
+            skip_string(&mut i);
+        } else if c == '[' {
+            enclosed(&mut i, ']');
+        } else if c == '{' {
+            panic!("{expr}: a selector without a metric name");
+        } else if c == '$' || c.is_ascii_digit() {
+            i += 1;
+            while i < chars.len() && (chars[i].is_alphanumeric() || "_.".contains(chars[i])) {
+                i += 1;
+            }
+        } else if c.is_ascii_alphabetic() || c == '_' || c == ':' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || "_:".contains(chars[i])) {
+                i += 1;
+            }
+            let word: String = chars[start..i].iter().collect();
+            let next = next_non_space(i);
+            if GROUPING.contains(&word.as_str()) {
+                if next == Some('(') {
+                    while chars[i] != '(' {
+                        i += 1;
+                    }
+                    let list = enclosed(&mut i, ')');
+                    grouping.extend(
+                        list.split(',')
+                            .map(|l| l.trim().to_owned())
+                            .filter(|l| !l.is_empty()),
+                    );
+                }
+            } else if KEYWORDS.contains(&word.as_str()) || next == Some('(') {
+                // An operator, or a function or aggregation.
+            } else {
+                let mut labels = Vec::new();
+                if next == Some('{') {
+                    while chars[i] != '{' {
+                        i += 1;
+                    }
+                    let selector = enclosed(&mut i, '}');
+                    let mut rest = selector.as_str();
+                    while let Some(op) = rest.find(['=', '!']) {
+                        labels.push(rest[..op].trim().trim_start_matches(',').trim().to_owned());
+                        let value = rest[op..].find('"').unwrap() + op + 1;
+                        let mut close = value;
+                        let bytes = rest.as_bytes();
+                        while bytes[close] != b'"' {
+                            close += if bytes[close] == b'\\' { 2 } else { 1 };
+                        }
+                        rest = &rest[close + 1..];
+                    }
+                }
+                metrics.push((word, labels));
+            }
+        } else {
+            i += 1;
+        }
+    }
+    (metrics, grouping)
+}
+
+/// Checks that `expr` reads only metrics the services export (or the
+/// listed external ones), with labels they have.
+fn check_expression(
+    context: &str,
+    expr: &str,
+    exported: &BTreeMap<String, Exported>,
+) -> Vec<String> {
+    let (metrics, grouping) = promql_references(expr);
+    assert!(!metrics.is_empty(), "{context}: `{expr}` reads no metric");
+    let mut known_labels: Vec<String> = TARGET_LABELS.iter().map(|l| (*l).to_owned()).collect();
+    let mut names = Vec::new();
+    for (metric, selector) in &metrics {
+        let labels: Vec<String> = if let Some(found) = exported.get(metric) {
+            assert_ne!(
+                found.kind, "histogram",
+                "{context}: {metric} is a histogram: read {metric}_bucket, _sum or _count"
+            );
+            found.labels.iter().cloned().collect()
+        } else if let Some((base, found)) = ["_bucket", "_sum", "_count"].iter().find_map(|s| {
+            let base = metric.strip_suffix(s)?;
+            exported
+                .get(base)
+                .filter(|m| m.kind == "histogram")
+                .map(|m| (base, m))
+        }) {
+            let mut labels: Vec<String> = found.labels.iter().cloned().collect();
+            if metric.ends_with("_bucket") {
+                labels.push("le".to_owned());
+            }
+            names.push(base.to_owned());
+            labels
+        } else if let Some((_, labels)) = EXTERNAL_METRICS.iter().find(|(m, _)| m == metric) {
+            labels.iter().map(|l| (*l).to_owned()).collect()
+        } else {
+            panic!(
+                "{context}: `{expr}` reads {metric}, which no service exports (the crates register: {:?})",
+                exported.keys().collect::<Vec<_>>()
+            );
+        };
+        names.push(metric.clone());
+        for label in selector {
+            assert!(
+                labels.contains(label) || TARGET_LABELS.contains(&label.as_str()),
+                "{context}: `{expr}` selects {metric} by {label}, a label it does not have ({labels:?})"
+            );
+        }
+        known_labels.extend(labels);
+    }
+    for label in grouping {
+        assert!(
+            known_labels.contains(&label),
+            "{context}: `{expr}` groups by {label}, a label none of its metrics has ({known_labels:?})"
+        );
+    }
+    names
+}
+
+/// Every panel of a Grafana dashboard, rows' panels included.
+fn dashboard_panels(dashboard: &serde_json::Value) -> Vec<serde_json::Value> {
+    let mut panels = Vec::new();
+    let mut stack: Vec<serde_json::Value> = dashboard["panels"].as_array().unwrap().clone();
+    while let Some(panel) = stack.pop() {
+        if let Some(nested) = panel["panels"].as_array() {
+            stack.extend(nested.iter().cloned());
+        }
+        panels.push(panel);
+    }
+    panels
+}
+
+fn load_dashboard() -> serde_json::Value {
+    let path = root().join("deploy/grafana/sas-dashboard.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+#[test]
+fn the_dashboard_and_the_alert_rules_read_only_metrics_the_services_export() {
+    let exported = exported_metrics();
+    // The metrics these files depend on are found where they are registered.
+    for name in [
+        "sas_orders",
+        "sas_orders_overdue",
+        "sas_alerts_open",
+        "sas_consumers",
+        "sas_step_latency_seconds",
+        "sas_circuit_state",
+        "sas_admission_wait_seconds",
+    ] {
+        assert!(
+            exported.contains_key(name),
+            "{name} not found in the crates"
+        );
+    }
+    let dashboard = load_dashboard();
+    let mut read = Vec::new();
+    let mut ids = Vec::new();
+    for panel in dashboard_panels(&dashboard) {
+        let title = panel["title"].as_str().unwrap_or_default().to_owned();
+        ids.push(panel["id"].as_u64().expect("every panel has an id"));
+        if panel["type"] == "row" {
+            continue;
+        }
+        let targets = panel["targets"].as_array().unwrap_or_else(|| {
+            panic!("panel {title} has no targets");
+        });
+        assert!(!targets.is_empty(), "panel {title} has no targets");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("a PromQL expr");
+            read.extend(check_expression(
+                &format!("dashboard panel {title}"),
+                expr,
+                &exported,
+            ));
+        }
+    }
+    let count = ids.len();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), count, "panel ids are unique");
+    // What operators asked to see.
+    for name in [
+        "sas_orders",
+        "sas_orders_received_total",
+        "sas_orders_finished_total",
+        "sas_step_latency_seconds",
+        "rabbitmq_queue_messages_ready",
+        "sas_circuit_state",
+        "sas_stale_replies_total",
+        "sas_dead_lettered_total",
+        "sas_admission_waiting",
+        "sas_admission_in_flight",
+        "sas_admission_limit",
+        "sas_admission_wait_seconds",
+    ] {
+        assert!(
+            read.iter().any(|r| r == name),
+            "the dashboard shows no {name}"
+        );
+    }
+
+    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    for rule in alert_rules(&rules) {
+        check_expression(
+            &format!("alert {}", as_str(&rule["alert"])),
+            &as_str(&rule["expr"]),
+            &exported,
+        );
+    }
+}
+
+fn alert_rules(rules: &Value) -> Vec<Value> {
+    rules["groups"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().unwrap().clone())
+        .collect()
+}
+
+/// promtool: `SAS_PROMTOOL` (scripts/test.sh installs it and sets this),
+/// else one on the PATH.
+fn promtool() -> Option<String> {
+    if let Ok(path) = std::env::var("SAS_PROMTOOL") {
+        if !path.is_empty() {
+            return Some(path);
+        }
+    }
+    std::process::Command::new("promtool")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| "promtool".to_owned())
+}
+
+fn run_promtool(promtool: &str, args: &[&str]) {
+    let output = std::process::Command::new(promtool)
+        .args(args)
+        .current_dir(root().join("deploy/prometheus"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {promtool}: {e}"));
+    assert!(
+        output.status.success(),
+        "promtool {} fails:\n{}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn alert_rules_pass_promtool_and_every_alert_is_tested_firing_and_quiet() {
+    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    let tests = load_yaml_documents(&root().join("deploy/prometheus/rules.test.yml")).remove(0);
+    let mut cases: BTreeMap<String, (bool, bool)> = BTreeMap::new();
+    for test in tests["tests"].as_sequence().unwrap() {
+        for case in test["alert_rule_test"].as_sequence().unwrap() {
+            let firing = !case["exp_alerts"].as_sequence().is_none_or(Vec::is_empty);
+            let entry = cases.entry(as_str(&case["alertname"])).or_default();
+            if firing {
+                entry.0 = true;
+            } else {
+                entry.1 = true;
+            }
+        }
+    }
+    for rule in alert_rules(&rules) {
+        let alert = as_str(&rule["alert"]);
+        assert_eq!(
+            cases.get(&alert),
+            Some(&(true, true)),
+            "rules.test.yml must show {alert} firing and quiet"
+        );
+    }
+
+    let Some(promtool) = promtool() else {
+        eprintln!(
+            "promtool is not installed (scripts/promtool.sh installs it from Debian's prometheus package): deploy/prometheus and the dashboard's queries were not checked by promtool"
+        );
+        return;
+    };
+    run_promtool(&promtool, &["check", "rules", "rules.yml"]);
+    run_promtool(&promtool, &["test", "rules", "rules.test.yml"]);
+    // The dashboard's queries parse: each as a recording rule.
+    let mut recording = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for panel in dashboard_panels(&load_dashboard()) {
+        for target in panel["targets"].as_array().cloned().unwrap_or_default() {
+            let expr = target["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$__rate_interval", "5m");
+            recording.push_str(&format!(
+                "      - record: dashboard:panel_{}_{}\n        expr: {}\n",
+                panel["id"],
+                target["refId"].as_str().unwrap(),
+                serde_json::to_string(&expr).unwrap()
+            ));
+        }
+    }
+    let file = std::env::temp_dir().join(format!("sas-dashboard-{}.yml", std::process::id()));
+    std::fs::write(&file, recording).unwrap();
+    let path = file.to_string_lossy().into_owned();
+    let result = std::panic::catch_unwind(|| run_promtool(&promtool, &["check", "rules", &path]));
+    let _ = std::fs::remove_file(&file);
+    result.unwrap();
+}
+
+#[test]
+fn the_promql_reader_finds_metrics_selectors_and_grouping_labels() {
+    let (metrics, grouping) = promql_references(
+        r#"histogram_quantile(0.99, sum by (agent, le) (rate(sas_admission_wait_seconds_bucket{agent!="x"}[$__rate_interval]))) or on() absent(sas_consumers{queue=~".*sas\\.(orders|x)", job="scheduler"}) unless max without (instance) (sas_orders offset 10m) > 0"#,
+    );
+    assert_eq!(
+        metrics,
+        [
+            (
+                "sas_admission_wait_seconds_bucket".to_owned(),
+                vec!["agent".to_owned()]
+            ),
+            (
+                "sas_consumers".to_owned(),
+                vec!["queue".to_owned(), "job".to_owned()]
+            ),
+            ("sas_orders".to_owned(), vec![]),
+        ]
+    );
+    assert_eq!(grouping, ["agent", "le", "instance"]);
+    let exported = exported_metrics();
+    let unknown = std::panic::catch_unwind(|| {
+        check_expression("test", "rate(sas_no_such_metric_total[5m])", &exported)
+    });
+    assert!(unknown.is_err(), "an unknown metric is refused");
+    let bad_label = std::panic::catch_unwind(|| {
+        check_expression("test", r#"sas_circuit_state{queue="x"}"#, &exported)
+    });
+    assert!(bad_label.is_err(), "a label the metric lacks is refused");
+}
