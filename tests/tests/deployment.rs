@@ -232,27 +232,189 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
     assert!(prefixes.windows(2).all(|w| w[0] == w[1]), "{prefixes:?}");
 }
 
+/// The example overlay, what `kubectl apply -k deploy/k8s/overlays/example`
+/// applies.
+const OVERLAY: &str = "deploy/k8s/overlays/example";
+
+/// Renders a kustomization with `kubectl kustomize` when a kubectl with
+/// kustomize v4 or later is installed (Debian's kubernetes-client has v2,
+/// without components), and otherwise with [`kustomize_fallback`]. Where
+/// both are available the two must agree, which keeps the fallback honest.
+fn render(dir: &str) -> Vec<Value> {
+    let own = kustomize_fallback(&root().join(dir));
+    let Some(kubectl) = kubectl_with_kustomize() else {
+        eprintln!(
+            "kubectl with kustomize v4+ is not installed: {dir} rendered by the test's own reader of its kustomization files"
+        );
+        return own;
+    };
+    let output = std::process::Command::new(kubectl)
+        .args(["kustomize", &root().join(dir).to_string_lossy()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "kubectl kustomize {dir} fails: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered = yaml_documents(&String::from_utf8(output.stdout).unwrap(), dir);
+    let summary = |docs: &[Value]| {
+        let mut objects: Vec<String> = docs
+            .iter()
+            .map(|d| {
+                let images: Vec<String> =
+                    containers(d).iter().map(|c| as_str(&c["image"])).collect();
+                format!(
+                    "{} {}/{} {images:?}",
+                    as_str(&d["kind"]),
+                    as_str(&d["metadata"]["namespace"]),
+                    as_str(&d["metadata"]["name"])
+                )
+            })
+            .collect();
+        objects.sort();
+        objects
+    };
+    assert_eq!(
+        summary(&rendered),
+        summary(&own),
+        "kubectl kustomize and the test's reader disagree on {dir}"
+    );
+    rendered
+}
+
+fn kubectl_with_kustomize() -> Option<&'static str> {
+    let output = std::process::Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let version = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Kustomize Version: v"))?;
+    let major: u32 = version.split('.').next()?.parse().ok()?;
+    (major >= 4).then_some("kubectl")
+}
+
+fn yaml_documents(text: &str, context: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|document| {
+            Value::deserialize(document).unwrap_or_else(|e| panic!("{context} does not parse: {e}"))
+        })
+        .filter(|value| !value.is_null())
+        .collect()
+}
+
+/// The subset of kustomize these files use: `resources` (files and
+/// directories), `components`, `namespace` and `images` (name, newName,
+/// newTag). Anything else in a kustomization is refused, so the fallback
+/// cannot silently drift from what kubectl does.
+fn kustomize_fallback(dir: &Path) -> Vec<Value> {
+    let file = dir.join("kustomization.yaml");
+    let kustomization = load_yaml_documents(&file).remove(0);
+    let known = [
+        "apiVersion",
+        "kind",
+        "resources",
+        "components",
+        "namespace",
+        "images",
+    ];
+    for key in kustomization.as_mapping().unwrap().keys() {
+        assert!(
+            known.contains(&as_str(key).as_str()),
+            "{}: the test's kustomize reader does not know `{}`",
+            file.display(),
+            as_str(key)
+        );
+    }
+    let mut documents = Vec::new();
+    for entry in strings(&kustomization["resources"])
+        .iter()
+        .chain(&strings(&kustomization["components"]))
+    {
+        let path = dir.join(entry);
+        if path.is_dir() {
+            documents.extend(kustomize_fallback(&path));
+        } else {
+            documents.extend(load_yaml_documents(&path));
+        }
+    }
+    if let Some(namespace) = kustomization.get("namespace") {
+        for doc in &mut documents {
+            if as_str(&doc["kind"]) != "Namespace" {
+                doc["metadata"]["namespace"] = namespace.clone();
+            }
+        }
+    }
+    for image in kustomization["images"]
+        .as_sequence()
+        .cloned()
+        .unwrap_or_default()
+    {
+        let name = as_str(&image["name"]);
+        let new = format!(
+            "{}:{}",
+            image.get("newName").map_or(name.clone(), as_str),
+            as_str(&image["newTag"])
+        );
+        for doc in &mut documents {
+            let Some(pod) = doc
+                .get_mut("spec")
+                .and_then(|s| s.get_mut("template"))
+                .and_then(|t| t.get_mut("spec"))
+            else {
+                continue;
+            };
+            for list in ["initContainers", "containers"] {
+                if let Some(containers) = pod.get_mut(list).and_then(Value::as_sequence_mut) {
+                    for container in containers {
+                        let current = as_str(&container["image"]);
+                        if current == name || current.starts_with(&format!("{name}:")) {
+                            container["image"] = Value::String(new.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    documents
+}
+
+/// The init containers and containers of a workload, in that order.
+fn containers(doc: &Value) -> Vec<Value> {
+    let pod = &doc["spec"]["template"]["spec"];
+    ["initContainers", "containers"]
+        .iter()
+        .flat_map(|list| pod[list].as_sequence().cloned().unwrap_or_default())
+        .collect()
+}
+
 #[test]
 fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
-    let dir = root().join("deploy/k8s");
-    let mut documents = Vec::new();
-    // `kubectl apply -f deploy/k8s/` applies the .yaml files only.
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
-        .collect();
-    files.sort();
-    for file in &files {
-        documents.extend(load_yaml_documents(file));
-    }
+    let documents = render(OVERLAY);
     let kind = |doc: &Value| as_str(&doc["kind"]);
+    let named = |k: &str, name: &str| {
+        documents
+            .iter()
+            .find(|d| kind(d) == k && as_str(&d["metadata"]["name"]) == name)
+            .unwrap_or_else(|| panic!("no {k} {name}"))
+    };
     // The example Secret is never applied over a real one.
     assert!(
         !documents.iter().any(|d| kind(d) == "Secret"),
-        "an applied manifest holds a Secret: it would overwrite the real one"
+        "the overlay applies a Secret: it would overwrite the real one"
     );
-    let example = load_yaml_documents(&dir.join("02-secret.yaml.example"));
+    let example = load_yaml_documents(&root().join("deploy/k8s/secret.yaml.example"));
+    for doc in &documents {
+        assert_eq!(
+            as_str(&doc["metadata"]["namespace"]),
+            if kind(doc) == "Namespace" { "" } else { "sas" },
+            "{} {}",
+            kind(doc),
+            as_str(&doc["metadata"]["name"])
+        );
+    }
     let config: BTreeMap<String, String> = documents
         .iter()
         .find(|d| kind(d) == "ConfigMap")
@@ -278,67 +440,99 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
             "ConfigMap key {key} is a setting of no binary"
         );
     }
+    // A Job's pod template is immutable: applying a new image over the
+    // previous version's Job fails. Migrations run in an init container.
+    assert!(
+        !documents.iter().any(|d| kind(d) == "Job"),
+        "a Job cannot be applied again with another image"
+    );
+    // The image is named once, in the overlay: every container runs it.
+    let overlay = load_yaml_documents(&root().join(OVERLAY).join("kustomization.yaml")).remove(0);
+    let image = &overlay["images"][0];
+    let expected_image = format!("{}:{}", as_str(&image["newName"]), as_str(&image["newTag"]));
     let mut agent_queues = Vec::new();
     let mut deployments = Vec::new();
-    for doc in documents
-        .iter()
-        .filter(|d| ["Deployment", "Job"].contains(&kind(d).as_str()))
-    {
+    let mut migrations = 0;
+    for doc in documents.iter().filter(|d| kind(d) == "Deployment") {
         let name = as_str(&doc["metadata"]["name"]);
-        let pod = &doc["spec"]["template"]["spec"];
-        let container = &pod["containers"][0];
-        let command = strings(&container["args"]);
-        // The shared ConfigMap serves every binary; each reads the sections it has.
-        let sections = sections_of(&command[0]);
-        let mut env: BTreeMap<String, String> = config
-            .iter()
-            .filter(|(key, _)| {
-                sections
-                    .iter()
-                    .any(|s| key.to_lowercase().starts_with(&format!("sas_{s}__")))
-            })
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for var in container["env"].as_sequence().cloned().unwrap_or_default() {
-            let value = match var.get("value") {
-                Some(value) => as_str(value),
-                None => {
-                    let key = as_str(&var["valueFrom"]["secretKeyRef"]["key"]);
-                    secret
-                        .get(&key)
-                        .cloned()
-                        .unwrap_or_else(|| panic!("{name}: secret key {key} does not exist"))
+        for container in containers(doc) {
+            let context = format!("k8s {name}/{}", as_str(&container["name"]));
+            assert_eq!(as_str(&container["image"]), expected_image, "{context}");
+            let command = strings(&container["args"]);
+            // The shared ConfigMap serves every binary; each reads the sections it has.
+            let sections = sections_of(&command[0]);
+            let mut env: BTreeMap<String, String> = config
+                .iter()
+                .filter(|(key, _)| {
+                    sections
+                        .iter()
+                        .any(|s| key.to_lowercase().starts_with(&format!("sas_{s}__")))
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            for var in container["env"].as_sequence().cloned().unwrap_or_default() {
+                let value = match var.get("value") {
+                    Some(value) => as_str(value),
+                    None => {
+                        let key = as_str(&var["valueFrom"]["secretKeyRef"]["key"]);
+                        secret
+                            .get(&key)
+                            .cloned()
+                            .unwrap_or_else(|| panic!("{context}: secret key {key} does not exist"))
+                    }
+                };
+                env.insert(as_str(&var["name"]), value);
+            }
+            check_config(&context, &command, &env);
+            assert_eq!(
+                container["securityContext"]["runAsNonRoot"].as_bool(),
+                Some(true),
+                "{context} runs as non-root"
+            );
+            if command == ["scheduler", "migrate"] {
+                migrations += 1;
+                assert!(
+                    env["SAS_DATABASE__URL"].contains("sas_owner@"),
+                    "{context}: migrations run as the schema owner"
+                );
+                continue;
+            }
+            if ["scheduler", "supervisor"].contains(&command[0].as_str()) {
+                assert_eq!(
+                    env.get("SAS_DATABASE__MIGRATE").map(String::as_str),
+                    Some("false"),
+                    "{context} leaves migrations to the init container"
+                );
+            }
+            deployments.push((name.clone(), doc["spec"]["selector"]["matchLabels"].clone()));
+            let port = listen_port(&context, &env);
+            assert_eq!(
+                container["ports"][0]["containerPort"].as_u64(),
+                Some(u64::from(port)),
+                "{context}: container port"
+            );
+            assert_eq!(as_str(&container["ports"][0]["name"]), "http", "{context}");
+            let probe_path = |probe: &str| as_str(&container[probe]["httpGet"]["path"]);
+            assert_eq!(probe_path("livenessProbe"), "/healthz", "{context}");
+            assert_eq!(probe_path("readinessProbe"), "/readyz", "{context}");
+            if command[0] == "agent" {
+                let names =
+                    QueueNames::new(env.get("SAS_AMQP__PREFIX").cloned().unwrap_or_default());
+                for agent in env["SAS_AGENT__NAME"].split(',') {
+                    agent_queues.push((name.clone(), names.agent_requests(agent.trim())));
                 }
-            };
-            env.insert(as_str(&var["name"]), value);
-        }
-        check_config(&format!("k8s {name}"), &command, &env);
-        let security = &container["securityContext"];
-        assert_eq!(
-            security["runAsNonRoot"].as_bool(),
-            Some(true),
-            "{name} runs as non-root"
-        );
-        if kind(doc) == "Job" {
-            continue;
-        }
-        deployments.push((name.clone(), doc["spec"]["selector"]["matchLabels"].clone()));
-        let port = listen_port(&name, &env);
-        assert_eq!(
-            container["ports"][0]["containerPort"].as_u64(),
-            Some(u64::from(port)),
-            "{name}: container port"
-        );
-        let probe_path = |probe: &str| as_str(&container[probe]["httpGet"]["path"]);
-        assert_eq!(probe_path("livenessProbe"), "/healthz", "{name}");
-        assert_eq!(probe_path("readinessProbe"), "/readyz", "{name}");
-        if command[0] == "agent" {
-            let names = QueueNames::new(env.get("SAS_AMQP__PREFIX").cloned().unwrap_or_default());
-            for agent in env["SAS_AGENT__NAME"].split(',') {
-                agent_queues.push((name.clone(), names.agent_requests(agent.trim())));
             }
         }
     }
+    assert_eq!(
+        migrations, 1,
+        "one workload (the scheduler's init container) runs `scheduler migrate`"
+    );
+    assert_eq!(
+        named("Deployment", "scheduler")["spec"]["template"]["spec"]["initContainers"][0]["args"],
+        serde_yaml::from_str::<Value>("[scheduler, migrate]").unwrap(),
+        "the schedulers migrate before they start"
+    );
     // KEDA scales the agent Deployment on exactly the queues its replicas consume.
     let scaled = documents
         .iter()
@@ -366,22 +560,122 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         "the ScaledObject targets {target}, which is not an agent Deployment"
     );
     assert_eq!(triggered, consumed);
-    // Every PodDisruptionBudget selects a Deployment.
+    // KEDA owns the count: a replicas field would reset it on every apply.
+    assert!(
+        named("Deployment", &target)["spec"]
+            .get("replicas")
+            .is_none(),
+        "the KEDA-scaled Deployment {target} sets replicas"
+    );
+    // Every PodDisruptionBudget selects a Deployment and lets `kubectl
+    // drain` evict a pod even at that Deployment's smallest replica count.
     for pdb in documents
         .iter()
         .filter(|d| kind(d) == "PodDisruptionBudget")
     {
+        let name = as_str(&pdb["metadata"]["name"]);
         let selector = &pdb["spec"]["selector"]["matchLabels"];
+        let (deployment, _) = deployments
+            .iter()
+            .find(|(_, labels)| labels == selector)
+            .unwrap_or_else(|| panic!("PDB {name} selects nothing"));
+        let fewest = if *deployment == target {
+            scaled["spec"]["minReplicaCount"].as_u64().unwrap_or(0)
+        } else {
+            named("Deployment", deployment)["spec"]["replicas"]
+                .as_u64()
+                .unwrap_or(1)
+        };
+        let spec = &pdb["spec"];
+        let allowed = match (spec.get("maxUnavailable"), spec.get("minAvailable")) {
+            (Some(max), None) => max.as_u64().expect("a number"),
+            (None, Some(min)) => fewest.saturating_sub(min.as_u64().expect("a number")),
+            _ => panic!("PDB {name}: set one of maxUnavailable, minAvailable"),
+        };
         assert!(
-            deployments.iter().any(|(_, labels)| labels == selector),
-            "PDB {} selects nothing",
-            as_str(&pdb["metadata"]["name"])
+            allowed >= 1,
+            "PDB {name} allows no eviction at {fewest} replica(s) of {deployment}: it blocks kubectl drain"
         );
     }
     for required in ["scheduler", "supervisor", "agent"] {
         assert!(
             deployments.iter().any(|(n, _)| n == required),
             "no {required} Deployment"
+        );
+    }
+    // The ServiceMonitor finds every service's metrics port through a Service.
+    let monitor = named("ServiceMonitor", "sas");
+    let selector = monitor["spec"]["selector"]["matchLabels"]
+        .as_mapping()
+        .unwrap();
+    let endpoint_port = as_str(&monitor["spec"]["endpoints"][0]["port"]);
+    assert_eq!(as_str(&monitor["spec"]["endpoints"][0]["path"]), "/metrics");
+    let monitored: Vec<&Value> = documents
+        .iter()
+        .filter(|d| kind(d) == "Service")
+        .filter(|d| {
+            selector
+                .iter()
+                .all(|(k, v)| d["metadata"]["labels"].get(k) == Some(v))
+        })
+        .collect();
+    for (deployment, labels) in &deployments {
+        let service = monitored
+            .iter()
+            .find(|s| &s["spec"]["selector"] == labels)
+            .unwrap_or_else(|| panic!("no monitored Service selects the pods of {deployment}"));
+        let ports = service["spec"]["ports"].as_sequence().unwrap();
+        assert!(
+            ports
+                .iter()
+                .any(|p| as_str(&p["name"]) == endpoint_port && as_str(&p["targetPort"]) == "http"),
+            "the Service of {deployment} has no port {endpoint_port} to the container's http port"
+        );
+    }
+    // The PrometheusRule carries the rules that promtool checks and tests.
+    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    assert_eq!(
+        named("PrometheusRule", "sas")["spec"]["groups"],
+        rules["groups"],
+        "deploy/k8s/components/monitoring/prometheusrule.yaml differs from deploy/prometheus/rules.yml"
+    );
+}
+
+#[test]
+fn kubernetes_base_names_the_image_once_and_holds_no_secret() {
+    // Every manifest names the image `sas`, untagged: the overlay's
+    // `images:` is the one place that says which.
+    let mut files = Vec::new();
+    for dir in ["deploy/k8s/base", "deploy/k8s/components"] {
+        let mut stack = vec![root().join(dir)];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if path.extension().is_some_and(|e| e == "yaml") {
+                    files.push(path);
+                }
+            }
+        }
+    }
+    let mut images = 0;
+    for file in &files {
+        for doc in load_yaml_documents(file) {
+            assert_ne!(as_str(&doc["kind"]), "Secret", "{}", file.display());
+            for container in containers(&doc) {
+                assert_eq!(as_str(&container["image"]), "sas", "{}", file.display());
+                images += 1;
+            }
+        }
+    }
+    assert!(images >= 5, "{images} containers");
+    // The base alone renders, without the optional components.
+    let base = render("deploy/k8s/base");
+    for kind in ["ScaledObject", "ServiceMonitor", "PrometheusRule"] {
+        assert!(
+            !base.iter().any(|d| as_str(&d["kind"]) == kind),
+            "the base needs the CRD of {kind}: it belongs in a component"
         );
     }
 }
