@@ -90,6 +90,10 @@ impl Supervisor {
         }
     }
 
+    /// Refreshes the gauges read from the state store: open orders by state
+    /// (`sas_orders`), held orders still past complete-by + grace + one scan
+    /// interval (`sas_orders_overdue`), and unresolved operator alerts
+    /// (`sas_alerts_open`). Every supervisor exports the same counts.
     async fn refresh_gauges(&self) {
         match self.store.count_open_by_state().await {
             Ok(counts) => {
@@ -104,6 +108,23 @@ impl Supervisor {
                 }
             }
             Err(error) => tracing::debug!(error = %error, "cannot count orders by state"),
+        }
+        // Past complete-by plus grace plus one interval, a scan has had its
+        // chance to recover an order: more of them for minutes means orders
+        // are stuck (supervisors failing, or behind).
+        let settings = &self.settings;
+        let overdue_after =
+            settings.deadlines.grace() + Duration::from_millis(settings.supervisor.interval_ms);
+        match self
+            .store
+            .count_overdue_and_open_alerts(overdue_after)
+            .await
+        {
+            Ok((overdue, alerts)) => {
+                metrics::gauge!("sas_orders_overdue").set(overdue as f64);
+                metrics::gauge!("sas_alerts_open").set(alerts as f64);
+            }
+            Err(error) => tracing::debug!(error = %error, "cannot count overdue orders and alerts"),
         }
     }
 }
