@@ -574,6 +574,70 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
     }
 }
 
+/// `(host part, container port)` of each published port of `service`, with
+/// the host part as written (`${VARIABLE:-default}`), the address removed.
+fn published(compose: &Value, service: &str) -> Vec<(String, String)> {
+    let ports = match &compose["services"][service]["ports"] {
+        Value::Tagged(tagged) => tagged.value.clone(),
+        other => other.clone(),
+    };
+    strings(&ports)
+        .iter()
+        .map(|port| {
+            let port = port.strip_prefix("127.0.0.1:").unwrap_or(port);
+            let (host, container) = port
+                .rsplit_once(':')
+                .unwrap_or_else(|| panic!("{service}: {port} has no host part"));
+            (host.to_owned(), container.to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
+    // Beside a RabbitMQ on the host's 5672 (ours, or the tests' own compose
+    // run), the host ports must move without editing the files.
+    let expected = [
+        ("rabbitmq", "${RABBITMQ_AMQP_PORT:-5672}", "5672"),
+        ("rabbitmq", "${RABBITMQ_MANAGEMENT_PORT:-15672}", "15672"),
+        // Empty: a random free port, as before.
+        ("remote-sim", "${REMOTE_SIM_PORT:-}", "8080"),
+    ];
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    for file in ["docker-compose.yml", "docker-compose.public.yml"] {
+        let compose = load_yaml_documents(&root().join(file)).remove(0);
+        let mut found: Vec<(String, String, String)> = Vec::new();
+        for (name, _) in compose["services"].as_mapping().expect("services") {
+            let name = as_str(name);
+            for (host, container) in published(&compose, &name) {
+                found.push((name.clone(), host, container));
+            }
+        }
+        let mut expected: Vec<(String, String, String)> = expected
+            .iter()
+            .map(|(s, h, c)| ((*s).to_owned(), (*h).to_owned(), (*c).to_owned()))
+            .collect();
+        found.sort();
+        expected.sort();
+        assert_eq!(found, expected, "{file}: published ports");
+    }
+    for variable in [
+        "RABBITMQ_AMQP_PORT",
+        "RABBITMQ_MANAGEMENT_PORT",
+        "REMOTE_SIM_PORT",
+    ] {
+        assert!(
+            readme.contains(&format!("`{variable}`")),
+            "the README does not document {variable}"
+        );
+        assert!(
+            example.contains(variable),
+            ".env.example does not mention {variable}"
+        );
+    }
+}
+
 #[test]
 fn check_config_names_a_bad_key_and_an_unknown_variable() {
     let run = |vars: &[(&str, &str)]| {
