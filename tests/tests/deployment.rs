@@ -510,7 +510,7 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
         .collect();
     let mut required = 0;
     for (name, rest) in variables(&text) {
-        if name.contains("PASSWORD") {
+        if name.contains("PASSWORD") || name.contains("TOKEN") {
             assert!(
                 rest.starts_with(":?") && rest.contains(&name),
                 "${{{name}{rest}}} must be required, with a message naming it"
@@ -524,7 +524,14 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
             );
         }
     }
-    assert!(required >= 6, "{required} required passwords");
+    assert!(required >= 7, "{required} required passwords and tokens");
+    // remote-sim's ledger and admin routes are published on the host: never open.
+    assert!(
+        services["remote-sim"]["environment"]
+            .get("SAS_SIM__ADMIN_TOKEN")
+            .is_some(),
+        "remote-sim serves /admin and /side-effects without a token"
+    );
     // Each role logs in as its own broker user; schedulers and supervisors
     // trust the agents' and services' users by name.
     let url_user = |service: &str| {
