@@ -1,8 +1,8 @@
-//! No Docker engine runs here, so the deployment files are checked against
-//! the code instead: they parse, every command is a real binary and
-//! subcommand, every variable they set is a setting the binary accepts (the
-//! binary itself validates it with `--check-config`), and ports, probes and
-//! queue names agree.
+//! The deployment files checked against the code, without a Docker engine:
+//! they parse, every command is a real binary and subcommand, every variable
+//! they set is a setting the binary accepts (the binary itself validates it
+//! with `--check-config`), and ports, probes and queue names agree.
+//! `scripts/compose-test.sh` runs the compose file itself where Docker can run.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
