@@ -198,18 +198,19 @@ all_ended() {
   [ "$(ended_orders)" = "$1" ]
 }
 healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$1" 2>/dev/null)" = healthy ]; }
-# publish_in_background NAME COUNT RATE: publishes COUNT orders NAME-<n> the README's
-# way (pika, confirmed, persistent), RATE a second (0: as fast as confirmed), and
+# publish_in_background NAME COUNT RATE [DECLINED]: publishes COUNT orders NAME-<n> the
+# README's way (pika, confirmed, persistent), RATE a second (0: as fast as confirmed),
+# every DECLINED-th one (default none) with an amount the payment service declines, and
 # writes how many are confirmed to $tmp/published. When the broker goes away it
 # reconnects and publishes the unconfirmed order again: intake is idempotent on
 # the order id, so a repeat is a no-op.
 publish_in_background() {
   echo 0 >"$tmp/published"
   AMQP_URL="amqp://sas-client:$client_password@127.0.0.1:$amqp_port/%2f" \
-    python3 - "$project-$1" "$2" "$3" "$tmp/published" >"$tmp/publisher.log" 2>&1 <<'EOF' &
+    python3 - "$project-$1" "$2" "$3" "${4:-0}" "$tmp/published" >"$tmp/publisher.log" 2>&1 <<'EOF' &
 import json, os, sys, time
 import pika
-prefix, count, rate, progress = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+prefix, count, rate, declined, progress = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 parameters = pika.URLParameters(os.environ["AMQP_URL"])
 properties = pika.BasicProperties(content_type="application/json", delivery_mode=2)
 
@@ -237,6 +238,8 @@ while i < count:
         time.sleep(max(0.0, started + i / rate - time.monotonic()))
     order = {"schema_version": 1, "order_id": f"{prefix}-{i}", "customer_id": "cust-42",
              "items": [{"sku": "SKU-1", "quantity": 2}], "amount_cents": 2499, "currency": "EUR"}
+    if declined and i % declined == declined - 1:
+        order["amount_cents"] = 5_000_000  # over remote-sim's decline_above_cents
     try:
         channel.basic_publish("sas.orders", "", json.dumps(order), properties)
     except pika.exceptions.AMQPError as error:
@@ -309,9 +312,10 @@ compose up -d --wait --no-build --scale agent=4 >/dev/null 2>&1 || fail "docker 
 wait_for "four agents consume each agent queue" 60 agents_consume 4
 show_consumers
 
-say "publishing $orders orders at $rate/s"
+# One in ten is declined by the payment service: its reservation must be undone once.
+say "publishing $orders orders at $rate/s, one in ten declined"
 load_started=$(now)
-publish_in_background load "$orders" "$rate"
+publish_in_background load "$orders" "$rate" 10
 
 wait_for "$((orders / 5)) orders published" 300 published_at_least $((orders / 5))
 agent=$(compose ps -q agent | sed -n 1p)
@@ -356,6 +360,9 @@ load_seconds=$(since "$load_started")
 states=$(sql "SELECT state || '=' || count(*) FROM order_process GROUP BY state ORDER BY state" | paste -sd ' ')
 stored=$(sql "SELECT count(*) FROM orders")
 [ "$stored" = "$orders" ] || fail "$orders orders published, $stored stored"
+declined_processed=$(sql "SELECT count(*) FROM orders JOIN order_process USING (order_id)
+  WHERE (body->>'amount_cents')::bigint > 1000000 AND state <> 'compensated'")
+[ "$declined_processed" = 0 ] || fail "$declined_processed declined orders did not end compensated"
 sim GET /side-effects >"$tmp/ledger.json"
 sql "SELECT order_id, state FROM order_process" >"$tmp/states.txt"
 python3 - "$tmp/ledger.json" "$tmp/states.txt" >"$tmp/ledger-check.txt" <<'EOF' || { cat "$tmp/ledger-check.txt" >&2; fail "remote-sim's ledger"; }
@@ -366,7 +373,9 @@ applied = collections.Counter()
 keys = collections.Counter(e["key"] for e in entries)
 for e in entries:
     if e["decision"] == "applied":
-        applied[(e["order_id"], e["service"], e["operation"])] += 1
+        # The key is <order>:<step>[:undo]; our order ids hold no ':'.
+        order = e.get("order_id") or e["key"].split(":")[0]
+        applied[(order, e["service"], e["operation"])] += 1
 duplicates = sum(n - 1 for n in applied.values() if n > 1) + sum(n - 1 for n in keys.values() if n > 1)
 problems = []
 actions = [("inventory", "reserve"), ("payment", "charge"), ("shipping", "ship")]
