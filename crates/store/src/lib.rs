@@ -36,6 +36,7 @@ pub mod operator;
 pub mod progress;
 pub mod queries;
 pub mod recovery;
+pub mod retention;
 pub mod timing;
 
 pub use connect::{DatabaseSettings, Store};
