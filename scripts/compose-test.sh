@@ -20,7 +20,7 @@
 #
 #   COMPOSE_TEST_BURST    orders of the throughput burst, published at once (default 1000)
 #   COMPOSE_TEST_ORDERS   orders published at COMPOSE_TEST_RATE a second while processes
-#                         are killed, scaled and restarted (default 1000 at 20/s)
+#                         are killed, scaled and restarted (default 1000 at 10/s)
 #   CARGO_BUILD_JOBS      passed to the image build (cargo's parallel jobs), when set
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ root=$(pwd)
 standins=$(cd .. && pwd)/shared/compose-standins
 burst=${COMPOSE_TEST_BURST:-1000}
 orders=${COMPOSE_TEST_ORDERS:-1000}
-rate=${COMPOSE_TEST_RATE:-20}
+rate=${COMPOSE_TEST_RATE:-10}
 project=sas-composetest-$$
 keep=$root/target/compose-test
 
