@@ -7,6 +7,9 @@
 #   SAS_TEST_AMQP_URL            broker URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
 #   SAS_CHAOS_ORDERS             orders in the chaos test (default 1000)
 #   SAS_PROMTOOL                 promtool to use (default: on the PATH, else unpacked by scripts/promtool.sh)
+#
+# Then, on a full run (no test filter given), scripts/compose-test.sh runs
+# docker-compose.yml for real, or prints one line saying why it cannot here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
@@ -19,3 +22,7 @@ export SAS_PROMTOOL
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
 cargo test --workspace -- --test-threads 2 "$@"
+# After the cargo tests, never beside them: both load the machine.
+if [ $# -eq 0 ]; then
+  scripts/compose-test.sh
+fi
