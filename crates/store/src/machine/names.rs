@@ -104,6 +104,16 @@ stored_names! {
         Cancelled = "cancelled",
         /// The step's agent had no free slot: the order waits in its line.
         Queued = "waiting_for_admission",
+        /// An operator acknowledged an alert about the order (someone is on it).
+        /// Written by the store's operator actions, not by the state machine:
+        /// it changes nothing about the order's run.
+        AlertAcknowledged = "alert_acknowledged",
+        /// An operator resolved an alert about the order, with a note.
+        AlertResolved = "alert_resolved",
+        /// An operator replayed a dead letter of the order to its source queue.
+        DeadLetterReplayed = "dead_letter_replayed",
+        /// An operator discarded a dead letter of the order.
+        DeadLetterDiscarded = "dead_letter_discarded",
     }
 }
 
