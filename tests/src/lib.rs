@@ -2,11 +2,13 @@
 //! queue-name prefix, runs the real binaries as processes against them, and
 //! removes both when it ends (even when it fails).
 //!
+//! - [`console`]: the operator console and its users.
 //! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
 //! - [`sim`]: reading remote-sim's record of side effects.
 //! - [`wait`]: polling for a condition with a deadline.
 
+pub mod console;
 pub mod env;
 pub mod process;
 pub mod sim;
