@@ -878,3 +878,84 @@ async fn actions_through_the_json_api_go_through_the_store_and_are_recorded_with
         "the scheduler consumes the orders: {orders}"
     );
 }
+
+/// Reads server-sent events from `response` until one's data contains
+/// `needle`, and returns that event's data.
+async fn event_containing(
+    response: &mut reqwest::Response,
+    needle: &str,
+    timeout: Duration,
+) -> String {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut buffer = String::new();
+    loop {
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let data: Vec<&str> = frame
+                .lines()
+                .filter_map(|line| line.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            let data = data.join("\n");
+            if data.contains(needle) {
+                return data;
+            }
+        }
+        let chunk = tokio::time::timeout_at(deadline, response.chunk())
+            .await
+            .unwrap_or_else(|_| panic!("no event containing {needle:?} within {timeout:?}"))
+            .expect("the stream stays open")
+            .expect("the stream has not ended");
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_overview_and_an_order_page_are_sent_again_when_they_change() {
+    let env = TestEnv::new().await;
+    store_orders(&env, "ord-live", "cust-live", 2, 5).await;
+    let (_console, console) = env.console(&[]).await;
+    let mut order = console.get("/live/orders/ord-live-000", As::Viewer).await;
+    assert_eq!(order.status(), StatusCode::OK);
+    assert!(order.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut overview = console.get("/live/overview", As::Viewer).await;
+    let first = event_containing(
+        &mut overview,
+        "data-state=\"processing\"",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(first.contains("data-state=\"processing\">2<"), "{first}");
+    event_containing(
+        &mut order,
+        "data-state=\"processing\"",
+        Duration::from_secs(10),
+    )
+    .await;
+
+    // The order ends in error: both streams send their part again.
+    sqlx::query("UPDATE order_process SET state = 'error', locked_by = NULL, updated_at = now() WHERE order_id = 'ord-live-000'")
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    event_containing(&mut order, "data-state=\"error\"", Duration::from_secs(10)).await;
+    let changed = event_containing(
+        &mut overview,
+        "data-state=\"error\">1<",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        changed.contains("data-state=\"processing\">1<"),
+        "{changed}"
+    );
+    // The pages hold the part the streams replace, and the script that does it.
+    let (_, page) = status_and_text(console.get("/orders/ord-live-000", As::Viewer).await).await;
+    assert!(
+        page.contains("id=\"live\"") && page.contains("EventSource(\"/live/orders/ord-live-000\")"),
+        "{page}"
+    );
+}
