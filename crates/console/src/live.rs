@@ -14,9 +14,10 @@ use std::time::Duration;
 use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Router};
 use futures_util::Stream;
 
+use crate::auth::Principal;
 use crate::error::Failure;
 use crate::Console;
 
@@ -78,13 +79,14 @@ async fn overview(
 
 async fn order(
     State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
     Path(order_id): Path<String>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     Sse::new(changes(console, move |console| {
-        let order_id = order_id.clone();
+        let (order_id, who) = (order_id.clone(), who.clone());
         async move {
             let view = crate::pages::order::load(&console, &order_id).await?;
-            Ok(crate::pages::order::fragment(&view).into_string())
+            Ok(crate::pages::order::fragment(&view, &console, &who).into_string())
         }
     }))
     .keep_alive(KeepAlive::default())

@@ -81,7 +81,7 @@ pub fn remaining(state: ProcessState, steps: &[StepView]) -> (&'static str, Vec<
                 })
                 .collect(),
         ),
-        ProcessState::Processed | ProcessState::Compensated => ("left", Vec::new()),
+        ProcessState::Processed | ProcessState::Compensated => ("to do", Vec::new()),
     }
 }
 
@@ -103,12 +103,40 @@ fn json(value: &serde_json::Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
 
-/// The part of the order page that the live stream replaces.
-pub fn fragment(view: &OrderView) -> Markup {
+/// The actions `who` may take on the order in its state now.
+fn actions(view: &OrderView, console: &Console, who: &Principal) -> Markup {
+    let order_id = &view.detail.summary.order_id;
+    let state = view.detail.summary.state;
+    html! {
+        @if super::may_act(who) {
+            p #actions {
+                @if matches!(state, ProcessState::Error | ProcessState::Compensated) {
+                    form.inline method="post" action={ "/orders/" (order_id) "/resubmit" } {
+                        (super::csrf_field(console, who))
+                        button type="submit" #resubmit { "Resubmit" }
+                    }
+                }
+                @if matches!(state, ProcessState::Pending | ProcessState::Processing) {
+                    form.inline method="post" action={ "/orders/" (order_id) "/cancel" } {
+                        (super::csrf_field(console, who))
+                        input type="text" name="reason" placeholder="why (recorded in the history)" size="40";
+                        " "
+                        button.danger type="submit" #cancel { "Cancel: undo what was done" }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The part of the order page that the live stream replaces: with the
+/// actions, so that they follow the order's state.
+pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup {
     let detail = &view.detail;
     let s = &detail.summary;
     let (what, remaining) = remaining(s.state, &detail.steps);
     html! {
+        (actions(view, console, who))
         table #summary {
             tr { th { "state" } td #order-state data-state=(s.state.as_str()) { (super::state_badge(s.state.as_str())) } }
             tr { th { "held by" } td { (s.locked_by.as_deref().unwrap_or("-")) } }
@@ -120,7 +148,7 @@ pub fn fragment(view: &OrderView) -> Markup {
             tr { th { "submitted" } td { (super::when(s.created_at)) } }
             tr { th { "updated" } td { (super::when(s.updated_at)) } }
         }
-        h2 { "Remaining " (what) }
+        h2 { "What remains " (what) }
         @if remaining.is_empty() {
             p.muted #remaining { "Nothing: the order has ended." }
         } @else {
@@ -198,7 +226,6 @@ pub async fn page(
     Query(query): Query<PageQuery>,
 ) -> Result<Html<String>, PageFailure> {
     let view = load(&console, &order_id).await?;
-    let state = view.detail.summary.state;
     let live_url = format!("/live/orders/{order_id}");
     Ok(super::layout(
         &format!("Order {order_id}"),
@@ -207,25 +234,7 @@ pub async fn page(
         html! {
             h1 { "Order " code { (order_id) } }
             (super::notice(query.notice.as_deref()))
-            @if super::may_act(&who) {
-                p #actions {
-                    @if matches!(state, ProcessState::Error | ProcessState::Compensated) {
-                        form.inline method="post" action={ "/orders/" (order_id) "/resubmit" } {
-                            (super::csrf_field(&console, &who))
-                            button type="submit" #resubmit { "Resubmit" }
-                        }
-                    }
-                    @if matches!(state, ProcessState::Pending | ProcessState::Processing) {
-                        form.inline method="post" action={ "/orders/" (order_id) "/cancel" } {
-                            (super::csrf_field(&console, &who))
-                            input type="text" name="reason" placeholder="why (recorded in the history)" size="40";
-                            " "
-                            button.danger type="submit" #cancel { "Cancel: undo what was done" }
-                        }
-                    }
-                }
-            }
-            div #live { (fragment(&view)) }
+            div #live { (fragment(&view, &console, &who)) }
             h2 { "Payload" }
             pre #payload { (json(&view.detail.body)) }
             (super::live_script(&live_url))
