@@ -5,7 +5,7 @@
 //! action is recorded in the order's history as `console:<user>`.
 
 use futures_util::StreamExt as _;
-use sas_store::dead_letters::Disposition;
+use sas_store::dead_letters::{Disposition, NotReplayable};
 use sas_store::operator::{Cancel, Resubmit};
 use sas_store::search::OrderFilter;
 use sas_store::{ProcessState, Progress};
@@ -291,35 +291,14 @@ impl Console {
     /// known to be one of this deployment's, or only part of it was
     /// recorded; 503 when the broker or the store fails.
     pub async fn replay_dead_letter(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
-        let letter = self
-            .store
-            .dead_letter(id)
-            .await?
-            .ok_or_else(|| Failure::not_found(format!("dead letter #{id}")))?;
-        if let Some(done) = &letter.disposition {
-            return Err(Failure::conflict(format!(
-                "dead letter #{id} was already {done}"
-            )));
-        }
-        let Some(source) = letter.source_queue.clone() else {
-            return Err(Failure::conflict(format!(
-                "dead letter #{id} has no trusted source queue: discard it, or publish a corrected message yourself"
-            )));
+        let replay = match self.store.replay_of(id, &self.names).await? {
+            Ok(replay) => replay,
+            Err(NotReplayable::NotFound(_)) => {
+                return Err(Failure::not_found(format!("dead letter #{id}")))
+            }
+            Err(refusal) => return Err(Failure::conflict(refusal.to_string())),
         };
-        let ours = source == self.names.orders()
-            || source == self.names.scheduler_replies()
-            || source.starts_with(&self.names.agent_requests(""));
-        if !ours {
-            return Err(Failure::conflict(format!(
-                "dead letter #{id} came from {source}, which is not a work queue of this deployment (prefix {:?}): it cannot be replayed",
-                self.settings.amqp.prefix
-            )));
-        }
-        if letter.reason.contains(" bytes; the first ") {
-            return Err(Failure::conflict(format!(
-                "only part of dead letter #{id} was recorded: replaying it would send a broken message; discard it"
-            )));
-        }
+        let (source, body) = (replay.queue, replay.body);
         let publisher = self.session.publisher().get().map_err(|_| {
             Failure::new(
                 axum::http::StatusCode::SERVICE_UNAVAILABLE,
@@ -330,7 +309,7 @@ impl Console {
             .publish(
                 "",
                 &source,
-                letter.body.as_bytes(),
+                body.as_bytes(),
                 crate::broker::replay_properties(id),
                 true,
             )

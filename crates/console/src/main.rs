@@ -1,4 +1,4 @@
-//! The `console` binary: settings, logs, then [`console::run`] until SIGTERM.
+//! The `console` binary: settings, logs, then [`sas_console::run`] until SIGTERM.
 
 use std::process::ExitCode;
 
@@ -18,8 +18,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     sas_runtime::run_service(
         "console",
-        console::settings::DEFAULTS,
+        sas_console::settings::DEFAULTS,
         &cli.service,
-        console::run,
+        sas_console::run,
     )
 }

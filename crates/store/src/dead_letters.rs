@@ -7,8 +7,41 @@
 //! only after the broker confirmed the message, so a record never says
 //! "replayed" for a message that was not.
 
+use sas_messages::QueueNames;
+
 use crate::machine::HistoryEvent;
 use crate::{Store, StoreError};
+
+/// Why a dead letter cannot be replayed: what to tell the operator.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReplayable {
+    /// No such dead letter.
+    #[error("no dead letter #{0}")]
+    NotFound(i64),
+    /// Replayed or discarded already.
+    #[error("dead letter #{0} was already {1}")]
+    AlreadyDone(i64, String),
+    /// Its source queue is unknown or was not trusted.
+    #[error("dead letter #{0} has no trusted source queue: discard it, or publish a corrected message yourself")]
+    NoSource(i64),
+    /// It came from a queue that is not a work queue of this deployment.
+    #[error("dead letter #{0} came from {1}, which is not a work queue of this deployment: it cannot be replayed")]
+    ForeignQueue(i64, String),
+    /// Only the first bytes of its body were recorded.
+    #[error("only part of dead letter #{0} was recorded: replaying it would send a broken message; discard it")]
+    Truncated(i64),
+}
+
+/// A dead letter that may be replayed: where to, and what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    /// Its id.
+    pub id: i64,
+    /// The work queue it came from.
+    pub queue: String,
+    /// The recorded body.
+    pub body: String,
+}
 
 /// What an operator did with a dead letter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +92,43 @@ impl Store {
         .bind(id)
         .fetch_optional(self.pool())
         .await?)
+    }
+
+    /// Whether dead letter `id` may be replayed, and where to: only once,
+    /// only to a work queue of this deployment (`names`: orders, replies,
+    /// an agent's requests), and only when the whole body was recorded.
+    ///
+    /// # Errors
+    /// [`NotReplayable`] saying why not (the outer error when the database fails).
+    pub async fn replay_of(
+        &self,
+        id: i64,
+        names: &QueueNames,
+    ) -> Result<Result<Replay, NotReplayable>, StoreError> {
+        let Some(letter) = self.dead_letter(id).await? else {
+            return Ok(Err(NotReplayable::NotFound(id)));
+        };
+        if let Some(done) = letter.disposition {
+            return Ok(Err(NotReplayable::AlreadyDone(id, done)));
+        }
+        let Some(queue) = letter.source_queue else {
+            return Ok(Err(NotReplayable::NoSource(id)));
+        };
+        let ours = queue == names.orders()
+            || queue == names.scheduler_replies()
+            || queue.starts_with(&names.agent_requests(""));
+        if !ours {
+            return Ok(Err(NotReplayable::ForeignQueue(id, queue)));
+        }
+        // The supervisor's note on a body over the size limit (see its dead_letters module).
+        if letter.reason.contains(" bytes; the first ") {
+            return Ok(Err(NotReplayable::Truncated(id)));
+        }
+        Ok(Ok(Replay {
+            id,
+            queue,
+            body: letter.body,
+        }))
     }
 
     /// Records that `actor` replayed or discarded dead letter `id`, unless
