@@ -959,3 +959,32 @@ async fn the_overview_and_an_order_page_are_sent_again_when_they_change() {
         "{page}"
     );
 }
+
+/// The console benchmark's quick mode runs with the tests, so that it cannot
+/// rot: it asserts that every page answered with rows and sane times, not
+/// that they are fast.
+#[test]
+fn the_quick_console_benchmark_runs_and_reports_sane_figures() {
+    let out = std::env::temp_dir().join(format!("sas-console-bench-{}.json", std::process::id()));
+    let status = std::process::Command::new(bin_dir().join("sas-console-bench"))
+        .args(["--quick", "--out"])
+        .arg(&out)
+        .status()
+        .expect("run sas-console-bench (cargo build --workspace --bins builds it)");
+    assert!(status.success());
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let pages = report.as_array().expect("one entry per page");
+    assert_eq!(pages.len(), 10, "{report}");
+    for page in pages {
+        let (p50, p99) = (
+            page["p50_ms"].as_f64().unwrap(),
+            page["p99_ms"].as_f64().unwrap(),
+        );
+        assert!(0.0 < p50 && p50 <= p99 && p99 < 10_000.0, "{page}");
+        assert!(
+            page["rows"].as_u64().unwrap() > 0,
+            "every page finds orders: {page}"
+        );
+    }
+}
