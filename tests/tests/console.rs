@@ -952,6 +952,10 @@ async fn the_overview_and_an_order_page_are_sent_again_when_they_change() {
         changed.contains("data-state=\"processing\">1<"),
         "{changed}"
     );
+    // The stream of an order that does not exist ends at once.
+    let mut missing = console.get("/live/orders/ord-nope", As::Viewer).await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), missing.chunk()).await;
+    assert!(matches!(ended, Ok(Ok(None))), "the stream ends: {ended:?}");
     // The pages hold the part the streams replace, and the script that does it.
     let (_, page) = status_and_text(console.get("/orders/ord-live-000", As::Viewer).await).await;
     assert!(

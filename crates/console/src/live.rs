@@ -58,6 +58,10 @@ where
                         return Some((Ok(event), (console, render, last, first)));
                     }
                     Ok(_) => {}
+                    // Nothing will ever be there (no such order): end the stream.
+                    Err(failure) if failure.status == axum::http::StatusCode::NOT_FOUND => {
+                        return None
+                    }
                     Err(failure) => {
                         tracing::debug!(error = %failure.message, "a live update could not be rendered");
                     }
