@@ -97,36 +97,53 @@ impl Browser {
         path
     }
 
-    /// The text of the first element `css` selects, once one exists.
+    /// The text of the first element `css` selects, once one exists. The
+    /// live parts of a page are replaced as they change, which can make an
+    /// element found a moment ago stale: it is looked up again then.
     ///
     /// # Panics
-    /// When none appears within 10 seconds.
+    /// When none can be read within 10 seconds.
     pub async fn text(&self, css: &str) -> String {
-        self.client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no {css} on the page: {e}"))
-            .text()
-            .await
-            .expect("its text")
+        let client = self.client.clone();
+        crate::wait_until(
+            &format!("the text of {css}"),
+            Duration::from_secs(10),
+            || {
+                let client = client.clone();
+                async move {
+                    let element = client
+                        .find(Locator::Css(css))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    element.text().await.map_err(|e| e.to_string())
+                }
+            },
+        )
+        .await
     }
 
-    /// Clicks the first element `css` selects, once one exists.
+    /// Clicks the first element `css` selects, once one exists (looked up
+    /// again when it went stale, as [`Browser::text`]).
     ///
     /// # Panics
-    /// When none appears within 10 seconds or it cannot be clicked.
+    /// When none can be clicked within 10 seconds.
     pub async fn click(&self, css: &str) {
-        self.client
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no {css} to click: {e}"))
-            .click()
-            .await
-            .unwrap_or_else(|e| panic!("cannot click {css}: {e}"));
+        let client = self.client.clone();
+        crate::wait_until(
+            &format!("a click on {css}"),
+            Duration::from_secs(10),
+            || {
+                let client = client.clone();
+                async move {
+                    let element = client
+                        .find(Locator::Css(css))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    element.click().await.map_err(|e| e.to_string())
+                }
+            },
+        )
+        .await
     }
 
     /// Waits until the attribute `attribute` of the element `css` selects
