@@ -1,5 +1,5 @@
 //! The console in a real headless browser (Debian's chromium, driven
-//! through chromedriver with fantoccini) against a running system: open
+//! through chromedriver with the WebDriver protocol) against a running system: open
 //! the overview, filter orders, bulk-cancel the filtered set after the
 //! preview, watch an order's timeline reach `compensated` live, resubmit it
 //! and watch it finish, replay a dead letter. Screenshots of each step are
@@ -86,11 +86,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         .replace("http://", &format!("http://{}:{}@", OPERATOR.0, OPERATOR.1));
 
     // The overview shows the orders in flight.
-    browser
-        .client
-        .goto(&format!("{base}/"))
-        .await
-        .expect("open the overview");
+    browser.goto(&format!("{base}/")).await;
     assert_eq!(browser.text("h1").await, "Overview");
     browser
         .wait_for_attribute(
@@ -106,33 +102,19 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
 
     // Filter the orders by customer with the form.
     browser.click("header a[href='/orders']").await;
-    let customer = browser
-        .client
-        .wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(fantoccini::Locator::Css("#filters input[name='customer']"))
-        .await
-        .expect("the customer filter");
-    customer
-        .send_keys("cust-web")
-        .await
-        .expect("type a customer");
+    browser
+        .type_into("#filters input[name='customer']", "cust-web")
+        .await;
     browser.click("#apply-filters").await;
     wait_until("the filtered list", Duration::from_secs(10), || async {
-        let rows = browser
-            .client
-            .find_all(fantoccini::Locator::Css("#orders tr[data-order]"))
-            .await
-            .map_err(|e| e.to_string())?;
-        if rows.len() == 3 {
-            Ok(())
-        } else {
-            Err(format!("{} rows", rows.len()))
+        match browser.count("#orders tr[data-order]").await {
+            3 => Ok(()),
+            rows => Err(format!("{rows} rows")),
         }
     })
     .await;
-    let url = browser.client.current_url().await.unwrap();
-    assert!(url.as_str().contains("customer=cust-web"), "{url}");
+    let url = browser.current_url().await;
+    assert!(url.contains("customer=cust-web"), "{url}");
     browser.screenshot("02-orders-filtered").await;
 
     // Bulk cancel: the preview counts three; confirm.
@@ -160,21 +142,13 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
     // The payment agent comes; the cancelled orders are undone. The order
     // page follows it live, without a reload.
     let _payment = env.agent("payment", 0, &sim, &[]);
-    browser
-        .client
-        .goto(&format!("{base}/orders/ord-web-0"))
-        .await
-        .unwrap();
+    browser.goto(&format!("{base}/orders/ord-web-0")).await;
     let timeline = browser.text("#timeline").await;
     assert!(
         timeline.contains("cancelled") && timeline.contains("console:ann"),
         "{timeline}"
     );
-    browser
-        .client
-        .execute("window.notReloaded = true;", vec![])
-        .await
-        .unwrap();
+    browser.execute("window.notReloaded = true;").await;
     browser
         .wait_for_attribute(
             "#order-state",
@@ -183,11 +157,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
             Duration::from_secs(60),
         )
         .await;
-    let kept = browser
-        .client
-        .execute("return window.notReloaded === true;", vec![])
-        .await
-        .unwrap();
+    let kept = browser.execute("return window.notReloaded === true;").await;
     assert_eq!(
         kept,
         serde_json::Value::Bool(true),
@@ -229,11 +199,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
     .fetch_one(env.store.pool())
     .await
     .unwrap();
-    browser
-        .client
-        .goto(&format!("{base}/dead-letters"))
-        .await
-        .unwrap();
+    browser.goto(&format!("{base}/dead-letters")).await;
     browser.screenshot("07-dead-letters").await;
     browser
         .click(&format!("tr[data-dead-letter='{letter}'] button.replay"))
@@ -255,10 +221,8 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
     )
     .await;
     browser
-        .client
         .goto(&format!("{base}/orders/ord-web-replayed"))
-        .await
-        .unwrap();
+        .await;
     browser
         .wait_for_attribute(
             "#order-state",
