@@ -8,6 +8,7 @@
 #   SAS_TEST_DATABASE_ADMIN_URL  admin URL (default postgres://postgres:postgres@127.0.0.1:5432/postgres)
 #   SAS_TEST_AMQP_URL            broker URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
 #   SAS_CHAOS_ORDERS             orders in the chaos test (default 1000)
+#   SAS_PROMTOOL                 promtool to use (default: on the PATH, else unpacked by scripts/promtool.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
@@ -19,6 +20,11 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
+# Dependency policy (deny.toml): licenses, duplicate versions, sources, advisories.
+scripts/deny.sh
+# promtool checks and tests deploy/prometheus (tests/tests/deployment.rs).
+SAS_PROMTOOL="${SAS_PROMTOOL:-$(scripts/promtool.sh || true)}"
+export SAS_PROMTOOL
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
 cargo test --workspace -- --test-threads 2 "$@"

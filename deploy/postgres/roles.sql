@@ -8,10 +8,13 @@
 --
 -- app_role (sas_app) is what the scheduler and supervisor log in as. It owns
 -- nothing, and may SELECT, INSERT and UPDATE the rows of the tables the owner
--- creates. It may not DELETE or TRUNCATE anything (history is append-only,
--- and nothing in the services deletes rows), and may only read
--- _sqlx_migrations, so a compromised service can neither erase what
--- happened nor mark a migration as applied.
+-- creates. It may not DELETE or TRUNCATE anything (history is append-only),
+-- and may only read _sqlx_migrations, so a compromised service can neither
+-- erase what happened nor mark a migration as applied. Retention deletes
+-- through two functions the owner's migrations create (SECURITY DEFINER:
+-- sas_retire_finished, sas_retire_dead_letters), which delete only finished
+-- orders (none with an open alert) and dead letters older than the age they
+-- are given; only app_role may execute the owner's functions.
 
 SELECT format('CREATE ROLE %I LOGIN PASSWORD %L', :'app_role', :'app_password')
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'app_role')\gexec
@@ -39,10 +42,16 @@ ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
   GRANT SELECT, INSERT, UPDATE ON TABLES TO :"app_role";
 ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
   GRANT USAGE, SELECT ON SEQUENCES TO :"app_role";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+  REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+  GRANT EXECUTE ON FUNCTIONS TO :"app_role";
 -- ... and those that already exist (a database set up by an older version).
 GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA public TO :"app_role";
 REVOKE DELETE, TRUNCATE ON ALL TABLES IN SCHEMA public FROM :"app_role";
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO :"app_role";
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA public FROM PUBLIC;
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO :"app_role";
 -- Read-only for the services, whatever the lines above granted.
 REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON public._sqlx_migrations FROM :"app_role";
 GRANT SELECT ON public._sqlx_migrations TO :"app_role";

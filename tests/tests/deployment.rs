@@ -232,27 +232,189 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
     assert!(prefixes.windows(2).all(|w| w[0] == w[1]), "{prefixes:?}");
 }
 
+/// The example overlay, what `kubectl apply -k deploy/k8s/overlays/example`
+/// applies.
+const OVERLAY: &str = "deploy/k8s/overlays/example";
+
+/// Renders a kustomization with `kubectl kustomize` when a kubectl with
+/// kustomize v4 or later is installed (Debian's kubernetes-client has v2,
+/// without components), and otherwise with [`kustomize_fallback`]. Where
+/// both are available the two must agree, which keeps the fallback honest.
+fn render(dir: &str) -> Vec<Value> {
+    let own = kustomize_fallback(&root().join(dir));
+    let Some(kubectl) = kubectl_with_kustomize() else {
+        eprintln!(
+            "kubectl with kustomize v4+ is not installed: {dir} rendered by the test's own reader of its kustomization files"
+        );
+        return own;
+    };
+    let output = std::process::Command::new(kubectl)
+        .args(["kustomize", &root().join(dir).to_string_lossy()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "kubectl kustomize {dir} fails: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered = yaml_documents(&String::from_utf8(output.stdout).unwrap(), dir);
+    let summary = |docs: &[Value]| {
+        let mut objects: Vec<String> = docs
+            .iter()
+            .map(|d| {
+                let images: Vec<String> =
+                    containers(d).iter().map(|c| as_str(&c["image"])).collect();
+                format!(
+                    "{} {}/{} {images:?}",
+                    as_str(&d["kind"]),
+                    as_str(&d["metadata"]["namespace"]),
+                    as_str(&d["metadata"]["name"])
+                )
+            })
+            .collect();
+        objects.sort();
+        objects
+    };
+    assert_eq!(
+        summary(&rendered),
+        summary(&own),
+        "kubectl kustomize and the test's reader disagree on {dir}"
+    );
+    rendered
+}
+
+fn kubectl_with_kustomize() -> Option<&'static str> {
+    let output = std::process::Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let version = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Kustomize Version: v"))?;
+    let major: u32 = version.split('.').next()?.parse().ok()?;
+    (major >= 4).then_some("kubectl")
+}
+
+fn yaml_documents(text: &str, context: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|document| {
+            Value::deserialize(document).unwrap_or_else(|e| panic!("{context} does not parse: {e}"))
+        })
+        .filter(|value| !value.is_null())
+        .collect()
+}
+
+/// The subset of kustomize these files use: `resources` (files and
+/// directories), `components`, `namespace` and `images` (name, newName,
+/// newTag). Anything else in a kustomization is refused, so the fallback
+/// cannot silently drift from what kubectl does.
+fn kustomize_fallback(dir: &Path) -> Vec<Value> {
+    let file = dir.join("kustomization.yaml");
+    let kustomization = load_yaml_documents(&file).remove(0);
+    let known = [
+        "apiVersion",
+        "kind",
+        "resources",
+        "components",
+        "namespace",
+        "images",
+    ];
+    for key in kustomization.as_mapping().unwrap().keys() {
+        assert!(
+            known.contains(&as_str(key).as_str()),
+            "{}: the test's kustomize reader does not know `{}`",
+            file.display(),
+            as_str(key)
+        );
+    }
+    let mut documents = Vec::new();
+    for entry in strings(&kustomization["resources"])
+        .iter()
+        .chain(&strings(&kustomization["components"]))
+    {
+        let path = dir.join(entry);
+        if path.is_dir() {
+            documents.extend(kustomize_fallback(&path));
+        } else {
+            documents.extend(load_yaml_documents(&path));
+        }
+    }
+    if let Some(namespace) = kustomization.get("namespace") {
+        for doc in &mut documents {
+            if as_str(&doc["kind"]) != "Namespace" {
+                doc["metadata"]["namespace"] = namespace.clone();
+            }
+        }
+    }
+    for image in kustomization["images"]
+        .as_sequence()
+        .cloned()
+        .unwrap_or_default()
+    {
+        let name = as_str(&image["name"]);
+        let new = format!(
+            "{}:{}",
+            image.get("newName").map_or(name.clone(), as_str),
+            as_str(&image["newTag"])
+        );
+        for doc in &mut documents {
+            let Some(pod) = doc
+                .get_mut("spec")
+                .and_then(|s| s.get_mut("template"))
+                .and_then(|t| t.get_mut("spec"))
+            else {
+                continue;
+            };
+            for list in ["initContainers", "containers"] {
+                if let Some(containers) = pod.get_mut(list).and_then(Value::as_sequence_mut) {
+                    for container in containers {
+                        let current = as_str(&container["image"]);
+                        if current == name || current.starts_with(&format!("{name}:")) {
+                            container["image"] = Value::String(new.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    documents
+}
+
+/// The init containers and containers of a workload, in that order.
+fn containers(doc: &Value) -> Vec<Value> {
+    let pod = &doc["spec"]["template"]["spec"];
+    ["initContainers", "containers"]
+        .iter()
+        .flat_map(|list| pod[list].as_sequence().cloned().unwrap_or_default())
+        .collect()
+}
+
 #[test]
 fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
-    let dir = root().join("deploy/k8s");
-    let mut documents = Vec::new();
-    // `kubectl apply -f deploy/k8s/` applies the .yaml files only.
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
-        .collect();
-    files.sort();
-    for file in &files {
-        documents.extend(load_yaml_documents(file));
-    }
+    let documents = render(OVERLAY);
     let kind = |doc: &Value| as_str(&doc["kind"]);
+    let named = |k: &str, name: &str| {
+        documents
+            .iter()
+            .find(|d| kind(d) == k && as_str(&d["metadata"]["name"]) == name)
+            .unwrap_or_else(|| panic!("no {k} {name}"))
+    };
     // The example Secret is never applied over a real one.
     assert!(
         !documents.iter().any(|d| kind(d) == "Secret"),
-        "an applied manifest holds a Secret: it would overwrite the real one"
+        "the overlay applies a Secret: it would overwrite the real one"
     );
-    let example = load_yaml_documents(&dir.join("02-secret.yaml.example"));
+    let example = load_yaml_documents(&root().join("deploy/k8s/secret.yaml.example"));
+    for doc in &documents {
+        assert_eq!(
+            as_str(&doc["metadata"]["namespace"]),
+            if kind(doc) == "Namespace" { "" } else { "sas" },
+            "{} {}",
+            kind(doc),
+            as_str(&doc["metadata"]["name"])
+        );
+    }
     let config: BTreeMap<String, String> = documents
         .iter()
         .find(|d| kind(d) == "ConfigMap")
@@ -278,67 +440,99 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
             "ConfigMap key {key} is a setting of no binary"
         );
     }
+    // A Job's pod template is immutable: applying a new image over the
+    // previous version's Job fails. Migrations run in an init container.
+    assert!(
+        !documents.iter().any(|d| kind(d) == "Job"),
+        "a Job cannot be applied again with another image"
+    );
+    // The image is named once, in the overlay: every container runs it.
+    let overlay = load_yaml_documents(&root().join(OVERLAY).join("kustomization.yaml")).remove(0);
+    let image = &overlay["images"][0];
+    let expected_image = format!("{}:{}", as_str(&image["newName"]), as_str(&image["newTag"]));
     let mut agent_queues = Vec::new();
     let mut deployments = Vec::new();
-    for doc in documents
-        .iter()
-        .filter(|d| ["Deployment", "Job"].contains(&kind(d).as_str()))
-    {
+    let mut migrations = 0;
+    for doc in documents.iter().filter(|d| kind(d) == "Deployment") {
         let name = as_str(&doc["metadata"]["name"]);
-        let pod = &doc["spec"]["template"]["spec"];
-        let container = &pod["containers"][0];
-        let command = strings(&container["args"]);
-        // The shared ConfigMap serves every binary; each reads the sections it has.
-        let sections = sections_of(&command[0]);
-        let mut env: BTreeMap<String, String> = config
-            .iter()
-            .filter(|(key, _)| {
-                sections
-                    .iter()
-                    .any(|s| key.to_lowercase().starts_with(&format!("sas_{s}__")))
-            })
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for var in container["env"].as_sequence().cloned().unwrap_or_default() {
-            let value = match var.get("value") {
-                Some(value) => as_str(value),
-                None => {
-                    let key = as_str(&var["valueFrom"]["secretKeyRef"]["key"]);
-                    secret
-                        .get(&key)
-                        .cloned()
-                        .unwrap_or_else(|| panic!("{name}: secret key {key} does not exist"))
+        for container in containers(doc) {
+            let context = format!("k8s {name}/{}", as_str(&container["name"]));
+            assert_eq!(as_str(&container["image"]), expected_image, "{context}");
+            let command = strings(&container["args"]);
+            // The shared ConfigMap serves every binary; each reads the sections it has.
+            let sections = sections_of(&command[0]);
+            let mut env: BTreeMap<String, String> = config
+                .iter()
+                .filter(|(key, _)| {
+                    sections
+                        .iter()
+                        .any(|s| key.to_lowercase().starts_with(&format!("sas_{s}__")))
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            for var in container["env"].as_sequence().cloned().unwrap_or_default() {
+                let value = match var.get("value") {
+                    Some(value) => as_str(value),
+                    None => {
+                        let key = as_str(&var["valueFrom"]["secretKeyRef"]["key"]);
+                        secret
+                            .get(&key)
+                            .cloned()
+                            .unwrap_or_else(|| panic!("{context}: secret key {key} does not exist"))
+                    }
+                };
+                env.insert(as_str(&var["name"]), value);
+            }
+            check_config(&context, &command, &env);
+            assert_eq!(
+                container["securityContext"]["runAsNonRoot"].as_bool(),
+                Some(true),
+                "{context} runs as non-root"
+            );
+            if command == ["scheduler", "migrate"] {
+                migrations += 1;
+                assert!(
+                    env["SAS_DATABASE__URL"].contains("sas_owner@"),
+                    "{context}: migrations run as the schema owner"
+                );
+                continue;
+            }
+            if ["scheduler", "supervisor"].contains(&command[0].as_str()) {
+                assert_eq!(
+                    env.get("SAS_DATABASE__MIGRATE").map(String::as_str),
+                    Some("false"),
+                    "{context} leaves migrations to the init container"
+                );
+            }
+            deployments.push((name.clone(), doc["spec"]["selector"]["matchLabels"].clone()));
+            let port = listen_port(&context, &env);
+            assert_eq!(
+                container["ports"][0]["containerPort"].as_u64(),
+                Some(u64::from(port)),
+                "{context}: container port"
+            );
+            assert_eq!(as_str(&container["ports"][0]["name"]), "http", "{context}");
+            let probe_path = |probe: &str| as_str(&container[probe]["httpGet"]["path"]);
+            assert_eq!(probe_path("livenessProbe"), "/healthz", "{context}");
+            assert_eq!(probe_path("readinessProbe"), "/readyz", "{context}");
+            if command[0] == "agent" {
+                let names =
+                    QueueNames::new(env.get("SAS_AMQP__PREFIX").cloned().unwrap_or_default());
+                for agent in env["SAS_AGENT__NAME"].split(',') {
+                    agent_queues.push((name.clone(), names.agent_requests(agent.trim())));
                 }
-            };
-            env.insert(as_str(&var["name"]), value);
-        }
-        check_config(&format!("k8s {name}"), &command, &env);
-        let security = &container["securityContext"];
-        assert_eq!(
-            security["runAsNonRoot"].as_bool(),
-            Some(true),
-            "{name} runs as non-root"
-        );
-        if kind(doc) == "Job" {
-            continue;
-        }
-        deployments.push((name.clone(), doc["spec"]["selector"]["matchLabels"].clone()));
-        let port = listen_port(&name, &env);
-        assert_eq!(
-            container["ports"][0]["containerPort"].as_u64(),
-            Some(u64::from(port)),
-            "{name}: container port"
-        );
-        let probe_path = |probe: &str| as_str(&container[probe]["httpGet"]["path"]);
-        assert_eq!(probe_path("livenessProbe"), "/healthz", "{name}");
-        assert_eq!(probe_path("readinessProbe"), "/readyz", "{name}");
-        if command[0] == "agent" {
-            let names = QueueNames::new(env.get("SAS_AMQP__PREFIX").cloned().unwrap_or_default());
-            for agent in env["SAS_AGENT__NAME"].split(',') {
-                agent_queues.push((name.clone(), names.agent_requests(agent.trim())));
             }
         }
     }
+    assert_eq!(
+        migrations, 1,
+        "one workload (the scheduler's init container) runs `scheduler migrate`"
+    );
+    assert_eq!(
+        named("Deployment", "scheduler")["spec"]["template"]["spec"]["initContainers"][0]["args"],
+        serde_yaml::from_str::<Value>("[scheduler, migrate]").unwrap(),
+        "the schedulers migrate before they start"
+    );
     // KEDA scales the agent Deployment on exactly the queues its replicas consume.
     let scaled = documents
         .iter()
@@ -366,22 +560,122 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         "the ScaledObject targets {target}, which is not an agent Deployment"
     );
     assert_eq!(triggered, consumed);
-    // Every PodDisruptionBudget selects a Deployment.
+    // KEDA owns the count: a replicas field would reset it on every apply.
+    assert!(
+        named("Deployment", &target)["spec"]
+            .get("replicas")
+            .is_none(),
+        "the KEDA-scaled Deployment {target} sets replicas"
+    );
+    // Every PodDisruptionBudget selects a Deployment and lets `kubectl
+    // drain` evict a pod even at that Deployment's smallest replica count.
     for pdb in documents
         .iter()
         .filter(|d| kind(d) == "PodDisruptionBudget")
     {
+        let name = as_str(&pdb["metadata"]["name"]);
         let selector = &pdb["spec"]["selector"]["matchLabels"];
+        let (deployment, _) = deployments
+            .iter()
+            .find(|(_, labels)| labels == selector)
+            .unwrap_or_else(|| panic!("PDB {name} selects nothing"));
+        let fewest = if *deployment == target {
+            scaled["spec"]["minReplicaCount"].as_u64().unwrap_or(0)
+        } else {
+            named("Deployment", deployment)["spec"]["replicas"]
+                .as_u64()
+                .unwrap_or(1)
+        };
+        let spec = &pdb["spec"];
+        let allowed = match (spec.get("maxUnavailable"), spec.get("minAvailable")) {
+            (Some(max), None) => max.as_u64().expect("a number"),
+            (None, Some(min)) => fewest.saturating_sub(min.as_u64().expect("a number")),
+            _ => panic!("PDB {name}: set one of maxUnavailable, minAvailable"),
+        };
         assert!(
-            deployments.iter().any(|(_, labels)| labels == selector),
-            "PDB {} selects nothing",
-            as_str(&pdb["metadata"]["name"])
+            allowed >= 1,
+            "PDB {name} allows no eviction at {fewest} replica(s) of {deployment}: it blocks kubectl drain"
         );
     }
     for required in ["scheduler", "supervisor", "agent"] {
         assert!(
             deployments.iter().any(|(n, _)| n == required),
             "no {required} Deployment"
+        );
+    }
+    // The ServiceMonitor finds every service's metrics port through a Service.
+    let monitor = named("ServiceMonitor", "sas");
+    let selector = monitor["spec"]["selector"]["matchLabels"]
+        .as_mapping()
+        .unwrap();
+    let endpoint_port = as_str(&monitor["spec"]["endpoints"][0]["port"]);
+    assert_eq!(as_str(&monitor["spec"]["endpoints"][0]["path"]), "/metrics");
+    let monitored: Vec<&Value> = documents
+        .iter()
+        .filter(|d| kind(d) == "Service")
+        .filter(|d| {
+            selector
+                .iter()
+                .all(|(k, v)| d["metadata"]["labels"].get(k) == Some(v))
+        })
+        .collect();
+    for (deployment, labels) in &deployments {
+        let service = monitored
+            .iter()
+            .find(|s| &s["spec"]["selector"] == labels)
+            .unwrap_or_else(|| panic!("no monitored Service selects the pods of {deployment}"));
+        let ports = service["spec"]["ports"].as_sequence().unwrap();
+        assert!(
+            ports
+                .iter()
+                .any(|p| as_str(&p["name"]) == endpoint_port && as_str(&p["targetPort"]) == "http"),
+            "the Service of {deployment} has no port {endpoint_port} to the container's http port"
+        );
+    }
+    // The PrometheusRule carries the rules that promtool checks and tests.
+    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    assert_eq!(
+        named("PrometheusRule", "sas")["spec"]["groups"],
+        rules["groups"],
+        "deploy/k8s/components/monitoring/prometheusrule.yaml differs from deploy/prometheus/rules.yml"
+    );
+}
+
+#[test]
+fn kubernetes_base_names_the_image_once_and_holds_no_secret() {
+    // Every manifest names the image `sas`, untagged: the overlay's
+    // `images:` is the one place that says which.
+    let mut files = Vec::new();
+    for dir in ["deploy/k8s/base", "deploy/k8s/components"] {
+        let mut stack = vec![root().join(dir)];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if path.extension().is_some_and(|e| e == "yaml") {
+                    files.push(path);
+                }
+            }
+        }
+    }
+    let mut images = 0;
+    for file in &files {
+        for doc in load_yaml_documents(file) {
+            assert_ne!(as_str(&doc["kind"]), "Secret", "{}", file.display());
+            for container in containers(&doc) {
+                assert_eq!(as_str(&container["image"]), "sas", "{}", file.display());
+                images += 1;
+            }
+        }
+    }
+    assert!(images >= 5, "{images} containers");
+    // The base alone renders, without the optional components.
+    let base = render("deploy/k8s/base");
+    for kind in ["ScaledObject", "ServiceMonitor", "PrometheusRule"] {
+        assert!(
+            !base.iter().any(|d| as_str(&d["kind"]) == kind),
+            "the base needs the CRD of {kind}: it belongs in a component"
         );
     }
 }
@@ -611,4 +905,503 @@ fn check_config_names_a_bad_key_and_an_unknown_variable() {
         "{error}"
     );
     assert_eq!(run(&[("SAS_DATABASE__SSL_MODE", "verify-full")]).0, Some(0));
+}
+
+/// One metric as the services register it: its type and label names.
+#[derive(Debug, Default)]
+struct Exported {
+    kind: String,
+    labels: std::collections::BTreeSet<String>,
+}
+
+/// Every `sas_*` metric the services export, read from their sources: each
+/// `counter!`, `gauge!` and `histogram!` call, its name and label names.
+fn exported_metrics() -> BTreeMap<String, Exported> {
+    let mut files = Vec::new();
+    let mut stack = vec![root().join("crates")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                if !path.ends_with("crates/bench") && !path.ends_with("target") {
+                    stack.push(path);
+                }
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let mut metrics: BTreeMap<String, Exported> = BTreeMap::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for kind in ["counter", "gauge", "histogram"] {
+            let macro_call = format!("{kind}!(");
+            for (at, _) in text.match_indices(&macro_call) {
+                let args = &text[at + macro_call.len()..];
+                let Some(rest) = args.trim_start().strip_prefix('"') else {
+                    continue;
+                };
+                let name = &rest[..rest.find('"').unwrap()];
+                if !name.starts_with("sas_") {
+                    continue;
+                }
+                let metric = metrics.entry(name.to_owned()).or_default();
+                assert!(
+                    metric.kind.is_empty() || metric.kind == kind,
+                    "{name} is registered as a {} and a {kind}",
+                    metric.kind
+                );
+                metric.kind = kind.to_owned();
+                // The labels: every `"name" =>` up to the closing parenthesis.
+                let mut depth = 1;
+                let mut chars = args.char_indices().peekable();
+                let mut end = args.len();
+                let mut strings_seen = Vec::new();
+                while let Some((i, c)) = chars.next() {
+                    match c {
+                        '"' => {
+                            let start = i + 1;
+                            let mut stop = start;
+                            while let Some((j, c)) = chars.next() {
+                                if c == '\\' {
+                                    chars.next();
+                                } else if c == '"' {
+                                    stop = j;
+                                    break;
+                                }
+                            }
+                            strings_seen.push((args[start..stop].to_owned(), stop + 1));
+                        }
+                        '(' => depth += 1,
+                        ')' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = i;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                for (label, after) in strings_seen {
+                    if after <= end && args[after..end].trim_start().starts_with("=>") {
+                        metric.labels.insert(label);
+                    }
+                }
+            }
+        }
+    }
+    metrics
+}
+
+/// Metrics the dashboard reads from elsewhere than our services, with
+/// their labels: RabbitMQ's own Prometheus plugin (per-object metrics).
+const EXTERNAL_METRICS: [(&str, &[&str]); 1] =
+    [("rabbitmq_queue_messages_ready", &["queue", "vhost"])];
+
+/// Labels Prometheus adds to every scraped series.
+const TARGET_LABELS: [&str; 2] = ["instance", "job"];
+
+/// The metric names, selector labels and grouping labels of a PromQL
+/// expression (enough of PromQL for these files: selectors, functions,
+/// aggregations with `by`/`without`, binary operators, ranges, offsets).
+fn promql_references(expr: &str) -> (Vec<(String, Vec<String>)>, Vec<String>) {
+    // Operators, and aggregations (which may be followed by `by (...)`).
+    const KEYWORDS: [&str; 18] = [
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "bool",
+        "inf",
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+    ];
+    const GROUPING: [&str; 6] = [
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+    ];
+    let chars: Vec<char> = expr.chars().collect();
+    let mut metrics = Vec::new();
+    let mut grouping = Vec::new();
+    let mut i = 0;
+    let skip_string = |i: &mut usize| {
+        let quote = chars[*i];
+        *i += 1;
+        while *i < chars.len() && chars[*i] != quote {
+            if chars[*i] == '\\' {
+                *i += 1;
+            }
+            *i += 1;
+        }
+        *i += 1;
+    };
+    // The text up to the bracket that closes the one at `i`, strings skipped.
+    let enclosed = |i: &mut usize, close: char| -> String {
+        let start = *i + 1;
+        *i += 1;
+        while chars[*i] != close {
+            if chars[*i] == '"' || chars[*i] == '\'' {
+                skip_string(i);
+            } else {
+                *i += 1;
+            }
+        }
+        *i += 1;
+        chars[start..*i - 1].iter().collect()
+    };
+    let next_non_space = |i: usize| chars[i..].iter().copied().find(|c| !c.is_whitespace());
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '"' || c == '\'' || c == '`' {
+            skip_string(&mut i);
+        } else if c == '[' {
+            enclosed(&mut i, ']');
+        } else if c == '{' {
+            panic!("{expr}: a selector without a metric name");
+        } else if c == '$' || c.is_ascii_digit() {
+            i += 1;
+            while i < chars.len() && (chars[i].is_alphanumeric() || "_.".contains(chars[i])) {
+                i += 1;
+            }
+        } else if c.is_ascii_alphabetic() || c == '_' || c == ':' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || "_:".contains(chars[i])) {
+                i += 1;
+            }
+            let word: String = chars[start..i].iter().collect();
+            let next = next_non_space(i);
+            if GROUPING.contains(&word.as_str()) {
+                if next == Some('(') {
+                    while chars[i] != '(' {
+                        i += 1;
+                    }
+                    let list = enclosed(&mut i, ')');
+                    grouping.extend(
+                        list.split(',')
+                            .map(|l| l.trim().to_owned())
+                            .filter(|l| !l.is_empty()),
+                    );
+                }
+            } else if KEYWORDS.contains(&word.as_str()) || next == Some('(') {
+                // An operator, or a function or aggregation.
+            } else {
+                let mut labels = Vec::new();
+                if next == Some('{') {
+                    while chars[i] != '{' {
+                        i += 1;
+                    }
+                    let selector = enclosed(&mut i, '}');
+                    let mut rest = selector.as_str();
+                    while let Some(op) = rest.find(['=', '!']) {
+                        labels.push(rest[..op].trim().trim_start_matches(',').trim().to_owned());
+                        let value = rest[op..].find('"').unwrap() + op + 1;
+                        let mut close = value;
+                        let bytes = rest.as_bytes();
+                        while bytes[close] != b'"' {
+                            close += if bytes[close] == b'\\' { 2 } else { 1 };
+                        }
+                        rest = &rest[close + 1..];
+                    }
+                }
+                metrics.push((word, labels));
+            }
+        } else {
+            i += 1;
+        }
+    }
+    (metrics, grouping)
+}
+
+/// Checks that `expr` reads only metrics the services export (or the
+/// listed external ones), with labels they have.
+fn check_expression(
+    context: &str,
+    expr: &str,
+    exported: &BTreeMap<String, Exported>,
+) -> Vec<String> {
+    let (metrics, grouping) = promql_references(expr);
+    assert!(!metrics.is_empty(), "{context}: `{expr}` reads no metric");
+    let mut known_labels: Vec<String> = TARGET_LABELS.iter().map(|l| (*l).to_owned()).collect();
+    let mut names = Vec::new();
+    for (metric, selector) in &metrics {
+        let labels: Vec<String> = if let Some(found) = exported.get(metric) {
+            assert_ne!(
+                found.kind, "histogram",
+                "{context}: {metric} is a histogram: read {metric}_bucket, _sum or _count"
+            );
+            found.labels.iter().cloned().collect()
+        } else if let Some((base, found)) = ["_bucket", "_sum", "_count"].iter().find_map(|s| {
+            let base = metric.strip_suffix(s)?;
+            exported
+                .get(base)
+                .filter(|m| m.kind == "histogram")
+                .map(|m| (base, m))
+        }) {
+            let mut labels: Vec<String> = found.labels.iter().cloned().collect();
+            if metric.ends_with("_bucket") {
+                labels.push("le".to_owned());
+            }
+            names.push(base.to_owned());
+            labels
+        } else if let Some((_, labels)) = EXTERNAL_METRICS.iter().find(|(m, _)| m == metric) {
+            labels.iter().map(|l| (*l).to_owned()).collect()
+        } else {
+            panic!(
+                "{context}: `{expr}` reads {metric}, which no service exports (the crates register: {:?})",
+                exported.keys().collect::<Vec<_>>()
+            );
+        };
+        names.push(metric.clone());
+        for label in selector {
+            assert!(
+                labels.contains(label) || TARGET_LABELS.contains(&label.as_str()),
+                "{context}: `{expr}` selects {metric} by {label}, a label it does not have ({labels:?})"
+            );
+        }
+        known_labels.extend(labels);
+    }
+    for label in grouping {
+        assert!(
+            known_labels.contains(&label),
+            "{context}: `{expr}` groups by {label}, a label none of its metrics has ({known_labels:?})"
+        );
+    }
+    names
+}
+
+/// Every panel of a Grafana dashboard, rows' panels included.
+fn dashboard_panels(dashboard: &serde_json::Value) -> Vec<serde_json::Value> {
+    let mut panels = Vec::new();
+    let mut stack: Vec<serde_json::Value> = dashboard["panels"].as_array().unwrap().clone();
+    while let Some(panel) = stack.pop() {
+        if let Some(nested) = panel["panels"].as_array() {
+            stack.extend(nested.iter().cloned());
+        }
+        panels.push(panel);
+    }
+    panels
+}
+
+fn load_dashboard() -> serde_json::Value {
+    let path = root().join("deploy/grafana/sas-dashboard.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+#[test]
+fn the_dashboard_and_the_alert_rules_read_only_metrics_the_services_export() {
+    let exported = exported_metrics();
+    // The metrics these files depend on are found where they are registered.
+    for name in [
+        "sas_orders",
+        "sas_orders_overdue",
+        "sas_alerts_open",
+        "sas_consumers",
+        "sas_step_latency_seconds",
+        "sas_circuit_state",
+        "sas_admission_wait_seconds",
+    ] {
+        assert!(
+            exported.contains_key(name),
+            "{name} not found in the crates"
+        );
+    }
+    let dashboard = load_dashboard();
+    let mut read = Vec::new();
+    let mut ids = Vec::new();
+    for panel in dashboard_panels(&dashboard) {
+        let title = panel["title"].as_str().unwrap_or_default().to_owned();
+        ids.push(panel["id"].as_u64().expect("every panel has an id"));
+        if panel["type"] == "row" {
+            continue;
+        }
+        let targets = panel["targets"].as_array().unwrap_or_else(|| {
+            panic!("panel {title} has no targets");
+        });
+        assert!(!targets.is_empty(), "panel {title} has no targets");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("a PromQL expr");
+            read.extend(check_expression(
+                &format!("dashboard panel {title}"),
+                expr,
+                &exported,
+            ));
+        }
+    }
+    let count = ids.len();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), count, "panel ids are unique");
+    // What operators asked to see.
+    for name in [
+        "sas_orders",
+        "sas_orders_received_total",
+        "sas_orders_finished_total",
+        "sas_step_latency_seconds",
+        "rabbitmq_queue_messages_ready",
+        "sas_circuit_state",
+        "sas_stale_replies_total",
+        "sas_dead_lettered_total",
+        "sas_admission_waiting",
+        "sas_admission_in_flight",
+        "sas_admission_limit",
+        "sas_admission_wait_seconds",
+    ] {
+        assert!(
+            read.iter().any(|r| r == name),
+            "the dashboard shows no {name}"
+        );
+    }
+
+    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    for rule in alert_rules(&rules) {
+        check_expression(
+            &format!("alert {}", as_str(&rule["alert"])),
+            &as_str(&rule["expr"]),
+            &exported,
+        );
+    }
+}
+
+fn alert_rules(rules: &Value) -> Vec<Value> {
+    rules["groups"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().unwrap().clone())
+        .collect()
+}
+
+/// promtool: `SAS_PROMTOOL` (scripts/test.sh installs it and sets this),
+/// else one on the PATH.
+fn promtool() -> Option<String> {
+    if let Ok(path) = std::env::var("SAS_PROMTOOL") {
+        if !path.is_empty() {
+            return Some(path);
+        }
+    }
+    std::process::Command::new("promtool")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| "promtool".to_owned())
+}
+
+fn run_promtool(promtool: &str, args: &[&str]) {
+    let output = std::process::Command::new(promtool)
+        .args(args)
+        .current_dir(root().join("deploy/prometheus"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {promtool}: {e}"));
+    assert!(
+        output.status.success(),
+        "promtool {} fails:\n{}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn alert_rules_pass_promtool_and_every_alert_is_tested_firing_and_quiet() {
+    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    let tests = load_yaml_documents(&root().join("deploy/prometheus/rules.test.yml")).remove(0);
+    let mut cases: BTreeMap<String, (bool, bool)> = BTreeMap::new();
+    for test in tests["tests"].as_sequence().unwrap() {
+        for case in test["alert_rule_test"].as_sequence().unwrap() {
+            let firing = !case["exp_alerts"].as_sequence().is_none_or(Vec::is_empty);
+            let entry = cases.entry(as_str(&case["alertname"])).or_default();
+            if firing {
+                entry.0 = true;
+            } else {
+                entry.1 = true;
+            }
+        }
+    }
+    for rule in alert_rules(&rules) {
+        let alert = as_str(&rule["alert"]);
+        assert_eq!(
+            cases.get(&alert),
+            Some(&(true, true)),
+            "rules.test.yml must show {alert} firing and quiet"
+        );
+    }
+
+    let Some(promtool) = promtool() else {
+        eprintln!(
+            "promtool is not installed (scripts/promtool.sh installs it from Debian's prometheus package): deploy/prometheus and the dashboard's queries were not checked by promtool"
+        );
+        return;
+    };
+    run_promtool(&promtool, &["check", "rules", "rules.yml"]);
+    run_promtool(&promtool, &["test", "rules", "rules.test.yml"]);
+    // The dashboard's queries parse: each as a recording rule.
+    let mut recording = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for panel in dashboard_panels(&load_dashboard()) {
+        for target in panel["targets"].as_array().cloned().unwrap_or_default() {
+            let expr = target["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$__rate_interval", "5m");
+            recording.push_str(&format!(
+                "      - record: dashboard:panel_{}_{}\n        expr: {}\n",
+                panel["id"],
+                target["refId"].as_str().unwrap(),
+                serde_json::to_string(&expr).unwrap()
+            ));
+        }
+    }
+    let file = std::env::temp_dir().join(format!("sas-dashboard-{}.yml", std::process::id()));
+    std::fs::write(&file, recording).unwrap();
+    let path = file.to_string_lossy().into_owned();
+    let result = std::panic::catch_unwind(|| run_promtool(&promtool, &["check", "rules", &path]));
+    let _ = std::fs::remove_file(&file);
+    result.unwrap();
+}
+
+#[test]
+fn the_promql_reader_finds_metrics_selectors_and_grouping_labels() {
+    let (metrics, grouping) = promql_references(
+        r#"histogram_quantile(0.99, sum by (agent, le) (rate(sas_admission_wait_seconds_bucket{agent!="x"}[$__rate_interval]))) or on() absent(sas_consumers{queue=~".*sas\\.(orders|x)", job="scheduler"}) unless max without (instance) (sas_orders offset 10m) > 0"#,
+    );
+    assert_eq!(
+        metrics,
+        [
+            (
+                "sas_admission_wait_seconds_bucket".to_owned(),
+                vec!["agent".to_owned()]
+            ),
+            (
+                "sas_consumers".to_owned(),
+                vec!["queue".to_owned(), "job".to_owned()]
+            ),
+            ("sas_orders".to_owned(), vec![]),
+        ]
+    );
+    assert_eq!(grouping, ["agent", "le", "instance"]);
+    let exported = exported_metrics();
+    let unknown = std::panic::catch_unwind(|| {
+        check_expression("test", "rate(sas_no_such_metric_total[5m])", &exported)
+    });
+    assert!(unknown.is_err(), "an unknown metric is refused");
+    let bad_label = std::panic::catch_unwind(|| {
+        check_expression("test", r#"sas_circuit_state{queue="x"}"#, &exported)
+    });
+    assert!(bad_label.is_err(), "a label the metric lacks is refused");
 }

@@ -203,6 +203,108 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
         None,
         "finished orders are counted where they finish, not by a scan of every order"
     );
+    // What the alert rules in deploy/prometheus read: who consumes the
+    // scheduler's queues, orders stuck past complete-by, open alerts.
+    let names = env.amqp().names();
+    for queue in [names.orders(), names.scheduler_replies()] {
+        assert_eq!(
+            metric(
+                scheduler_port,
+                &format!(r#"sas_consumers{{queue="{queue}"}}"#)
+            )
+            .await,
+            Some(1.0),
+            "the scheduler's consumer on {queue}"
+        );
+    }
+    assert_eq!(
+        metric(
+            agent_port,
+            &format!(
+                r#"sas_consumers{{queue="{}"}}"#,
+                names.agent_requests("payment")
+            )
+        )
+        .await,
+        Some(1.0)
+    );
+    for gauge in ["sas_orders_overdue", "sas_alerts_open"] {
+        wait_until(gauge, Duration::from_secs(10), || async {
+            match metric(supervisor_port, gauge).await {
+                Some(0.0) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await;
+    }
+}
+
+/// The gauges the alert rules read (deploy/prometheus) count what they say:
+/// an order held past complete-by + grace that no scan can take (its row
+/// locked, as by a stuck transaction) is overdue until a scan recovers it,
+/// and an unresolved operator alert is open until it is resolved.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_supervisor_exports_orders_stuck_past_their_deadline_and_open_alerts() {
+    let env = TestEnv::new().await;
+    let pool = env.store.pool();
+    env.store
+        .insert_order(
+            &order("stuck-1"),
+            "order",
+            &env.steps(),
+            &sas_messages::TraceParent::new_root().trace_id,
+            "test",
+        )
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE order_process SET complete_by = now() - interval '1 hour' WHERE order_id = 'stuck-1'",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM order_process WHERE order_id = 'stuck-1' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO alerts (order_id, kind, message) VALUES ('stuck-1', 'compensation_failed', 'test')",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let port = free_port();
+    let _supervisor = env.supervisor(
+        0,
+        &[
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+            ("SAS_SUPERVISOR__INTERVAL_MS", "100".to_owned()),
+        ],
+    );
+    let gauge_reads = |gauge: &'static str, expected: f64| async move {
+        wait_until(
+            &format!("{gauge} = {expected}"),
+            Duration::from_secs(20),
+            || async move {
+                match metric(port, gauge).await {
+                    Some(value) if value == expected => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+    };
+    gauge_reads("sas_orders_overdue", 1.0).await;
+    gauge_reads("sas_alerts_open", 1.0).await;
+    // Once the row is free, a scan recovers the order.
+    holder.rollback().await.unwrap();
+    gauge_reads("sas_orders_overdue", 0.0).await;
+    sqlx::query("UPDATE alerts SET resolved_at = now()")
+        .execute(pool)
+        .await
+        .unwrap();
+    gauge_reads("sas_alerts_open", 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

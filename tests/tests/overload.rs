@@ -12,6 +12,7 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use sas_messages::SubmitOrder;
+use sas_store::admission::{Adaptation, AgentAdmission};
 use sas_store::machine::HistoryEvent;
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, System};
@@ -181,6 +182,73 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    set_latency(&sim, 100).await;
+    // A limit as if learnt while the remote service was fast (or set too
+    // high), which the supervisor does not adapt within the test: the whole
+    // burst is admitted, and most requests wait in the agent queue past
+    // their start-by. A single failure would compensate an order.
+    let mut scheduler = scheduler_vars();
+    scheduler.retain(|(name, _)| *name != "SAS_SCHEDULER__ADMISSION_INITIAL");
+    scheduler.push(("SAS_SCHEDULER__ADMISSION_INITIAL", "500".to_owned()));
+    let mut supervisor = supervisor_vars(0);
+    supervisor.retain(|(name, _)| *name != "SAS_SUPERVISOR__ADMISSION_WINDOW_MS");
+    supervisor.push(("SAS_SUPERVISOR__ADMISSION_WINDOW_MS", "600000".to_owned()));
+    let mut system = System {
+        agents: env.agents(1, &sim, &agent_vars()),
+        schedulers: vec![env.scheduler(0, &scheduler)],
+        supervisors: vec![env.supervisor(0, &supervisor)],
+        sim_process,
+        sim,
+    };
+    let (_connection, publisher) = env.broker().await;
+    for order in orders("stale-limit", 100, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    env.wait_for_count(ProcessState::Processed, 100, Duration::from_secs(120))
+        .await;
+    system.assert_all_running();
+    for state in [ProcessState::Compensated, ProcessState::Error] {
+        assert_eq!(env.count(state).await, 0, "no order is {state}");
+    }
+    let unstarted: i64 = sqlx::query_scalar("SELECT count(*) FROM history WHERE event = $1")
+        .bind(HistoryEvent::NotStarted.as_str())
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert!(
+        unstarted > 0,
+        "no request expired unstarted: the test tests nothing"
+    );
+    let failures: i32 =
+        sqlx::query_scalar("SELECT coalesce(max(failure_count), 0) FROM order_process")
+            .fetch_one(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        failures, 0,
+        "an attempt that never started counted as a failure"
+    );
+    // Only completions count towards the measured rate, not the attempts
+    // given back unstarted: three steps of 100 orders.
+    let settled: i64 = sqlx::query_scalar("SELECT sum(settled)::int8 FROM admission")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(settled, 300);
+    let effects = system.sim.effects_by_order().await;
+    assert_eq!(effects.len(), 100);
+    assert!(
+        effects
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{effects:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_same_burst_survives_a_scheduler_and_an_agent_killed_in_the_middle() {
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     // Killed agents leave attempts to expire: those are retried, not compensated.
@@ -295,4 +363,108 @@ fn rss_kib(pid: u32) -> u64 {
                 .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_and_a_busy_one_at_most_doubles() {
+    let env = TestEnv::new().await;
+    let store = &env.store;
+    store
+        .register_agents(&[("fast".to_owned(), Duration::from_secs(10))], 16, 1000)
+        .await
+        .unwrap();
+    // The agent finished 1,000 attempts a second during the last window:
+    // its target is far above the ceiling. `peak` attempts were in flight
+    // at most, `limit` is what it had.
+    let window = |limit: i32, peak: i32, waiting: i32| {
+        sqlx::query(
+            "UPDATE admission SET admit_limit = $1, peak_in_flight = $2, in_flight = $2,
+                    waiting = $3, settled = window_settled + 2000,
+                    window_started = now() - interval '2 seconds'
+              WHERE agent = 'fast'",
+        )
+        .bind(limit)
+        .bind(peak)
+        .bind(waiting)
+        .execute(store.pool())
+    };
+    let adaptation = Adaptation {
+        window: Duration::from_secs(1),
+        deadline_share: 0.5,
+    };
+    let limit = |rows: Vec<AgentAdmission>| rows[0].admit_limit;
+    // Learnt while busy, now barely used: it falls to twice the use.
+    window(1000, 30, 0).await.unwrap();
+    assert_eq!(limit(store.adapt_admission(&adaptation).await.unwrap()), 60);
+    // Quiet: back to the initial limit, never below it for lack of use.
+    window(1000, 0, 0).await.unwrap();
+    assert_eq!(limit(store.adapt_admission(&adaptation).await.unwrap()), 16);
+    // Fully used: it may double, towards the target.
+    window(60, 60, 5).await.unwrap();
+    assert_eq!(
+        limit(store.adapt_admission(&adaptation).await.unwrap()),
+        120
+    );
+    // The next window starts from what is in flight now.
+    let peak: i32 = sqlx::query_scalar("SELECT peak_in_flight FROM admission WHERE agent = 'fast'")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(peak, 60);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    set_latency(&sim, 100).await;
+    let ops = free_port();
+    let mut supervisor = supervisor_vars(5);
+    supervisor.push(("SAS_SUPERVISOR__ADMISSION_RECONCILE_MS", "500".to_owned()));
+    supervisor.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")));
+    let mut system = System {
+        agents: env.agents(1, &sim, &agent_vars()),
+        schedulers: vec![env.scheduler(0, &scheduler_vars())],
+        supervisors: vec![env.supervisor(0, &supervisor)],
+        sim_process,
+        sim,
+    };
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("drift-warmup")).await;
+    env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
+        .await;
+    // As if slots were lost (rows deleted behind the state machine's back):
+    // with these counters no agent would ever be admitted anything again.
+    sqlx::query("UPDATE admission SET in_flight = in_flight + 1000, waiting = waiting + 3")
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    for order in orders("drift", 30, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    env.wait_for_count(ProcessState::Processed, 31, Duration::from_secs(60))
+        .await;
+    let corrections =
+        sas_tests::process::metric(ops, "sas_admission_corrections_total{agent=\"inventory\"}")
+            .await
+            .unwrap_or(0.0);
+    assert!(corrections >= 1.0, "no correction counted: {corrections}");
+    // Once everything ended, the counters say so.
+    wait_until("counters back to zero", Duration::from_secs(10), || async {
+        let counters: Vec<(String, i32, i32)> =
+            sqlx::query_as("SELECT agent, in_flight, waiting FROM admission ORDER BY agent")
+                .fetch_all(env.store.pool())
+                .await
+                .map_err(|e| e.to_string())?;
+        if counters
+            .iter()
+            .all(|(_, in_flight, waiting)| *in_flight == 0 && *waiting == 0)
+        {
+            Ok(())
+        } else {
+            Err(format!("{counters:?}"))
+        }
+    })
+    .await;
+    system.assert_all_running();
 }

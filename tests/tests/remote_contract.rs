@@ -863,3 +863,40 @@ async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_fo
     );
     assert!(agent_process.is_running());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_without_a_call() {
+    let env = TestEnv::new().await;
+    let (port, calls) = bad_remote().await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    // Published before the agent runs: it waits in the queue past start-by.
+    let mut late = request(
+        "queued-1",
+        StepKind::Action,
+        "busy",
+        Duration::from_millis(300),
+        Duration::from_secs(5),
+    );
+    late.start_by = Some(Utc::now() - chrono::Duration::milliseconds(200));
+    send(&env, &publisher, "payment", &reply_to, &late).await;
+    let (mut agent, _ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/bad"),
+        &[],
+    );
+    let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
+    assert_eq!(reply.attempt_id, late.attempt_id);
+    match &reply.outcome {
+        StepOutcome::NotStarted { reason } => {
+            assert!(reason.contains("start-by"), "{reason}");
+        }
+        other => panic!("expected not_started, got {other:?}"),
+    }
+    assert!(
+        calls.lock().unwrap().is_empty(),
+        "the agent called the service for a request it should not start"
+    );
+    assert!(agent.is_running());
+}

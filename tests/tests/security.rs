@@ -720,4 +720,32 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
     env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
         .await;
     system.assert_alive().await;
+    // Retention deletes history only through the owner's function, which
+    // deletes nothing but finished orders past their age: sas_app may run it.
+    let mut retiring = env.supervisor(
+        1,
+        &[
+            ("SAS_DATABASE__URL", app_url.clone()),
+            ("SAS_DATABASE__MIGRATE", "false".to_owned()),
+            ("SAS_RETENTION__FINISHED_SECS", "1".to_owned()),
+            ("SAS_RETENTION__INTERVAL_MS", "100".to_owned()),
+        ],
+    );
+    wait_until(
+        "the finished order retired",
+        Duration::from_secs(30),
+        || async {
+            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM history")
+                .fetch_one(env.store.pool())
+                .await
+                .map_err(|e| e.to_string())?;
+            if left == 0 {
+                Ok(())
+            } else {
+                Err(format!("{left} history lines left"))
+            }
+        },
+    )
+    .await;
+    assert!(retiring.is_running());
 }

@@ -54,6 +54,8 @@ enum Answer {
     Transient,
     /// A failure after a call whose outcome is unknown: maybe applied.
     Unknown,
+    /// No call was made: the start-by passed while the request waited.
+    NotStarted,
 }
 
 /// Which code applies a reply.
@@ -101,6 +103,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         2 => Just(Answer::Refused),
         1 => Just(Answer::Transient),
         1 => Just(Answer::Unknown),
+        1 => Just(Answer::NotStarted),
     ];
     let path = prop_oneof![Just(Path::Batched), Just(Path::General)];
     let step = prop_oneof![
@@ -555,6 +558,9 @@ async fn run_case(
                         error: "no answer in time".into(),
                         permanent: false,
                         maybe_applied: true,
+                    },
+                    Answer::NotStarted => StepOutcome::NotStarted {
+                        reason: "start-by passed in the queue".into(),
                     },
                 };
                 let reply = StepReply {

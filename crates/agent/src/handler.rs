@@ -19,9 +19,14 @@ use crate::{Agent, Lane};
 enum Finished {
     /// Send this outcome.
     Reply(StepOutcome),
-    /// The start deadline passed before any call could have reached the
-    /// service: the supervisor owns the step now; send nothing.
+    /// The start deadline passed after calls that failed without reaching
+    /// the service, or while its circuit was open: the supervisor owns the
+    /// step now (a failure of the service); send nothing.
     Expired,
+    /// The start deadline passed before this replica made any call for the
+    /// request (it waited in the queue, or for a call slot): say so, so the
+    /// order goes back to its line without counting a failure.
+    NotStarted,
     /// Shutting down, or the broker connection is lost: hand the request back.
     Interrupted,
 }
@@ -103,14 +108,28 @@ impl Agent {
                 tracing::warn!(complete_by = %request.complete_by, start_by = ?request.start_by, "start deadline passed and no call can have reached the service; stopping without a reply");
                 return Consumed::Ack;
             }
+            Finished::NotStarted => {
+                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
+                let waited = (self.clock.database_now()
+                    - request.dispatched_at.unwrap_or(request.complete_by))
+                .num_milliseconds()
+                .max(0);
+                tracing::info!(start_by = ?request.start_by, waited_ms = waited, "start deadline passed before any call; replying not started");
+                StepOutcome::NotStarted {
+                    reason: format!(
+                        "start-by passed before any call was made (waited {waited} ms since dispatch for the queue or a call slot)"
+                    ),
+                }
+            }
             Finished::Interrupted => return Consumed::Requeue,
         };
         let failure = match &outcome {
             StepOutcome::Failed { error, .. } => Some(error.clone()),
-            StepOutcome::Succeeded { .. } => None,
+            StepOutcome::Succeeded { .. } | StepOutcome::NotStarted { .. } => None,
         };
         let label = match &outcome {
             StepOutcome::Succeeded { .. } => "succeeded",
+            StepOutcome::NotStarted { .. } => "not_started",
             StepOutcome::Failed {
                 permanent: true,
                 maybe_applied: false,
@@ -175,9 +194,12 @@ impl Agent {
         // answer makes the step "not applied".
         let mut maybe_applied = false;
         let mut last_error = String::new();
+        // Whether this request met the service at all: a call was made, or
+        // the circuit (opened by the service's failures) held it back.
+        let mut tried = false;
         loop {
             let Some(left) = self.time_left(deadlines.start_by) else {
-                return expired(maybe_applied, &last_error);
+                return expired(tried, maybe_applied, &last_error);
             };
             if !lane.circuit.allow() {
                 // Fail fast: no call to a service that keeps failing. The
@@ -185,9 +207,10 @@ impl Agent {
                 // than answering at once and using up the order's failures
                 // in a few seconds of outage.
                 metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone()).increment(1);
+                tried = true;
                 let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
                 if wait >= left {
-                    return expired(maybe_applied, &last_error);
+                    return expired(tried, maybe_applied, &last_error);
                 }
                 tokio::select! {
                     () = tokio::time::sleep(wait) => continue,
@@ -201,18 +224,19 @@ impl Agent {
             let permit = tokio::select! {
                 permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
                     Ok(permit) => permit.expect("the semaphore is never closed"),
-                    Err(_) => return expired(maybe_applied, &last_error),
+                    Err(_) => return expired(tried, maybe_applied, &last_error),
                 },
                 () = self.shutdown.cancelled() => return Finished::Interrupted,
                 () = connection_lost.cancelled() => return Finished::Interrupted,
             };
             if self.time_left(deadlines.start_by).is_none() {
-                return expired(maybe_applied, &last_error);
+                return expired(tried, maybe_applied, &last_error);
             }
             let Some(until_complete) = self.time_left(deadlines.complete_by) else {
-                return expired(maybe_applied, &last_error);
+                return expired(tried, maybe_applied, &last_error);
             };
             let timeout = until_complete.min(Duration::from_millis(settings.call_timeout_ms));
+            tried = true;
             // A call under way is not cut short by shutdown: the drain limit
             // bounds it, and cutting it would only make the call repeat. A
             // lost broker connection does cut it: the request is back in the
@@ -290,7 +314,7 @@ impl Agent {
             last_error = error;
             match self.time_left(deadlines.start_by) {
                 Some(left) if left > wait => {}
-                _ => return expired(maybe_applied, &last_error),
+                _ => return expired(tried, maybe_applied, &last_error),
             }
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
@@ -346,8 +370,10 @@ struct Deadlines {
 /// How a request ends at its start deadline: silently when no call can
 /// have reached the service (the supervisor owns the step), otherwise with
 /// a failure that says the step may have been applied.
-fn expired(maybe_applied: bool, last_error: &str) -> Finished {
-    if maybe_applied {
+fn expired(tried: bool, maybe_applied: bool, last_error: &str) -> Finished {
+    if !tried {
+        Finished::NotStarted
+    } else if maybe_applied {
         Finished::Reply(StepOutcome::Failed {
             error: bounded_text(&format!(
                 "start deadline reached; an earlier call may have been applied: {last_error}"

@@ -12,6 +12,7 @@ mod drive;
 mod overload;
 mod phases;
 mod report;
+mod soak;
 mod system;
 
 use std::path::PathBuf;
@@ -41,8 +42,23 @@ struct Cli {
     #[arg(long, value_name = "SECS")]
     latency_secs: Option<f64>,
     /// Stop after the latency phase (no scaling or recovery): for tuning loops.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "overload_only")]
     throughput_only: bool,
+    /// Run only the overload phase (after the calibrations and a warm-up):
+    /// for tuning admission control.
+    #[arg(long)]
+    overload_only: bool,
+    /// Instead of the phases, the soak: this many orders at --soak-rate
+    /// with retention set to --soak-retention-secs, sampled every 10 s
+    /// (database size, rows per table, throughput, memory).
+    #[arg(long, value_name = "ORDERS")]
+    soak: Option<usize>,
+    /// Orders a second in the soak.
+    #[arg(long, value_name = "ORDERS_PER_SEC", default_value_t = 300.0)]
+    soak_rate: f64,
+    /// How long finished orders are kept in the soak.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    soak_retention_secs: u64,
 }
 
 /// How big each phase is.
@@ -123,7 +139,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             value.to_owned(),
         ));
     }
+    if cli.soak.is_some() {
+        anyhow::ensure!(
+            cli.soak_rate > 0.0 && cli.soak_retention_secs > 0,
+            "--soak-rate and --soak-retention-secs must be positive"
+        );
+        extra.extend(soak::settings(cli.soak_retention_secs));
+    }
     let _ = system::EXTRA.set(extra);
+    if let Some(orders) = cli.soak {
+        let samples = soak::run(orders, cli.soak_rate, std::time::Duration::from_secs(10)).await?;
+        if let Some(dir) = cli.out.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(&cli.out, serde_json::to_string_pretty(&samples)?)?;
+        println!("soak report written to {}", cli.out.display());
+        return Ok(());
+    }
     let progress = ProgressBar::new(7);
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}")?
@@ -133,6 +165,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let options = phases::Options {
         latency_rate: cli.latency_rate,
         throughput_only: cli.throughput_only,
+        overload_only: cli.overload_only,
     };
     let report = phases::run_all(sizes, options, &progress).await?;
     progress.finish_with_message("done");

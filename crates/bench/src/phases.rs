@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
+use sas_broker::Publisher;
 use sas_tests::TestEnv;
 use serde_json::json;
 
@@ -46,6 +47,8 @@ pub struct Options {
     pub latency_rate: Option<f64>,
     /// Stop after the latency phase.
     pub throughput_only: bool,
+    /// Skip from the warm-up straight to the overload phase.
+    pub overload_only: bool,
 }
 
 /// Messages the scheduler has seen go through the quorum queues (orders,
@@ -110,6 +113,12 @@ pub async fn run_all(
     wait_processed(&env, "warmup-", 20, Duration::from_secs(60)).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     record_memory(&system, &mut report.rss_idle_mib, false);
+    if options.overload_only {
+        for agent in &mut system.agents {
+            agent.kill9().await;
+        }
+        return overload(&env, &publisher, &system, sizes, report, progress).await;
+    }
 
     // Every phase's orders name a reply_to queue, as clients that want their
     // outcome do: saturation and latency measure the same work per order.
@@ -258,11 +267,23 @@ pub async fn run_all(
     progress.inc(1);
     drop(agents);
 
+    overload(&env, &publisher, &system, sizes, report, progress).await
+}
+
+/// The last phase: a slow remote service offered more than it can take.
+async fn overload(
+    env: &TestEnv,
+    publisher: &Publisher,
+    system: &BenchSystem,
+    sizes: Sizes,
+    mut report: Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<Report> {
     progress.set_message("overload: a slow remote offered 3x and 10x its capacity");
     report.overload = crate::overload::run(
-        &env,
-        &publisher,
-        &system,
+        env,
+        publisher,
+        system,
         &[3.0, 10.0],
         sizes.overload_offer_secs,
     )

@@ -130,6 +130,7 @@ where
     .await?;
     let consumer_tag = consumer.tag();
     tracing::info!(queue, prefetch = settings.prefetch, "consuming");
+    let _consuming = Consuming::start(queue);
 
     let tracker = TaskTracker::new();
     let (settle, settled) = mpsc::unbounded_channel();
@@ -210,6 +211,25 @@ where
     let _ = tokio::time::timeout(timeout, settler).await;
     let _ = timed("closing a channel", timeout, channel.close(200, "done")).await;
     result
+}
+
+/// `sas_consumers{queue}`: the consumers this process holds on `queue`, up
+/// from the moment the broker accepted one until its loop ends (shutdown,
+/// channel or connection lost), so that "nobody consumes this queue" can be
+/// alerted on.
+struct Consuming(String);
+
+impl Consuming {
+    fn start(queue: &str) -> Self {
+        metrics::gauge!("sas_consumers", "queue" => queue.to_owned()).increment(1.0);
+        Self(queue.to_owned())
+    }
+}
+
+impl Drop for Consuming {
+    fn drop(&mut self) {
+        metrics::gauge!("sas_consumers", "queue" => self.0.clone()).decrement(1.0);
+    }
 }
 
 /// Why `message` is refused for its size, if it is over

@@ -10,7 +10,7 @@
 //!   delivery limit and no dead-letter exchange (a message it gives up on is
 //!   dropped; its copy stays in the operators' queue).
 //! - The operators' dead-letter queue (consumed by nobody): quorum, bounded
-//!   in length and bytes, oldest dropped first.
+//!   in length, bytes and age (7 days), oldest dropped first.
 //! - The orders exchange, a fanout named like the orders queue and bound to
 //!   it: clients publish orders there, so that their broker user needs no
 //!   write permission on the default exchange, which reaches every queue.
@@ -31,6 +31,11 @@ pub const DEAD_LETTERS_MAX_LENGTH: i64 = 100_000;
 
 /// Most bytes kept in the operators' dead-letter queue.
 pub const DEAD_LETTERS_MAX_BYTES: i64 = 1 << 30;
+
+/// How long the operators' dead-letter queue keeps a message: 7 days. The
+/// record in Postgres (`dead_letters`) is what the console and `sasctl`
+/// work from; this copy is for inspection with RabbitMQ's own tools.
+pub const DEAD_LETTERS_TTL_MS: i64 = 7 * 24 * 60 * 60 * 1000;
 
 /// What a queue is for, which decides its arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +76,10 @@ fn quorum_arguments(settings: &AmqpSettings, kind: QueueKind) -> FieldTable {
             arguments.insert(
                 ShortString::from("x-max-length-bytes"),
                 AMQPValue::LongLongInt(DEAD_LETTERS_MAX_BYTES),
+            );
+            arguments.insert(
+                ShortString::from("x-message-ttl"),
+                AMQPValue::LongLongInt(DEAD_LETTERS_TTL_MS),
             );
         }
     }

@@ -39,8 +39,8 @@ pub struct StepRequest {
     /// Stable across every attempt of the same step and kind: the remote service
     /// applies a key at most once.
     pub idempotency_key: String,
-    /// Absolute deadline from the database clock. Past it, the agent stops and
-    /// sends nothing: the supervisor has taken over.
+    /// Absolute deadline from the database clock. Past it, the agent stops
+    /// calling: the supervisor has taken over.
     pub complete_by: DateTime<Utc>,
     /// Last moment to start a call to the remote service (database clock):
     /// `complete_by` less the deployment's start margin, so that no call
@@ -80,6 +80,16 @@ pub enum StepOutcome {
         /// undoes the step whatever later attempts answer.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         maybe_applied: bool,
+    },
+    /// No call of this attempt was made: its start-by passed while the
+    /// request waited for an agent (in the queue, or for a call slot), so
+    /// nothing can have been applied. Waiting is not a failure of the remote
+    /// service: the order goes back to the head of its agent's line without
+    /// counting a failure. Older schedulers do not know this answer
+    /// (upgrade schedulers before agents).
+    NotStarted {
+        /// What the agent saw, for the order's history.
+        reason: String,
     },
 }
 

@@ -85,10 +85,14 @@ impl Scheduler {
                 step,
                 latency_secs,
             } => {
-                metrics::histogram!("sas_step_latency_seconds", "step" => step)
-                    .record(latency_secs);
+                // An attempt that never started measures the queue, not the step.
+                if !matches!(reply.outcome, StepOutcome::NotStarted { .. }) {
+                    metrics::histogram!("sas_step_latency_seconds", "step" => step)
+                        .record(latency_secs);
+                }
                 let label = match &reply.outcome {
                     StepOutcome::Succeeded { .. } => "succeeded",
+                    StepOutcome::NotStarted { .. } => "not_started",
                     StepOutcome::Failed {
                         permanent: true, ..
                     } => "failed_permanent",

@@ -191,9 +191,10 @@ pub(crate) async fn apply(
          q AS (
              UPDATE admission a
                 SET in_flight = a.in_flight + d.in_flight, waiting = a.waiting + d.waiting,
-                    settled = a.settled + GREATEST(-d.in_flight, 0)
-               FROM (SELECT * FROM UNNEST($33::text[], $34::int4[], $35::int4[])
-                              AS d(agent, in_flight, waiting) ORDER BY agent) d
+                    peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + d.in_flight),
+                    settled = a.settled + GREATEST(-d.in_flight - d.unstarted, 0)
+               FROM (SELECT * FROM UNNEST($33::text[], $34::int4[], $35::int4[], $36::int4[])
+                              AS d(agent, in_flight, waiting, unstarted) ORDER BY agent) d
               WHERE a.agent = d.agent)
          SELECT (SELECT count(*) FROM p) AS process, (SELECT count(*) FROM s) AS steps",
     )
@@ -232,6 +233,7 @@ pub(crate) async fn apply(
     .bind(decision.admission.iter().map(|d| d.agent.as_str()).collect::<Vec<_>>())
     .bind(decision.admission.iter().map(|d| d.in_flight).collect::<Vec<_>>())
     .bind(decision.admission.iter().map(|d| d.waiting).collect::<Vec<_>>())
+    .bind(decision.admission.iter().map(|d| d.unstarted).collect::<Vec<_>>())
     .fetch_one(&mut *conn)
     .await?;
     let (changed_process, changed_steps): (i64, i64) =

@@ -115,7 +115,8 @@ impl Store {
               RETURNING op.order_id, op.updated_at),
              q AS (
                  UPDATE admission a
-                    SET in_flight = a.in_flight + x.delta, settled = a.settled + x.released
+                    SET in_flight = a.in_flight + x.delta, settled = a.settled + x.released,
+                        peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + x.delta)
                    FROM (SELECT agent, sum(delta)::int4 AS delta, sum(released)::int4 AS released
                            FROM (SELECT agent, -1 AS delta, 1 AS released FROM done
                                  UNION ALL

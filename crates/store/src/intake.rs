@@ -341,6 +341,8 @@ impl Store {
              q AS (
                  UPDATE admission a
                     SET in_flight = a.in_flight + CASE WHEN ok.admitted THEN (SELECT count(*) FROM o) ELSE 0 END,
+                        peak_in_flight = GREATEST(a.peak_in_flight,
+                            a.in_flight + CASE WHEN ok.admitted THEN (SELECT count(*) FROM o) ELSE 0 END),
                         waiting = a.waiting + CASE WHEN ok.admitted THEN 0 ELSE (SELECT count(*) FROM o) END
                    FROM first CROSS JOIN ok
                   WHERE a.agent = first.agent),

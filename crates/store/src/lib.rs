@@ -43,6 +43,7 @@ pub mod overview;
 pub mod progress;
 pub mod queries;
 pub mod recovery;
+pub mod retention;
 pub mod search;
 pub mod timing;
 

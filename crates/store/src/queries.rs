@@ -271,6 +271,29 @@ impl Store {
         .await?)
     }
 
+    /// What operators are alerted on: held orders (processing or
+    /// compensating) whose complete-by passed more than `overdue_after` ago,
+    /// and operator alerts not yet resolved. The first reads the partial
+    /// index the supervisor's scan reads (`order_process_deadline`), the
+    /// second the alerts table, which stays small.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn count_overdue_and_open_alerts(
+        &self,
+        overdue_after: std::time::Duration,
+    ) -> Result<(i64, i64), StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT (SELECT count(*) FROM order_process
+                      WHERE state IN ('processing', 'compensating')
+                        AND complete_by < now() - make_interval(secs => $1::float8 / 1000)),
+                    (SELECT count(*) FROM alerts WHERE resolved_at IS NULL)",
+        )
+        .bind(overdue_after.as_millis() as f64)
+        .fetch_one(self.pool())
+        .await?)
+    }
+
     /// How many orders are in each state (states with none are omitted). It
     /// reads every order: for tests and one-off checks, not for gauges.
     ///

@@ -3,7 +3,8 @@
 //! It never calls agents or remote services and knows nothing of the
 //! business: every `interval_ms` it finds held orders whose complete-by has
 //! passed ([`scan`]) and decides "retry this step after a wait" or "undo this
-//! order"; and it records every dead-lettered message ([`dead_letters`]).
+//! order"; it records every dead-lettered message ([`dead_letters`]); and it
+//! deletes finished orders and dead letters past their age ([`retention`]).
 //!
 //! Several supervisors may run: they share the work through
 //! `FOR UPDATE SKIP LOCKED`, so no step is ever recovered twice (see
@@ -12,6 +13,7 @@
 //! leaves nothing to expire.
 
 pub mod dead_letters;
+pub mod retention;
 pub mod scan;
 pub mod settings;
 
@@ -93,6 +95,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         shutdown: shutdown.clone(),
     });
     let scanning = tokio::spawn(supervisor.clone().scan_loop());
+    let retiring = tokio::spawn(supervisor.clone().retention_loop());
     session
         .run(shutdown, |connection, publisher| {
             let supervisor = supervisor.clone();
@@ -102,7 +105,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     // The scan loop stops on the same shutdown token; wait for its last transaction.
     let _ = tokio::time::timeout(
         Duration::from_millis(supervisor.settings.supervisor.drain_ms),
-        scanning,
+        async { tokio::join!(scanning, retiring) },
     )
     .await;
     Ok(())

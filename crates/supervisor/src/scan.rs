@@ -16,6 +16,8 @@ impl Supervisor {
         let interval = Duration::from_millis(settings.interval_ms);
         let policy = settings.policy(&self.settings.deadlines);
         let mut last_gauge = tokio::time::Instant::now() - interval;
+        let mut last_reconcile = tokio::time::Instant::now();
+        let reconcile_every = Duration::from_millis(settings.admission_reconcile_ms);
         loop {
             let full = match self
                 .store
@@ -42,6 +44,10 @@ impl Supervisor {
                 last_gauge = tokio::time::Instant::now();
                 self.refresh_gauges().await;
                 self.adapt_admission().await;
+            }
+            if last_reconcile.elapsed() >= reconcile_every {
+                last_reconcile = tokio::time::Instant::now();
+                self.reconcile_admission().await;
             }
             if full && !self.shutdown.is_cancelled() {
                 continue;
@@ -90,6 +96,28 @@ impl Supervisor {
         }
     }
 
+    /// Corrects admission counters that no longer match the orders (see
+    /// [`sas_store::Store::reconcile_admission`]), loudly: a correction
+    /// means something changed orders behind the state machine's back.
+    async fn reconcile_admission(&self) {
+        match self.store.reconcile_admission().await {
+            Ok(corrections) => {
+                for c in corrections {
+                    metrics::counter!("sas_admission_corrections_total", "agent" => c.agent.clone())
+                        .increment(1);
+                    tracing::warn!(agent = %c.agent, was_in_flight = c.was_in_flight, was_waiting = c.was_waiting, in_flight = c.in_flight, waiting = c.waiting, "admission counters did not match the orders; corrected");
+                }
+            }
+            Err(error) => {
+                tracing::debug!(error = %error, "cannot reconcile admission counters; trying again later");
+            }
+        }
+    }
+
+    /// Refreshes the gauges read from the state store: open orders by state
+    /// (`sas_orders`), held orders still past complete-by + grace + one scan
+    /// interval (`sas_orders_overdue`), and unresolved operator alerts
+    /// (`sas_alerts_open`). Every supervisor exports the same counts.
     async fn refresh_gauges(&self) {
         match self.store.count_open_by_state().await {
             Ok(counts) => {
@@ -104,6 +132,23 @@ impl Supervisor {
                 }
             }
             Err(error) => tracing::debug!(error = %error, "cannot count orders by state"),
+        }
+        // Past complete-by plus grace plus one interval, a scan has had its
+        // chance to recover an order: more of them for minutes means orders
+        // are stuck (supervisors failing, or behind).
+        let settings = &self.settings;
+        let overdue_after =
+            settings.deadlines.grace() + Duration::from_millis(settings.supervisor.interval_ms);
+        match self
+            .store
+            .count_overdue_and_open_alerts(overdue_after)
+            .await
+        {
+            Ok((overdue, alerts)) => {
+                metrics::gauge!("sas_orders_overdue").set(overdue as f64);
+                metrics::gauge!("sas_alerts_open").set(alerts as f64);
+            }
+            Err(error) => tracing::debug!(error = %error, "cannot count overdue orders and alerts"),
         }
     }
 }

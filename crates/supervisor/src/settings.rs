@@ -27,6 +27,39 @@ pub struct Settings {
     pub deadlines: DeadlineSettings,
     /// The supervisor itself.
     pub supervisor: SupervisorSettings,
+    /// What is deleted, and when.
+    pub retention: RetentionSettings,
+}
+
+/// The `[retention]` section: a deployment that runs for years must not
+/// keep every order and dead letter for ever.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionSettings {
+    /// Seconds after it finished that an order (processed, compensated, or
+    /// in error with no open alert) is deleted with its steps, history and
+    /// alerts; 0 keeps every order.
+    pub finished_secs: u64,
+    /// Seconds after it was recorded that a dead letter is deleted; 0 keeps
+    /// every dead letter.
+    pub dead_letters_secs: u64,
+    /// How often to look, in milliseconds (at once again while batches come
+    /// back full).
+    pub interval_ms: u64,
+    /// Most orders, or dead letters, deleted per transaction.
+    pub batch: i32,
+}
+
+impl RetentionSettings {
+    /// The policy for the store, with 0 meaning "keep".
+    pub fn retention(&self) -> sas_store::retention::Retention {
+        let age = |secs: u64| (secs > 0).then(|| Duration::from_secs(secs));
+        sas_store::retention::Retention {
+            finished: age(self.finished_secs),
+            dead_letters: age(self.dead_letters_secs),
+            batch: self.batch,
+        }
+    }
 }
 
 /// The `[supervisor]` section.
@@ -53,6 +86,9 @@ pub struct SupervisorSettings {
     /// Share of a step's deadline that admitted attempts may spend queued and
     /// running: the limit is completions/s × deadline × this.
     pub admission_deadline_share: f64,
+    /// How often the admission counters are recounted from the orders and
+    /// corrected if they drifted, in milliseconds.
+    pub admission_reconcile_ms: u64,
 }
 
 impl SupervisorSettings {
@@ -89,11 +125,21 @@ impl Validate for Settings {
         if !(1..=10_000).contains(&s.batch) {
             return Err("supervisor.batch must be between 1 and 10000".into());
         }
+        if s.admission_reconcile_ms == 0 {
+            return Err("supervisor.admission_reconcile_ms must be positive".into());
+        }
         if s.admission_window_ms == 0 || !(0.05..=1.0).contains(&s.admission_deadline_share) {
             return Err("supervisor.admission_window_ms must be positive and supervisor.admission_deadline_share between 0.05 and 1".into());
         }
         if s.max_failures < 0 {
             return Err("supervisor.max_failures must not be negative".into());
+        }
+        let r = &self.retention;
+        if r.interval_ms == 0 || !(1..=10_000).contains(&r.batch) {
+            return Err(
+                "retention.interval_ms must be positive and retention.batch between 1 and 10000"
+                    .into(),
+            );
         }
         if s.backoff_base_ms == 0 || s.backoff_max_ms < s.backoff_base_ms {
             return Err(

@@ -383,6 +383,9 @@ pub struct AdmissionDelta {
     pub in_flight: i32,
     /// Orders in line.
     pub waiting: i32,
+    /// Of the slots given back, those of attempts that never started: not
+    /// completions, so they do not count towards the agent's measured rate.
+    pub unstarted: i32,
 }
 
 /// The agent whose slot an order holds: the agent of its attempt in flight,
@@ -421,6 +424,7 @@ pub fn admission_delta(
                 agent: agent.to_owned(),
                 in_flight,
                 waiting,
+                unstarted: 0,
             }),
         }
     };

@@ -104,6 +104,9 @@ stored_names! {
         Cancelled = "cancelled",
         /// The step's agent had no free slot: the order waits in its line.
         Queued = "waiting_for_admission",
+        /// An agent made no call for the attempt (its start-by passed while
+        /// it waited): no failure; the order goes back to the agent's line.
+        NotStarted = "not_started",
         /// An operator acknowledged an alert about the order (someone is on it).
         /// Written by the store's operator actions, not by the state machine:
         /// it changes nothing about the order's run.

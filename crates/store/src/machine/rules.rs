@@ -4,11 +4,13 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use sas_messages::{AttemptId, StatusEvent, StepKind, StepOutcome, StepReply};
 
 use super::dispatch::{attempt_detail, operation, payload, resubmitted_key};
 use super::{
-    admission_delta, admit_key, status, to_micros, AlertKind, Context, Decision, Event,
+    admission_delta, admit_key, slot_held, status, to_micros, AlertKind, Context, Decision, Event,
     HistoryEvent, HistoryLine, NewAlert, ProcessRow, RecoveryPolicy, ResubmitAction, Snapshot,
     StepChange, StepRow, Verdict,
 };
@@ -89,7 +91,8 @@ fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
 /// A reply to the current attempt of step `index`: a success completes the
 /// step (or its compensation) and moves on; a refusal of an action starts
 /// compensation, of a compensation ends the order in error; a transient
-/// failure leaves the decision to the supervisor's next scan.
+/// failure leaves the decision to the supervisor's next scan; an attempt
+/// that never started goes back to its agent's line.
 fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
     let name = draft.steps[index].name.clone();
     let by = format!("by {}", reply.agent_id);
@@ -197,7 +200,44 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
                 Some(storable_text(error)),
             );
         }
+        (StepOutcome::NotStarted { reason }, _) => not_started(draft, index, reply, reason),
     }
+}
+
+/// Waiting is not failing: the agent made no call for this attempt, so
+/// nothing was applied and no failure counts. The order goes back to its
+/// agent's line, at the place it had when the attempt was dispatched (it has
+/// waited since), and starts again as a slot frees.
+fn not_started(draft: &mut Draft<'_>, index: usize, reply: &StepReply, reason: &str) {
+    let step = &draft.steps[index];
+    let (name, attempt) = (step.name.clone(), step.attempt);
+    let since = step.started_at().unwrap_or(draft.ctx.now);
+    let kind = if step.state == StepState::Running {
+        StepKind::Action
+    } else {
+        StepKind::Compensation
+    };
+    let reason = storable_text(reason);
+    draft.change_step(index, |step| {
+        step.last_error = Some(format!("attempt {attempt} not started: {reason}"));
+        // A forward step nothing may have reached needs no undo.
+        if step.state == StepState::Running && !step.maybe_applied {
+            step.state = StepState::NotStarted;
+        }
+    });
+    draft.unstarted = true;
+    draft.log(
+        HistoryEvent::NotStarted,
+        Some(&name),
+        Some(reply.attempt_id),
+        Some(format!("by {}: {reason}", reply.agent_id)),
+    );
+    draft.wait_in_line(
+        index,
+        kind,
+        since,
+        "back in its line: the attempt never started",
+    );
 }
 
 /// The supervisor found the deadline passed: retry after a growing,
@@ -500,6 +540,8 @@ struct Draft<'a> {
     alert: Option<NewAlert>,
     resolve_alerts: bool,
     progress: Progress,
+    /// The attempt given back never started: its slot is no completion.
+    unstarted: bool,
 }
 
 impl<'a> Draft<'a> {
@@ -520,6 +562,7 @@ impl<'a> Draft<'a> {
                 trace_id: snapshot.trace_id.clone(),
                 ..Progress::default()
             },
+            unstarted: false,
         }
     }
 
@@ -670,6 +713,12 @@ impl<'a> Draft<'a> {
     /// line, held by nobody and with no deadline, so waiting never fails.
     fn wait_for_slot(&mut self, index: usize, kind: StepKind) {
         let now = self.ctx.now;
+        self.wait_in_line(index, kind, now, "has no free slot; waiting in its line");
+    }
+
+    /// Puts the order in the line of step `index`'s agent, placed as if it
+    /// had started waiting at `since`.
+    fn wait_in_line(&mut self, index: usize, kind: StepKind, since: DateTime<Utc>, why: &str) {
         let step = &self.steps[index];
         let agent = step.agent.clone();
         let name = step.name.clone();
@@ -678,13 +727,13 @@ impl<'a> Draft<'a> {
         }
         self.process.locked_by = None;
         self.process.complete_by = None;
-        self.process.not_before = now;
+        self.process.not_before = self.ctx.now;
         self.process.admit_key = Some(admit_key(
-            now,
+            since,
             self.snapshot.priority,
             kind == StepKind::Compensation,
         ));
-        let detail = format!("{agent} has no free slot; waiting in its line");
+        let detail = format!("{agent} {why}");
         self.process.waiting_for = Some(agent);
         self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
     }
@@ -748,10 +797,19 @@ impl<'a> Draft<'a> {
                 }
             })
             .collect();
-        let admission = admission_delta(
+        let mut admission = admission_delta(
             (&self.snapshot.process, &self.snapshot.steps),
             (&self.process, &self.steps),
         );
+        if self.unstarted {
+            let given_back = slot_held(&self.snapshot.process, &self.snapshot.steps);
+            if let Some(delta) = admission
+                .iter_mut()
+                .find(|d| Some(d.agent.as_str()) == given_back)
+            {
+                delta.unstarted = 1;
+            }
+        }
         Decision {
             admission,
             verdict: self.verdict,

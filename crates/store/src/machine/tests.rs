@@ -666,7 +666,8 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
         [AdmissionDelta {
             agent: "inventory".into(),
             in_flight: 0,
-            waiting: 1
+            waiting: 1,
+            unstarted: 0,
         }]
     );
     // Its claim takes it out of the line and into a slot.
@@ -683,7 +684,8 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
         [AdmissionDelta {
             agent: "inventory".into(),
             in_flight: 1,
-            waiting: -1
+            waiting: -1,
+            unstarted: 0,
         }]
     );
     assert_eq!(
@@ -703,12 +705,14 @@ fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
             AdmissionDelta {
                 agent: "payment".into(),
                 in_flight: -1,
-                waiting: 0
+                waiting: 0,
+                unstarted: 0,
             },
             AdmissionDelta {
                 agent: "shipping".into(),
                 in_flight: 1,
-                waiting: 0
+                waiting: 0,
+                unstarted: 0,
             },
         ]
     );
@@ -728,12 +732,14 @@ fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
             AdmissionDelta {
                 agent: "payment".into(),
                 in_flight: -1,
-                waiting: 0
+                waiting: 0,
+                unstarted: 0,
             },
             AdmissionDelta {
                 agent: "shipping".into(),
                 in_flight: 0,
-                waiting: 1
+                waiting: 1,
+                unstarted: 0,
             },
         ]
     );
@@ -748,4 +754,104 @@ fn an_undo_waits_ahead_of_any_new_work() {
     // one 100 s after it does not: the low one waits at most 80 s behind it.
     assert!(admit_key(t(80), 9, false) <= admit_key(t(0), 1, false));
     assert!(admit_key(t(100), 9, false) > admit_key(t(0), 1, false));
+}
+
+fn not_started() -> StepOutcome {
+    StepOutcome::NotStarted {
+        reason: "start-by passed in the queue".into(),
+    }
+}
+
+#[test]
+fn an_attempt_that_never_started_goes_back_to_its_line_without_a_failure() {
+    let (snapshot, current) = order_in(ProcessState::Processing);
+    let decision = decide(
+        &snapshot,
+        &Event::Reply(&reply(current, not_started())),
+        &ctx(t(9)),
+    );
+    assert_eq!(decision.verdict, Verdict::Applied);
+    let process = decision.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Pending);
+    assert_eq!(process.failure_count, 0);
+    assert_eq!((process.locked_by, process.complete_by), (None, None));
+    assert_eq!(process.waiting_for.as_deref(), Some("payment"));
+    // Its place is when the attempt was dispatched (t(2)), not now: it has
+    // waited since; priority 5 is worth 50 s.
+    assert_eq!(process.admit_key, Some(t(2 - 50)));
+    assert!(decision.progress.dispatch.is_none());
+    assert!(decision.progress.statuses.is_empty());
+    let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
+    assert_eq!(events, [HistoryEvent::NotStarted, HistoryEvent::Queued]);
+    // Nothing can have reached the service: the step needs no undo.
+    let step = &decision.steps[0].row;
+    assert_eq!(
+        (step.state, step.maybe_applied),
+        (StepState::NotStarted, false)
+    );
+    assert!(!step.needs_undo());
+    // The slot is given back, and it is no completion.
+    assert_eq!(
+        decision.admission,
+        [AdmissionDelta {
+            agent: "payment".into(),
+            in_flight: -1,
+            waiting: 1,
+            unstarted: 1,
+        }]
+    );
+    // A claim starts a fresh attempt of the same step.
+    let mut snapshot = snapshot;
+    snapshot.apply(&decision);
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(10)));
+    let dispatch = claimed.progress.dispatch.as_ref().unwrap();
+    assert_eq!(dispatch.step, "charge_payment");
+    assert_eq!(claimed.steps[0].row.attempt, 3);
+}
+
+#[test]
+fn an_undo_that_never_started_waits_ahead_of_new_work_and_stays_to_do() {
+    let (snapshot, current) = order_in(ProcessState::Compensating);
+    let decision = decide(
+        &snapshot,
+        &Event::Reply(&reply(current, not_started())),
+        &ctx(t(9)),
+    );
+    let process = decision.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Compensating);
+    assert_eq!(process.locked_by, None);
+    assert_eq!(process.waiting_for.as_deref(), Some("payment"));
+    assert_eq!(
+        process.admit_key,
+        Some(t(3 - 50) - chrono::TimeDelta::days(1))
+    );
+    assert_eq!(decision.steps[0].row.state, StepState::Compensating);
+    assert!(decision.steps[0].row.needs_undo());
+}
+
+#[test]
+fn an_attempt_that_never_started_keeps_an_earlier_maybe_applied_mark() {
+    let (mut snapshot, current) = order_in(ProcessState::Processing);
+    snapshot.steps[1].maybe_applied = true;
+    let decision = decide(
+        &snapshot,
+        &Event::Reply(&reply(current, not_started())),
+        &ctx(t(9)),
+    );
+    let step = &decision.steps[0].row;
+    assert_eq!((step.state, step.maybe_applied), (StepState::Running, true));
+    assert!(step.needs_undo());
+    assert_eq!(decision.process.unwrap().failure_count, 0);
+}
+
+#[test]
+fn a_not_started_reply_for_another_attempt_is_stale() {
+    let (snapshot, _) = order_in(ProcessState::Processing);
+    let decision = decide(
+        &snapshot,
+        &Event::Reply(&reply(attempt(1), not_started())),
+        &ctx(t(9)),
+    );
+    assert!(matches!(decision.verdict, Verdict::Stale(_)));
+    assert!(decision.admission.is_empty());
 }

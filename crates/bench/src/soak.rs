@@ -1,0 +1,137 @@
+//! The soak: a long steady load with retention set short, to show that a
+//! deployment running for years levels off. Every sample gives the database
+//! size and rows per table, the throughput since the last sample, and the
+//! resident memory of each binary; sizes must stop growing once retention
+//! runs, and throughput must not decline.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::drive::{counter_sum, publish};
+use crate::system::{memory_mib, BenchSystem};
+use sas_tests::TestEnv;
+
+/// Tables sampled, in the order printed.
+const TABLES: [&str; 6] = [
+    "orders",
+    "order_process",
+    "steps",
+    "history",
+    "alerts",
+    "dead_letters",
+];
+
+/// One sample of the soak.
+#[derive(Debug, Clone, Serialize)]
+pub struct SoakSample {
+    /// Seconds since the load started.
+    pub at_secs: f64,
+    /// Orders processed so far.
+    pub processed: f64,
+    /// Orders processed per second since the previous sample.
+    pub orders_per_sec: f64,
+    /// `pg_database_size`, MiB.
+    pub database_mib: f64,
+    /// Live rows per table (Postgres's statistics: approximate).
+    pub rows: Vec<(String, i64)>,
+    /// Resident memory per binary, MiB (agents: the largest).
+    pub rss_mib: Vec<(String, f64)>,
+}
+
+/// The settings the soak gives every service: retention `secs` short.
+pub fn settings(secs: u64) -> [(&'static str, String); 3] {
+    [
+        ("SAS_RETENTION__FINISHED_SECS", secs.to_string()),
+        ("SAS_RETENTION__DEAD_LETTERS_SECS", secs.to_string()),
+        ("SAS_RETENTION__INTERVAL_MS", "1000".to_owned()),
+    ]
+}
+
+/// Runs `orders` orders at `rate` a second through a fresh system (started
+/// with [`settings`] among its extra settings), sampling every `every`.
+///
+/// # Errors
+/// When the orders are not all processed within twice the expected time
+/// plus five minutes.
+pub async fn run(orders: usize, rate: f64, every: Duration) -> anyhow::Result<Vec<SoakSample>> {
+    let env = TestEnv::new().await;
+    let (_connection, publisher) = env.broker().await;
+    let system = BenchSystem::start(&env, 2).await;
+    let ids: Vec<String> = (0..orders).map(|i| format!("soak-{i}")).collect();
+    let started = Instant::now();
+    let limit = Duration::from_secs_f64(orders as f64 / rate * 2.0 + 300.0);
+    let sampling = async {
+        let mut samples: Vec<SoakSample> = Vec::new();
+        loop {
+            tokio::time::sleep(every).await;
+            let sample = sample(&env, &system, started).await?;
+            let previous = samples
+                .last()
+                .map_or((0.0, 0.0), |s| (s.at_secs, s.processed));
+            let rate = (sample.processed - previous.1) / (sample.at_secs - previous.0).max(0.001);
+            let done = sample.processed >= orders as f64;
+            eprintln!(
+                "soak {:>6.0} s: {:>7.0} processed, {rate:>6.0}/s, database {:>6.1} MiB, rows {:?}, rss {:?}",
+                sample.at_secs, sample.processed, sample.database_mib, sample.rows, sample.rss_mib
+            );
+            samples.push(SoakSample {
+                orders_per_sec: rate,
+                ..sample
+            });
+            if done {
+                return Ok::<_, anyhow::Error>(samples);
+            }
+            anyhow::ensure!(
+                started.elapsed() < limit,
+                "soak: {} of {orders} orders processed after {:.0} s",
+                samples.last().map_or(0.0, |s| s.processed),
+                started.elapsed().as_secs_f64()
+            );
+        }
+    };
+    let (_, samples) = tokio::join!(publish(&env, &publisher, &ids, rate, None), sampling);
+    samples
+}
+
+async fn sample(
+    env: &TestEnv,
+    system: &BenchSystem,
+    started: Instant,
+) -> anyhow::Result<SoakSample> {
+    let pool = env.store.pool();
+    let database_bytes: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())")
+        .fetch_one(pool)
+        .await?;
+    let mut rows = Vec::new();
+    for table in TABLES {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT coalesce(max(n_live_tup), 0) FROM pg_stat_user_tables WHERE relname = $1",
+        )
+        .bind(table)
+        .fetch_one(pool)
+        .await?;
+        rows.push((table.to_owned(), n));
+    }
+    let mut rss_mib: Vec<(String, f64)> = Vec::new();
+    for (binary, pid) in system.processes() {
+        let (resident, _) = memory_mib(pid);
+        match rss_mib.iter_mut().find(|(name, _)| name == binary) {
+            Some((_, most)) => *most = most.max(resident),
+            None => rss_mib.push((binary.to_owned(), resident)),
+        }
+    }
+    let processed = counter_sum(
+        system.scheduler_port,
+        "sas_orders_finished_total{event=\"processed\"}",
+    )
+    .await;
+    Ok(SoakSample {
+        at_secs: started.elapsed().as_secs_f64(),
+        processed,
+        orders_per_sec: 0.0,
+        database_mib: database_bytes as f64 / (1024.0 * 1024.0),
+        rows,
+        rss_mib,
+    })
+}
