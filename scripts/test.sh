@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test (unit, state store, end-to-end and fault injection) against
 # real RabbitMQ and PostgreSQL, starting or installing them first if needed.
-# Each test creates and drops its own database and queue prefix.
+# Each test creates and drops its own database and queue prefix. The
+# console's browser test needs chromium and chromium-driver (installed here
+# when missing); its screenshots go to target/screenshots/.
 #
 #   SAS_TEST_DATABASE_ADMIN_URL  admin URL (default postgres://postgres:postgres@127.0.0.1:5432/postgres)
 #   SAS_TEST_AMQP_URL            broker URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
@@ -13,6 +15,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
+# The console's browser test drives Debian's chromium through chromedriver.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  echo "test.sh: installing chromium and chromium-driver from Debian's packages"
+  as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
 # Dependency policy (deny.toml): licenses, duplicate versions, sources, advisories.
 scripts/deny.sh
