@@ -366,7 +366,8 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_and_a_busy_one_at_most_doubles() {
+async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_doubles_a_lined_one_grows(
+) {
     let env = TestEnv::new().await;
     let store = &env.store;
     store
@@ -399,8 +400,15 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_and_a_busy_one_at_mos
     // Quiet: back to the initial limit, never below it for lack of use.
     window(1000, 0, 0).await.unwrap();
     assert_eq!(limit(store.adapt_admission(&adaptation).await.unwrap()), 16);
-    // Fully used: it may double, towards the target.
+    // Orders wait in line: the limit is in full use, it goes to the target
+    // at once (here the ceiling).
     window(60, 60, 5).await.unwrap();
+    assert_eq!(
+        limit(store.adapt_admission(&adaptation).await.unwrap()),
+        1000
+    );
+    // Fully used, nobody waiting: it may double, towards the target.
+    window(60, 60, 0).await.unwrap();
     assert_eq!(
         limit(store.adapt_admission(&adaptation).await.unwrap()),
         120

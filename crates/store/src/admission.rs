@@ -9,10 +9,11 @@
 //! target at once (a fast agent must not be held back), and while orders
 //! wait in the agent's line it shrinks towards it, at most halving per
 //! window. Only a limit in use is trusted (as TCP's congestion window
-//! validation): it never exceeds twice the most attempts in flight during
-//! the window, or the initial limit, so a limit learnt while the remote
-//! service was fast and busy decays while it is quiet instead of admitting
-//! the next burst at once. The ceiling caps it, and it never drops below one.
+//! validation): while nobody waits in the agent's line it never exceeds
+//! twice the most attempts in flight during the window, or the initial
+//! limit, so a limit learnt while the remote service was fast and busy
+//! decays while it is quiet instead of admitting the next burst at once.
+//! A line means the limit is in full use: it may go to the target. The ceiling caps it, and it never drops below one.
 
 use std::time::Duration;
 
@@ -103,7 +104,9 @@ impl Store {
              adapted AS (
                  UPDATE admission a
                     SET admit_limit = LEAST(a.ceiling,
-                            GREATEST(a.initial_limit, 2 * a.peak_in_flight::int8),
+                            CASE WHEN a.waiting > 0 THEN a.ceiling
+                                 ELSE GREATEST(a.initial_limit, 2 * a.peak_in_flight::int8)
+                            END,
                             GREATEST(1,
                                 CASE WHEN a.waiting > 0
                                      THEN GREATEST(due.target, a.admit_limit / 2)
