@@ -11,7 +11,23 @@ use sas_messages::QueueNames;
 use sas_tests::process::bin_dir;
 use serde_yaml::Value;
 
-const BINARIES: [&str; 5] = ["scheduler", "agent", "supervisor", "remote-sim", "sasctl"];
+const BINARIES: [&str; 6] = [
+    "scheduler",
+    "agent",
+    "supervisor",
+    "remote-sim",
+    "sasctl",
+    "console",
+];
+
+/// The package of each binary, in `crates/<binary>`: the same name but the
+/// console's, whose package is prefixed (crates.io's `console` takes the bare name).
+fn package_of(binary: &str) -> &str {
+    match binary {
+        "console" => "sas-console",
+        other => other,
+    }
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -727,7 +743,8 @@ fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
         .filter(|w| w[0] == "-p" || w[0] == "--package")
         .map(|w| w[1])
         .collect();
-    assert_eq!(packages, BINARIES, "packages built: {build}");
+    let expected: Vec<&str> = BINARIES.iter().map(|b| package_of(b)).collect();
+    assert_eq!(packages, expected, "packages built: {build}");
     for flag in ["--release", "--locked", "--offline"] {
         assert!(words.contains(&flag), "cargo build without {flag}: {build}");
     }
@@ -737,14 +754,27 @@ fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
             "cargo build {flag} compiles what the image does not ship: {build}"
         );
     }
-    // Every package the image builds is one of its binaries.
-    for package in &packages {
+    // Every package the image builds is in crates/<binary> and has that binary.
+    for binary in BINARIES {
+        let package = package_of(binary);
         let manifest =
-            std::fs::read_to_string(root().join("crates").join(package).join("Cargo.toml"))
-                .unwrap_or_else(|e| panic!("package {package} is not crates/{package}: {e}"));
+            std::fs::read_to_string(root().join("crates").join(binary).join("Cargo.toml"))
+                .unwrap_or_else(|e| panic!("package {package} is not crates/{binary}: {e}"));
+        let manifest: toml::Table = manifest.parse().unwrap();
+        assert_eq!(
+            manifest["package"]["name"].as_str(),
+            Some(package),
+            "crates/{binary}"
+        );
+        // A binary named otherwise than its package is declared as a [[bin]].
+        let bins: Vec<&str> = manifest
+            .get("bin")
+            .and_then(|b| b.as_array())
+            .map(|bins| bins.iter().filter_map(|b| b["name"].as_str()).collect())
+            .unwrap_or_default();
         assert!(
-            manifest.contains(&format!("name = \"{package}\"")),
-            "{package}"
+            package == binary || bins.contains(&binary),
+            "package {package} builds no binary {binary}: {bins:?}"
         );
     }
 }
