@@ -116,19 +116,21 @@ finish() {
 trap finish EXIT
 trap 'exit 130' INT TERM
 secret() { od -An -tx1 -N12 /dev/urandom | tr -d ' \n'; }
-# Three free ports on 127.0.0.1, held together while they are chosen so they differ.
-read -r amqp_port management_port sim_port < <(python3 -c '
+# Four free ports on 127.0.0.1, held together while they are chosen so they differ.
+read -r amqp_port management_port sim_port console_port < <(python3 -c '
 import socket
-sockets = [socket.socket() for _ in range(3)]
+sockets = [socket.socket() for _ in range(4)]
 for s in sockets: s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in sockets))')
 client_password=$(secret)
 postgres_password=$(secret)
 sim_token=$(secret)
+console_secret=$(secret)$(secret)
 # The shell's values would win over the env file's.
 unset RABBITMQ_USER RABBITMQ_PASSWORD RABBITMQ_SCHEDULER_PASSWORD RABBITMQ_SUPERVISOR_PASSWORD \
-  RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD POSTGRES_PASSWORD SAS_APP_PASSWORD \
-  REMOTE_SIM_ADMIN_TOKEN RABBITMQ_AMQP_PORT RABBITMQ_MANAGEMENT_PORT REMOTE_SIM_PORT \
+  RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD RABBITMQ_CONSOLE_PASSWORD POSTGRES_PASSWORD \
+  SAS_APP_PASSWORD REMOTE_SIM_ADMIN_TOKEN CONSOLE_USERS RABBITMQ_AMQP_PORT RABBITMQ_MANAGEMENT_PORT \
+  REMOTE_SIM_PORT CONSOLE_PORT \
   COMPOSE_FILE COMPOSE_PROJECT_NAME COMPOSE_PROFILES
 umask 077
 cat >"$tmp/env" <<EOF
@@ -138,12 +140,15 @@ RABBITMQ_SCHEDULER_PASSWORD=$(secret)
 RABBITMQ_SUPERVISOR_PASSWORD=$(secret)
 RABBITMQ_AGENT_PASSWORD=$(secret)
 RABBITMQ_CLIENT_PASSWORD=$client_password
+RABBITMQ_CONSOLE_PASSWORD=$(secret)
 POSTGRES_PASSWORD=$postgres_password
 SAS_APP_PASSWORD=$(secret)
 REMOTE_SIM_ADMIN_TOKEN=$sim_token
+CONSOLE_USERS=tester:operator:$console_secret
 RABBITMQ_AMQP_PORT=$amqp_port
 RABBITMQ_MANAGEMENT_PORT=$management_port
 REMOTE_SIM_PORT=$sim_port
+CONSOLE_PORT=$console_port
 EOF
 cat >"$tmp/image.yml" <<EOF
 services:
@@ -152,6 +157,7 @@ services:
   supervisor: { image: "$image" }
   agent: { image: "$image" }
   remote-sim: { image: "$image" }
+  console: { image: "$image" }
 EOF
 umask 022
 
@@ -285,7 +291,7 @@ up_started=$(now)
 compose up -d --wait --no-build >"$tmp/up.log" 2>&1 \
   || { cp "$tmp/up.log" "$keep/up.log"; fail "docker compose up --wait failed: $keep/up.log"; }
 healthy_seconds=$(since "$up_started")
-say "healthy in $healthy_seconds s (AMQP on 127.0.0.1:$amqp_port, management $management_port, remote-sim $sim_port)"
+say "healthy in $healthy_seconds s (AMQP on 127.0.0.1:$amqp_port, management $management_port, remote-sim $sim_port, console $console_port)"
 wait_for "two agents consume each agent queue" 60 agents_consume 2
 
 # The admin routes refuse a caller without the token; with it, some latency and
