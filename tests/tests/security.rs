@@ -39,6 +39,7 @@ struct BrokerUsers {
     prefix: String,
     users: [String; 4],
     clients: Vec<String>,
+    console: String,
     password: String,
 }
 
@@ -54,6 +55,7 @@ impl BrokerUsers {
                 format!("{id}-client"),
             ],
             clients: clients.iter().map(|c| format!("{id}-{c}")).collect(),
+            console: format!("{id}-console"),
             password: uuid::Uuid::new_v4().simple().to_string(),
         };
         for client in &users.clients {
@@ -75,8 +77,9 @@ impl BrokerUsers {
             .env("SAS_RABBITMQ_SCHEDULER_USER", &self.users[0])
             .env("SAS_RABBITMQ_SUPERVISOR_USER", &self.users[1])
             .env("SAS_RABBITMQ_AGENT_USER", &self.users[2])
-            .env("SAS_RABBITMQ_CLIENT_USER", client);
-        for role in ["SCHEDULER", "SUPERVISOR", "AGENT", "CLIENT"] {
+            .env("SAS_RABBITMQ_CLIENT_USER", client)
+            .env("SAS_RABBITMQ_CONSOLE_USER", &self.console);
+        for role in ["SCHEDULER", "SUPERVISOR", "AGENT", "CLIENT", "CONSOLE"] {
             command.env(format!("SAS_RABBITMQ_{role}_PASSWORD"), &self.password);
         }
         if delete {
