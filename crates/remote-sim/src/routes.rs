@@ -522,6 +522,8 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, router(state)).await });
+        // reqwest is built without a crypto provider of its own.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         (format!("http://{addr}"), reqwest::Client::new())
     }
 
