@@ -6,9 +6,15 @@
 #
 #   scripts/bench.sh            full run
 #   scripts/bench.sh --quick    the small run the tests use
+#   scripts/bench.sh console    the console's list and filter pages at 100,000
+#                               and 1,000,000 orders (target/bench/console.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
 cargo build --release --workspace --bins
+if [ "${1:-}" = console ]; then
+  shift
+  exec target/release/sas-console-bench --out target/bench/console.json "$@"
+fi
 exec target/release/sas-bench --out target/bench/latest.json "$@"

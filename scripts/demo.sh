@@ -4,7 +4,7 @@
 #   1. one order followed live, step by step;
 #   2. an order whose payment is declined, undone by compensation;
 #   3. 200 orders through flaky remote services (transient faults and hangs);
-# then leaves the system running until Ctrl-C.
+# then leaves the system running, with the console on 127.0.0.1:9104, until Ctrl-C.
 #
 #   DEMO_EXIT=1   stop after the demo instead of waiting for Ctrl-C
 set -euo pipefail
@@ -57,14 +57,20 @@ for replica in 1 2; do
     SAS_SUPERVISOR__BACKOFF_BASE_MS=200
 done
 
+# The console, with a demo operator whose secret is made now.
+console_secret=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+printf 'demo:operator:%s\n' "$console_secret" > "$logs/console-users"
+chmod 600 "$logs/console-users"
+start console console SAS_HTTP__LISTEN=127.0.0.1:9104 SAS_CONSOLE__USERS_FILE="$logs/console-users"
+
 echo "waiting for every service to be ready ..."
-for p in 9101 9102 9111 9112 $(seq 9120 $((port - 1))); do
+for p in 9101 9102 9104 9111 9112 $(seq 9120 $((port - 1))); do
   for _ in $(seq 1 100); do
     curl -fs "http://127.0.0.1:$p/readyz" >/dev/null 2>&1 && break
     sleep 0.2
   done
 done
-echo "system up: 2 schedulers, 2 supervisors, 2 agents per queue, remote-sim; logs in $logs/"
+echo "system up: 2 schedulers, 2 supervisors, 2 agents per queue, remote-sim, the console; logs in $logs/"
 
 sasctl() { "$bin/sasctl" "$@"; }
 echo; echo "== 1. one order, followed live"
@@ -87,6 +93,7 @@ echo "Try:  $bin/sasctl orders list        $bin/sasctl orders show ORDER_ID"
 echo "      $bin/sasctl submit --watch     $bin/sasctl alerts"
 echo "      (with SAS_AMQP__PREFIX=$SAS_AMQP__PREFIX SAS_DATABASE__URL=$SAS_DATABASE__URL)"
 echo "      metrics: curl http://127.0.0.1:9101/metrics"
+echo "Console: http://127.0.0.1:9104/  (user demo, secret $console_secret)"
 [ "${DEMO_EXIT:-0}" = 1 ] && exit 0
 echo "The system keeps running; Ctrl-C stops it."
 wait

@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # Runs every test (unit, state store, end-to-end and fault injection) against
 # real RabbitMQ and PostgreSQL, starting or installing them first if needed.
-# Each test creates and drops its own database and queue prefix.
+# Each test creates and drops its own database and queue prefix. The
+# console's browser test needs chromium and chromium-driver (installed here
+# when missing); its screenshots go to target/screenshots/.
 #
 #   SAS_TEST_DATABASE_ADMIN_URL  admin URL (default postgres://postgres:postgres@127.0.0.1:5432/postgres)
 #   SAS_TEST_AMQP_URL            broker URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
 #   SAS_CHAOS_ORDERS             orders in the chaos test (default 1000)
 #   SAS_PROMTOOL                 promtool to use (default: on the PATH, else unpacked by scripts/promtool.sh)
+#
+# Then, on a full run (no test filter given), scripts/compose-test.sh runs
+# docker-compose.yml for real, or prints one line saying why it cannot here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
+# The console's browser test drives Debian's chromium through chromedriver.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  echo "test.sh: installing chromium and chromium-driver from Debian's packages"
+  as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
 # Dependency policy (deny.toml): licenses, duplicate versions, sources, advisories.
 scripts/deny.sh
@@ -19,3 +31,7 @@ export SAS_PROMTOOL
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
 cargo test --workspace -- --test-threads 2 "$@"
+# After the cargo tests, never beside them: both load the machine.
+if [ $# -eq 0 ]; then
+  scripts/compose-test.sh
+fi

@@ -2,11 +2,15 @@
 //! queue-name prefix, runs the real binaries as processes against them, and
 //! removes both when it ends (even when it fails).
 //!
+//! - [`browser`]: headless chromium through chromedriver, and screenshots.
+//! - [`console`]: the operator console and its users.
 //! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
 //! - [`sim`]: reading remote-sim's record of side effects.
 //! - [`wait`]: polling for a condition with a deadline.
 
+pub mod browser;
+pub mod console;
 pub mod env;
 pub mod process;
 pub mod sim;

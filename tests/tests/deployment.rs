@@ -1,8 +1,8 @@
-//! No Docker engine runs here, so the deployment files are checked against
-//! the code instead: they parse, every command is a real binary and
-//! subcommand, every variable they set is a setting the binary accepts (the
-//! binary itself validates it with `--check-config`), and ports, probes and
-//! queue names agree.
+//! The deployment files checked against the code, without a Docker engine:
+//! they parse, every command is a real binary and subcommand, every variable
+//! they set is a setting the binary accepts (the binary itself validates it
+//! with `--check-config`), and ports, probes and queue names agree.
+//! `scripts/compose-test.sh` runs the compose file itself where Docker can run.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -804,7 +804,7 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
         .collect();
     let mut required = 0;
     for (name, rest) in variables(&text) {
-        if name.contains("PASSWORD") {
+        if name.contains("PASSWORD") || name.contains("TOKEN") {
             assert!(
                 rest.starts_with(":?") && rest.contains(&name),
                 "${{{name}{rest}}} must be required, with a message naming it"
@@ -818,7 +818,14 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
             );
         }
     }
-    assert!(required >= 6, "{required} required passwords");
+    assert!(required >= 7, "{required} required passwords and tokens");
+    // remote-sim's ledger and admin routes are published on the host: never open.
+    assert!(
+        services["remote-sim"]["environment"]
+            .get("SAS_SIM__ADMIN_TOKEN")
+            .is_some(),
+        "remote-sim serves /admin and /side-effects without a token"
+    );
     // Each role logs in as its own broker user; schedulers and supervisors
     // trust the agents' and services' users by name.
     let url_user = |service: &str| {
@@ -864,6 +871,70 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
         assert!(
             script.contains(&format!(":-{user}}}")),
             "setup-users.sh does not create {user}"
+        );
+    }
+}
+
+/// `(host part, container port)` of each published port of `service`, with
+/// the host part as written (`${VARIABLE:-default}`), the address removed.
+fn published(compose: &Value, service: &str) -> Vec<(String, String)> {
+    let ports = match &compose["services"][service]["ports"] {
+        Value::Tagged(tagged) => tagged.value.clone(),
+        other => other.clone(),
+    };
+    strings(&ports)
+        .iter()
+        .map(|port| {
+            let port = port.strip_prefix("127.0.0.1:").unwrap_or(port);
+            let (host, container) = port
+                .rsplit_once(':')
+                .unwrap_or_else(|| panic!("{service}: {port} has no host part"));
+            (host.to_owned(), container.to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
+    // Beside a RabbitMQ on the host's 5672 (ours, or the tests' own compose
+    // run), the host ports must move without editing the files.
+    let expected = [
+        ("rabbitmq", "${RABBITMQ_AMQP_PORT:-5672}", "5672"),
+        ("rabbitmq", "${RABBITMQ_MANAGEMENT_PORT:-15672}", "15672"),
+        // Empty: a random free port, as before.
+        ("remote-sim", "${REMOTE_SIM_PORT:-}", "8080"),
+    ];
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    for file in ["docker-compose.yml", "docker-compose.public.yml"] {
+        let compose = load_yaml_documents(&root().join(file)).remove(0);
+        let mut found: Vec<(String, String, String)> = Vec::new();
+        for (name, _) in compose["services"].as_mapping().expect("services") {
+            let name = as_str(name);
+            for (host, container) in published(&compose, &name) {
+                found.push((name.clone(), host, container));
+            }
+        }
+        let mut expected: Vec<(String, String, String)> = expected
+            .iter()
+            .map(|(s, h, c)| ((*s).to_owned(), (*h).to_owned(), (*c).to_owned()))
+            .collect();
+        found.sort();
+        expected.sort();
+        assert_eq!(found, expected, "{file}: published ports");
+    }
+    for variable in [
+        "RABBITMQ_AMQP_PORT",
+        "RABBITMQ_MANAGEMENT_PORT",
+        "REMOTE_SIM_PORT",
+    ] {
+        assert!(
+            readme.contains(&format!("`{variable}`")),
+            "the README does not document {variable}"
+        );
+        assert!(
+            example.contains(variable),
+            ".env.example does not mention {variable}"
         );
     }
 }

@@ -366,7 +366,8 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_and_a_busy_one_at_most_doubles() {
+async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_doubles_a_lined_one_grows(
+) {
     let env = TestEnv::new().await;
     let store = &env.store;
     store
@@ -399,8 +400,15 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_and_a_busy_one_at_mos
     // Quiet: back to the initial limit, never below it for lack of use.
     window(1000, 0, 0).await.unwrap();
     assert_eq!(limit(store.adapt_admission(&adaptation).await.unwrap()), 16);
-    // Fully used: it may double, towards the target.
+    // Orders wait in line: the limit is in full use, it goes to the target
+    // at once (here the ceiling).
     window(60, 60, 5).await.unwrap();
+    assert_eq!(
+        limit(store.adapt_admission(&adaptation).await.unwrap()),
+        1000
+    );
+    // Fully used, nobody waiting: it may double, towards the target.
+    window(60, 60, 0).await.unwrap();
     assert_eq!(
         limit(store.adapt_admission(&adaptation).await.unwrap()),
         120
@@ -411,4 +419,60 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_and_a_busy_one_at_mos
         .await
         .unwrap();
     assert_eq!(peak, 60);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    set_latency(&sim, 100).await;
+    let ops = free_port();
+    let mut supervisor = supervisor_vars(5);
+    supervisor.push(("SAS_SUPERVISOR__ADMISSION_RECONCILE_MS", "500".to_owned()));
+    supervisor.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")));
+    let mut system = System {
+        agents: env.agents(1, &sim, &agent_vars()),
+        schedulers: vec![env.scheduler(0, &scheduler_vars())],
+        supervisors: vec![env.supervisor(0, &supervisor)],
+        sim_process,
+        sim,
+    };
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("drift-warmup")).await;
+    env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
+        .await;
+    // As if slots were lost (rows deleted behind the state machine's back):
+    // with these counters no agent would ever be admitted anything again.
+    sqlx::query("UPDATE admission SET in_flight = in_flight + 1000, waiting = waiting + 3")
+        .execute(env.store.pool())
+        .await
+        .unwrap();
+    for order in orders("drift", 30, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    env.wait_for_count(ProcessState::Processed, 31, Duration::from_secs(60))
+        .await;
+    let corrections =
+        sas_tests::process::metric(ops, "sas_admission_corrections_total{agent=\"inventory\"}")
+            .await
+            .unwrap_or(0.0);
+    assert!(corrections >= 1.0, "no correction counted: {corrections}");
+    // Once everything ended, the counters say so.
+    wait_until("counters back to zero", Duration::from_secs(10), || async {
+        let counters: Vec<(String, i32, i32)> =
+            sqlx::query_as("SELECT agent, in_flight, waiting FROM admission ORDER BY agent")
+                .fetch_all(env.store.pool())
+                .await
+                .map_err(|e| e.to_string())?;
+        if counters
+            .iter()
+            .all(|(_, in_flight, waiting)| *in_flight == 0 && *waiting == 0)
+        {
+            Ok(())
+        } else {
+            Err(format!("{counters:?}"))
+        }
+    })
+    .await;
+    system.assert_all_running();
 }

@@ -2,41 +2,46 @@
 
 use std::process::ExitCode;
 
-use sas_store::{ProcessState, Store};
+use sas_store::Store;
 
 fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
-/// `sasctl orders list`.
+/// `sasctl orders list`: one page; the cursor of the next, if any, on stderr.
 ///
 /// # Errors
 /// When the database cannot be reached.
 pub async fn list(
     store: &Store,
-    state: Option<ProcessState>,
-    limit: i64,
+    filter: &sas_store::search::OrderFilter,
+    page: &sas_store::search::Page,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let orders = store.list_orders(state, limit).await?;
+    let found = store.search_orders(filter, page).await?;
     if json {
-        print_json(&orders)?;
-    } else {
+        print_json(&found)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<40} {:<16} {:<13} {:<16} {:>8} {:<24} LAST ERROR",
+        "ORDER", "CUSTOMER", "STATE", "STEP", "FAILURES", "UPDATED"
+    );
+    for order in &found.orders {
         println!(
-            "{:<40} {:<13} {:>8} {:<24} LAST ERROR",
-            "ORDER", "STATE", "FAILURES", "UPDATED"
+            "{:<40} {:<16} {:<13} {:<16} {:>8} {:<24} {}",
+            order.order_id,
+            order.customer_id.as_deref().unwrap_or("-"),
+            order.state.as_str(),
+            order.current_step.as_deref().unwrap_or("-"),
+            order.failure_count,
+            order.updated_at.format("%Y-%m-%d %H:%M:%S%.3f"),
+            order.last_error.as_deref().unwrap_or("")
         );
-        for order in orders {
-            println!(
-                "{:<40} {:<13} {:>8} {:<24} {}",
-                order.order_id,
-                order.state.as_str(),
-                order.failure_count,
-                order.updated_at.format("%Y-%m-%d %H:%M:%S%.3f"),
-                order.last_error.as_deref().unwrap_or("")
-            );
-        }
+    }
+    if let Some(next) = &found.next {
+        eprintln!("more: the same command with --after {next}");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -202,6 +207,63 @@ pub async fn cancel(
             );
             Ok(ExitCode::FAILURE)
         }
+    }
+}
+
+/// One broker connection for the status messages of many transitions (a
+/// bulk cancel); without the broker, the transitions stand and the
+/// messages are not sent, as for one cancel.
+pub struct Announce {
+    connection: Option<sas_broker::lapin::Connection>,
+    publisher: Option<sas_broker::Publisher>,
+    announcer: sas_announce::Announcer,
+}
+
+impl Announce {
+    /// Connects, or says on stderr why the status messages will not be sent.
+    pub async fn open(target: &crate::Target) -> Self {
+        let settings = target.amqp();
+        let announcer = sas_announce::Announcer::new(&settings);
+        let opened = async {
+            let connection = sas_broker::connect(&settings, "sasctl").await?;
+            let publisher =
+                sas_broker::Publisher::open(&connection, settings.operation_timeout()).await?;
+            Ok::<_, sas_broker::BrokerError>((connection, publisher))
+        }
+        .await;
+        match opened {
+            Ok((connection, publisher)) => Self {
+                connection: Some(connection),
+                publisher: Some(publisher),
+                announcer,
+            },
+            Err(error) => {
+                eprintln!("the clients' status messages will not be sent: {error}");
+                Self {
+                    connection: None,
+                    publisher: None,
+                    announcer,
+                }
+            }
+        }
+    }
+
+    /// Sends what one transition asks for.
+    pub async fn send(&self, progress: &sas_store::Progress) {
+        if let Err(error) = self
+            .announcer
+            .announce(self.publisher.as_ref(), progress)
+            .await
+        {
+            eprintln!("a client's status message was not sent: {error}");
+        }
+    }
+}
+
+impl Drop for Announce {
+    fn drop(&mut self) {
+        // The connection closes with the process; nothing waits on it.
+        let _ = self.connection.take();
     }
 }
 

@@ -3,9 +3,11 @@
 //! - [`submit`]: publish one order, a file of orders, or N generated ones.
 //! - [`watch`]: follow one order's status messages live.
 //! - [`inspect`]: orders, alerts and dead letters from the state store.
+//! - [`operate`]: bulk actions by filter, alerts, dead-letter replays, stats.
 //! - [`probe`]: a minimal HTTP health check for containers.
 
 pub mod inspect;
+pub mod operate;
 pub mod probe;
 pub mod submit;
 pub mod watch;
@@ -16,7 +18,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use sas_broker::AmqpSettings;
 use sas_store::connect::SslMode;
-use sas_store::{DatabaseSettings, ProcessState, Store};
+use sas_store::{DatabaseSettings, Store};
 
 /// Operate a Scheduler Agent Supervisor deployment: submit orders, watch
 /// them, inspect orders, alerts and dead letters.
@@ -26,6 +28,9 @@ pub struct Cli {
     /// Where the deployment is.
     #[command(flatten)]
     pub target: Target,
+    /// How tables are printed: `table`, or `json` for scripts.
+    #[arg(long, short = 'o', global = true, value_enum, default_value_t = operate::Output::Table)]
+    pub output: operate::Output,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -141,15 +146,24 @@ pub enum Command {
     /// List or show orders.
     #[command(subcommand)]
     Orders(OrdersCommand),
-    /// Operator alerts (unresolved ones unless --all).
+    /// Operator alerts (unresolved ones unless --all); `acknowledge ID`,
+    /// `resolve ID --note ...`.
     Alerts {
+        /// Acknowledge or resolve one.
+        #[command(subcommand)]
+        action: Option<operate::AlertsCommand>,
         /// Include resolved alerts.
         #[arg(long)]
         all: bool,
-        /// Print JSON.
+        /// Print JSON (as `-o json`).
         #[arg(long)]
         json: bool,
     },
+    /// Resubmit or cancel every order a filter selects: prints the count;
+    /// with `--confirm COUNT`, acts.
+    Bulk(operate::BulkArgs),
+    /// Orders by state, the last hour's milestones, open alerts, dead letters.
+    Stats,
     /// Put an order that ended `error` or `compensated` back into the
     /// workflow, once the cause is fixed: a failed compensation resumes, any
     /// other order runs its workflow again with fresh idempotency keys.
@@ -172,8 +186,11 @@ pub enum Command {
         /// `http://host:port/path`, such as `http://127.0.0.1:9101/readyz`.
         url: String,
     },
-    /// Recorded dead letters, newest first.
+    /// Recorded dead letters, newest first; `replay ID`, `discard ID`.
     DeadLetters {
+        /// Replay or discard one.
+        #[command(subcommand)]
+        action: Option<operate::DeadLettersCommand>,
         /// How many.
         #[arg(long, default_value_t = 20)]
         limit: i64,
@@ -186,15 +203,18 @@ pub enum Command {
 /// `sasctl orders ...`
 #[derive(Debug, Subcommand)]
 pub enum OrdersCommand {
-    /// The most recently changed orders.
+    /// Orders a filter selects, newest first, a page at a time.
     List {
-        /// Only orders in this state (pending, processing, processed, error, compensating, compensated).
+        /// Which orders.
+        #[command(flatten)]
+        filter: operate::FilterArgs,
+        /// Continue after this cursor (printed at the end of the previous page).
         #[arg(long)]
-        state: Option<ProcessState>,
-        /// How many.
+        after: Option<String>,
+        /// How many (1 to 500).
         #[arg(long, default_value_t = 20)]
         limit: i64,
-        /// Print JSON.
+        /// Print JSON (as `-o json`).
         #[arg(long)]
         json: bool,
     },
@@ -202,7 +222,7 @@ pub enum OrdersCommand {
     Show {
         /// Order id.
         order_id: String,
-        /// Print JSON.
+        /// Print JSON (as `-o json`).
         #[arg(long)]
         json: bool,
     },
@@ -214,27 +234,63 @@ pub enum OrdersCommand {
 /// # Errors
 /// When the broker or the database cannot be reached, or input is invalid.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let json = |flag: bool| flag || cli.output == operate::Output::Json;
     match cli.command {
         Command::Submit(args) => submit::run(&cli.target, args).await,
         Command::Watch {
             order_id,
             timeout_secs,
         } => watch::run(&cli.target, &order_id, Duration::from_secs(timeout_secs)).await,
-        Command::Orders(OrdersCommand::List { state, limit, json }) => {
-            inspect::list(&cli.target.store()?, state, limit, json).await
+        Command::Orders(OrdersCommand::List {
+            filter,
+            after,
+            limit,
+            json: as_json,
+        }) => {
+            let page = sas_store::search::Page::from_pairs(
+                [
+                    ("after", after.as_deref().unwrap_or("")),
+                    ("limit", &limit.to_string()),
+                ],
+                limit,
+            )?;
+            inspect::list(
+                &cli.target.store()?,
+                &filter.filter()?,
+                &page,
+                json(as_json),
+            )
+            .await
         }
-        Command::Orders(OrdersCommand::Show { order_id, json }) => {
-            inspect::show(&cli.target.store()?, &order_id, json).await
-        }
-        Command::Alerts { all, json } => inspect::alerts(&cli.target.store()?, all, json).await,
+        Command::Orders(OrdersCommand::Show {
+            order_id,
+            json: as_json,
+        }) => inspect::show(&cli.target.store()?, &order_id, json(as_json)).await,
+        Command::Alerts {
+            action: Some(action),
+            ..
+        } => operate::alert(&cli.target.store()?, action).await,
+        Command::Alerts {
+            action: None,
+            all,
+            json: as_json,
+        } => inspect::alerts(&cli.target.store()?, all, json(as_json)).await,
+        Command::Bulk(args) => operate::bulk(&cli.target, args, cli.output).await,
+        Command::Stats => operate::stats(&cli.target.store()?, cli.output).await,
         Command::Probe { url } => probe::run(&url).await,
         Command::Resubmit { order_id } => inspect::resubmit(&cli.target.store()?, &order_id).await,
         Command::Cancel { order_id, reason } => {
             inspect::cancel(&cli.target, &order_id, &reason).await
         }
-        Command::DeadLetters { limit, json } => {
-            inspect::dead_letters(&cli.target.store()?, limit, json).await
-        }
+        Command::DeadLetters {
+            action: Some(action),
+            ..
+        } => operate::dead_letter(&cli.target, action).await,
+        Command::DeadLetters {
+            action: None,
+            limit,
+            json: as_json,
+        } => inspect::dead_letters(&cli.target.store()?, limit, json(as_json)).await,
     }
 }
 

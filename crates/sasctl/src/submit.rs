@@ -97,7 +97,8 @@ fn from_file(path: &PathBuf) -> anyhow::Result<Vec<SubmitOrder>> {
         .collect()
 }
 
-/// Publishes the orders; prints each order id on stdout.
+/// Publishes the orders; prints each order id on stdout as the broker
+/// confirms it, with a progress bar on stderr when it is a terminal.
 ///
 /// # Errors
 /// When an order is invalid or the broker does not confirm it.
@@ -141,7 +142,16 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
     );
     let started = Instant::now();
     let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
-    let results: Vec<anyhow::Result<OrderId>> = stream::iter(orders.into_iter().enumerate())
+    // Each id is printed as soon as the broker confirms its order; the bar
+    // (on stderr, drawn only on a terminal) counts them.
+    let bar = indicatif::ProgressBar::new(orders.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} confirmed, {per_sec}, {eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut confirmed = stream::iter(orders.into_iter().enumerate())
         .map(|(index, order)| {
             let (publisher, exchange, queue) = (publisher.clone(), exchange.clone(), queue.clone());
             async move {
@@ -158,18 +168,24 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
                     )
                     .await
                     .with_context(|| format!("order {} was not confirmed", order.order_id))?;
-                Ok(order.order_id)
+                Ok::<OrderId, anyhow::Error>(order.order_id)
             }
         })
-        .buffer_unordered(args.concurrency.max(1))
-        .collect()
-        .await;
+        .buffer_unordered(args.concurrency.max(1));
     let mut submitted = 0usize;
-    for result in results {
-        let order_id = result?;
-        println!("{order_id}");
+    while let Some(result) = confirmed.next().await {
+        let order_id = match result {
+            Ok(order_id) => order_id,
+            Err(error) => {
+                bar.abandon();
+                return Err(error);
+            }
+        };
+        bar.suspend(|| println!("{order_id}"));
+        bar.inc(1);
         submitted += 1;
     }
+    bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
     eprintln!(
         "submitted {submitted} order(s) to {queue} in {elapsed:.2}s ({:.0}/s)",

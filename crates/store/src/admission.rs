@@ -9,10 +9,11 @@
 //! target at once (a fast agent must not be held back), and while orders
 //! wait in the agent's line it shrinks towards it, at most halving per
 //! window. Only a limit in use is trusted (as TCP's congestion window
-//! validation): it never exceeds twice the most attempts in flight during
-//! the window, or the initial limit, so a limit learnt while the remote
-//! service was fast and busy decays while it is quiet instead of admitting
-//! the next burst at once. The ceiling caps it, and it never drops below one.
+//! validation): while nobody waits in the agent's line it never exceeds
+//! twice the most attempts in flight during the window, or the initial
+//! limit, so a limit learnt while the remote service was fast and busy
+//! decays while it is quiet instead of admitting the next burst at once.
+//! A line means the limit is in full use: it may go to the target. The ceiling caps it, and it never drops below one.
 
 use std::time::Duration;
 
@@ -103,7 +104,9 @@ impl Store {
              adapted AS (
                  UPDATE admission a
                     SET admit_limit = LEAST(a.ceiling,
-                            GREATEST(a.initial_limit, 2 * a.peak_in_flight::int8),
+                            CASE WHEN a.waiting > 0 THEN a.ceiling
+                                 ELSE GREATEST(a.initial_limit, 2 * a.peak_in_flight::int8)
+                            END,
                             GREATEST(1,
                                 CASE WHEN a.waiting > 0
                                      THEN GREATEST(due.target, a.admit_limit / 2)
@@ -127,4 +130,75 @@ impl Store {
         .await?;
         Ok(rows)
     }
+
+    /// Recounts every agent's `in_flight` and `waiting` from the orders
+    /// themselves and corrects counters that drifted (a row deleted or
+    /// edited by hand, a bug): a lost slot would otherwise be lost for
+    /// good. Returns the corrections made.
+    ///
+    /// Safe beside live traffic: the admission rows are locked first, and
+    /// every transition moves them in the same statement as its orders, so
+    /// the count (taken after the locks, in a statement of its own) sees
+    /// exactly the transitions whose deltas are already applied. Those
+    /// waiting for the locks apply theirs after the correction.
+    ///
+    /// # Errors
+    /// When the database fails, or the rows stay locked for 200 ms.
+    pub async fn reconcile_admission(&self) -> Result<Vec<Correction>, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        // Never a long wait for live traffic, nor a deadlock: a supervisor
+        // that cannot lock every row at once tries again later.
+        sqlx::query("SET LOCAL lock_timeout = '200ms'")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
+            .execute(&mut *tx)
+            .await?;
+        let corrections = sqlx::query_as(
+            "WITH held AS (
+                 SELECT s.agent, count(*)::int4 AS n
+                   FROM order_process op
+                   JOIN steps s ON s.order_id = op.order_id
+                    AND s.state = CASE op.state WHEN 'processing' THEN 'running'::step_state
+                                                ELSE 'compensating'::step_state END
+                  WHERE op.state IN ('processing', 'compensating')
+                    AND op.locked_by IS NOT NULL AND op.complete_by IS NOT NULL
+                  GROUP BY s.agent),
+             lined AS (
+                 SELECT waiting_for AS agent, count(*)::int4 AS n
+                   FROM order_process WHERE waiting_for IS NOT NULL
+                  GROUP BY waiting_for),
+             counted AS (
+                 SELECT a.agent, a.in_flight AS was_in_flight, a.waiting AS was_waiting,
+                        coalesce(held.n, 0) AS in_flight, coalesce(lined.n, 0) AS waiting
+                   FROM admission a
+                   LEFT JOIN held ON held.agent = a.agent
+                   LEFT JOIN lined ON lined.agent = a.agent)
+             UPDATE admission a
+                SET in_flight = c.in_flight, waiting = c.waiting
+               FROM counted c
+              WHERE a.agent = c.agent
+                AND (c.was_in_flight, c.was_waiting) IS DISTINCT FROM (c.in_flight, c.waiting)
+          RETURNING a.agent, c.was_in_flight, c.was_waiting, c.in_flight, c.waiting",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(corrections)
+    }
+}
+
+/// An agent's counters that did not match its orders, and what they became.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Correction {
+    /// The agent.
+    pub agent: String,
+    /// Attempts in flight, as counted before.
+    pub was_in_flight: i32,
+    /// Orders in line, as counted before.
+    pub was_waiting: i32,
+    /// Attempts in flight, recounted.
+    pub in_flight: i32,
+    /// Orders in line, recounted.
+    pub waiting: i32,
 }

@@ -185,7 +185,8 @@ pub(crate) async fn apply(
              INSERT INTO alerts (order_id, kind, message)
              SELECT $1, $24, $25 WHERE $24::text IS NOT NULL),
          r AS (
-             UPDATE alerts SET resolved_at = now()
+             UPDATE alerts SET resolved_at = now(), resolved_by = $19,
+                    resolution_note = 'the order was resubmitted'
               WHERE order_id = $1 AND resolved_at IS NULL AND $26),
          q AS (
              UPDATE admission a

@@ -15,6 +15,10 @@
 //! - `fast`: the batched statement for successes of forward steps.
 //! - [`timing`]: the deadline margins (start margin, grace) and their check.
 //! - [`queries`]: read models for the CLI and metrics.
+//! - [`search`]: orders by filter, in keyset pages; the sets of bulk actions.
+//! - [`overview`]: orders by state, and per minute over the last hour.
+//! - [`alerts`], [`dead_letters`]: operators acknowledging and resolving
+//!   alerts, replaying and discarding dead letters.
 //!
 //! Every transition runs in one transaction that first locks the order's
 //! `order_process` row and reads its snapshot, asks [`machine::decide`],
@@ -25,18 +29,22 @@
 //! property test.
 
 pub mod admission;
+pub mod alerts;
 mod apply;
 pub mod connect;
+pub mod dead_letters;
 mod error;
 mod fast;
 pub mod intake;
 pub mod machine;
 pub mod model;
 pub mod operator;
+pub mod overview;
 pub mod progress;
 pub mod queries;
 pub mod recovery;
 pub mod retention;
+pub mod search;
 pub mod timing;
 
 pub use connect::{DatabaseSettings, Store};

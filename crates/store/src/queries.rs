@@ -40,6 +40,12 @@ pub struct StepView {
     pub name: String,
     /// Agent that runs it.
     pub agent: String,
+    /// Remote operation of the step.
+    pub action: String,
+    /// Remote operation that undoes it, if any.
+    pub compensation: Option<String>,
+    /// Deadline of one attempt, in milliseconds.
+    pub timeout_ms: i32,
     /// Step state.
     pub state: StepState,
     /// Attempts so far.
@@ -54,6 +60,11 @@ pub struct StepView {
     pub result: Option<serde_json::Value>,
     /// Last error seen.
     pub last_error: Option<String>,
+    /// Some attempt may have reached the remote without a known outcome:
+    /// compensation undoes the step even if it never completed.
+    pub maybe_applied: bool,
+    /// What the undo's remote answered.
+    pub undo_result: Option<serde_json::Value>,
 }
 
 /// One history row.
@@ -103,6 +114,14 @@ pub struct Alert {
     pub message: String,
     /// When an operator resolved it.
     pub resolved_at: Option<DateTime<Utc>>,
+    /// When an operator acknowledged it (someone is on it).
+    pub acknowledged_at: Option<DateTime<Utc>>,
+    /// Who acknowledged it.
+    pub acknowledged_by: Option<String>,
+    /// Who resolved it (a resubmission resolves its order's alerts).
+    pub resolved_by: Option<String>,
+    /// What the operator who resolved it found or did.
+    pub resolution_note: Option<String>,
 }
 
 /// A recorded dead letter.
@@ -120,6 +139,12 @@ pub struct DeadLetter {
     pub order_id: Option<String>,
     /// Body, as text.
     pub body: String,
+    /// What an operator did with it: `replayed` or `discarded`.
+    pub disposition: Option<String>,
+    /// When.
+    pub disposed_at: Option<DateTime<Utc>>,
+    /// Who.
+    pub disposed_by: Option<String>,
 }
 
 const SUMMARY_COLUMNS: &str = "order_id, state, locked_by, complete_by, failure_count, not_before, last_error, created_at, updated_at";
@@ -164,8 +189,9 @@ impl Store {
             .fetch_one(self.pool())
             .await?;
         let steps = sqlx::query_as(
-            "SELECT position, name, agent, state, attempt, attempt_id, complete_by,
-                    idempotency_key, result, last_error
+            "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
+                    attempt_id, complete_by, idempotency_key, result, last_error,
+                    maybe_applied, undo_result
                FROM steps WHERE order_id = $1 ORDER BY position",
         )
         .bind(order_id)
@@ -204,7 +230,8 @@ impl Store {
         limit: i64,
     ) -> Result<Vec<Alert>, StoreError> {
         Ok(sqlx::query_as(
-            "SELECT id, order_id, raised_at, kind, message, resolved_at FROM alerts
+            "SELECT id, order_id, raised_at, kind, message, resolved_at, acknowledged_at,
+                    acknowledged_by, resolved_by, resolution_note FROM alerts
               WHERE $1 OR resolved_at IS NULL ORDER BY id DESC LIMIT $2",
         )
         .bind(include_resolved)
@@ -219,7 +246,8 @@ impl Store {
     /// When the database fails.
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>, StoreError> {
         Ok(sqlx::query_as(
-            "SELECT id, at, source_queue, reason, order_id, body FROM dead_letters
+            "SELECT id, at, source_queue, reason, order_id, body, disposition, disposed_at,
+                    disposed_by FROM dead_letters
               ORDER BY id DESC LIMIT $1",
         )
         .bind(limit)

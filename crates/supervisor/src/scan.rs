@@ -16,6 +16,8 @@ impl Supervisor {
         let interval = Duration::from_millis(settings.interval_ms);
         let policy = settings.policy(&self.settings.deadlines);
         let mut last_gauge = tokio::time::Instant::now() - interval;
+        let mut last_reconcile = tokio::time::Instant::now();
+        let reconcile_every = Duration::from_millis(settings.admission_reconcile_ms);
         loop {
             let full = match self
                 .store
@@ -42,6 +44,10 @@ impl Supervisor {
                 last_gauge = tokio::time::Instant::now();
                 self.refresh_gauges().await;
                 self.adapt_admission().await;
+            }
+            if last_reconcile.elapsed() >= reconcile_every {
+                last_reconcile = tokio::time::Instant::now();
+                self.reconcile_admission().await;
             }
             if full && !self.shutdown.is_cancelled() {
                 continue;
@@ -87,6 +93,24 @@ impl Supervisor {
                 }
             }
             Err(error) => tracing::debug!(error = %error, "cannot adapt admission limits"),
+        }
+    }
+
+    /// Corrects admission counters that no longer match the orders (see
+    /// [`sas_store::Store::reconcile_admission`]), loudly: a correction
+    /// means something changed orders behind the state machine's back.
+    async fn reconcile_admission(&self) {
+        match self.store.reconcile_admission().await {
+            Ok(corrections) => {
+                for c in corrections {
+                    metrics::counter!("sas_admission_corrections_total", "agent" => c.agent.clone())
+                        .increment(1);
+                    tracing::warn!(agent = %c.agent, was_in_flight = c.was_in_flight, was_waiting = c.was_waiting, in_flight = c.in_flight, waiting = c.waiting, "admission counters did not match the orders; corrected");
+                }
+            }
+            Err(error) => {
+                tracing::debug!(error = %error, "cannot reconcile admission counters; trying again later");
+            }
         }
     }
 

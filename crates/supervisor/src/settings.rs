@@ -86,6 +86,9 @@ pub struct SupervisorSettings {
     /// Share of a step's deadline that admitted attempts may spend queued and
     /// running: the limit is completions/s × deadline × this.
     pub admission_deadline_share: f64,
+    /// How often the admission counters are recounted from the orders and
+    /// corrected if they drifted, in milliseconds.
+    pub admission_reconcile_ms: u64,
 }
 
 impl SupervisorSettings {
@@ -121,6 +124,9 @@ impl Validate for Settings {
         }
         if !(1..=10_000).contains(&s.batch) {
             return Err("supervisor.batch must be between 1 and 10000".into());
+        }
+        if s.admission_reconcile_ms == 0 {
+            return Err("supervisor.admission_reconcile_ms must be positive".into());
         }
         if s.admission_window_ms == 0 || !(0.05..=1.0).contains(&s.admission_deadline_share) {
             return Err("supervisor.admission_window_ms must be positive and supervisor.admission_deadline_share between 0.05 and 1".into());

@@ -107,6 +107,16 @@ stored_names! {
         /// An agent made no call for the attempt (its start-by passed while
         /// it waited): no failure; the order goes back to the agent's line.
         NotStarted = "not_started",
+        /// An operator acknowledged an alert about the order (someone is on it).
+        /// Written by the store's operator actions, not by the state machine:
+        /// it changes nothing about the order's run.
+        AlertAcknowledged = "alert_acknowledged",
+        /// An operator resolved an alert about the order, with a note.
+        AlertResolved = "alert_resolved",
+        /// An operator replayed a dead letter of the order to its source queue.
+        DeadLetterReplayed = "dead_letter_replayed",
+        /// An operator discarded a dead letter of the order.
+        DeadLetterDiscarded = "dead_letter_discarded",
     }
 }
 

@@ -1,0 +1,358 @@
+//! What operators do, for the pages and the JSON API alike: resubmit and
+//! cancel orders (one, or every order a filter selects), acknowledge and
+//! resolve alerts, replay and discard dead letters. Orders change only
+//! through the state store's transitions, the ones `sasctl` uses, and every
+//! action is recorded in the order's history as `console:<user>`.
+
+use futures_util::StreamExt as _;
+use sas_store::dead_letters::{Disposition, NotReplayable};
+use sas_store::operator::{Cancel, Resubmit};
+use sas_store::search::OrderFilter;
+use sas_store::{ProcessState, Progress};
+use serde::Serialize;
+
+use crate::auth::Principal;
+use crate::error::Failure;
+use crate::Console;
+
+/// Orders changed at once by a bulk action (each in its own transaction).
+const BULK_CONCURRENCY: usize = 4;
+
+/// An action that applies to orders one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OrderAction {
+    /// Put an order that ended `error` or `compensated` back into the workflow.
+    Resubmit,
+    /// Undo what a pending or processing order did, by compensating now.
+    Cancel,
+}
+
+impl OrderAction {
+    /// Its name in URLs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Resubmit => "resubmit",
+            Self::Cancel => "cancel",
+        }
+    }
+
+    /// The states of the orders it can apply to.
+    pub fn eligible(self) -> &'static [ProcessState] {
+        match self {
+            Self::Resubmit => &[ProcessState::Error, ProcessState::Compensated],
+            Self::Cancel => &[ProcessState::Pending, ProcessState::Processing],
+        }
+    }
+}
+
+impl std::str::FromStr for OrderAction {
+    type Err = Failure;
+
+    fn from_str(text: &str) -> Result<Self, Failure> {
+        match text {
+            "resubmit" => Ok(Self::Resubmit),
+            "cancel" => Ok(Self::Cancel),
+            other => Err(Failure::bad_request(format!(
+                "unknown action {other:?}: expected resubmit or cancel"
+            ))),
+        }
+    }
+}
+
+/// What a bulk action would do.
+#[derive(Debug, Clone, Serialize)]
+pub struct Preview {
+    /// The action.
+    pub action: OrderAction,
+    /// Orders the filter selects among those the action applies to.
+    pub count: i64,
+    /// Most orders one bulk action goes through (the oldest first).
+    pub limit: i64,
+}
+
+/// What a bulk action did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BulkOutcome {
+    /// Orders the action was applied to.
+    pub applied: Vec<String>,
+    /// Orders it no longer applied to when their turn came (they moved on
+    /// meanwhile), with why.
+    pub skipped: Vec<(String, String)>,
+}
+
+/// The outcome of one action, said for the operator.
+#[derive(Debug, Clone, Serialize)]
+pub struct Done {
+    /// What happened.
+    pub message: String,
+}
+
+impl Console {
+    /// Sends what a committed transition asks for; a failure is logged, as
+    /// the transition stands either way (status messages are notifications,
+    /// and a request never sent is retried after its deadline).
+    async fn announce(&self, progress: &Progress) {
+        let publisher = self.session.publisher().get().ok();
+        if let Err(error) = self.announcer.announce(publisher.as_ref(), progress).await {
+            tracing::warn!(error = %error, "the status messages of an operator's action were not sent");
+        }
+    }
+
+    /// Resubmits one order.
+    ///
+    /// # Errors
+    /// 404 for no such order, 409 when it has not failed, 503 when the store fails.
+    pub async fn resubmit(&self, order_id: &str, who: &Principal) -> Result<Done, Failure> {
+        let outcome = self.store.resubmit(order_id, &who.actor()).await?;
+        metrics::counter!("sas_console_actions_total", "action" => "resubmit").increment(1);
+        match outcome {
+            Resubmit::Resubmitted { what, fresh_keys } => {
+                tracing::info!(order_id, user = %who.name, %what, "order resubmitted");
+                let keys = if fresh_keys.is_empty() {
+                    String::new()
+                } else {
+                    format!("; fresh keys for {}", fresh_keys.join(", "))
+                };
+                Ok(Done {
+                    message: format!("order {order_id} resubmitted: {what}{keys}"),
+                })
+            }
+            Resubmit::NotFound => Err(Failure::not_found(format!("order {order_id}"))),
+            Resubmit::NotFailed(state) => Err(Failure::conflict(format!(
+                "order {order_id} is {state}: only orders that ended error or compensated can be resubmitted"
+            ))),
+        }
+    }
+
+    /// Cancels one order: what it did is undone, by compensating now.
+    ///
+    /// # Errors
+    /// 404 for no such order, 409 when it is not running, 503 when the store fails.
+    pub async fn cancel(
+        &self,
+        order_id: &str,
+        reason: &str,
+        who: &Principal,
+    ) -> Result<Done, Failure> {
+        let reason = if reason.trim().is_empty() {
+            format!("cancelled by {} in the console", who.name)
+        } else {
+            reason.trim().chars().take(500).collect()
+        };
+        let outcome = self.store.cancel(order_id, &reason, &who.actor()).await?;
+        metrics::counter!("sas_console_actions_total", "action" => "cancel").increment(1);
+        match outcome {
+            Cancel::Cancelled(progress) => {
+                tracing::info!(order_id, user = %who.name, "order cancelled");
+                self.announce(&progress).await;
+                Ok(Done {
+                    message: format!("order {order_id} cancelled: what it did is being undone"),
+                })
+            }
+            Cancel::NotFound => Err(Failure::not_found(format!("order {order_id}"))),
+            Cancel::NotRunning(state) => Err(Failure::conflict(format!(
+                "order {order_id} is {state}: only pending or processing orders can be cancelled"
+            ))),
+        }
+    }
+
+    /// How many orders a bulk action would go through.
+    ///
+    /// # Errors
+    /// 503 when the store fails.
+    pub async fn preview(
+        &self,
+        action: OrderAction,
+        filter: &OrderFilter,
+    ) -> Result<Preview, Failure> {
+        Ok(Preview {
+            action,
+            count: self.store.count_orders(filter, action.eligible()).await?,
+            limit: self.settings.console.bulk_limit,
+        })
+    }
+
+    /// Applies `action` to every order `filter` selects among those it
+    /// applies to (at most `console.bulk_limit`, oldest first), once the
+    /// operator confirmed the previewed count: when more orders match now
+    /// than were previewed, nothing is done (the operator did not see them).
+    ///
+    /// # Errors
+    /// 409 when more orders match than were confirmed, 503 when the store fails.
+    pub async fn bulk(
+        &self,
+        action: OrderAction,
+        filter: &OrderFilter,
+        confirmed: i64,
+        who: &Principal,
+    ) -> Result<BulkOutcome, Failure> {
+        let now = self.store.count_orders(filter, action.eligible()).await?;
+        if now > confirmed {
+            return Err(Failure::conflict(format!(
+                "{now} orders match now, {confirmed} were previewed and confirmed: preview again"
+            )));
+        }
+        let limit = confirmed.min(self.settings.console.bulk_limit);
+        let ids = self
+            .store
+            .select_order_ids(filter, action.eligible(), limit)
+            .await?;
+        let query = filter
+            .to_pairs()
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join("&");
+        let reason = format!("bulk cancel by {} (filter: {query})", who.name);
+        let results: Vec<(String, Result<Done, Failure>)> = futures_util::stream::iter(ids)
+            .map(|order_id| {
+                let reason = reason.clone();
+                async move {
+                    let result = match action {
+                        OrderAction::Resubmit => self.resubmit(&order_id, who).await,
+                        OrderAction::Cancel => self.cancel(&order_id, &reason, who).await,
+                    };
+                    (order_id, result)
+                }
+            })
+            .buffer_unordered(BULK_CONCURRENCY)
+            .collect()
+            .await;
+        let mut outcome = BulkOutcome::default();
+        for (order_id, result) in results {
+            match result {
+                Ok(_) => outcome.applied.push(order_id),
+                Err(failure) if failure.status.is_client_error() => {
+                    outcome.skipped.push((order_id, failure.message))
+                }
+                Err(failure) => return Err(failure),
+            }
+        }
+        outcome.applied.sort();
+        tracing::info!(user = %who.name, action = action.as_str(), applied = outcome.applied.len(), skipped = outcome.skipped.len(), filter = %query, "bulk action");
+        Ok(outcome)
+    }
+
+    /// Acknowledges an alert.
+    ///
+    /// # Errors
+    /// 404, 409 when it is resolved, 503.
+    pub async fn acknowledge_alert(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
+        use sas_store::alerts::AlertAction;
+        match self.store.acknowledge_alert(id, &who.actor()).await? {
+            AlertAction::Done => Ok(Done {
+                message: format!("alert #{id} acknowledged by {}", who.name),
+            }),
+            AlertAction::NotFound => Err(Failure::not_found(format!("alert #{id}"))),
+            AlertAction::AlreadyResolved => Err(Failure::conflict(format!(
+                "alert #{id} is already resolved"
+            ))),
+        }
+    }
+
+    /// Resolves an alert with a note (required: what was found or done).
+    ///
+    /// # Errors
+    /// 400 without a note, 404, 409 when it is resolved, 503.
+    pub async fn resolve_alert(
+        &self,
+        id: i64,
+        note: &str,
+        who: &Principal,
+    ) -> Result<Done, Failure> {
+        use sas_store::alerts::AlertAction;
+        let note = note.trim();
+        if note.is_empty() || note.chars().count() > 2000 {
+            return Err(Failure::bad_request(
+                "a resolution needs a note of 1 to 2000 characters: what was found or done",
+            ));
+        }
+        match self.store.resolve_alert(id, note, &who.actor()).await? {
+            AlertAction::Done => Ok(Done {
+                message: format!("alert #{id} resolved by {}", who.name),
+            }),
+            AlertAction::NotFound => Err(Failure::not_found(format!("alert #{id}"))),
+            AlertAction::AlreadyResolved => Err(Failure::conflict(format!(
+                "alert #{id} is already resolved"
+            ))),
+        }
+    }
+
+    /// Publishes a dead letter's recorded body again to its source queue
+    /// (confirmed by the broker), then records the replay.
+    ///
+    /// A replay is at least once: two operators replaying the same letter
+    /// at the same moment may both publish it, which the consumers absorb
+    /// (intake is idempotent on the order id, requests carry idempotency keys).
+    ///
+    /// # Errors
+    /// 404; 409 when it was already dealt with, its source queue is not
+    /// known to be one of this deployment's, or only part of it was
+    /// recorded; 503 when the broker or the store fails.
+    pub async fn replay_dead_letter(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
+        let replay = match self.store.replay_of(id, &self.names).await? {
+            Ok(replay) => replay,
+            Err(NotReplayable::NotFound(_)) => {
+                return Err(Failure::not_found(format!("dead letter #{id}")))
+            }
+            Err(refusal) => return Err(Failure::conflict(refusal.to_string())),
+        };
+        let (source, body) = (replay.queue, replay.body);
+        let publisher = self.session.publisher().get().map_err(|_| {
+            Failure::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "not connected to RabbitMQ: nothing was replayed; try again once /readyz answers 200",
+            )
+        })?;
+        publisher
+            .publish(
+                "",
+                &source,
+                body.as_bytes(),
+                crate::broker::replay_properties(id),
+                true,
+            )
+            .await
+            .map_err(|error| {
+                Failure::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    format!("RabbitMQ did not take the replay of dead letter #{id} to {source} ({error}): nothing is recorded; try again"),
+                )
+            })?;
+        self.store
+            .dispose_dead_letter(id, Disposition::Replayed, &who.actor())
+            .await?;
+        metrics::counter!("sas_console_actions_total", "action" => "replay").increment(1);
+        tracing::info!(dead_letter = id, queue = %source, user = %who.name, "dead letter replayed");
+        Ok(Done {
+            message: format!("dead letter #{id} replayed to {source}"),
+        })
+    }
+
+    /// Marks a dead letter discarded.
+    ///
+    /// # Errors
+    /// 404, 409 when it was already dealt with, 503.
+    pub async fn discard_dead_letter(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
+        let letter = self
+            .store
+            .dead_letter(id)
+            .await?
+            .ok_or_else(|| Failure::not_found(format!("dead letter #{id}")))?;
+        if !self
+            .store
+            .dispose_dead_letter(id, Disposition::Discarded, &who.actor())
+            .await?
+        {
+            return Err(Failure::conflict(format!(
+                "dead letter #{id} was already {}",
+                letter.disposition.as_deref().unwrap_or("dealt with")
+            )));
+        }
+        metrics::counter!("sas_console_actions_total", "action" => "discard").increment(1);
+        Ok(Done {
+            message: format!("dead letter #{id} discarded"),
+        })
+    }
+}

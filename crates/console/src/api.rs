@@ -1,0 +1,230 @@
+//! The JSON API: what the pages show and do, for scripts. Same guard as
+//! the pages: basic auth or a bearer token; actions need the operator role
+//! and the user's CSRF token in `X-CSRF-Token` (from `GET /api/session`).
+//! Failures are `{"error": "..."}` with the HTTP status saying which kind.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, RawQuery, State};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use sas_store::search::{OrderFilter, Page};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::actions::{BulkOutcome, Done, OrderAction, Preview};
+use crate::auth::Principal;
+use crate::error::{ApiFailure, Failure};
+use crate::pages::{borrowed, query_pairs};
+use crate::Console;
+
+/// The API's routes (behind the guard).
+pub fn routes() -> Router<Arc<Console>> {
+    Router::new()
+        .route("/api/session", get(session))
+        .route("/api/overview", get(overview))
+        .route("/api/orders", get(orders))
+        .route("/api/orders/{id}", get(order))
+        .route("/api/orders/{id}/resubmit", post(resubmit))
+        .route("/api/orders/{id}/cancel", post(cancel))
+        .route("/api/bulk/{action}/preview", get(preview))
+        .route("/api/bulk/{action}", post(bulk))
+        .route("/api/alerts", get(alerts))
+        .route("/api/alerts/{id}/acknowledge", post(acknowledge))
+        .route("/api/alerts/{id}/resolve", post(resolve))
+        .route("/api/dead-letters", get(dead_letters))
+        .route("/api/dead-letters/{id}/replay", post(replay))
+        .route("/api/dead-letters/{id}/discard", post(discard))
+}
+
+type ApiResult<T> = Result<Json<T>, ApiFailure>;
+
+/// Reads an optional JSON body (an empty body is the default).
+fn body<T: DeserializeOwned + Default>(bytes: &Bytes) -> Result<T, Failure> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(bytes)
+        .map_err(|e| Failure::bad_request(format!("the body is not the JSON expected: {e}")))
+}
+
+/// Who is asking, and the CSRF token their actions must carry.
+#[derive(Debug, Serialize)]
+pub struct Session {
+    /// The caller.
+    #[serde(flatten)]
+    pub principal: Principal,
+    /// Send it as `X-CSRF-Token` with every action.
+    pub csrf_token: String,
+}
+
+async fn session(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+) -> Json<Session> {
+    Json(Session {
+        csrf_token: console.auth.csrf_token(&who),
+        principal: who,
+    })
+}
+
+async fn overview(State(console): State<Arc<Console>>) -> ApiResult<Value> {
+    let overview = console.overview().await?;
+    Ok(Json(serde_json::to_value(&*overview).unwrap_or_default()))
+}
+
+async fn orders(
+    State(console): State<Arc<Console>>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<sas_store::search::OrderPage> {
+    let pairs = query_pairs(raw.as_deref());
+    let filter = OrderFilter::from_pairs(borrowed(&pairs), &crate::pages::orders::PAGE_PARAMETERS)?;
+    let page = Page::from_pairs(borrowed(&pairs), console.settings.console.page_size)?;
+    Ok(Json(console.store.search_orders(&filter, &page).await?))
+}
+
+async fn order(
+    State(console): State<Arc<Console>>,
+    Path(order_id): Path<String>,
+) -> ApiResult<Value> {
+    let view = crate::pages::order::load(&console, &order_id).await?;
+    let (what, remaining) =
+        crate::pages::order::remaining(view.detail.summary.state, &view.detail.steps);
+    let remaining: Vec<&str> = remaining.iter().map(|s| s.name.as_str()).collect();
+    Ok(Json(json!({
+        "order": view.detail,
+        "delivery": view.delivery,
+        "remaining": { "what": what, "steps": remaining },
+    })))
+}
+
+async fn resubmit(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+) -> ApiResult<Done> {
+    Ok(Json(console.resubmit(&order_id, &who).await?))
+}
+
+/// Body of a cancellation.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelBody {
+    /// Why, recorded in the history.
+    #[serde(default)]
+    reason: String,
+}
+
+async fn cancel(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Done> {
+    let request: CancelBody = body(&bytes)?;
+    Ok(Json(
+        console.cancel(&order_id, &request.reason, &who).await?,
+    ))
+}
+
+async fn preview(
+    State(console): State<Arc<Console>>,
+    Path(action): Path<String>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Preview> {
+    let action: OrderAction = action.parse()?;
+    let pairs = query_pairs(raw.as_deref());
+    let filter = OrderFilter::from_pairs(borrowed(&pairs), &[])?;
+    Ok(Json(console.preview(action, &filter).await?))
+}
+
+/// Body of a bulk action: the count its preview returned.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BulkBody {
+    confirmed: Option<i64>,
+}
+
+async fn bulk(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(action): Path<String>,
+    RawQuery(raw): RawQuery,
+    bytes: Bytes,
+) -> ApiResult<BulkOutcome> {
+    let action: OrderAction = action.parse()?;
+    let pairs = query_pairs(raw.as_deref());
+    let filter = OrderFilter::from_pairs(borrowed(&pairs), &[])?;
+    let request: BulkBody = body(&bytes)?;
+    let confirmed = request.confirmed.filter(|n| *n >= 0).ok_or_else(|| {
+        Failure::bad_request(format!(
+            "a bulk action needs {{\"confirmed\": N}}, N being the count GET /api/bulk/{}/preview returned for the same filter",
+            action.as_str()
+        ))
+    })?;
+    Ok(Json(console.bulk(action, &filter, confirmed, &who).await?))
+}
+
+/// Query of the alerts list.
+#[derive(Debug, Deserialize)]
+struct AlertsQuery {
+    #[serde(default)]
+    all: bool,
+}
+
+async fn alerts(
+    State(console): State<Arc<Console>>,
+    Query(query): Query<AlertsQuery>,
+) -> ApiResult<Vec<sas_store::queries::Alert>> {
+    Ok(Json(console.store.alerts(query.all, 1000).await?))
+}
+
+async fn acknowledge(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<i64>,
+) -> ApiResult<Done> {
+    Ok(Json(console.acknowledge_alert(id, &who).await?))
+}
+
+/// Body of a resolution.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveBody {
+    #[serde(default)]
+    note: String,
+}
+
+async fn resolve(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<i64>,
+    bytes: Bytes,
+) -> ApiResult<Done> {
+    let request: ResolveBody = body(&bytes)?;
+    Ok(Json(console.resolve_alert(id, &request.note, &who).await?))
+}
+
+async fn dead_letters(
+    State(console): State<Arc<Console>>,
+) -> ApiResult<Vec<sas_store::queries::DeadLetter>> {
+    Ok(Json(console.store.dead_letters(1000).await?))
+}
+
+async fn replay(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<i64>,
+) -> ApiResult<Done> {
+    Ok(Json(console.replay_dead_letter(id, &who).await?))
+}
+
+async fn discard(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<i64>,
+) -> ApiResult<Done> {
+    Ok(Json(console.discard_dead_letter(id, &who).await?))
+}

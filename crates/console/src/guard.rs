@@ -1,0 +1,161 @@
+//! The gate every page and API request passes: authentication (401),
+//! the operator role for actions (403), and the CSRF checks of actions
+//! (403): the `Origin` header, when sent, must be this host, and the user's
+//! CSRF token must come in `X-CSRF-Token` or the `csrf_token` form field.
+//! See [`crate::auth`] for why.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::auth::Role;
+use crate::error::{ApiFailure, Failure, PageFailure};
+use crate::Console;
+
+/// Header carrying the CSRF token of an API action.
+pub const CSRF_HEADER: &str = "x-csrf-token";
+/// Form field carrying the CSRF token of a page's action.
+pub const CSRF_FIELD: &str = "csrf_token";
+/// Largest form body read to find its CSRF token.
+const MAX_FORM_BYTES: usize = 64 * 1024;
+
+fn answer(api: bool, failure: Failure) -> Response {
+    metrics::counter!("sas_console_refused_total", "status" => failure.status.as_str().to_owned())
+        .increment(1);
+    if api {
+        ApiFailure(failure).into_response()
+    } else {
+        PageFailure(failure).into_response()
+    }
+}
+
+/// Whether `origin` (`scheme://host[:port]`) names `host` (the `Host` header).
+fn same_origin(origin: &str, host: &str) -> bool {
+    origin
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.trim_end_matches('/').eq_ignore_ascii_case(host))
+}
+
+/// The middleware; see the module docs.
+pub async fn guard(State(console): State<Arc<Console>>, request: Request, next: Next) -> Response {
+    let api = request.uri().path().starts_with("/api/");
+    let authorization = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok());
+    let principal = match console.auth.authenticate(authorization) {
+        Ok(principal) => principal,
+        Err(refusal) => {
+            let mut response = answer(
+                api,
+                Failure::new(StatusCode::UNAUTHORIZED, refusal.to_string()),
+            );
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"sas console\", charset=\"UTF-8\""),
+            );
+            return response;
+        }
+    };
+    let mut request = request;
+    if !matches!(*request.method(), Method::GET | Method::HEAD) {
+        if principal.role < Role::Operator {
+            return answer(
+                api,
+                Failure::new(
+                    StatusCode::FORBIDDEN,
+                    format!(
+                        "{} has the {} role: actions need the operator role",
+                        principal.name,
+                        principal.role.as_str()
+                    ),
+                ),
+            );
+        }
+        let host = request
+            .headers()
+            .get(header::HOST)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        if let Some(origin) = request.headers().get(header::ORIGIN) {
+            let origin = origin.to_str().unwrap_or("null");
+            if !same_origin(origin, &host) {
+                return answer(
+                    api,
+                    Failure::new(
+                        StatusCode::FORBIDDEN,
+                        format!("CSRF check failed: a request from {origin} may not act on the console at {host}"),
+                    ),
+                );
+            }
+        }
+        let mut token = request
+            .headers()
+            .get(CSRF_HEADER)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        let is_form = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with("application/x-www-form-urlencoded"));
+        if token.is_none() && is_form {
+            let (parts, body) = request.into_parts();
+            let Ok(bytes) = axum::body::to_bytes(body, MAX_FORM_BYTES).await else {
+                return answer(
+                    api,
+                    Failure::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("a form of more than {MAX_FORM_BYTES} bytes"),
+                    ),
+                );
+            };
+            token = form_urlencoded::parse(&bytes)
+                .find(|(name, _)| name == CSRF_FIELD)
+                .map(|(_, value)| value.into_owned());
+            request = Request::from_parts(parts, Body::from(bytes));
+        }
+        match token {
+            None => {
+                return answer(
+                    api,
+                    Failure::new(
+                        StatusCode::FORBIDDEN,
+                        format!("CSRF token missing: send it in the {CSRF_HEADER} header (GET /api/session returns it) or the {CSRF_FIELD} form field"),
+                    ),
+                )
+            }
+            Some(token) if !console.auth.csrf_matches(&principal, &token) => {
+                return answer(
+                    api,
+                    Failure::new(
+                        StatusCode::FORBIDDEN,
+                        "CSRF token does not match this user's: reload the page, or get it again from GET /api/session",
+                    ),
+                )
+            }
+            Some(_) => {}
+        }
+    }
+    request.extensions_mut().insert(principal);
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_origin;
+
+    #[test]
+    fn an_origin_matches_only_its_own_host_and_port() {
+        assert!(same_origin("http://127.0.0.1:9104", "127.0.0.1:9104"));
+        assert!(same_origin("https://Console.example", "console.example"));
+        assert!(!same_origin("http://evil.example", "127.0.0.1:9104"));
+        assert!(!same_origin("http://127.0.0.1:9105", "127.0.0.1:9104"));
+        assert!(!same_origin("null", "127.0.0.1:9104"));
+    }
+}

@@ -1,0 +1,159 @@
+//! The operator console: server-rendered pages and a JSON API over the
+//! state store, acting through the same store transitions as `sasctl`.
+//!
+//! - [`settings`]: the `[console]` section and the rest.
+//! - [`auth`], [`guard`]: users and roles, basic auth and bearer tokens,
+//!   CSRF tokens; the middleware every page and API request passes.
+//! - [`actions`]: resubmit, cancel, bulk actions by filter, alerts, dead letters.
+//! - [`overview`]: the overview's numbers, cached briefly.
+//! - [`broker`]: queue depths by passive declares; replays.
+//! - [`pages`]: the HTML pages; [`api`]: the same as JSON.
+//! - [`live`]: server-sent events that keep the overview and an order's page current.
+//! - [`error`]: failures answered as HTML or JSON.
+
+pub mod actions;
+pub mod api;
+pub mod auth;
+pub mod broker;
+pub mod error;
+pub mod guard;
+pub mod live;
+pub mod overview;
+pub mod pages;
+pub mod settings;
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use axum::Router;
+use sas_announce::Announcer;
+use sas_broker::Session;
+use sas_messages::QueueNames;
+use sas_store::Store;
+use tokio_util::sync::CancellationToken;
+
+pub use settings::Settings;
+
+/// What every request handler shares.
+pub struct Console {
+    /// The settings it was started with.
+    pub settings: Settings,
+    /// The state store.
+    pub store: Store,
+    /// The broker session (status messages of actions, replays).
+    pub session: Session,
+    /// The session's connection, for passive declares.
+    pub connection: broker::CurrentConnection,
+    /// Queue and exchange names.
+    pub names: QueueNames,
+    /// Publishes what a cancellation asks for, as the services do.
+    pub announcer: Announcer,
+    /// Users, roles and CSRF tokens.
+    pub auth: auth::Authenticator,
+    /// The overview's numbers, computed at most once per live interval.
+    pub overview_cache: overview::Cache,
+    /// Fired on SIGTERM: live streams end.
+    pub shutdown: CancellationToken,
+}
+
+/// The console's routes: the pages, the API and the live streams behind
+/// the [`guard`], and `/metrics`, `/healthz`, `/readyz` and the stylesheet open.
+///
+/// # Errors
+/// When the metrics recorder cannot be installed.
+pub fn router(console: Arc<Console>, shutdown: CancellationToken) -> anyhow::Result<Router> {
+    let (ready_session, ready_store) = (console.session.clone(), console.store.clone());
+    let ops = sas_runtime::ops::router(
+        sas_runtime::ops::broker_and_database_readiness(
+            move || ready_session.is_connected(),
+            move || {
+                let store = ready_store.clone();
+                async move { store.is_reachable().await }
+            },
+        ),
+        shutdown,
+    )?;
+    let guarded = pages::routes()
+        .merge(api::routes())
+        .merge(live::routes())
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            guard::guard,
+        ))
+        .with_state(console);
+    Ok(guarded.merge(ops).merge(pages::static_routes()))
+}
+
+/// Runs the console until `shutdown`.
+///
+/// # Errors
+/// When the settings are unusable or the address cannot be bound. Outages
+/// of the broker or the database are waited out (`/readyz` says so).
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let id = if settings.console.id.is_empty() {
+        format!(
+            "console-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        )
+    } else {
+        settings.console.id.clone()
+    };
+    let users = auth::parse_users(&settings.console.users).map_err(anyhow::Error::msg)?;
+    let anonymous = settings
+        .console
+        .anonymous_role()
+        .map_err(anyhow::Error::msg)?;
+    let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
+    let session = Session::new(settings.amqp.clone(), id.clone());
+    let console = Arc::new(Console {
+        auth: auth::Authenticator::new(users, anonymous, &settings.console.csrf_key),
+        names: settings.amqp.names(),
+        announcer: Announcer::new(&settings.amqp),
+        connection: broker::CurrentConnection::default(),
+        overview_cache: overview::Cache::default(),
+        store,
+        session: session.clone(),
+        shutdown: shutdown.clone(),
+        settings,
+    });
+    let app = router(console.clone(), shutdown.clone())?;
+    let listen = console.settings.http.listen.clone();
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
+    let local_addr = listener.local_addr()?;
+    tracing::info!(console = %id, %local_addr, "console serving pages, /api, /metrics, /healthz, /readyz");
+    let stop = shutdown.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await
+    });
+    if !console
+        .store
+        .migrate_if_asked(&console.settings.database, &shutdown)
+        .await
+        .context("cannot apply database migrations")?
+    {
+        return Ok(());
+    }
+    let slot = console.connection.clone();
+    let stop = shutdown.clone();
+    session
+        .run(shutdown.clone(), move |connection, _publisher| {
+            let (slot, stop) = (slot.clone(), stop.clone());
+            async move {
+                slot.set(Some(connection));
+                stop.cancelled().await;
+                slot.set(None);
+                Ok(())
+            }
+        })
+        .await;
+    console.connection.set(None);
+    match tokio::time::timeout(std::time::Duration::from_secs(5), server).await {
+        Ok(Ok(Ok(()))) | Err(_) => Ok(()),
+        Ok(Ok(Err(error))) => Err(anyhow::anyhow!("the HTTP server failed: {error}")),
+        Ok(Err(error)) => Err(anyhow::anyhow!("the HTTP server task failed: {error}")),
+    }
+}

@@ -1,0 +1,275 @@
+//! One order: its state, what remains to run or to undo, each step with its
+//! attempts, deadline, error and results, the timeline of its history, the
+//! status messages sent, and its payload; resubmit and cancel.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{Html, IntoResponse, Response};
+use axum::{Extension, Form};
+use maud::{html, Markup};
+use sas_store::queries::{OrderDetail, StepView};
+use sas_store::{ProcessState, StepState};
+use serde::Deserialize;
+
+use crate::auth::Principal;
+use crate::error::{Failure, PageFailure};
+use crate::Console;
+
+/// Where the status messages of an order go, besides `sas.status`.
+#[derive(Debug, Clone, Default, sqlx::FromRow, serde::Serialize)]
+pub struct Delivery {
+    /// The client's status queue, if it named one.
+    pub reply_to: Option<String>,
+    /// The client's correlation id on those messages.
+    pub reply_correlation_id: Option<String>,
+    /// Priority, 0 to 9.
+    pub priority: i16,
+    /// The agent whose line the order waits in, if it waits.
+    pub waiting_for: Option<String>,
+}
+
+/// Everything the order page shows.
+pub struct OrderView {
+    /// Process record, body, steps and history.
+    pub detail: OrderDetail,
+    /// Where its status messages went.
+    pub delivery: Delivery,
+}
+
+/// Reads an order for the page.
+///
+/// # Errors
+/// 404 for no such order; 503 when the store fails.
+pub async fn load(console: &Console, order_id: &str) -> Result<OrderView, Failure> {
+    let detail = console
+        .store
+        .order_detail(order_id)
+        .await?
+        .ok_or_else(|| Failure::not_found(format!("order {order_id}")))?;
+    let delivery = sqlx::query_as(
+        "SELECT reply_to, reply_correlation_id, priority, waiting_for FROM order_process WHERE order_id = $1",
+    )
+    .bind(order_id)
+    .fetch_optional(console.store.pool())
+    .await
+    .map_err(sas_store::StoreError::from)?
+    .unwrap_or_default();
+    Ok(OrderView { detail, delivery })
+}
+
+/// The steps still to run (forward) or to undo (compensating), in the
+/// order they will go; empty once the order has ended.
+pub fn remaining(state: ProcessState, steps: &[StepView]) -> (&'static str, Vec<&StepView>) {
+    match state {
+        ProcessState::Pending | ProcessState::Processing => (
+            "to run",
+            steps
+                .iter()
+                .filter(|s| matches!(s.state, StepState::NotStarted | StepState::Running))
+                .collect(),
+        ),
+        ProcessState::Compensating | ProcessState::Error => (
+            "to undo",
+            steps
+                .iter()
+                .rev()
+                .filter(|s| {
+                    s.compensation.is_some()
+                        && (matches!(s.state, StepState::Completed | StepState::Compensating)
+                            || (s.maybe_applied && s.state != StepState::Compensated))
+                })
+                .collect(),
+        ),
+        ProcessState::Processed | ProcessState::Compensated => ("to do", Vec::new()),
+    }
+}
+
+/// The status message a history event sent, if it sent one (the store
+/// keeps the decisions, not the messages; this is how they map).
+fn status_of(event: &str) -> Option<&'static str> {
+    match event {
+        "received" => Some("received"),
+        "step_completed" => Some("step_completed"),
+        "compensation_started" => Some("compensating"),
+        "processed" => Some("processed"),
+        "compensated" => Some("compensated"),
+        "error" => Some("failed"),
+        _ => None,
+    }
+}
+
+fn json(value: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(value).unwrap_or_default()
+}
+
+/// The actions `who` may take on the order in its state now.
+fn actions(view: &OrderView, console: &Console, who: &Principal) -> Markup {
+    let order_id = &view.detail.summary.order_id;
+    let state = view.detail.summary.state;
+    html! {
+        @if super::may_act(who) {
+            p #actions {
+                @if matches!(state, ProcessState::Error | ProcessState::Compensated) {
+                    form.inline method="post" action={ "/orders/" (order_id) "/resubmit" } {
+                        (super::csrf_field(console, who))
+                        button type="submit" #resubmit { "Resubmit" }
+                    }
+                }
+                @if matches!(state, ProcessState::Pending | ProcessState::Processing) {
+                    form.inline method="post" action={ "/orders/" (order_id) "/cancel" } {
+                        (super::csrf_field(console, who))
+                        input type="text" name="reason" placeholder="why (recorded in the history)" size="40";
+                        " "
+                        button.danger type="submit" #cancel { "Cancel: undo what was done" }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The part of the order page that the live stream replaces: with the
+/// actions, so that they follow the order's state.
+pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup {
+    let detail = &view.detail;
+    let s = &detail.summary;
+    let (what, remaining) = remaining(s.state, &detail.steps);
+    html! {
+        (actions(view, console, who))
+        table #summary {
+            tr { th { "state" } td #order-state data-state=(s.state.as_str()) { (super::state_badge(s.state.as_str())) } }
+            tr { th { "held by" } td { (s.locked_by.as_deref().unwrap_or("-")) } }
+            tr { th { "deadline of the step in flight" } td { (super::when_opt(s.complete_by)) } }
+            tr { th { "failures" } td { (s.failure_count) } }
+            tr { th { "priority" } td { (view.delivery.priority) } }
+            @if let Some(agent) = &view.delivery.waiting_for { tr { th { "waiting for a slot of" } td { (agent) } } }
+            tr { th { "last error" } td { (s.last_error.as_deref().unwrap_or("-")) } }
+            tr { th { "submitted" } td { (super::when(s.created_at)) } }
+            tr { th { "updated" } td { (super::when(s.updated_at)) } }
+        }
+        h2 { "What remains " (what) }
+        @if remaining.is_empty() {
+            p.muted #remaining { "Nothing: the order has ended." }
+        } @else {
+            ol #remaining { @for step in &remaining {
+                li { (step.name) " (" (step.agent) ": "
+                    @if what == "to undo" { (step.compensation.as_deref().unwrap_or("-")) } @else { (step.action) }
+                    ", " (step.state) ")" }
+            } }
+        }
+        h2 { "Steps" }
+        table #steps {
+            tr { th { "#" } th { "step" } th { "agent" } th { "state" } th { "attempts" } th { "deadline" }
+                 th { "idempotency key" } th { "error" } th { "result" } th { "undo result" } }
+            @for step in &detail.steps {
+                tr data-step=(step.name) {
+                    td { (step.position) }
+                    td { (step.name) br; span.muted { (step.action) " / " (step.compensation.as_deref().unwrap_or("no undo")) } }
+                    td { (step.agent) }
+                    td { (step.state) @if step.maybe_applied { br; span.muted { "maybe applied" } } }
+                    td.num { (step.attempt) }
+                    td { (super::when_opt(step.complete_by)) br; span.muted { (step.timeout_ms) " ms each" } }
+                    td { code { (step.idempotency_key) } }
+                    td { (step.last_error.as_deref().unwrap_or("")) }
+                    td { @if let Some(result) = &step.result { pre { (json(result)) } } }
+                    td { @if let Some(result) = &step.undo_result { pre { (json(result)) } } }
+                }
+            }
+        }
+        h2 { "Timeline" }
+        table #timeline {
+            tr { th { "at" } th { "by" } th { "event" } th { "step" } th { "detail" } }
+            @for entry in &detail.history {
+                tr data-event=(entry.event.as_str()) {
+                    td { (super::when(entry.at)) }
+                    td { (entry.actor) }
+                    td { (entry.event.as_str()) }
+                    td { (entry.step.as_deref().unwrap_or("")) }
+                    td { (entry.detail.as_deref().unwrap_or("")) }
+                }
+            }
+        }
+        h2 { "Status messages sent" }
+        p.muted {
+            "To the status exchange (routing key order." (s.order_id) ")"
+            @if let Some(queue) = &view.delivery.reply_to {
+                " and to the client's queue " code { (queue) }
+                @if let Some(id) = &view.delivery.reply_correlation_id { " with correlation id " code { (id) } }
+            }
+            ". Derived from the history: the store keeps the decisions, not the messages."
+        }
+        ol #statuses {
+            @for entry in &detail.history {
+                @if let Some(status) = status_of(entry.event.as_str()) {
+                    li { (super::when(entry.at)) " " strong { (status) }
+                        @if let Some(step) = &entry.step { " " (step) }
+                        @if let Some(detail) = &entry.detail { @if status != "step_completed" { " — " (detail) } } }
+                }
+            }
+        }
+    }
+}
+
+/// Query of the order page.
+#[derive(Debug, Deserialize)]
+pub struct PageQuery {
+    /// What the last action did.
+    pub notice: Option<String>,
+}
+
+/// `GET /orders/{id}`.
+pub async fn page(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    Query(query): Query<PageQuery>,
+) -> Result<Html<String>, PageFailure> {
+    let view = load(&console, &order_id).await?;
+    let live_url = format!("/live/orders/{order_id}");
+    Ok(super::layout(
+        &format!("Order {order_id}"),
+        "/orders",
+        &who,
+        html! {
+            h1 { "Order " code { (order_id) } }
+            (super::notice(query.notice.as_deref()))
+            div #live { (fragment(&view, &console, &who)) }
+            h2 { "Payload" }
+            pre #payload { (json(&view.detail.body)) }
+            (super::live_script(&live_url))
+        },
+    ))
+}
+
+/// `POST /orders/{id}/resubmit`.
+pub async fn resubmit(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+) -> Result<Response, PageFailure> {
+    let done = console.resubmit(&order_id, &who).await?;
+    Ok(super::redirect_with_notice(&format!("/orders/{order_id}"), &done.message).into_response())
+}
+
+/// The cancel form.
+#[derive(Debug, Deserialize)]
+pub struct CancelForm {
+    /// Why, recorded in the history.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// `POST /orders/{id}/cancel`.
+pub async fn cancel(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    Form(form): Form<CancelForm>,
+) -> Result<Response, PageFailure> {
+    let done = console.cancel(&order_id, &form.reason, &who).await?;
+    Ok(super::redirect_with_notice(
+        &format!("/orders/{order_id}"),
+        &done.message,
+    ))
+}

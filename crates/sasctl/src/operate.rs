@@ -1,0 +1,384 @@
+//! `sasctl bulk`, `stats`, `alerts acknowledge|resolve`, `dead-letters
+//! replay|discard`: what the console does, from the command line, through
+//! the same store transitions and rules.
+
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand, ValueEnum};
+use sas_store::dead_letters::Disposition;
+use sas_store::operator::{Cancel, Resubmit};
+use sas_store::search::OrderFilter;
+use sas_store::{ProcessState, Store};
+
+use crate::Target;
+
+/// How tables are printed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Aligned columns for people.
+    #[default]
+    Table,
+    /// JSON for scripts.
+    Json,
+}
+
+/// The actor sasctl's actions are recorded under.
+pub const ACTOR: &str = "sasctl";
+
+/// Which orders: the console's filters, as options.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FilterArgs {
+    /// In one of these states (repeat or separate with commas).
+    #[arg(long = "state", value_delimiter = ',')]
+    pub states: Vec<String>,
+    /// Of this customer.
+    #[arg(long)]
+    pub customer: Option<String>,
+    /// Submitted at or after (RFC 3339, or 2026-11-23T08:00 read as UTC).
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Submitted before.
+    #[arg(long)]
+    pub to: Option<String>,
+    /// With at least this many failures.
+    #[arg(long)]
+    pub min_failures: Option<String>,
+    /// Whose current step (in flight, being undone, or refused) is this one.
+    #[arg(long)]
+    pub step: Option<String>,
+    /// Of this priority (0 to 9).
+    #[arg(long)]
+    pub priority: Option<String>,
+    /// Whose id starts with this.
+    #[arg(long)]
+    pub id: Option<String>,
+}
+
+impl FilterArgs {
+    /// The filter, checked as the console checks it.
+    ///
+    /// # Errors
+    /// A message naming the option and what it should hold.
+    pub fn filter(&self) -> anyhow::Result<OrderFilter> {
+        let mut pairs: Vec<(&str, &str)> =
+            self.states.iter().map(|s| ("state", s.as_str())).collect();
+        for (name, value) in [
+            ("customer", &self.customer),
+            ("from", &self.from),
+            ("to", &self.to),
+            ("min_failures", &self.min_failures),
+            ("step", &self.step),
+            ("priority", &self.priority),
+            ("id", &self.id),
+        ] {
+            if let Some(value) = value {
+                pairs.push((name, value.as_str()));
+            }
+        }
+        OrderFilter::from_pairs(pairs, &[])
+            .map_err(|e| anyhow::anyhow!("{e} (option --{})", e.parameter.replace('_', "-")))
+    }
+}
+
+/// What a bulk action does to each order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BulkAction {
+    /// Orders that ended error or compensated go back into the workflow.
+    Resubmit,
+    /// Pending or processing orders are undone (compensation now).
+    Cancel,
+}
+
+impl BulkAction {
+    fn eligible(self) -> &'static [ProcessState] {
+        match self {
+            Self::Resubmit => &[ProcessState::Error, ProcessState::Compensated],
+            Self::Cancel => &[ProcessState::Pending, ProcessState::Processing],
+        }
+    }
+}
+
+/// `sasctl bulk ...`.
+#[derive(Debug, Args)]
+pub struct BulkArgs {
+    /// What to do with each order.
+    #[arg(value_enum)]
+    pub action: BulkAction,
+    /// Which orders.
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Act, once you have seen the count: the number the preview printed.
+    /// Without it, only the count is printed. When more orders match now,
+    /// nothing is done.
+    #[arg(long)]
+    pub confirm: Option<i64>,
+    /// Why (cancel), recorded in each order's history.
+    #[arg(long, default_value = "cancelled in bulk by an operator")]
+    pub reason: String,
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// `sasctl bulk`: the preview, or with `--confirm N` the action.
+///
+/// # Errors
+/// When the filter is bad or the database cannot be reached.
+pub async fn bulk(target: &Target, args: BulkArgs, output: Output) -> anyhow::Result<ExitCode> {
+    let filter = args.filter.filter()?;
+    let store = target.store()?;
+    let eligible = args.action.eligible();
+    let count = store.count_orders(&filter, eligible).await?;
+    let action = format!("{:?}", args.action).to_lowercase();
+    let Some(confirmed) = args.confirm else {
+        if output == Output::Json {
+            print_json(&serde_json::json!({ "action": action, "count": count }))?;
+        } else {
+            let states: Vec<&str> = eligible.iter().map(|s| s.as_str()).collect();
+            println!(
+                "{count} orders match among those in state {}.",
+                states.join(" or ")
+            );
+            if count > 0 {
+                println!("To {action} them, run the same command with --confirm {count}.");
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    if count > confirmed {
+        eprintln!("{count} orders match now, {confirmed} were confirmed: nothing done; run without --confirm to see the count again");
+        return Ok(ExitCode::FAILURE);
+    }
+    let ids = store.select_order_ids(&filter, eligible, confirmed).await?;
+    let publisher = match args.action {
+        BulkAction::Cancel => Some(crate::inspect::Announce::open(target).await),
+        BulkAction::Resubmit => None,
+    };
+    let (mut applied, mut skipped) = (Vec::new(), Vec::new());
+    for order_id in ids {
+        let outcome = match args.action {
+            BulkAction::Resubmit => match store.resubmit(&order_id, ACTOR).await? {
+                Resubmit::Resubmitted { .. } => Ok(()),
+                Resubmit::NotFound => Err("gone".to_owned()),
+                Resubmit::NotFailed(state) => Err(format!("now {state}")),
+            },
+            BulkAction::Cancel => match store.cancel(&order_id, &args.reason, ACTOR).await? {
+                Cancel::Cancelled(progress) => {
+                    if let Some(announce) = &publisher {
+                        announce.send(&progress).await;
+                    }
+                    Ok(())
+                }
+                Cancel::NotFound => Err("gone".to_owned()),
+                Cancel::NotRunning(state) => Err(format!("now {state}")),
+            },
+        };
+        match outcome {
+            Ok(()) => {
+                if output == Output::Table {
+                    println!("{order_id}");
+                }
+                applied.push(order_id);
+            }
+            Err(why) => {
+                if output == Output::Table {
+                    eprintln!("{order_id}: skipped ({why})");
+                }
+                skipped.push((order_id, why));
+            }
+        }
+    }
+    if output == Output::Json {
+        print_json(
+            &serde_json::json!({ "action": action, "applied": applied, "skipped": skipped }),
+        )?;
+    } else {
+        eprintln!(
+            "{action}: {} applied, {} skipped",
+            applied.len(),
+            skipped.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `sasctl alerts acknowledge|resolve`.
+#[derive(Debug, Subcommand)]
+pub enum AlertsCommand {
+    /// Mark an alert acknowledged (someone is on it).
+    Acknowledge {
+        /// Alert id.
+        id: i64,
+    },
+    /// Resolve an alert, saying what was found or done.
+    Resolve {
+        /// Alert id.
+        id: i64,
+        /// What was found or done (required).
+        #[arg(long)]
+        note: String,
+    },
+}
+
+/// Runs `sasctl alerts acknowledge|resolve`: exit 1 when the alert does not
+/// exist or is resolved already.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn alert(store: &Store, command: AlertsCommand) -> anyhow::Result<ExitCode> {
+    use sas_store::alerts::AlertAction;
+    let (id, outcome, done) = match command {
+        AlertsCommand::Acknowledge { id } => (
+            id,
+            store.acknowledge_alert(id, ACTOR).await?,
+            "acknowledged",
+        ),
+        AlertsCommand::Resolve { id, note } => {
+            anyhow::ensure!(
+                !note.trim().is_empty(),
+                "--note must say what was found or done"
+            );
+            (
+                id,
+                store.resolve_alert(id, note.trim(), ACTOR).await?,
+                "resolved",
+            )
+        }
+    };
+    match outcome {
+        AlertAction::Done => {
+            println!("alert #{id} {done}");
+            Ok(ExitCode::SUCCESS)
+        }
+        AlertAction::NotFound => {
+            eprintln!("no alert #{id}");
+            Ok(ExitCode::FAILURE)
+        }
+        AlertAction::AlreadyResolved => {
+            eprintln!("alert #{id} is already resolved");
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// `sasctl dead-letters replay|discard`.
+#[derive(Debug, Subcommand)]
+pub enum DeadLettersCommand {
+    /// Publish a dead letter's recorded body again to its source queue.
+    Replay {
+        /// Dead letter id.
+        id: i64,
+    },
+    /// Record that nothing will be done with a dead letter.
+    Discard {
+        /// Dead letter id.
+        id: i64,
+    },
+}
+
+/// Runs `sasctl dead-letters replay|discard`: exit 1 when it cannot be
+/// replayed (saying why) or was dealt with already.
+///
+/// # Errors
+/// When the database or the broker cannot be reached.
+pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow::Result<ExitCode> {
+    let store = target.store()?;
+    match command {
+        DeadLettersCommand::Replay { id } => {
+            let settings = target.amqp();
+            let replay = match store.replay_of(id, &settings.names()).await? {
+                Ok(replay) => replay,
+                Err(refusal) => {
+                    eprintln!("{refusal}");
+                    return Ok(ExitCode::FAILURE);
+                }
+            };
+            let connection = sas_broker::connect(&settings, "sasctl")
+                .await
+                .context("cannot connect to RabbitMQ")?;
+            let mut publisher =
+                sas_broker::Publisher::open(&connection, settings.operation_timeout()).await?;
+            if let Some(user) = settings.user() {
+                publisher = publisher.identified_as(user);
+            }
+            publisher
+                .publish(
+                    "",
+                    &replay.queue,
+                    replay.body.as_bytes(),
+                    sas_broker::publish::json_properties(&format!(
+                        "replay-{id}-{}",
+                        uuid::Uuid::new_v4().simple()
+                    )),
+                    true,
+                )
+                .await
+                .with_context(|| {
+                    format!(
+                        "RabbitMQ did not take the replay to {}: nothing is recorded",
+                        replay.queue
+                    )
+                })?;
+            let _ = connection.close(200, "done").await;
+            store
+                .dispose_dead_letter(id, Disposition::Replayed, ACTOR)
+                .await?;
+            println!("dead letter #{id} replayed to {}", replay.queue);
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadLettersCommand::Discard { id } => {
+            if store
+                .dispose_dead_letter(id, Disposition::Discarded, ACTOR)
+                .await?
+            {
+                println!("dead letter #{id} discarded");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                eprintln!(
+                    "no dead letter #{id} left to discard (none, or already replayed or discarded)"
+                );
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
+}
+
+/// `sasctl stats`: orders by state, the last hour's milestones, open alerts
+/// and dead letters nobody has dealt with.
+///
+/// # Errors
+/// When the database cannot be reached.
+pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
+    let activity = store.activity().await?;
+    if output == Output::Json {
+        print_json(&activity)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{:<14} {:>10}", "STATE", "ORDERS");
+    for state in ProcessState::ALL {
+        let n = activity
+            .by_state
+            .iter()
+            .find(|(s, _)| *s == state)
+            .map_or(0, |(_, n)| *n);
+        println!("{:<14} {n:>10}", state.as_str());
+    }
+    println!("\n{:<22} {:>10}", "LAST HOUR", "COUNT");
+    for event in sas_store::overview::MILESTONES {
+        let n: i64 = activity
+            .per_minute
+            .iter()
+            .filter(|m| m.event == event)
+            .map(|m| m.count)
+            .sum();
+        println!("{event:<22} {n:>10}");
+    }
+    println!(
+        "\nopen alerts {}, dead letters to look at {}",
+        activity.open_alerts, activity.pending_dead_letters
+    );
+    Ok(ExitCode::SUCCESS)
+}

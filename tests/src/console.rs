@@ -1,0 +1,152 @@
+//! Running the console against a test's deployment, and talking to it as
+//! its users do: an operator and a viewer, with basic auth or a bearer
+//! token, and the CSRF token of their actions.
+
+use std::time::Duration;
+
+use reqwest::{Method, RequestBuilder, Response};
+
+use crate::process::{free_port, Service};
+use crate::TestEnv;
+
+/// The operator of the test console: (name, secret).
+pub const OPERATOR: (&str, &str) = ("ann", "ann-operator-secret-0123456789");
+/// The viewer of the test console: (name, secret).
+pub const VIEWER: (&str, &str) = ("bob", "bob-viewer-secret-0123456789");
+
+/// The `console.users` of the test console.
+pub fn users() -> String {
+    format!(
+        "{}:operator:{},{}:viewer:{}",
+        OPERATOR.0, OPERATOR.1, VIEWER.0, VIEWER.1
+    )
+}
+
+/// How a request authenticates.
+#[derive(Debug, Clone, Copy)]
+pub enum As {
+    /// No credentials.
+    Nobody,
+    /// Basic auth as the operator.
+    Operator,
+    /// Basic auth as the viewer.
+    Viewer,
+    /// The operator's secret as a bearer token.
+    OperatorToken,
+    /// The viewer's secret as a bearer token.
+    ViewerToken,
+    /// Basic auth with a wrong secret.
+    Wrong,
+}
+
+/// A client of a running console.
+#[derive(Clone)]
+pub struct ConsoleClient {
+    http: reqwest::Client,
+    /// `http://127.0.0.1:<port>`.
+    pub base: String,
+    /// The port.
+    pub port: u16,
+}
+
+impl ConsoleClient {
+    /// A request to `path` authenticated as `who`.
+    pub fn request(&self, method: Method, path: &str, who: As) -> RequestBuilder {
+        let request = self.http.request(method, format!("{}{path}", self.base));
+        match who {
+            As::Nobody => request,
+            As::Operator => request.basic_auth(OPERATOR.0, Some(OPERATOR.1)),
+            As::Viewer => request.basic_auth(VIEWER.0, Some(VIEWER.1)),
+            As::OperatorToken => request.bearer_auth(OPERATOR.1),
+            As::ViewerToken => request.bearer_auth(VIEWER.1),
+            As::Wrong => request.basic_auth(OPERATOR.0, Some("not-the-secret-0123456789")),
+        }
+    }
+
+    /// GET `path` as `who`.
+    ///
+    /// # Panics
+    /// When the console does not answer.
+    pub async fn get(&self, path: &str, who: As) -> Response {
+        self.request(Method::GET, path, who)
+            .send()
+            .await
+            .expect("the console answers")
+    }
+
+    /// The CSRF token of `who` (from `GET /api/session`).
+    ///
+    /// # Panics
+    /// When the session cannot be read.
+    pub async fn csrf(&self, who: As) -> String {
+        let session: serde_json::Value = self
+            .get("/api/session", who)
+            .await
+            .json()
+            .await
+            .expect("a session");
+        session["csrf_token"]
+            .as_str()
+            .expect("a csrf_token")
+            .to_owned()
+    }
+
+    /// POSTs `body` (JSON) to `path` as `who` with `who`'s CSRF token.
+    ///
+    /// # Panics
+    /// When the console does not answer.
+    pub async fn act(&self, path: &str, who: As, body: serde_json::Value) -> Response {
+        let token = self.csrf(who).await;
+        self.request(Method::POST, path, who)
+            .header("x-csrf-token", token)
+            .json(&body)
+            .send()
+            .await
+            .expect("the console answers")
+    }
+}
+
+impl TestEnv {
+    /// Starts the console for this deployment with the test's users
+    /// ([`OPERATOR`], [`VIEWER`]) plus `vars`, and waits until it answers.
+    ///
+    /// # Panics
+    /// When it does not answer within 20 seconds.
+    pub async fn console(&self, vars: &[(&str, String)]) -> (Service, ConsoleClient) {
+        let port = free_port();
+        let mut all = vec![
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+            ("SAS_CONSOLE__USERS", users()),
+            ("SAS_CONSOLE__LIVE_INTERVAL_MS", "300".to_owned()),
+        ];
+        all.extend(vars.iter().cloned());
+        let service = self.spawn("console", "console", &all);
+        crate::install_crypto_provider();
+        let client = ConsoleClient {
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .expect("an HTTP client"),
+            base: format!("http://127.0.0.1:{port}"),
+            port,
+        };
+        let probe = client.clone();
+        crate::wait_until("the console to be ready", Duration::from_secs(20), || {
+            let probe = probe.clone();
+            async move {
+                let response = probe
+                    .request(Method::GET, "/readyz", As::Nobody)
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if response.status().is_success() {
+                    Ok(())
+                } else {
+                    Err(response.text().await.unwrap_or_default())
+                }
+            }
+        })
+        .await;
+        (service, client)
+    }
+}

@@ -1,0 +1,194 @@
+//! `sasctl` does what the console does: orders by filter, bulk cancel after
+//! the count, stats, alerts acknowledged and resolved, dead letters
+//! replayed and discarded, `-o json` for scripts, and `submit --count`
+//! printing every id once confirmed.
+
+use std::time::Duration;
+
+use sas_store::ProcessState;
+use sas_tests::{wait_until, TestEnv};
+use serde_json::Value;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() {
+    let env = TestEnv::with_step_timeout(10_000).await;
+    // No agent: the orders stay at their first step.
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (code, out) = env
+        .sasctl(&[
+            "submit",
+            "--count",
+            "3",
+            "--order-id",
+            "ord-s",
+            "--customer-id",
+            "cust-s",
+        ])
+        .await;
+    assert_eq!(code, 0);
+    let ids: Vec<&str> = out.lines().collect();
+    assert_eq!(ids.len(), 3, "one id per confirmed order: {out}");
+    for i in 0..3 {
+        assert!(ids.contains(&format!("ord-s-{i}").as_str()), "{out}");
+    }
+    env.wait_for_count(ProcessState::Processing, 3, Duration::from_secs(20))
+        .await;
+
+    let (code, out) = env
+        .sasctl(&["orders", "list", "--customer", "cust-s", "-o", "json"])
+        .await;
+    assert_eq!(code, 0);
+    let page: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(page["orders"].as_array().unwrap().len(), 3, "{page}");
+    let (code, _) = env.sasctl(&["orders", "list", "--state", "bogus"]).await;
+    assert_ne!(code, 0, "a bad filter is refused");
+
+    // Bulk cancel: the count, a stale confirmation, then the action.
+    let (code, out) = env
+        .sasctl(&["bulk", "cancel", "--customer", "cust-s"])
+        .await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("3 orders match") && out.contains("--confirm 3"),
+        "{out}"
+    );
+    let (code, _) = env
+        .sasctl(&["bulk", "cancel", "--customer", "cust-s", "--confirm", "2"])
+        .await;
+    assert_eq!(code, 1, "more orders match than were confirmed");
+    assert_eq!(
+        env.count(ProcessState::Processing).await,
+        3,
+        "nothing was done"
+    );
+    let (code, out) = env
+        .sasctl(&[
+            "bulk",
+            "cancel",
+            "--customer",
+            "cust-s",
+            "--confirm",
+            "3",
+            "-o",
+            "json",
+        ])
+        .await;
+    assert_eq!(code, 0);
+    let outcome: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(outcome["applied"].as_array().unwrap().len(), 3, "{outcome}");
+    let history = env.store.history("ord-s-0").await.unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|h| h.event.as_str() == "cancelled" && h.actor == "sasctl"),
+        "{history:?}"
+    );
+
+    let (code, out) = env.sasctl(&["stats", "-o", "json"]).await;
+    assert_eq!(code, 0);
+    let stats: Value = serde_json::from_str(&out).expect("JSON");
+    assert!(
+        stats["by_state"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p[0] == "compensating" && p[1] == 3),
+        "{stats}"
+    );
+    let (code, out) = env.sasctl(&["stats"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("compensating") && out.contains("open alerts 0"),
+        "{out}"
+    );
+
+    // Alerts.
+    let alert: i64 = sqlx::query_scalar("INSERT INTO alerts (order_id, kind, message) VALUES ('ord-s-0', 'compensation_failed', 'test') RETURNING id")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    let id = alert.to_string();
+    assert_eq!(env.sasctl(&["alerts", "acknowledge", &id]).await.0, 0);
+    assert_eq!(
+        env.sasctl(&["alerts", "resolve", &id, "--note", "refunded by hand"])
+            .await
+            .0,
+        0
+    );
+    assert_eq!(
+        env.sasctl(&["alerts", "resolve", &id, "--note", "again"])
+            .await
+            .0,
+        1,
+        "resolved once"
+    );
+    let (_, out) = env.sasctl(&["alerts", "--all", "-o", "json"]).await;
+    let alerts: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(alerts[0]["resolution_note"], "refunded by hand", "{alerts}");
+    assert_eq!(alerts[0]["acknowledged_by"], "sasctl");
+
+    // Dead letters.
+    let mut lost = sas_tests::order("ord-s-replayed");
+    lost.customer_id = "cust-s".into();
+    let replay: i64 = sqlx::query_scalar("INSERT INTO dead_letters (source_queue, reason, body) VALUES ($1, 'delivery_limit', $2) RETURNING id")
+        .bind(env.amqp().names().orders())
+        .bind(serde_json::to_string(&lost).unwrap())
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    let foreign: i64 = sqlx::query_scalar("INSERT INTO dead_letters (source_queue, reason, body) VALUES ('elsewhere', 'x', '{}') RETURNING id")
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        env.sasctl(&["dead-letters", "replay", &replay.to_string()])
+            .await
+            .0,
+        0
+    );
+    wait_until(
+        "the replayed order stored",
+        Duration::from_secs(20),
+        || async {
+            match env.store.order_detail("ord-s-replayed").await {
+                Ok(Some(_)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        env.sasctl(&["dead-letters", "replay", &replay.to_string()])
+            .await
+            .0,
+        1,
+        "replayed once"
+    );
+    assert_eq!(
+        env.sasctl(&["dead-letters", "replay", &foreign.to_string()])
+            .await
+            .0,
+        1,
+        "not a queue of this deployment"
+    );
+    assert_eq!(
+        env.sasctl(&["dead-letters", "discard", &foreign.to_string()])
+            .await
+            .0,
+        0
+    );
+    let (_, out) = env.sasctl(&["dead-letters", "-o", "json"]).await;
+    let letters: Value = serde_json::from_str(&out).expect("JSON");
+    let disposition = |id: i64| {
+        letters
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["id"] == id)
+            .unwrap()["disposition"]
+            .clone()
+    };
+    assert_eq!(disposition(replay), "replayed");
+    assert_eq!(disposition(foreign), "discarded");
+}
