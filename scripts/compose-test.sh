@@ -9,9 +9,11 @@
 #   4. scales the agents up and down (`--scale agent=N`) and checks the consumers of each
 #      agent queue; kills an agent and a scheduler with `docker kill -s KILL` and restarts
 #      the broker's container while orders are in flight;
-#   5. checks that every order ended (Postgres: processed or compensated) and that each
+#   5. checks that the console refuses a request without credentials (401) and answers
+#      the API with the test's operator (200), its queue depths readable as sas-console;
+#   6. checks that every order ended (Postgres: processed or compensated) and that each
 #      side effect happened once (remote-sim's ledger, GET /side-effects with its token);
-#   6. prints its figures, and always (also on failure) runs `docker compose down -v` and
+#   7. prints its figures, and always (also on failure) runs `docker compose down -v` and
 #      removes its temporary files. Service logs of a failed run are kept in target/compose-test/.
 #
 # Needs a Docker engine with the compose v2 plugin and the images the files name. Where no
@@ -116,19 +118,21 @@ finish() {
 trap finish EXIT
 trap 'exit 130' INT TERM
 secret() { od -An -tx1 -N12 /dev/urandom | tr -d ' \n'; }
-# Three free ports on 127.0.0.1, held together while they are chosen so they differ.
-read -r amqp_port management_port sim_port < <(python3 -c '
+# Four free ports on 127.0.0.1, held together while they are chosen so they differ.
+read -r amqp_port management_port sim_port console_port < <(python3 -c '
 import socket
-sockets = [socket.socket() for _ in range(3)]
+sockets = [socket.socket() for _ in range(4)]
 for s in sockets: s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in sockets))')
 client_password=$(secret)
 postgres_password=$(secret)
 sim_token=$(secret)
+console_secret=$(secret)$(secret)
 # The shell's values would win over the env file's.
 unset RABBITMQ_USER RABBITMQ_PASSWORD RABBITMQ_SCHEDULER_PASSWORD RABBITMQ_SUPERVISOR_PASSWORD \
-  RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD POSTGRES_PASSWORD SAS_APP_PASSWORD \
-  REMOTE_SIM_ADMIN_TOKEN RABBITMQ_AMQP_PORT RABBITMQ_MANAGEMENT_PORT REMOTE_SIM_PORT \
+  RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD RABBITMQ_CONSOLE_PASSWORD POSTGRES_PASSWORD \
+  SAS_APP_PASSWORD REMOTE_SIM_ADMIN_TOKEN CONSOLE_USERS RABBITMQ_AMQP_PORT RABBITMQ_MANAGEMENT_PORT \
+  REMOTE_SIM_PORT CONSOLE_PORT \
   COMPOSE_FILE COMPOSE_PROJECT_NAME COMPOSE_PROFILES
 umask 077
 cat >"$tmp/env" <<EOF
@@ -138,12 +142,15 @@ RABBITMQ_SCHEDULER_PASSWORD=$(secret)
 RABBITMQ_SUPERVISOR_PASSWORD=$(secret)
 RABBITMQ_AGENT_PASSWORD=$(secret)
 RABBITMQ_CLIENT_PASSWORD=$client_password
+RABBITMQ_CONSOLE_PASSWORD=$(secret)
 POSTGRES_PASSWORD=$postgres_password
 SAS_APP_PASSWORD=$(secret)
 REMOTE_SIM_ADMIN_TOKEN=$sim_token
+CONSOLE_USERS=tester:operator:$console_secret
 RABBITMQ_AMQP_PORT=$amqp_port
 RABBITMQ_MANAGEMENT_PORT=$management_port
 REMOTE_SIM_PORT=$sim_port
+CONSOLE_PORT=$console_port
 EOF
 cat >"$tmp/image.yml" <<EOF
 services:
@@ -152,6 +159,7 @@ services:
   supervisor: { image: "$image" }
   agent: { image: "$image" }
   remote-sim: { image: "$image" }
+  console: { image: "$image" }
 EOF
 umask 022
 
@@ -285,7 +293,7 @@ up_started=$(now)
 compose up -d --wait --no-build >"$tmp/up.log" 2>&1 \
   || { cp "$tmp/up.log" "$keep/up.log"; fail "docker compose up --wait failed: $keep/up.log"; }
 healthy_seconds=$(since "$up_started")
-say "healthy in $healthy_seconds s (AMQP on 127.0.0.1:$amqp_port, management $management_port, remote-sim $sim_port)"
+say "healthy in $healthy_seconds s (AMQP on 127.0.0.1:$amqp_port, management $management_port, remote-sim $sim_port, console $console_port)"
 wait_for "two agents consume each agent queue" 60 agents_consume 2
 
 # The admin routes refuse a caller without the token; with it, some latency and
@@ -294,6 +302,31 @@ code=$(python3 -c 'import sys, urllib.request, urllib.error
 try: print(urllib.request.urlopen(sys.argv[1], timeout=10).status)
 except urllib.error.HTTPError as e: print(e.code)' "http://127.0.0.1:$sim_port/side-effects")
 [ "$code" = 401 ] || fail "remote-sim's ledger answered $code without its token (expected 401)"
+# The console: nothing without credentials; the API with the test's operator, and
+# the overview's queue depths, read with passive declares as sas-console.
+console_get() { # PATH [SECRET]: prints the status, and the body to $tmp/console.json
+  python3 - "http://127.0.0.1:$console_port$1" "${2:-}" "$tmp/console.json" <<'EOF'
+import sys, urllib.request, urllib.error
+url, secret, out = sys.argv[1], sys.argv[2], sys.argv[3]
+request = urllib.request.Request(url, headers={"Authorization": "Bearer " + secret} if secret else {})
+try:
+    response = urllib.request.urlopen(request, timeout=10)
+    open(out, "wb").write(response.read())
+    print(response.status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+EOF
+}
+code=$(console_get /api/orders)
+[ "$code" = 401 ] || fail "the console answered $code to /api/orders without credentials (expected 401)"
+code=$(console_get /api/orders "$console_secret")
+[ "$code" = 200 ] || fail "the console answered $code to /api/orders with the operator's secret (expected 200)"
+code=$(console_get /api/overview "$console_secret")
+[ "$code" = 200 ] || fail "the console answered $code to /api/overview (expected 200)"
+if grep -q ACCESS_REFUSED "$tmp/console.json"; then
+  fail "the console may not read the queue depths as sas-console: $(cat "$tmp/console.json")"
+fi
+say "console: 401 without credentials, 200 for the operator on /api/orders and /api/overview"
 sim PUT /admin/faults '{"latency_ms": 50, "transient_fault_rate": 0.05, "permanent_fault_rate": 0, "hang_rate": 0}' >/dev/null
 
 # --- Throughput: a burst published at once to the default stack ---------------------

@@ -7,11 +7,13 @@
 #
 # Passwords come from the environment, never from a file in the repository:
 #   SAS_RABBITMQ_SCHEDULER_PASSWORD, SAS_RABBITMQ_SUPERVISOR_PASSWORD,
-#   SAS_RABBITMQ_AGENT_PASSWORD, SAS_RABBITMQ_CLIENT_PASSWORD
+#   SAS_RABBITMQ_AGENT_PASSWORD, SAS_RABBITMQ_CLIENT_PASSWORD,
+#   SAS_RABBITMQ_CONSOLE_PASSWORD
 # Optional: SAS_AMQP_PREFIX (the deployment's amqp.prefix, default empty),
-#   SAS_RABBITMQ_VHOST (default /), SAS_RABBITMQ_{SCHEDULER,SUPERVISOR,AGENT,CLIENT}_USER
-#   (defaults sas-scheduler, sas-supervisor, sas-agent, sas-client),
-#   SAS_RABBITMQ_DELETE=1 deletes the four users instead (cleanup).
+#   SAS_RABBITMQ_VHOST (default /),
+#   SAS_RABBITMQ_{SCHEDULER,SUPERVISOR,AGENT,CLIENT,CONSOLE}_USER (defaults
+#   sas-scheduler, sas-supervisor, sas-agent, sas-client, sas-console),
+#   SAS_RABBITMQ_DELETE=1 deletes the five users instead (cleanup).
 #
 # Permissions (configure / write / read regexes; P is the prefix):
 #   scheduler  declares orders, replies and agent queues; consumes orders and
@@ -27,6 +29,12 @@
 #              exchange, which reaches every queue); declares and reads only
 #              queues named P sas.client.<its user>.<anything>, its reply_to
 #              queues. Client user names: letters, digits, - and _.
+#   console    declares nothing and consumes nothing: it reads queue depths
+#              with passive declares, which RabbitMQ checks against no
+#              permission (access-control guide: queue.declare with
+#              passive=true needs none); publishes replayed dead letters,
+#              step requests and client statuses (default exchange) and
+#              statuses (P sas.status).
 set -eu
 
 prefix=$(printf '%s' "${SAS_AMQP_PREFIX:-}" | sed 's/[].[^$*+?(){}|\\]/\\&/g')
@@ -35,9 +43,10 @@ scheduler=${SAS_RABBITMQ_SCHEDULER_USER:-sas-scheduler}
 supervisor=${SAS_RABBITMQ_SUPERVISOR_USER:-sas-supervisor}
 agent=${SAS_RABBITMQ_AGENT_USER:-sas-agent}
 client=${SAS_RABBITMQ_CLIENT_USER:-sas-client}
+console=${SAS_RABBITMQ_CONSOLE_USER:-sas-console}
 
 if [ "${SAS_RABBITMQ_DELETE:-}" = 1 ]; then
-  for user in "$scheduler" "$supervisor" "$agent" "$client"; do
+  for user in "$scheduler" "$supervisor" "$agent" "$client" "$console"; do
     rabbitmqctl -q delete_user "$user" >/dev/null 2>&1 || true
   done
   exit 0
@@ -90,4 +99,10 @@ grant "$client" \
   "^${prefix}sas\.orders\$" \
   "^${prefix}sas\.client\.$client\..+\$"
 
-echo "broker users ready: $scheduler $supervisor $agent $client (vhost $vhost, prefix '${SAS_AMQP_PREFIX:-}')"
+ensure_user "$console" SAS_RABBITMQ_CONSOLE_PASSWORD
+grant "$console" \
+  "^\$" \
+  "^(amq\.default|${prefix}sas\.status)\$" \
+  "^\$"
+
+echo "broker users ready: $scheduler $supervisor $agent $client $console (vhost $vhost, prefix '${SAS_AMQP_PREFIX:-}')"

@@ -11,7 +11,23 @@ use sas_messages::QueueNames;
 use sas_tests::process::bin_dir;
 use serde_norway::Value;
 
-const BINARIES: [&str; 5] = ["scheduler", "agent", "supervisor", "remote-sim", "sasctl"];
+const BINARIES: [&str; 6] = [
+    "scheduler",
+    "agent",
+    "supervisor",
+    "remote-sim",
+    "sasctl",
+    "console",
+];
+
+/// The package of each binary, in `crates/<binary>`: the same name but the
+/// console's, whose package is prefixed (crates.io's `console` takes the bare name).
+fn package_of(binary: &str) -> &str {
+    match binary {
+        "console" => "sas-console",
+        other => other,
+    }
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -35,17 +51,28 @@ fn load_yaml_documents(path: &Path) -> Vec<Value> {
 
 use serde::Deserialize;
 
-/// `${NAME:-default}` becomes `default`; `${NAME}` and `${NAME:?message}` a placeholder.
+/// `${NAME:-default}` becomes `default`; `${NAME}` and `${NAME:?message}`
+/// the development value of `.env.example` (so that a value with a format,
+/// such as `CONSOLE_USERS`, is checked as a user would start it), or a
+/// placeholder.
 fn interpolate(text: &str) -> String {
+    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    let development: HashMap<&str, &str> = example
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim(), v.trim()))
+        .collect();
     let mut out = String::new();
     let mut rest = text;
     while let Some(start) = rest.find("${") {
         out.push_str(&rest[..start]);
         let end = rest[start..].find('}').expect("closing brace") + start;
         let inner = &rest[start + 2..end];
+        let name = &inner[..inner.find([':', '-', '?']).unwrap_or(inner.len())];
         out.push_str(match inner.split_once(":-") {
             Some((_, default)) => default,
-            None => "placeholder",
+            None => development.get(name).copied().unwrap_or("placeholder"),
         });
         rest = &rest[end + 1..];
     }
@@ -140,6 +167,7 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
         "supervisor",
         "agent",
         "remote-sim",
+        "console",
     ] {
         assert!(
             names.iter().any(|n| n == expected),
@@ -199,6 +227,30 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
                     "{name} leaves migrations to the migrate job"
                 );
             }
+        }
+        if name == "console" {
+            // It reads the store the migrate job creates, as sas_app.
+            let conditions = &service["depends_on"];
+            for (dependency, condition) in [
+                ("rabbitmq", "service_healthy"),
+                ("postgres", "service_healthy"),
+                ("migrate", "service_completed_successfully"),
+            ] {
+                assert_eq!(
+                    as_str(&conditions[dependency]["condition"]),
+                    condition,
+                    "console on {dependency}"
+                );
+            }
+            assert_eq!(
+                env.get("SAS_DATABASE__MIGRATE").map(String::as_str),
+                Some("false"),
+                "the console leaves migrations to the migrate job"
+            );
+            assert!(
+                env["SAS_DATABASE__URL"].contains("sas_app@"),
+                "the console logs in as sas_app"
+            );
         }
         if name != "migrate" {
             // The health check probes the port the service listens on.
@@ -381,6 +433,32 @@ fn kustomize_fallback(dir: &Path) -> Vec<Value> {
     documents
 }
 
+/// The key of the Secret sas-secrets that `container` of `workload` finds at
+/// `path`, through a volume mount of a secret volume.
+fn secret_file_key(workload: &Value, container: &Value, path: &str) -> Option<String> {
+    let volumes = workload["spec"]["template"]["spec"]["volumes"].as_sequence()?;
+    container["volumeMounts"]
+        .as_sequence()?
+        .iter()
+        .find_map(|mount| {
+            let file = path.strip_prefix(&format!("{}/", as_str(&mount["mountPath"])))?;
+            let volume = volumes
+                .iter()
+                .find(|v| v["name"] == mount["name"])?
+                .get("secret")?;
+            if as_str(&volume["secretName"]) != "sas-secrets" {
+                return None;
+            }
+            match volume["items"].as_sequence() {
+                Some(items) => items
+                    .iter()
+                    .find(|item| as_str(&item["path"]) == file)
+                    .map(|item| as_str(&item["key"])),
+                None => Some(file.to_owned()),
+            }
+        })
+}
+
 /// The init containers and containers of a workload, in that order.
 fn containers(doc: &Value) -> Vec<Value> {
     let pod = &doc["spec"]["template"]["spec"];
@@ -428,7 +506,7 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         .map(|m| m.iter().map(|(k, v)| (as_str(k), as_str(v))).collect())
         .expect("a Secret");
 
-    let every_section: Vec<String> = ["scheduler", "agent", "supervisor", "remote-sim"]
+    let every_section: Vec<String> = ["scheduler", "agent", "supervisor", "remote-sim", "console"]
         .iter()
         .flat_map(|b| sections_of(b))
         .collect();
@@ -483,6 +561,25 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
                 };
                 env.insert(as_str(&var["name"]), value);
             }
+            // Secrets mounted as files (`SAS_..._FILE`): the example Secret's
+            // value, written where `--check-config` reads it.
+            for (name, value) in env.iter_mut() {
+                if !name.ends_with("_FILE") {
+                    continue;
+                }
+                let key = secret_file_key(doc, &container, value).unwrap_or_else(|| {
+                    panic!("{context}: {name}={value} is no file of a mounted key of sas-secrets")
+                });
+                let contents = secret
+                    .get(&key)
+                    .unwrap_or_else(|| panic!("{context}: secret key {key} does not exist"));
+                let dir =
+                    std::env::temp_dir().join(format!("sas-deployment-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let file = dir.join(format!("{name}-{key}"));
+                std::fs::write(&file, contents).unwrap();
+                *value = file.to_string_lossy().into_owned();
+            }
             check_config(&context, &command, &env);
             assert_eq!(
                 container["securityContext"]["runAsNonRoot"].as_bool(),
@@ -497,11 +594,23 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
                 );
                 continue;
             }
-            if ["scheduler", "supervisor"].contains(&command[0].as_str()) {
+            if ["scheduler", "supervisor", "console"].contains(&command[0].as_str()) {
                 assert_eq!(
                     env.get("SAS_DATABASE__MIGRATE").map(String::as_str),
                     Some("false"),
                     "{context} leaves migrations to the init container"
+                );
+            }
+            if command[0] == "console" {
+                // Several replicas accept each other's forms only with one key.
+                assert!(
+                    env.contains_key("SAS_CONSOLE__CSRF_KEY_FILE")
+                        || env.contains_key("SAS_CONSOLE__CSRF_KEY"),
+                    "{context}: no shared console.csrf_key"
+                );
+                assert!(
+                    env["SAS_AMQP__URL"].contains("//sas-console:"),
+                    "{context}: the console logs in to RabbitMQ as sas-console"
                 );
             }
             deployments.push((name.clone(), doc["spec"]["selector"]["matchLabels"].clone()));
@@ -597,7 +706,7 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
             "PDB {name} allows no eviction at {fewest} replica(s) of {deployment}: it blocks kubectl drain"
         );
     }
-    for required in ["scheduler", "supervisor", "agent"] {
+    for required in ["scheduler", "supervisor", "agent", "console"] {
         assert!(
             deployments.iter().any(|(n, _)| n == required),
             "no {required} Deployment"
@@ -727,7 +836,8 @@ fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
         .filter(|w| w[0] == "-p" || w[0] == "--package")
         .map(|w| w[1])
         .collect();
-    assert_eq!(packages, BINARIES, "packages built: {build}");
+    let expected: Vec<&str> = BINARIES.iter().map(|b| package_of(b)).collect();
+    assert_eq!(packages, expected, "packages built: {build}");
     for flag in ["--release", "--locked", "--offline"] {
         assert!(words.contains(&flag), "cargo build without {flag}: {build}");
     }
@@ -737,14 +847,27 @@ fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
             "cargo build {flag} compiles what the image does not ship: {build}"
         );
     }
-    // Every package the image builds is one of its binaries.
-    for package in &packages {
+    // Every package the image builds is in crates/<binary> and has that binary.
+    for binary in BINARIES {
+        let package = package_of(binary);
         let manifest =
-            std::fs::read_to_string(root().join("crates").join(package).join("Cargo.toml"))
-                .unwrap_or_else(|e| panic!("package {package} is not crates/{package}: {e}"));
+            std::fs::read_to_string(root().join("crates").join(binary).join("Cargo.toml"))
+                .unwrap_or_else(|e| panic!("package {package} is not crates/{binary}: {e}"));
+        let manifest: toml::Table = manifest.parse().unwrap();
+        assert_eq!(
+            manifest["package"]["name"].as_str(),
+            Some(package),
+            "crates/{binary}"
+        );
+        // A binary named otherwise than its package is declared as a [[bin]].
+        let bins: Vec<&str> = manifest
+            .get("bin")
+            .and_then(|b| b.as_array())
+            .map(|bins| bins.iter().filter_map(|b| b["name"].as_str()).collect())
+            .unwrap_or_default();
         assert!(
-            manifest.contains(&format!("name = \"{package}\"")),
-            "{package}"
+            package == binary || bins.contains(&binary),
+            "package {package} builds no binary {binary}: {bins:?}"
         );
     }
 }
@@ -791,7 +914,7 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
             widened.push(as_str(name));
         }
     }
-    for name in ["rabbitmq", "remote-sim"] {
+    for name in ["rabbitmq", "remote-sim", "console"] {
         assert!(widened.iter().any(|n| n == name), "{name} is not widened");
     }
     // No password has a default: compose stops, naming the variable.
@@ -818,7 +941,14 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
             );
         }
     }
-    assert!(required >= 7, "{required} required passwords and tokens");
+    assert!(required >= 8, "{required} required passwords and tokens");
+    // The console's users are a secret too: required, never defaulted.
+    assert!(
+        variables(&text)
+            .iter()
+            .any(|(name, rest)| name == "CONSOLE_USERS" && rest.starts_with(":?")),
+        "CONSOLE_USERS must be required"
+    );
     // remote-sim's ledger and admin routes are published on the host: never open.
     assert!(
         services["remote-sim"]["environment"]
@@ -838,16 +968,26 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
             .unwrap()
             .to_owned()
     };
-    let (scheduler, supervisor, agent) = (
+    let (scheduler, supervisor, agent, console) = (
         url_user("scheduler"),
         url_user("supervisor"),
         url_user("agent"),
+        url_user("console"),
     );
     assert!(scheduler != supervisor && supervisor != agent && agent != scheduler);
+    // The console is trusted by nobody: neither an agent nor a service.
+    assert!(
+        ![&scheduler, &supervisor, &agent].contains(&&console),
+        "the console shares a broker user"
+    );
     for service in ["scheduler", "supervisor"] {
         let env = &services[service]["environment"];
         assert_eq!(as_str(&env["SAS_AMQP__AGENT_USERS"]), agent, "{service}");
         let users = as_str(&env["SAS_AMQP__SERVICE_USERS"]);
+        assert!(
+            !users.split(',').any(|u| u == console),
+            "{service}: {users}"
+        );
         assert!(
             users.split(',').any(|u| u == scheduler) && users.split(',').any(|u| u == supervisor),
             "{service}: {users}"
@@ -867,7 +1007,7 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
         "{conf}"
     );
     let script = std::fs::read_to_string(root().join("deploy/rabbitmq/setup-users.sh")).unwrap();
-    for user in [scheduler, supervisor, agent] {
+    for user in [scheduler, supervisor, agent, console] {
         assert!(
             script.contains(&format!(":-{user}}}")),
             "setup-users.sh does not create {user}"
@@ -901,6 +1041,7 @@ fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
     let expected = [
         ("rabbitmq", "${RABBITMQ_AMQP_PORT:-5672}", "5672"),
         ("rabbitmq", "${RABBITMQ_MANAGEMENT_PORT:-15672}", "15672"),
+        ("console", "${CONSOLE_PORT:-9104}", "9104"),
         // Empty: a random free port, as before.
         ("remote-sim", "${REMOTE_SIM_PORT:-}", "8080"),
     ];
@@ -926,6 +1067,7 @@ fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
     for variable in [
         "RABBITMQ_AMQP_PORT",
         "RABBITMQ_MANAGEMENT_PORT",
+        "CONSOLE_PORT",
         "REMOTE_SIM_PORT",
     ] {
         assert!(
