@@ -992,3 +992,22 @@ fn the_quick_console_benchmark_runs_and_reports_sane_figures() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_lettered_reply_is_not_replayed_because_only_agents_may_send_replies() {
+    let env = TestEnv::new().await;
+    let names = env.amqp().names();
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO dead_letters (source_queue, reason, body) VALUES ($1, 'rejected', '{}') RETURNING id",
+    )
+    .bind(names.scheduler_replies())
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    let refusal = env.store.replay_of(id, &names).await.unwrap().unwrap_err();
+    assert_eq!(
+        refusal,
+        sas_store::dead_letters::NotReplayable::AgentReply(id)
+    );
+    assert!(refusal.to_string().contains("discard it"), "{refusal}");
+}

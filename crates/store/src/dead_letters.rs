@@ -27,6 +27,10 @@ pub enum NotReplayable {
     /// It came from a queue that is not a work queue of this deployment.
     #[error("dead letter #{0} came from {1}, which is not a work queue of this deployment: it cannot be replayed")]
     ForeignQueue(i64, String),
+    /// It is an agent's reply: schedulers take replies only from agents, so
+    /// a replay by an operator would be refused as forged.
+    #[error("dead letter #{0} is an agent's reply: schedulers accept replies only from agents, so a replay would be refused as forged; discard it (the supervisor retries the step once its deadline passes)")]
+    AgentReply(i64),
     /// Only the first bytes of its body were recorded.
     #[error("only part of dead letter #{0} was recorded: replaying it would send a broken message; discard it")]
     Truncated(i64),
@@ -95,8 +99,9 @@ impl Store {
     }
 
     /// Whether dead letter `id` may be replayed, and where to: only once,
-    /// only to a work queue of this deployment (`names`: orders, replies,
-    /// an agent's requests), and only when the whole body was recorded.
+    /// only to a work queue of this deployment that takes messages from
+    /// operators (`names`: orders, an agent's requests; not the replies,
+    /// which only agents may send), and only when the whole body was recorded.
     ///
     /// # Errors
     /// [`NotReplayable`] saying why not (the outer error when the database fails).
@@ -114,9 +119,10 @@ impl Store {
         let Some(queue) = letter.source_queue else {
             return Ok(Err(NotReplayable::NoSource(id)));
         };
-        let ours = queue == names.orders()
-            || queue == names.scheduler_replies()
-            || queue.starts_with(&names.agent_requests(""));
+        if queue == names.scheduler_replies() {
+            return Ok(Err(NotReplayable::AgentReply(id)));
+        }
+        let ours = queue == names.orders() || queue.starts_with(&names.agent_requests(""));
         if !ours {
             return Ok(Err(NotReplayable::ForeignQueue(id, queue)));
         }
