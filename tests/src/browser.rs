@@ -55,7 +55,7 @@ impl Browser {
             .spawn()
             .expect("start chromedriver");
         let url = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::new();
+        let http = crate::http_client();
         crate::wait_until("chromedriver to answer", Duration::from_secs(30), || {
             let (http, url) = (http.clone(), url.clone());
             async move {

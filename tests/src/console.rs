@@ -121,6 +121,7 @@ impl TestEnv {
         ];
         all.extend(vars.iter().cloned());
         let service = self.spawn("console", "console", &all);
+        crate::install_crypto_provider();
         let client = ConsoleClient {
             http: reqwest::Client::builder()
                 .redirect(reqwest::redirect::Policy::none())

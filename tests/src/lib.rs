@@ -20,6 +20,30 @@ pub use env::{database_settings, TestEnv};
 pub use process::Service;
 pub use wait::wait_until;
 
+/// Makes rustls on ring the process's crypto provider (reqwest is built
+/// without one); calling it again does nothing.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// A plain HTTP client, after [`install_crypto_provider`].
+///
+/// # Panics
+/// When the client cannot be built.
+pub fn http_client() -> reqwest::Client {
+    install_crypto_provider();
+    reqwest::Client::new()
+}
+
+/// GETs `url` with a fresh [`http_client`] (what `reqwest::get` does, with a
+/// crypto provider installed first).
+///
+/// # Errors
+/// As `reqwest::get`.
+pub async fn http_get(url: impl reqwest::IntoUrl) -> reqwest::Result<reqwest::Response> {
+    http_client().get(url).send().await
+}
+
 /// A valid order with the given id.
 pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
     sas_messages::SubmitOrder {

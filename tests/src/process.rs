@@ -337,7 +337,7 @@ impl TestEnv {
 /// Reads one sample of a Prometheus metric (`name{labels}` exactly as
 /// rendered) from a service's `/metrics` on `port`.
 pub async fn metric(port: u16, sample: &str) -> Option<f64> {
-    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+    let text = crate::http_get(format!("http://127.0.0.1:{port}/metrics"))
         .await
         .ok()?
         .text()

@@ -17,7 +17,7 @@ impl SimClient {
     pub fn new(port: u16) -> Self {
         Self {
             base: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
+            http: crate::http_client(),
             admin_token: None,
         }
     }
@@ -28,12 +28,10 @@ impl SimClient {
     /// # Panics
     /// When `ca_pem` is not a PEM certificate.
     pub fn https(port: u16, ca_pem: &str) -> Self {
+        crate::install_crypto_provider();
         let http = reqwest::Client::builder()
-            .use_rustls_tls()
-            .tls_built_in_root_certs(false)
-            .add_root_certificate(
-                reqwest::Certificate::from_pem(ca_pem.as_bytes()).expect("a PEM CA"),
-            )
+            .tls_backend_rustls()
+            .tls_certs_only([reqwest::Certificate::from_pem(ca_pem.as_bytes()).expect("a PEM CA")])
             .build()
             .expect("an HTTPS client");
         Self {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use sas_messages::QueueNames;
 use sas_tests::process::bin_dir;
-use serde_yaml::Value;
+use serde_norway::Value;
 
 const BINARIES: [&str; 6] = [
     "scheduler",
@@ -38,7 +38,7 @@ fn root() -> PathBuf {
 
 fn load_yaml_documents(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml::Deserializer::from_str(&text)
+    serde_norway::Deserializer::from_str(&text)
         .map(|document| {
             let mut value = Value::deserialize(document)
                 .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()));
@@ -349,7 +349,7 @@ fn kubectl_with_kustomize() -> Option<&'static str> {
 }
 
 fn yaml_documents(text: &str, context: &str) -> Vec<Value> {
-    serde_yaml::Deserializer::from_str(text)
+    serde_norway::Deserializer::from_str(text)
         .map(|document| {
             Value::deserialize(document).unwrap_or_else(|e| panic!("{context} does not parse: {e}"))
         })
@@ -639,7 +639,7 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
     );
     assert_eq!(
         named("Deployment", "scheduler")["spec"]["template"]["spec"]["initContainers"][0]["args"],
-        serde_yaml::from_str::<Value>("[scheduler, migrate]").unwrap(),
+        serde_norway::from_str::<Value>("[scheduler, migrate]").unwrap(),
         "the schedulers migrate before they start"
     );
     // KEDA scales the agent Deployment on exactly the queues its replicas consume.

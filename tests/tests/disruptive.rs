@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use sas_store::ProcessState;
 use sas_tests::process::Service;
 use sas_tests::{order, wait_until, TestEnv};
@@ -261,19 +261,19 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         // busy machine: the kills go on past the load until there are enough
         // of them, so that the run is chaos whatever the seed and the machine.
         while chaos_started.elapsed() < load_time || kills.values().sum::<usize>() < MIN_KILLS {
-            tokio::time::sleep(Duration::from_millis(rng.gen_range(200..800))).await;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(200..800))).await;
             if !broker_restarted && chaos_started.elapsed() > load_time / 2 {
                 eprintln!("chaos: restarting RabbitMQ");
                 restart_broker().await;
                 broker_restarted = true;
                 continue;
             }
-            let victim = rng.gen_range(0..processes.len());
+            let victim = rng.random_range(0..processes.len());
             let service = &mut processes[victim];
             eprintln!("chaos: kill -9 {}", service.name);
             service.kill9().await;
             *kills.entry(service.name.clone()).or_default() += 1;
-            tokio::time::sleep(Duration::from_millis(rng.gen_range(100..700))).await;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(100..700))).await;
             env.restart(service).await;
         }
         assert!(broker_restarted, "the broker was restarted once");

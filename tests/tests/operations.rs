@@ -13,7 +13,7 @@ use sas_tests::process::{bin_dir, free_port, metric};
 use sas_tests::{order, wait_until, TestEnv};
 
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+    let response = sas_tests::http_get(format!("http://127.0.0.1:{port}{path}"))
         .await
         .ok()?;
     let status = response.status().as_u16();

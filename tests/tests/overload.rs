@@ -131,7 +131,7 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
             .fetch_one(env.store.pool())
             .await
             .map_err(|e| e.to_string())?;
-            let ready = reqwest::get(format!("http://127.0.0.1:{ops}/readyz"))
+            let ready = sas_tests::http_get(format!("http://127.0.0.1:{ops}/readyz"))
                 .await
                 .map(|response| response.status().as_u16())
                 .map_err(|e| e.to_string())?;

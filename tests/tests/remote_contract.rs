@@ -243,7 +243,7 @@ async fn an_agent_calls_remote_sim_over_https_with_a_ca_made_in_the_test_and_the
     assert!(agent.is_running());
     // The secret never reaches the log.
     assert!(!agent.log_text().contains("service-secret"));
-    let healthz = reqwest::get(format!("http://127.0.0.1:{ops}/healthz")).await;
+    let healthz = sas_tests::http_get(format!("http://127.0.0.1:{ops}/healthz")).await;
     assert_eq!(healthz.unwrap().status().as_u16(), 200);
 }
 
@@ -319,7 +319,7 @@ async fn with_the_wrong_ca_the_agent_says_certificate_stays_up_and_applies_nothi
     );
     assert!(sim.side_effects().await.unwrap().is_empty());
     assert!(agent.is_running(), "no crash loop");
-    let healthz = reqwest::get(format!("http://127.0.0.1:{ops}/healthz")).await;
+    let healthz = sas_tests::http_get(format!("http://127.0.0.1:{ops}/healthz")).await;
     assert_eq!(healthz.unwrap().status().as_u16(), 200);
 }
 

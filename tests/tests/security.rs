@@ -318,7 +318,7 @@ impl Running {
                 service.name,
                 service.log.display()
             );
-            let health = reqwest::get(format!("http://127.0.0.1:{port}/healthz"))
+            let health = sas_tests::http_get(format!("http://127.0.0.1:{port}/healthz"))
                 .await
                 .map(|r| r.status().as_u16());
             assert_eq!(health.ok(), Some(200), "{} /healthz", service.name);
@@ -531,7 +531,7 @@ async fn under_role_users_a_forged_reply_and_forged_dead_letter_headers_change_n
         metric(scheduler_port, "sas_forged_replies_total").await,
         Some(1.0)
     );
-    let metrics_text = reqwest::get(format!("http://127.0.0.1:{supervisor_port}/metrics"))
+    let metrics_text = sas_tests::http_get(format!("http://127.0.0.1:{supervisor_port}/metrics"))
         .await
         .unwrap()
         .text()

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use rand::Rng;
+use rand::RngExt;
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::publish::json_properties;
 use sas_broker::Publisher;
@@ -307,7 +307,7 @@ impl Agent {
                 .retry_base_ms
                 .saturating_mul(1u64 << attempt.min(16))
                 .min(settings.retry_max_ms);
-            let wait = Duration::from_millis(rand::thread_rng().gen_range(0..=ceiling));
+            let wait = Duration::from_millis(rand::rng().random_range(0..=ceiling));
             if !logged {
                 tracing::info!(class, error = %error, attempt, wait_ms = wait.as_millis() as u64, maybe_applied, "call not settled; retrying the same key");
             }

@@ -102,17 +102,17 @@ impl RemoteClient {
     /// cannot be built.
     pub fn new(agent: &str, base_url: &str, settings: &AgentSettings) -> anyhow::Result<Self> {
         let tls = settings.tls_files().map_err(anyhow::Error::msg)?;
+        install_crypto_provider();
         let mut builder = reqwest::Client::builder()
-            .use_rustls_tls()
-            .tls_built_in_native_certs(true)
+            // rustls with the platform's verifier (the system's roots),
+            // merged with the CA file's roots below.
+            .tls_backend_rustls()
             // A redirect after a POST may mean "applied, see there": never
             // follow one blindly.
             .redirect(reqwest::redirect::Policy::none())
             .pool_idle_timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(2));
-        for root in tls.roots {
-            builder = builder.add_root_certificate(root);
-        }
+        builder = builder.tls_certs_merge(tls.roots);
         if let Some(identity) = tls.identity {
             builder = builder.identity(identity);
         }
@@ -195,6 +195,15 @@ impl RemoteClient {
             service_failed: true,
         }
     }
+}
+
+/// Makes rustls on ring the process's crypto provider, unless one is
+/// installed already. reqwest is built without a provider of its own
+/// (`rustls-no-provider`: no aws-lc build), so every process that builds a
+/// client must call this first; calling it again does nothing.
+pub fn install_crypto_provider() {
+    // An error means a provider is installed already: that one stays.
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// Whether `action` may be called: letters, digits, `_` and `-` only, so

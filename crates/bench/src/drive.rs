@@ -167,7 +167,7 @@ impl StatusListener {
 
 /// Sums every sample of a counter (all label sets) on a `/metrics` page.
 pub async fn counter_sum(port: u16, name: &str) -> f64 {
-    let Ok(response) = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await else {
+    let Ok(response) = sas_tests::http_get(format!("http://127.0.0.1:{port}/metrics")).await else {
         return 0.0;
     };
     let text = response.text().await.unwrap_or_default();

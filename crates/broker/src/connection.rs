@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
-use rand::Rng;
+use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::timed;
@@ -128,7 +128,7 @@ impl Session {
         let capped = base
             .saturating_mul(1u64 << failures.saturating_sub(1).min(16))
             .min(self.settings.reconnect_max_ms);
-        Duration::from_millis(rand::thread_rng().gen_range(capped / 2..=capped))
+        Duration::from_millis(rand::rng().random_range(capped / 2..=capped))
     }
 
     async fn open(&self) -> Result<(Arc<Connection>, Publisher, CancellationToken), BrokerError> {

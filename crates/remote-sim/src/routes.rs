@@ -32,7 +32,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -335,7 +335,7 @@ async fn call(
                 );
             }
         }
-        let roll: f64 = state.rng.lock().unwrap_or_else(|e| e.into_inner()).gen();
+        let roll: f64 = state.rng.lock().unwrap_or_else(|e| e.into_inner()).random();
         if roll < faults.transient_fault_rate {
             ledger.stats.transient_faults += 1;
             return error(
@@ -380,7 +380,7 @@ async fn call(
                 .rng
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .gen::<f64>()
+                .random::<f64>()
                 < provider.late_answer_rate;
         let at = now_micros();
         let entry = Entry {
@@ -522,6 +522,8 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, router(state)).await });
+        // reqwest is built without a crypto provider of its own.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         (format!("http://{addr}"), reqwest::Client::new())
     }
 
