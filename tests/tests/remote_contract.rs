@@ -906,3 +906,61 @@ async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_wi
     );
     assert!(agent.is_running());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redelivered_request_past_its_start_by_is_never_answered_not_started() {
+    use sas_broker::lapin::options::{BasicGetOptions, BasicRejectOptions};
+    let env = TestEnv::new().await;
+    let (port, calls) = bad_remote().await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let mut late = request(
+        "redelivered-1",
+        StepKind::Action,
+        "busy",
+        Duration::from_millis(300),
+        Duration::from_secs(5),
+    );
+    late.start_by = Some(Utc::now() - chrono::Duration::milliseconds(200));
+    send(&env, &publisher, "payment", &reply_to, &late).await;
+    // An agent took it and died (here: handed it back), so the broker marks
+    // it redelivered: that earlier delivery may have called the service.
+    let channel = connection.create_channel().await.unwrap();
+    let queue = env.amqp().names().agent_requests("payment");
+    let taken = channel
+        .basic_get(&queue, BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("the request is in the queue");
+    taken
+        .delivery
+        .reject(BasicRejectOptions { requeue: true })
+        .await
+        .unwrap();
+    let (mut agent, ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/bad"),
+        &[],
+    );
+    wait_until(
+        "the agent to drop the request",
+        Duration::from_secs(20),
+        || async {
+            match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
+                Some(n) if n >= 1.0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    // Silence: the supervisor counts a failure and marks the step maybe
+    // applied, so an undo covers the earlier delivery's call.
+    let reply = tokio::time::timeout(Duration::from_millis(500), replies.next()).await;
+    assert!(
+        reply.is_err(),
+        "the agent answered a redelivered request: {reply:?}"
+    );
+    assert!(calls.lock().unwrap().is_empty());
+    assert!(agent.is_running());
+}

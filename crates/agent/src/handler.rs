@@ -76,6 +76,7 @@ impl Agent {
         self.handle_request(
             lane,
             request,
+            delivery.redelivered,
             &reply_to,
             trace_id.as_deref(),
             publisher,
@@ -85,10 +86,13 @@ impl Agent {
         .await
     }
 
+    // What one delivery carries, passed through as it is.
+    #[allow(clippy::too_many_arguments)]
     async fn handle_request(
         &self,
         lane: &Lane,
         request: StepRequest,
+        redelivered: bool,
         reply_to: &str,
         trace_id: Option<&str>,
         publisher: &Publisher,
@@ -98,7 +102,7 @@ impl Agent {
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
         let finished = self
-            .call_until_deadline(lane, &request, connection_lost)
+            .call_until_deadline(lane, &request, redelivered, connection_lost)
             .await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
         let outcome = match finished {
@@ -184,6 +188,7 @@ impl Agent {
         &self,
         lane: &Lane,
         request: &StepRequest,
+        redelivered: bool,
         connection_lost: &CancellationToken,
     ) -> Finished {
         let settings = &self.settings.agent;
@@ -194,9 +199,11 @@ impl Agent {
         // answer makes the step "not applied".
         let mut maybe_applied = false;
         let mut last_error = String::new();
-        // Whether this request met the service at all: a call was made, or
-        // the circuit (opened by the service's failures) held it back.
-        let mut tried = false;
+        // Whether this request may have met the service: a call was made,
+        // the circuit (opened by the service's failures) held it back, or it
+        // is a redelivery, whose earlier delivery may have called (an agent
+        // killed mid-call): never "not started" then.
+        let mut tried = redelivered;
         loop {
             let Some(left) = self.time_left(deadlines.start_by) else {
                 return expired(tried, maybe_applied, &last_error);
