@@ -288,6 +288,44 @@ async fn the_last_step_of_a_batch_finishes_its_order() {
     }
 }
 
+/// JIT compilation cost most of Postgres's CPU at saturation: with
+/// `index_plans`, a sequential scan nothing can avoid (the 3-row admission
+/// table) is costed at 10^10, past `jit_above_cost`, and every supervisor
+/// pass compiled its statements for 0.2 to 0.8 s. The services' connections
+/// turn it off even where the database turns it on.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_services_never_compile_statements_even_where_the_database_asks_to() {
+    let env = TestEnv::new().await;
+    sqlx::query(&format!("ALTER DATABASE {} SET jit = on", env.database))
+        .execute(env.store.pool())
+        .await
+        .expect("a database default");
+    let jit = |pool: sqlx::PgPool| async move {
+        let jit: String = sqlx::query_scalar("SHOW jit")
+            .fetch_one(&pool)
+            .await
+            .expect("show jit");
+        pool.close().await;
+        jit
+    };
+    let plain = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&env.database_url)
+        .await
+        .expect("a plain connection");
+    assert_eq!(jit(plain).await, "on", "the database's default applies");
+    let services = sas_store::Store::connect_lazy(
+        &sas_store::DatabaseSettings {
+            max_connections: 1,
+            migrate: false,
+            ..database_settings(&env.database_url)
+        },
+        "sas-tests-services",
+    )
+    .expect("store settings");
+    assert_eq!(jit(services.pool().clone()).await, "off");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn acknowledgements_held_behind_a_slow_message_never_cover_it() {
     let env = TestEnv::new().await;

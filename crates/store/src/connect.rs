@@ -190,10 +190,19 @@ impl DatabaseSettings {
         if !self.ssl_root_cert.is_empty() {
             options = options.ssl_root_cert(&self.ssl_root_cert);
         }
-        let mut server = vec![(
-            "statement_timeout",
-            format!("{}ms", self.statement_timeout_ms),
-        )];
+        let mut server = vec![
+            (
+                "statement_timeout",
+                format!("{}ms", self.statement_timeout_ms),
+            ),
+            // No JIT compilation: every statement here is short. With
+            // index_plans, a sequential scan that cannot be avoided (the
+            // 3-row admission table, a count) is costed at 10^10, far past
+            // jit_above_cost, so each supervisor pass compiled its
+            // statements for 0.2 to 0.8 s of CPU. Measured: that took most
+            // of Postgres's CPU at saturation (README, Performance).
+            ("jit", "off".to_owned()),
+        ];
         if self.index_plans {
             for planner in ["enable_seqscan", "enable_hashjoin", "enable_mergejoin"] {
                 server.push((planner, "off".to_owned()));
