@@ -139,6 +139,18 @@ async fn reply_queue(env: &TestEnv, connection: &Connection) -> (String, Consume
 
 /// A step request for `action` with deadlines `start_in` and `complete_in`
 /// from now (the test's clock stands for the database's).
+/// Waits until the agent serving metrics on `ops` has let a request's
+/// deadline pass without an answer (`sas_agent_deadline_expired_total`).
+async fn wait_expired(ops: u16, what: &str) {
+    wait_until(what, Duration::from_secs(20), || async {
+        match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
+            Some(n) if n >= 1.0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+}
+
 fn request(
     order_id: &str,
     kind: StepKind,
@@ -304,13 +316,7 @@ async fn with_the_wrong_ca_the_agent_says_certificate_stays_up_and_applies_nothi
     .await;
     // The request ends at its start deadline without any call having reached
     // the service: no reply (the supervisor owns the step), nothing applied.
-    wait_until("the request to expire", Duration::from_secs(20), || async {
-        match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
-            Some(n) if n >= 1.0 => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    wait_expired(ops, "the request to expire").await;
     assert!(
         tokio::time::timeout(Duration::from_millis(500), replies.next())
             .await
@@ -551,17 +557,7 @@ async fn an_agent_whose_clock_runs_two_seconds_behind_never_starts_a_call_after_
     );
     let start_by = request.start_by.unwrap();
     send(&env, &publisher, "payment", &reply_to, &request).await;
-    wait_until(
-        "the agent to stop calling",
-        Duration::from_secs(20),
-        || async {
-            match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
-                Some(n) if n >= 1.0 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    wait_expired(ops, "the agent to stop calling").await;
     let calls = calls.lock().unwrap().clone();
     assert!(!calls.is_empty(), "the agent called before start_by");
     let behind = sas_tests::process::metric(ops, "sas_agent_clock_behind_seconds")
@@ -870,6 +866,26 @@ async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_fo
     assert!(agent_process.is_running());
 }
 
+/// Publishes to the payment agent's queue a request whose start-by passed
+/// 200 ms ago (its 5 s deadline has not), as one that waited in line.
+async fn send_late(
+    env: &TestEnv,
+    publisher: &Publisher,
+    reply_to: &str,
+    order_id: &str,
+) -> StepRequest {
+    let mut late = request(
+        order_id,
+        StepKind::Action,
+        "busy",
+        Duration::from_millis(300),
+        Duration::from_secs(5),
+    );
+    late.start_by = Some(Utc::now() - chrono::Duration::milliseconds(200));
+    send(env, publisher, "payment", reply_to, &late).await;
+    late
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_without_a_call() {
     let env = TestEnv::new().await;
@@ -877,15 +893,7 @@ async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_wi
     let (connection, publisher) = env.broker().await;
     let (reply_to, mut replies) = reply_queue(&env, &connection).await;
     // Published before the agent runs: it waits in the queue past start-by.
-    let mut late = request(
-        "queued-1",
-        StepKind::Action,
-        "busy",
-        Duration::from_millis(300),
-        Duration::from_secs(5),
-    );
-    late.start_by = Some(Utc::now() - chrono::Duration::milliseconds(200));
-    send(&env, &publisher, "payment", &reply_to, &late).await;
+    let late = send_late(&env, &publisher, &reply_to, "queued-1").await;
     let (mut agent, _ops) = agent(
         &env,
         "payment",
@@ -914,15 +922,7 @@ async fn a_redelivered_request_past_its_start_by_is_never_answered_not_started()
     let (port, calls) = bad_remote().await;
     let (connection, publisher) = env.broker().await;
     let (reply_to, mut replies) = reply_queue(&env, &connection).await;
-    let mut late = request(
-        "redelivered-1",
-        StepKind::Action,
-        "busy",
-        Duration::from_millis(300),
-        Duration::from_secs(5),
-    );
-    late.start_by = Some(Utc::now() - chrono::Duration::milliseconds(200));
-    send(&env, &publisher, "payment", &reply_to, &late).await;
+    send_late(&env, &publisher, &reply_to, "redelivered-1").await;
     // An agent took it and died (here: handed it back), so the broker marks
     // it redelivered: that earlier delivery may have called the service.
     let channel = connection.create_channel().await.unwrap();
@@ -943,17 +943,7 @@ async fn a_redelivered_request_past_its_start_by_is_never_answered_not_started()
         &format!("http://127.0.0.1:{port}/bad"),
         &[],
     );
-    wait_until(
-        "the agent to drop the request",
-        Duration::from_secs(20),
-        || async {
-            match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
-                Some(n) if n >= 1.0 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    wait_expired(ops, "the agent to drop the request").await;
     // Silence: the supervisor counts a failure and marks the step maybe
     // applied, so an undo covers the earlier delivery's call.
     let reply = tokio::time::timeout(Duration::from_millis(500), replies.next()).await;
