@@ -352,6 +352,108 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sustained_overload_that_grows_the_orders_queue_loses_nothing_and_keeps_the_scheduler_small(
+) {
+    const HELD: usize = 1000;
+    const MORE: usize = 500;
+    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    set_latency(&sim, 100).await;
+    // Four calls at a time per agent queue: about 40 orders a second.
+    let agents = vec![("SAS_AGENT__CONCURRENCY", "4".to_owned())];
+    let mut system = System {
+        agents: env.agents(1, &sim, &agents),
+        schedulers: vec![env.scheduler(0, &scheduler_vars())],
+        supervisors: vec![env.supervisor(0, &supervisor_vars(0))],
+        sim_process,
+        sim,
+    };
+    let (connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("sustained-warmup"))
+        .await;
+    env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
+        .await;
+    let scheduler_pid = system.schedulers[0].pid();
+    let idle_rss_kib = rss_kib(scheduler_pid);
+    // Intake held back (the scheduler frozen) while 25 seconds of work
+    // arrive: the orders queue grows.
+    let scheduler = Pid::from_raw(scheduler_pid as i32);
+    kill(scheduler, Signal::SIGSTOP).expect("freeze the scheduler");
+    for order in orders("held", HELD, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    let channel = connection.create_channel().await.expect("channel");
+    let orders_queue = env.amqp().names().orders();
+    let held = ready_messages(&channel, &orders_queue).await;
+    // The frozen consumer may hold its prefetch (64) unacknowledged.
+    assert!(
+        held >= (HELD - 64) as u32,
+        "only {held} orders in the queue"
+    );
+    kill(scheduler, Signal::SIGCONT).expect("thaw the scheduler");
+    // More keep coming, faster than the remote services finish them.
+    for order in orders("more", MORE, None) {
+        env.publish_order(&publisher, &order).await;
+    }
+    let total = (HELD + MORE + 1) as i64;
+    let mut peak_rss_kib = 0;
+    wait_until(
+        "every order taken in and processed",
+        Duration::from_secs(240),
+        || {
+            peak_rss_kib = peak_rss_kib.max(rss_kib(scheduler_pid));
+            let (env, channel, queue) = (&env, &channel, &orders_queue);
+            async move {
+                let depth = ready_messages(channel, queue).await;
+                let processed = env.count(ProcessState::Processed).await;
+                if processed == total && depth == 0 {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{processed} processed, {depth} in the orders queue"
+                    ))
+                }
+            }
+        },
+    )
+    .await;
+    system.assert_all_running();
+    assert_all_processed_and_some_waited(&env, total).await;
+    // Nothing lost, nothing done twice, nothing undone.
+    let effects = system.sim.effects_by_order().await;
+    assert_eq!(effects.len() as i64, total);
+    assert!(
+        effects
+            .values()
+            .all(|&(forward, undo)| forward == 3 && undo == 0),
+        "{effects:?}"
+    );
+    println!("scheduler RSS {idle_rss_kib} KiB idle, {peak_rss_kib} KiB at peak; {held} orders held in the queue");
+    // The backlog waits in the broker and in Postgres, not in the
+    // scheduler's memory: 1,500 orders cost it no more than a few MiB.
+    assert!(
+        peak_rss_kib < idle_rss_kib + 32 * 1024 && peak_rss_kib < 128 * 1024,
+        "scheduler RSS {idle_rss_kib} KiB idle, peaked at {peak_rss_kib} KiB with {held} orders queued"
+    );
+}
+
+/// Messages ready in `queue`, by a passive declare.
+async fn ready_messages(channel: &sas_broker::lapin::Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue,
+            sas_broker::lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .expect("passive declare of the orders queue")
+        .message_count()
+}
+
 /// Resident memory of a process, in KiB (0 when it cannot be read).
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
