@@ -39,12 +39,16 @@ pub struct SoakSample {
     pub rss_mib: Vec<(String, f64)>,
 }
 
-/// The settings the soak gives every service: retention `secs` short.
-pub fn settings(secs: u64) -> [(&'static str, String); 3] {
+/// The settings the soak gives every service: retention `secs` short, and
+/// remote-sim forgetting idempotency keys four times that long after it
+/// decided them (a step's calls all happen before its order finishes), so
+/// that the simulator's memory levels off like the services'.
+pub fn settings(secs: u64) -> [(&'static str, String); 4] {
     [
         ("SAS_RETENTION__FINISHED_SECS", secs.to_string()),
         ("SAS_RETENTION__DEAD_LETTERS_SECS", secs.to_string()),
         ("SAS_RETENTION__INTERVAL_MS", "1000".to_owned()),
+        ("SAS_SIM__KEYS_KEPT_SECS", (secs * 4).to_string()),
     ]
 }
 

@@ -1,7 +1,7 @@
 //! What the simulated services decided per idempotency key, and the side
 //! effects they applied, optionally journaled to a file.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 
@@ -78,20 +78,30 @@ pub struct Stats {
 /// Decisions per key, in order, with an optional journal.
 #[derive(Debug, Default)]
 pub struct Ledger {
+    /// Each key's position in the whole history (forgotten entries included).
     by_key: HashMap<String, usize>,
-    entries: Vec<Entry>,
+    entries: VecDeque<Entry>,
+    /// Entries dropped from the front, so that `by_key` positions stay valid.
+    forgotten: usize,
+    /// How long a key is remembered; `None` remembers every key.
+    keep_for: Option<chrono::Duration>,
     journal: Option<File>,
     /// Counters.
     pub stats: Stats,
 }
 
 impl Ledger {
-    /// An empty ledger, or the one journaled at `path` (created if missing).
+    /// An empty ledger, or the one journaled at `path` (created if missing),
+    /// remembering each key for `keep_secs` after it was decided (0: for ever).
     ///
     /// # Errors
     /// When the journal cannot be opened or holds a line that does not parse.
-    pub fn open(path: &str) -> anyhow::Result<Self> {
-        let mut ledger = Self::default();
+    pub fn open(path: &str, keep_secs: u64) -> anyhow::Result<Self> {
+        let mut ledger = Self {
+            keep_for: (keep_secs > 0)
+                .then(|| chrono::Duration::seconds(i64::try_from(keep_secs).unwrap_or(i64::MAX))),
+            ..Self::default()
+        };
         if path.is_empty() {
             return Ok(ledger);
         }
@@ -125,15 +135,40 @@ impl Ledger {
         if matches!(entry.decision, Decision::Applied { .. }) {
             self.stats.applied += 1;
         }
-        self.by_key.insert(entry.key.clone(), self.entries.len());
-        self.entries.push(entry);
+        self.by_key
+            .insert(entry.key.clone(), self.forgotten + self.entries.len());
+        let newest = entry.at;
+        self.entries.push_back(entry);
+        self.forget_before(newest);
+    }
+
+    /// Drops the keys decided longer than `keep_for` before `now`, as a real
+    /// API forgets its idempotency keys (Stripe after 24 hours): without it a
+    /// long soak's simulator grows by every key it has seen.
+    fn forget_before(&mut self, now: DateTime<Utc>) {
+        let Some(keep_for) = self.keep_for else {
+            return;
+        };
+        while let Some(oldest) = self.entries.front() {
+            if now - oldest.at <= keep_for {
+                break;
+            }
+            let position = self.forgotten;
+            if let Some(oldest) = self.entries.pop_front() {
+                if self.by_key.get(&oldest.key) == Some(&position) {
+                    self.by_key.remove(&oldest.key);
+                }
+            }
+            self.forgotten += 1;
+        }
     }
 
     /// The decision already taken for `key`, if any.
     pub fn decided(&self, key: &str) -> Option<&Decision> {
         self.by_key
             .get(key)
-            .map(|&index| &self.entries[index].decision)
+            .and_then(|&position| self.entries.get(position - self.forgotten))
+            .map(|entry| &entry.decision)
     }
 
     /// Records a decision (journaling it first, so that an answered call is
@@ -151,8 +186,62 @@ impl Ledger {
         Ok(())
     }
 
-    /// Every decision, oldest first.
-    pub fn entries(&self) -> &[Entry] {
-        &self.entries
+    /// Every decision still remembered, oldest first.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(key: &str, at_secs: i64) -> Entry {
+        Entry {
+            key: key.to_owned(),
+            service: "payment".to_owned(),
+            operation: "charge".to_owned(),
+            order_id: None,
+            decision: Decision::Applied {
+                result: serde_json::json!({}),
+            },
+            at: DateTime::from_timestamp(at_secs, 0).expect("a time"),
+            applied_at: None,
+        }
+    }
+
+    #[test]
+    fn keys_are_forgotten_only_after_they_have_been_kept_long_enough() {
+        let mut ledger = Ledger::open("", 60).expect("in memory");
+        ledger.decide(entry("a", 1_000)).unwrap();
+        ledger.decide(entry("b", 1_030)).unwrap();
+        ledger.decide(entry("c", 1_060)).unwrap();
+        assert!(ledger.decided("a").is_some(), "60 s old: still kept");
+        ledger.decide(entry("d", 1_061)).unwrap();
+        assert!(ledger.decided("a").is_none(), "61 s old: forgotten");
+        assert!(ledger.decided("b").is_some() && ledger.decided("d").is_some());
+        let keys: Vec<_> = ledger.entries().map(|e| e.key.as_str()).collect();
+        assert_eq!(keys, ["b", "c", "d"]);
+        assert_eq!(ledger.stats.applied, 4, "the counters keep counting");
+    }
+
+    #[test]
+    fn a_key_decided_again_is_not_forgotten_with_its_first_entry() {
+        let mut ledger = Ledger::open("", 10).expect("in memory");
+        ledger.decide(entry("a", 0)).unwrap();
+        ledger.decide(entry("a", 8)).unwrap();
+        ledger.decide(entry("b", 15)).unwrap();
+        assert!(ledger.decided("a").is_some(), "its newer entry is 7 s old");
+        ledger.decide(entry("b", 19)).unwrap();
+        assert!(ledger.decided("a").is_none());
+    }
+
+    #[test]
+    fn zero_keeps_every_key() {
+        let mut ledger = Ledger::open("", 0).expect("in memory");
+        ledger.decide(entry("a", 0)).unwrap();
+        ledger.decide(entry("b", 100_000_000)).unwrap();
+        assert!(ledger.decided("a").is_some());
+        assert_eq!(ledger.entries().count(), 2);
     }
 }

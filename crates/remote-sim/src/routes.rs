@@ -92,7 +92,10 @@ impl SimState {
             settings.sim.seed
         };
         Ok(Self {
-            ledger: Arc::new(Mutex::new(Ledger::open(&settings.sim.journal_file)?)),
+            ledger: Arc::new(Mutex::new(Ledger::open(
+                &settings.sim.journal_file,
+                settings.sim.keys_kept_secs,
+            )?)),
             faults: Arc::new(RwLock::new((settings.sim.faults, HashMap::new()))),
             rng: Arc::new(Mutex::new(StdRng::seed_from_u64(seed))),
             decline_above_cents: settings.sim.decline_above_cents,
@@ -458,7 +461,7 @@ fn now_micros() -> chrono::DateTime<chrono::Utc> {
 }
 
 async fn side_effects(State(state): State<SimState>) -> Json<Vec<Entry>> {
-    Json(state.ledger().entries().to_vec())
+    Json(state.ledger().entries().cloned().collect())
 }
 
 async fn stats(State(state): State<SimState>) -> Json<crate::ledger::Stats> {

@@ -26,6 +26,8 @@ pub struct SimSettings {
     pub seed: u64,
     /// Journal of applied side effects; empty keeps them in memory.
     pub journal_file: String,
+    /// Seconds a decided key is remembered (and listed); 0 remembers every key.
+    pub keys_kept_secs: u64,
     /// Payments above this amount are declined.
     pub decline_above_cents: i64,
     /// Faults applied to every service.
