@@ -281,7 +281,7 @@ impl Drop for TestEnv {
                     {
                         eprintln!("could not delete queues of {}: {error}", settings.prefix);
                     }
-                    let _ = connection.close(200, "cleanup").await;
+                    let _ = connection.close(200, "cleanup".into()).await;
                 }
             });
         });

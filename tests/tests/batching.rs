@@ -395,14 +395,14 @@ async fn acknowledgements_held_behind_a_slow_message_never_cover_it() {
     tokio::time::sleep(ACK_HOLD * 10).await;
     // The consumer goes away with the slow message in hand (as a process
     // that dies would): the broker puts back what was not acknowledged.
-    connection.close(200, "gone").await.expect("close");
+    connection.close(200, "gone".into()).await.expect("close");
     consuming.abort();
 
     let channel = client.create_channel().await.expect("channel");
     let ready = |channel: sas_broker::lapin::Channel, queue: String| async move {
         channel
             .queue_declare(
-                &queue,
+                queue.into(),
                 QueueDeclareOptions {
                     passive: true,
                     ..QueueDeclareOptions::default()
@@ -429,7 +429,7 @@ async fn acknowledgements_held_behind_a_slow_message_never_cover_it() {
     .await;
     let mut back = Vec::new();
     while let Some(message) = channel
-        .basic_get(&queue, BasicGetOptions { no_ack: true })
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
         .await
         .expect("get")
     {

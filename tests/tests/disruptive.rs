@@ -136,13 +136,13 @@ async fn publish_through_outages(env: &TestEnv, ids: Vec<String>, pace: Duration
             })
             .await;
             if let Ok(Some((c, p))) = reconnected {
-                let _ = connection.close(200, "replaced").await;
+                let _ = connection.close(200, "replaced".into()).await;
                 (connection, publisher) = (c, p);
             }
         }
         tokio::time::sleep(pace).await;
     }
-    let _ = connection.close(200, "done").await;
+    let _ = connection.close(200, "done".into()).await;
 }
 
 /// Runs 300 orders through a system of two agents per queue, lets `outage`

@@ -476,7 +476,7 @@ async fn a_client_s_reply_to_and_correlation_id_properties_are_honoured() {
     let client_queue = format!("{}rpc-client", env.prefix);
     channel
         .queue_declare(
-            &client_queue,
+            client_queue.as_str().into(),
             QueueDeclareOptions::default(),
             FieldTable::default(),
         )
@@ -484,8 +484,8 @@ async fn a_client_s_reply_to_and_correlation_id_properties_are_honoured() {
         .unwrap();
     let mut consumer = channel
         .basic_consume(
-            &client_queue,
-            "rpc",
+            client_queue.as_str().into(),
+            "rpc".into(),
             BasicConsumeOptions {
                 no_ack: true,
                 ..Default::default()

@@ -173,7 +173,10 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         Duration::from_secs(20),
         || async {
             match channel
-                .basic_get(&names.dead_letters(), BasicGetOptions { no_ack: true })
+                .basic_get(
+                    names.dead_letters().into(),
+                    BasicGetOptions { no_ack: true },
+                )
                 .await
             {
                 Ok(Some(message)) => Ok(header_str(
@@ -229,7 +232,10 @@ async fn malformed_json_a_wrong_schema_version_and_an_unknown_field_are_dead_let
     let collected = std::sync::Mutex::new(Vec::<(String, String)>::new());
     wait_until("five dead letters", Duration::from_secs(30), || async {
         while let Ok(Some(message)) = channel
-            .basic_get(&names.dead_letters(), BasicGetOptions { no_ack: true })
+            .basic_get(
+                names.dead_letters().into(),
+                BasicGetOptions { no_ack: true },
+            )
             .await
         {
             let properties = &message.delivery.properties;
@@ -385,7 +391,7 @@ async fn a_test_environment_removes_its_database_and_queues() {
     let channel = connection.create_channel().await.unwrap();
     let passive = channel
         .queue_declare(
-            &settings.names().orders(),
+            settings.names().orders().into(),
             sas_broker::lapin::options::QueueDeclareOptions {
                 passive: true,
                 ..Default::default()

@@ -442,7 +442,7 @@ async fn a_sustained_overload_that_grows_the_orders_queue_loses_nothing_and_keep
 async fn ready_messages(channel: &sas_broker::lapin::Channel, queue: &str) -> u32 {
     channel
         .queue_declare(
-            queue,
+            queue.into(),
             sas_broker::lapin::options::QueueDeclareOptions {
                 passive: true,
                 ..Default::default()

@@ -113,7 +113,7 @@ async fn reply_queue(env: &TestEnv, connection: &Connection) -> (String, Consume
     let queue = format!("{}test-replies", env.prefix);
     channel
         .queue_declare(
-            &queue,
+            queue.as_str().into(),
             QueueDeclareOptions {
                 exclusive: true,
                 ..Default::default()
@@ -124,8 +124,8 @@ async fn reply_queue(env: &TestEnv, connection: &Connection) -> (String, Consume
         .unwrap();
     let consumer = channel
         .basic_consume(
-            &queue,
-            "test",
+            queue.as_str().into(),
+            "test".into(),
             BasicConsumeOptions {
                 no_ack: true,
                 ..Default::default()
@@ -928,15 +928,16 @@ async fn a_redelivered_request_past_its_start_by_is_never_answered_not_started()
     let channel = connection.create_channel().await.unwrap();
     let queue = env.amqp().names().agent_requests("payment");
     let taken = channel
-        .basic_get(&queue, BasicGetOptions::default())
+        .basic_get(queue.as_str().into(), BasicGetOptions::default())
         .await
         .unwrap()
         .expect("the request is in the queue");
-    taken
+    let rejected = taken
         .delivery
         .reject(BasicRejectOptions { requeue: true })
         .await
         .unwrap();
+    assert!(rejected, "the request was not handed back to the queue");
     let (mut agent, ops) = agent(
         &env,
         "payment",

@@ -78,7 +78,7 @@ async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() 
     let client_queue = format!("{}client", env.prefix);
     channel
         .queue_declare(
-            &client_queue,
+            client_queue.as_str().into(),
             QueueDeclareOptions::default(),
             FieldTable::default(),
         )
@@ -126,8 +126,8 @@ async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() 
     // The client's queue got the story in order.
     let mut consumer = channel
         .basic_consume(
-            &client_queue,
-            "t",
+            client_queue.as_str().into(),
+            "t".into(),
             BasicConsumeOptions {
                 no_ack: true,
                 ..Default::default()
@@ -582,8 +582,8 @@ async fn a_poison_request_is_dead_lettered_recorded_and_its_order_undone() {
         .unwrap();
     let mut consumer = channel
         .basic_consume(
-            &names.agent_requests("payment"),
-            "crashing",
+            names.agent_requests("payment").into(),
+            "crashing".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
@@ -599,16 +599,17 @@ async fn a_poison_request_is_dead_lettered_recorded_and_its_order_undone() {
             .unwrap()
             .unwrap();
         deliveries += 1;
-        delivery
+        let requeued = delivery
             .nack(BasicNackOptions {
                 requeue: true,
                 ..Default::default()
             })
             .await
             .unwrap();
+        assert!(requeued, "the request was not handed back to the queue");
     }
     drop(consumer);
-    let _ = channel.close(200, "done").await;
+    let _ = channel.close(200, "done".into()).await;
 
     // RabbitMQ dead-lettered it; the supervisor recorded it and had the order undone.
     let _payment = env.agent("payment", 0, &sim, &[]);

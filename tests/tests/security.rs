@@ -141,8 +141,8 @@ async fn try_publish(
         .map_err(|e| e.to_string())?;
     let confirm = channel
         .basic_publish(
-            exchange,
-            routing_key,
+            exchange.into(),
+            routing_key.into(),
             BasicPublishOptions {
                 mandatory: true,
                 ..Default::default()
@@ -170,8 +170,8 @@ async fn try_consume(connection: &Connection, queue: &str) -> Result<(), String>
         .map_err(|e| e.to_string())?;
     channel
         .basic_consume(
-            queue,
-            "",
+            queue.into(),
+            "".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
@@ -187,7 +187,7 @@ async fn try_declare(connection: &Connection, queue: &str) -> Result<(), String>
         .map_err(|e| e.to_string())?;
     channel
         .queue_declare(
-            queue,
+            queue.into(),
             QueueDeclareOptions {
                 auto_delete: true,
                 ..Default::default()
@@ -290,8 +290,8 @@ async fn rabbitmq_refuses_a_client_outside_its_documented_permissions() {
             )
             .await,
         );
-        let _ = connection.close(200, "done").await;
-        let _ = other.close(200, "done").await;
+        let _ = connection.close(200, "done".into()).await;
+        let _ = other.close(200, "done".into()).await;
     }
     drop(users);
     let listed = Command::new("rabbitmqctl")
@@ -548,7 +548,7 @@ async fn under_role_users_a_forged_reply_and_forged_dead_letter_headers_change_n
     let effects = sim.effects_by_order().await;
     assert_eq!(effects.get("victim-1"), Some(&(3, 0)), "{effects:?}");
     system.assert_alive().await;
-    let _ = client.close(200, "done").await;
+    let _ = client.close(200, "done".into()).await;
 }
 
 #[tokio::test]

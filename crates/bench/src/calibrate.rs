@@ -25,8 +25,8 @@ pub async fn broker_limit(env: &TestEnv, messages: usize) -> anyhow::Result<f64>
     channel.basic_qos(256, BasicQosOptions::default()).await?;
     let mut consumer = channel
         .basic_consume(
-            &queue,
-            "calibration",
+            queue.as_str().into(),
+            "calibration".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
@@ -40,7 +40,10 @@ pub async fn broker_limit(env: &TestEnv, messages: usize) -> anyhow::Result<f64>
             let Some(Ok(delivery)) = consumer.next().await else {
                 anyhow::bail!("the calibration consumer stopped");
             };
-            delivery.ack(BasicAckOptions::default()).await?;
+            anyhow::ensure!(
+                delivery.ack(BasicAckOptions::default()).await?,
+                "a calibration delivery could not be acknowledged"
+            );
             received += 1;
         }
         Ok(())
@@ -63,9 +66,9 @@ pub async fn broker_limit(env: &TestEnv, messages: usize) -> anyhow::Result<f64>
     consumed?;
     let rate = messages as f64 / started.elapsed().as_secs_f64();
     channel
-        .queue_delete(&queue, QueueDeleteOptions::default())
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await?;
-    let _ = connection.close(200, "calibrated").await;
+    let _ = connection.close(200, "calibrated".into()).await;
     Ok(rate)
 }
 

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::{Connection, ConnectionProperties};
+use futures_util::StreamExt;
+use lapin::{Connection, ConnectionProperties, Event};
 use rand::RngExt;
 use tokio_util::sync::CancellationToken;
 
@@ -19,10 +20,9 @@ use crate::{AmqpSettings, BrokerError};
 /// # Errors
 /// When the broker is unreachable, refuses the credentials, or does not answer in time.
 pub async fn connect(settings: &AmqpSettings, name: &str) -> Result<Connection, BrokerError> {
-    let properties = ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio)
-        .with_connection_name(name.into());
+    // lapin 4 runs on the current tokio runtime through its `tokio` feature.
+    // Its automatic recovery stays off (the default): Session::run is our recovery.
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
     timed(
         "connecting",
         settings.operation_timeout(),
@@ -66,11 +66,12 @@ impl Session {
     /// Runs `work` on a fresh connection, again and again, until `shutdown`.
     ///
     /// `work` gets the connection and a confirmed publisher on it. When the
-    /// connection fails (lapin reports an error, or `work` returns one), the
-    /// work is dropped, and after a jittered, growing wait a new connection is
-    /// made and `work` starts again. Deliveries that were unacknowledged on the
-    /// lost connection are requeued by the broker. `work` returning `Ok` ends
-    /// the loop: it does so after it has drained on shutdown.
+    /// connection fails (lapin reports a connection error, or `work` returns
+    /// one), the work is dropped, and after a jittered, growing wait a new
+    /// connection is made and `work` starts again. Deliveries that were
+    /// unacknowledged on the lost connection are requeued by the broker.
+    /// `work` returning `Ok` ends the loop: it does so after it has drained on
+    /// shutdown.
     pub async fn run<F, Fut>(&self, shutdown: CancellationToken, mut work: F)
     where
         F: FnMut(Arc<Connection>, Publisher) -> Fut,
@@ -95,9 +96,11 @@ impl Session {
                     self.publisher.set(None);
                     let _ = tokio::time::timeout(
                         self.settings.operation_timeout(),
-                        connection.close(200, "closing"),
+                        connection.close(200, "closing".into()),
                     )
                     .await;
+                    // Ends this connection's event listener task (see `open`).
+                    lost.cancel();
                     // A connection that fails again at once (a refused
                     // declaration, revoked rights) keeps the backoff growing.
                     if connected_at.elapsed() >= std::time::Duration::from_secs(10) {
@@ -134,15 +137,50 @@ impl Session {
     async fn open(&self) -> Result<(Arc<Connection>, Publisher, CancellationToken), BrokerError> {
         let connection = connect(&self.settings, &self.name).await?;
         let lost = CancellationToken::new();
-        let on_error = lost.clone();
-        connection.on_error(move |error| {
-            tracing::warn!(error = %error, "RabbitMQ connection error");
-            on_error.cancel();
-        });
-        let mut publisher = Publisher::open(&connection, self.settings.operation_timeout()).await?;
+        watch_errors(&connection, lost.clone());
+        // On failure, cancelling `lost` ends the listener task.
+        let mut publisher = Publisher::open(&connection, self.settings.operation_timeout())
+            .await
+            .inspect_err(|_| lost.cancel())?;
         if let Some(user) = self.settings.user() {
             publisher = publisher.identified_as(user);
         }
         Ok((Arc::new(connection), publisher, lost))
     }
+}
+
+/// Spawns a task that cancels `lost` when `connection` fails. The task ends
+/// then, or when the owner of `lost` cancels it after closing the connection.
+///
+/// lapin 4 reports errors as events, and its stream also carries the errors of
+/// single channels the broker closed (a passive declare's NOT_FOUND, an
+/// ACCESS_REFUSED), which lapin 2's `on_error` did not. Those leave the
+/// connection up (the call that caused them has already failed), so they must
+/// not tear the session down. lapin marks the connection as failed before it
+/// sends a connection error, so a soft error while still connected is a
+/// channel's. Call it before anything can fail: lapin only sends events while
+/// a listener exists.
+fn watch_errors(connection: &Connection, lost: CancellationToken) {
+    let mut events = Box::pin(connection.events_listener());
+    let status = connection.status().clone();
+    tokio::spawn(async move {
+        loop {
+            let event = tokio::select! {
+                () = lost.cancelled() => return,
+                event = events.next() => event,
+            };
+            match event {
+                None => return,
+                Some(Event::Error(error)) if status.connected() && error.is_amqp_soft_error() => {
+                    tracing::debug!(error = %error, "RabbitMQ closed a channel");
+                }
+                Some(Event::Error(error)) => {
+                    tracing::warn!(error = %error, "RabbitMQ connection error");
+                    lost.cancel();
+                    return;
+                }
+                Some(_) => {} // Connected, ConnectionBlocked, SendFlow, ... (non_exhaustive)
+            }
+        }
+    });
 }

@@ -121,8 +121,8 @@ where
         "starting a consumer",
         timeout,
         channel.basic_consume(
-            queue,
-            "",
+            queue.into(),
+            "".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         ),
@@ -194,7 +194,7 @@ where
         let _ = timed(
             "cancelling a consumer",
             timeout,
-            channel.basic_cancel(consumer_tag.as_str(), BasicCancelOptions::default()),
+            channel.basic_cancel(consumer_tag, BasicCancelOptions::default()),
         )
         .await;
     }
@@ -209,7 +209,12 @@ where
     // Send what is finished, then close: the rest goes back to the queue.
     let _ = settle.send(Settle::Stop);
     let _ = tokio::time::timeout(timeout, settler).await;
-    let _ = timed("closing a channel", timeout, channel.close(200, "done")).await;
+    let _ = timed(
+        "closing a channel",
+        timeout,
+        channel.close(200, "done".into()),
+    )
+    .await;
     result
 }
 

@@ -4,9 +4,8 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use sas_messages::CONTENT_TYPE_JSON;
 use serde::Serialize;
 
@@ -97,8 +96,13 @@ impl Publisher {
         let confirm = timed(
             "publishing",
             self.timeout,
-            self.channel
-                .basic_publish(exchange, routing_key, options, body, properties),
+            self.channel.basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                options,
+                body,
+                properties,
+            ),
         )
         .await?;
         Ok(Pending {
@@ -177,7 +181,7 @@ pub fn json_properties(message_id: &str) -> BasicProperties {
 /// A message handed to the broker whose confirm has not been awaited yet.
 #[must_use = "a message is only safe once its confirm has been awaited"]
 pub struct Pending {
-    confirm: lapin::publisher_confirm::PublisherConfirm,
+    confirm: PublisherConfirm,
     routing_key: String,
     timeout: Duration,
 }

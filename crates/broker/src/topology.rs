@@ -96,7 +96,7 @@ async fn declare_queue(
         "declaring a queue",
         settings.operation_timeout(),
         channel.queue_declare(
-            name,
+            name.into(),
             QueueDeclareOptions {
                 durable: true,
                 ..QueueDeclareOptions::default()
@@ -118,7 +118,7 @@ async fn declare_exchange(
         "declaring an exchange",
         settings.operation_timeout(),
         channel.exchange_declare(
-            name,
+            name.into(),
             kind,
             ExchangeDeclareOptions {
                 durable: true,
@@ -141,9 +141,9 @@ async fn bind(
         "binding a queue",
         settings.operation_timeout(),
         channel.queue_bind(
-            queue,
-            exchange,
-            routing_key,
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         ),
@@ -221,7 +221,7 @@ pub async fn delete_all(
         timed(
             "deleting a queue",
             timeout,
-            channel.queue_delete(&queue, QueueDeleteOptions::default()),
+            channel.queue_delete(queue.into(), QueueDeleteOptions::default()),
         )
         .await?;
     }
@@ -233,7 +233,7 @@ pub async fn delete_all(
         timed(
             "deleting an exchange",
             timeout,
-            channel.exchange_delete(&exchange, ExchangeDeleteOptions::default()),
+            channel.exchange_delete(exchange.into(), ExchangeDeleteOptions::default()),
         )
         .await?;
     }
@@ -259,7 +259,7 @@ pub async fn status_consumer(
         "declaring a status queue",
         timeout,
         channel.queue_declare(
-            "",
+            "".into(),
             QueueDeclareOptions {
                 exclusive: true,
                 auto_delete: true,
@@ -283,8 +283,8 @@ pub async fn status_consumer(
         "consuming status messages",
         timeout,
         channel.basic_consume(
-            queue.name().as_str(),
-            "",
+            queue.name().clone(),
+            "".into(),
             lapin::options::BasicConsumeOptions {
                 no_ack: true,
                 ..Default::default()
@@ -313,6 +313,11 @@ pub async fn declare(
     for queue in queues {
         declare_work_queue(&channel, settings, queue).await?;
     }
-    let _ = timed("closing a channel", timeout, channel.close(200, "declared")).await;
+    let _ = timed(
+        "closing a channel",
+        timeout,
+        channel.close(200, "declared".into()),
+    )
+    .await;
     Ok(())
 }

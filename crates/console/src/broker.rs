@@ -62,7 +62,7 @@ pub async fn queue_depths(
             let channel = connection.create_channel().await?;
             let declared = channel
                 .queue_declare(
-                    queue,
+                    queue.as_str().into(),
                     QueueDeclareOptions {
                         passive: true,
                         ..QueueDeclareOptions::default()
@@ -71,7 +71,7 @@ pub async fn queue_depths(
                 )
                 .await;
             if declared.is_ok() {
-                let _ = channel.close(200, "read").await;
+                let _ = channel.close(200, "read".into()).await;
             }
             declared
         };

@@ -275,6 +275,6 @@ async fn announce(target: &crate::Target, progress: &sas_store::Progress) -> any
     sas_announce::Announcer::new(&settings)
         .announce(Some(&publisher), progress)
         .await?;
-    let _ = connection.close(200, "done").await;
+    let _ = connection.close(200, "done".into()).await;
     Ok(())
 }

@@ -322,7 +322,7 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
                         replay.queue
                     )
                 })?;
-            let _ = connection.close(200, "done").await;
+            let _ = connection.close(200, "done".into()).await;
             store
                 .dispose_dead_letter(id, Disposition::Replayed, ACTOR)
                 .await?;
