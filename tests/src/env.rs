@@ -1,5 +1,6 @@
 //! One test's private world: a database, a queue prefix, a folder for logs.
 
+use sqlx::AssertSqlSafe;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -85,7 +86,7 @@ impl TestEnv {
         let mut admin = sqlx::PgConnection::connect(&admin_url())
             .await
             .expect("connect to Postgres as admin (set SAS_TEST_DATABASE_ADMIN_URL)");
-        sqlx::query(&format!("CREATE DATABASE {database}"))
+        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {database}")))
             .execute(&mut admin)
             .await
             .expect("create the test database");
@@ -268,10 +269,11 @@ impl Drop for TestEnv {
                 .expect("runtime");
             runtime.block_on(async move {
                 if let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url()).await {
-                    if let Err(error) =
-                        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-                            .execute(&mut admin)
-                            .await
+                    if let Err(error) = sqlx::query(AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+                    )))
+                    .execute(&mut admin)
+                    .await
                     {
                         eprintln!("could not drop {database}: {error}");
                     }

@@ -3,6 +3,7 @@
 //! item must not fail the others), and coalesced acknowledgements in the
 //! consumers (a `multiple` ack must never cover a message still in hand).
 
+use sqlx::AssertSqlSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +45,7 @@ fn accepted(outcome: &Result<Intake, sas_store::StoreError>) -> Dispatch {
     }
 }
 
-async fn count(env: &TestEnv, sql: &str) -> i64 {
+async fn count(env: &TestEnv, sql: impl sqlx::SqlSafeStr) -> i64 {
     sqlx::query_scalar(sql)
         .fetch_one(env.store.pool())
         .await
@@ -277,7 +278,9 @@ async fn the_last_step_of_a_batch_finishes_its_order() {
     for event in ["received", "step_completed", "processed"] {
         let transactions = count(
             &env,
-            &format!("SELECT count(DISTINCT xmin::text) FROM history WHERE event = '{event}'"),
+            AssertSqlSafe(format!(
+                "SELECT count(DISTINCT xmin::text) FROM history WHERE event = '{event}'"
+            )),
         )
         .await;
         let batches = if event == "step_completed" { 3 } else { 1 };
@@ -296,10 +299,13 @@ async fn the_last_step_of_a_batch_finishes_its_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_services_never_compile_statements_even_where_the_database_asks_to() {
     let env = TestEnv::new().await;
-    sqlx::query(&format!("ALTER DATABASE {} SET jit = on", env.database))
-        .execute(env.store.pool())
-        .await
-        .expect("a database default");
+    sqlx::query(AssertSqlSafe(format!(
+        "ALTER DATABASE {} SET jit = on",
+        env.database
+    )))
+    .execute(env.store.pool())
+    .await
+    .expect("a database default");
     let jit = |pool: sqlx::PgPool| async move {
         let jit: String = sqlx::query_scalar("SHOW jit")
             .fetch_one(&pool)

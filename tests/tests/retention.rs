@@ -2,6 +2,7 @@
 //! their steps, history and alerts) and old dead letters, and keeps
 //! everything else.
 
+use sqlx::AssertSqlSafe;
 use std::time::Duration;
 
 use sas_store::ProcessState;
@@ -20,7 +21,7 @@ fn retention_vars(ops: u16) -> Vec<(&'static str, String)> {
 }
 
 async fn rows(env: &TestEnv, table: &str) -> i64 {
-    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+    sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
         .fetch_one(env.store.pool())
         .await
         .unwrap()
@@ -98,9 +99,9 @@ async fn finished_orders_and_old_dead_letters_go_and_everything_else_stays() {
     .await;
     // Every gone order's rows went with it; the kept ones keep theirs.
     for table in ["order_process", "steps", "history", "alerts"] {
-        let strays: i64 = sqlx::query_scalar(&format!(
+        let strays: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT count(*) FROM {table} WHERE order_id NOT IN ('keep-error', 'keep-running')"
-        ))
+        )))
         .fetch_one(pool)
         .await
         .unwrap();

@@ -12,6 +12,7 @@
 //! Users and roles are created with the test's own names and prefix, and
 //! removed at the end, also when a test fails.
 
+use sqlx::AssertSqlSafe;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -634,7 +635,7 @@ impl Drop for AppRole {
                     "postgres://postgres:postgres@127.0.0.1:5432/postgres".into()
                 });
                 if let Ok(mut admin) = sqlx::PgConnection::connect(&url).await {
-                    let _ = sqlx::query(&format!("DROP ROLE IF EXISTS {role}"))
+                    let _ = sqlx::query(AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
                         .execute(&mut admin)
                         .await;
                 }

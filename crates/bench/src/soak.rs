@@ -4,6 +4,7 @@
 //! resident memory of each binary; sizes must stop growing once retention
 //! runs, and throughput must not decline.
 
+use sqlx::AssertSqlSafe;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -83,9 +84,12 @@ pub async fn run(orders: usize, rate: f64, every: Duration) -> anyhow::Result<Ve
             tokio::time::sleep(every).await;
             if stand_in && last_vacuum.elapsed() >= Duration::from_secs(60) {
                 last_vacuum = Instant::now();
-                sqlx::query(&format!("VACUUM (ANALYZE) {}", TABLES.join(", ")))
-                    .execute(env.store.pool())
-                    .await?;
+                sqlx::query(AssertSqlSafe(format!(
+                    "VACUUM (ANALYZE) {}",
+                    TABLES.join(", ")
+                )))
+                .execute(env.store.pool())
+                .await?;
             }
             let sample = sample(&env, &system, started).await?;
             let previous = samples

@@ -60,7 +60,7 @@ impl Store {
         &self,
         id: i64,
         actor: &str,
-        statement: &str,
+        statement: &'static str,
         note: Option<&str>,
         event: HistoryEvent,
     ) -> Result<AlertAction, StoreError> {

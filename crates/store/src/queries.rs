@@ -2,6 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use crate::machine::{AlertKind, HistoryEvent};
@@ -159,11 +160,11 @@ impl Store {
         state: Option<ProcessState>,
         limit: i64,
     ) -> Result<Vec<OrderSummary>, StoreError> {
-        Ok(sqlx::query_as(&format!(
+        Ok(sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {SUMMARY_COLUMNS} FROM order_process
               WHERE $1::process_state IS NULL OR state = $1
               ORDER BY updated_at DESC LIMIT $2"
-        ))
+        )))
         .bind(state)
         .bind(limit)
         .fetch_all(self.pool())
@@ -175,9 +176,9 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn order_detail(&self, order_id: &str) -> Result<Option<OrderDetail>, StoreError> {
-        let summary: Option<OrderSummary> = sqlx::query_as(&format!(
+        let summary: Option<OrderSummary> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {SUMMARY_COLUMNS} FROM order_process WHERE order_id = $1"
-        ))
+        )))
         .bind(order_id)
         .fetch_optional(self.pool())
         .await?;

@@ -61,7 +61,12 @@ impl Store {
         Ok(retired)
     }
 
-    async fn retire_with(&self, sql: &str, age: Duration, batch: i32) -> Result<u64, StoreError> {
+    async fn retire_with(
+        &self,
+        sql: &'static str,
+        age: Duration,
+        batch: i32,
+    ) -> Result<u64, StoreError> {
         let n: i32 = sqlx::query_scalar(sql)
             .bind(age.as_secs_f64())
             .bind(batch)

@@ -289,7 +289,7 @@ impl OrderFilter {
     }
 
     /// Appends ` AND ...` conditions on `p` (order_process) and `o` (orders).
-    fn push_conditions(&self, query: &mut QueryBuilder<'_, Postgres>) {
+    fn push_conditions(&self, query: &mut QueryBuilder<Postgres>) {
         if !self.states.is_empty() {
             query.push(" AND p.state = ANY(");
             query.push_bind(self.states.clone());
