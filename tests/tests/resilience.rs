@@ -949,3 +949,78 @@ async fn an_operator_cancels_a_running_order_and_everything_it_did_is_undone_aft
     let (code, out) = env.sasctl(&["cancel", "cancel-1"]).await;
     assert_eq!(code, 1, "{out}");
 }
+
+/// A channel the broker closes (a passive declare of a missing queue, as the
+/// console's queue depths make) leaves the connection up. lapin 4 reports it
+/// on the same event stream as a lost connection; the session must tell the
+/// two apart, or every missing queue would cost the service a reconnect.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_channel_the_broker_closes_does_not_cost_the_session_its_connection() {
+    let env = TestEnv::new().await;
+    let (_connection, _publisher) = env.broker().await;
+    let orders = env.amqp().names().orders();
+    let missing = format!("{}no-such-queue", env.prefix);
+    let session = sas_broker::Session::new(env.amqp(), "channel-error-test");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    // Each run of the work reports its number, then what became of it.
+    let (report, mut reports) = tokio::sync::mpsc::unbounded_channel::<(usize, String)>();
+    let mut runs = 0;
+    let stop = shutdown.clone();
+    let running = session.run(shutdown.clone(), move |connection, _publisher| {
+        runs += 1;
+        let run = runs;
+        let (report, stop) = (report.clone(), stop.clone());
+        let (orders, missing) = (orders.clone(), missing.clone());
+        async move {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            let outcome: sas_broker::lapin::Result<()> = async {
+                let channel = connection.create_channel().await?;
+                let refused = channel
+                    .queue_declare(missing.into(), passive, FieldTable::default())
+                    .await;
+                let _ = report.send((run, format!("missing queue: {refused:?}")));
+                // Many round trips on the same connection after the refusal:
+                // a session that took it for a lost connection drops this
+                // work (or closes the connection under it) long before.
+                for _ in 0..20 {
+                    let channel = connection.create_channel().await?;
+                    channel
+                        .queue_declare(orders.as_str().into(), passive, FieldTable::default())
+                        .await?;
+                    channel.close(200, "read".into()).await?;
+                }
+                Ok(())
+            }
+            .await;
+            let outcome =
+                outcome.map_or_else(|e| format!("failed: {e}"), |()| "still connected".into());
+            let _ = report.send((run, outcome));
+            stop.cancelled().await;
+            Ok(())
+        }
+    });
+    let check = async {
+        let deadline = Duration::from_secs(30);
+        let (run, refused) = tokio::time::timeout(deadline, reports.recv())
+            .await
+            .expect("the work starts")
+            .expect("a report");
+        assert_eq!(run, 1);
+        assert!(refused.contains("NOT_FOUND"), "{refused}");
+        let (run, outcome) = tokio::time::timeout(deadline, reports.recv())
+            .await
+            .expect("the work goes on after the refusal")
+            .expect("a report");
+        assert_eq!(
+            (run, outcome.as_str()),
+            (1, "still connected"),
+            "the session reconnected after one channel was closed"
+        );
+        assert!(session.is_connected());
+        shutdown.cancel();
+    };
+    tokio::join!(running, check);
+}
