@@ -42,8 +42,9 @@ pub struct SoakSample {
 
 /// The settings the soak gives every service: retention `secs` short, and
 /// remote-sim forgetting idempotency keys four times that long after it
-/// decided them (a step's calls all happen before its order finishes), so
-/// that the simulator's memory levels off like the services'.
+/// decided them, so that the simulator's memory levels off like the
+/// services'. The soak's remote is lenient and never fails, so no call is
+/// retried that long after its first one.
 pub fn settings(secs: u64) -> [(&'static str, String); 4] {
     [
         ("SAS_RETENTION__FINISHED_SECS", secs.to_string()),

@@ -37,7 +37,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::ledger::{Decision, Entry, Ledger};
-use crate::settings::{Faults, LateAction, Mode, Provider, Settings};
+use crate::settings::{check_forgetting, Faults, LateAction, Mode, Provider, Settings};
 
 /// Services and the operations each offers: the action first, then its compensation.
 pub const SERVICES: [(&str, [&str; 2]); 3] = [
@@ -58,6 +58,8 @@ pub struct SimState {
     decline_above_cents: i64,
     shutdown: CancellationToken,
     provider: Arc<RwLock<Provider>>,
+    /// `sim.keys_kept_secs`, which strict mode may not be switched on beside.
+    keys_kept_secs: u64,
     /// Strict mode: keys whose call is being answered.
     in_flight: Arc<Mutex<HashSet<String>>>,
     auth_token: Option<Arc<str>>,
@@ -101,6 +103,7 @@ impl SimState {
             decline_above_cents: settings.sim.decline_above_cents,
             shutdown,
             provider: Arc::new(RwLock::new(settings.sim.provider())),
+            keys_kept_secs: settings.sim.keys_kept_secs,
             in_flight: Arc::default(),
             auth_token: settings.sim.auth_token.get().map(Arc::from),
             admin_token: settings.sim.admin_token.get().map(Arc::from),
@@ -504,7 +507,10 @@ async fn get_provider(State(state): State<SimState>) -> Json<Provider> {
 }
 
 async fn set_provider(State(state): State<SimState>, Json(provider): Json<Provider>) -> Response {
-    if let Err(message) = provider.validate() {
+    if let Err(message) = provider
+        .validate()
+        .and_then(|()| check_forgetting(provider.mode, state.keys_kept_secs))
+    {
         return error(StatusCode::BAD_REQUEST, message);
     }
     *state.provider.write().unwrap_or_else(|e| e.into_inner()) = provider;
@@ -555,6 +561,42 @@ mod tests {
             .json()
             .await
             .unwrap()
+    }
+
+    /// Strict mode's 404 to the undo of a forgotten action would read as
+    /// "never charged": the two settings are refused together, at start and
+    /// when the mode is switched at run time.
+    #[tokio::test]
+    async fn strict_mode_is_refused_while_keys_are_forgotten() {
+        let mut settings: Settings = toml::from_str(crate::settings::DEFAULTS).unwrap();
+        settings.sim.keys_kept_secs = 60;
+        assert!(sas_runtime::Validate::validate(&settings).is_ok());
+        settings.sim.mode = Mode::Strict;
+        let refused = sas_runtime::Validate::validate(&settings).unwrap_err();
+        assert!(refused.contains("sim.keys_kept_secs"), "{refused}");
+
+        let (base, client) = serve(|settings| settings.sim.keys_kept_secs = 60).await;
+        let put = |mode: &'static str| {
+            client
+                .put(format!("{base}/admin/provider"))
+                .json(&json!({ "mode": mode }))
+                .send()
+        };
+        assert_eq!(put("strict").await.unwrap().status().as_u16(), 400);
+        assert_eq!(put("lenient").await.unwrap().status().as_u16(), 204);
+        let mode: Provider = client
+            .get(format!("{base}/admin/provider"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            mode.mode,
+            Mode::Lenient,
+            "the refused switch changed nothing"
+        );
     }
 
     #[tokio::test]

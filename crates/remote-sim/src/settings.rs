@@ -121,6 +121,24 @@ impl Provider {
     }
 }
 
+/// Refuses strict mode while keys are forgotten: strict mode answers the undo
+/// of a key it does not know with 404 ("nothing was applied"), and after
+/// `keys_kept_secs` it no longer knows actions it did apply, so an agent would
+/// take a charge that happened for one that never did and leave it in place.
+///
+/// # Errors
+/// A message saying which of the two settings to change.
+pub fn check_forgetting(mode: Mode, keys_kept_secs: u64) -> Result<(), String> {
+    if mode == Mode::Strict && keys_kept_secs > 0 {
+        return Err(format!(
+            "strict mode answers 404 (nothing applied) to the undo of a key it has \
+             forgotten, and sim.keys_kept_secs = {keys_kept_secs} forgets applied \
+             actions: set sim.keys_kept_secs = 0 or use lenient mode"
+        ));
+    }
+    Ok(())
+}
+
 /// A secret setting: its `Debug` never shows the value.
 #[derive(Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
@@ -192,6 +210,7 @@ impl Validate for Settings {
         self.sim.faults.validate()?;
         self.sim.provider().validate()?;
         let sim = &self.sim;
+        check_forgetting(sim.mode, sim.keys_kept_secs)?;
         match (sim.tls_cert_file.is_empty(), sim.tls_key_file.is_empty()) {
             (true, true) => {}
             (false, false) => {
