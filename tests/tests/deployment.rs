@@ -1045,7 +1045,7 @@ fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
         // Empty: a random free port, as before.
         ("remote-sim", "${REMOTE_SIM_PORT:-}", "8080"),
     ];
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(root().join("docs/deployment.md")).unwrap();
     let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
     for file in ["docker-compose.yml", "docker-compose.public.yml"] {
         let compose = load_yaml_documents(&root().join(file)).remove(0);
@@ -1072,7 +1072,7 @@ fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
     ] {
         assert!(
             readme.contains(&format!("`{variable}`")),
-            "the README does not document {variable}"
+            "docs/deployment.md does not document {variable}"
         );
         assert!(
             example.contains(variable),

@@ -1,6 +1,6 @@
 //! Calling the remote service, and how its answers are classified.
 //!
-//! Every answer falls in one of five classes ([`CallResult`]); the README's
+//! Every answer falls in one of five classes ([`CallResult`]); docs/configuration.md's
 //! "Remote answers" table is the same mapping:
 //!
 //! | answer | class |

@@ -37,7 +37,7 @@ pub struct SubmitOrder {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
     /// 0 (lowest) to [`MAX_PRIORITY`]; [`DEFAULT_PRIORITY`] when absent. Under
-    /// a backlog, higher priorities start first (see the README's admission).
+    /// a backlog, higher priorities start first (see docs/design-decisions.md, admission).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,
 }

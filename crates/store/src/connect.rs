@@ -200,7 +200,7 @@ impl DatabaseSettings {
             // 3-row admission table, a count) is costed at 10^10, far past
             // jit_above_cost, so each supervisor pass compiled its
             // statements for 0.2 to 0.8 s of CPU. Measured: that took most
-            // of Postgres's CPU at saturation (README, Performance).
+            // of Postgres's CPU at saturation (docs/performance.md).
             ("jit", "off".to_owned()),
         ];
         if self.index_plans {
