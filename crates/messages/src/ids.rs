@@ -8,12 +8,16 @@ use std::fmt;
 use std::ops::Deref;
 use std::str::FromStr;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// The client's id of an order (`ord-1001`), unique in a deployment.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(transparent)]
+#[schemars(inline)]
 pub struct OrderId(String);
 
 impl OrderId {
@@ -81,9 +85,21 @@ impl PartialEq<&str> for OrderId {
 /// The id of one attempt of one step: the request's `correlation_id`, and
 /// the fence its reply must match.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    Serialize,
+    Deserialize,
+    JsonSchema,
 )]
 #[serde(transparent)]
+#[schemars(inline)]
 pub struct AttemptId(Uuid);
 
 impl AttemptId {

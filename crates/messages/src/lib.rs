@@ -13,7 +13,10 @@
 //! - [`trace`]: W3C trace context carried in AMQP headers.
 //! - [`decode`]: strict decoding of bytes into a message, with reasons fit for a
 //!   dead-letter header.
+//! - [`contract`]: the JSON Schemas and the AsyncAPI document generated from
+//!   all of the above (checked in under `contract/`).
 
+pub mod contract;
 pub mod decode;
 pub mod ids;
 pub mod names;

@@ -76,6 +76,18 @@ impl QueueNames {
         queues
     }
 
+    /// True when `queue` is one of the deployment's own queues (orders,
+    /// replies, an agent's requests, dead letters): a client's `reply_to`
+    /// may not name one, or status messages would land where services
+    /// read work, replies or dead letters.
+    pub fn is_own_queue(&self, queue: &str) -> bool {
+        queue == self.orders()
+            || queue == self.scheduler_replies()
+            || queue == self.dead_letters()
+            || queue == self.dead_letter_records()
+            || queue.starts_with(&self.agent_requests(""))
+    }
+
     /// Every exchange a deployment declares.
     pub fn all_exchanges(&self) -> Vec<String> {
         vec![self.dead_letter_exchange(), self.status_exchange()]
@@ -88,6 +100,9 @@ pub mod headers {
     pub const DEAD_LETTER_REASON: &str = "x-sas-reason";
     /// Queue the dead-lettered message was consumed from.
     pub const DEAD_LETTER_SOURCE_QUEUE: &str = "x-sas-source-queue";
+    /// On a dead letter from one of our services: the `user_id` of the
+    /// message it copies (the dead letter's own `user_id` is the service's).
+    pub const ORIGINAL_USER: &str = "x-sas-original-user";
     /// Order a message belongs to, when known, so a dead letter can settle it.
     pub const ORDER_ID: &str = "x-sas-order-id";
     /// W3C trace context, so one order's spans join up across services.
@@ -113,5 +128,21 @@ mod tests {
             assert!(name.starts_with("t42.sas."), "{name}");
         }
         assert_eq!(names.agent_requests("payment"), "t42.sas.agent.payment");
+    }
+
+    #[test]
+    fn the_deployments_own_queues_are_told_from_a_clients() {
+        let names = QueueNames::new("t42.");
+        for own in names.all_queues(["payment", "not-in-this-workflow"]) {
+            assert!(names.is_own_queue(&own), "{own}");
+        }
+        for client in [
+            "t42.sas.client.alice.1",
+            "sas.orders",
+            "amq.gen-x",
+            "t42.sas.status",
+        ] {
+            assert!(!names.is_own_queue(client), "{client}");
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The order a client submits to the orders queue.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::{OrderId, SCHEMA_VERSION};
@@ -8,6 +9,12 @@ use crate::{OrderId, SCHEMA_VERSION};
 pub const MAX_ID_LEN: usize = 64;
 /// Most lines one order may carry.
 pub const MAX_LINES: usize = 100;
+/// What [`SubmitOrder::validate`] accepts as an order id, customer id or
+/// SKU, as a regular expression for the JSON Schema: 1 to [`MAX_ID_LEN`]
+/// characters of `A-Z a-z 0-9 - _ . :`.
+pub const ID_PATTERN: &str = "^[A-Za-z0-9._:-]{1,64}$";
+/// The currency code [`SubmitOrder::validate`] accepts, for the JSON Schema.
+pub const CURRENCY_PATTERN: &str = "^[A-Z]{3}$";
 /// Highest priority an order may ask for; 0 is the lowest.
 pub const MAX_PRIORITY: u8 = 9;
 /// The priority of an order that names none: the middle of the range, so
@@ -18,27 +25,40 @@ pub const DEFAULT_PRIORITY: u8 = 5;
 ///
 /// Unknown fields are refused: a misspelt `reply_to` would otherwise silently
 /// leave a client without status messages.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// The schema's constraints are those of [`SubmitOrder::validate`], which
+/// intake applies: an order that breaks one is answered `rejected`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitOrder {
     /// Must equal [`SCHEMA_VERSION`].
+    #[schemars(extend("const" = SCHEMA_VERSION))]
     pub schema_version: u32,
-    /// The client's id for the order: submitting the same id twice is a no-op.
+    /// The client's id for the order: submitting the same id twice is a
+    /// no-op; the same id with other content is rejected.
+    #[schemars(regex(pattern = ID_PATTERN))]
     pub order_id: OrderId,
     /// Who is buying; passed to the payment service.
+    #[schemars(regex(pattern = ID_PATTERN))]
     pub customer_id: String,
     /// What to reserve and ship.
+    #[schemars(length(min = 1, max = MAX_LINES))]
     pub items: Vec<OrderLine>,
     /// Amount to charge, in the currency's minor unit.
+    #[schemars(range(min = 0))]
     pub amount_cents: i64,
     /// ISO 4217 code, three upper-case letters.
+    #[schemars(regex(pattern = CURRENCY_PATTERN))]
     pub currency: String,
-    /// Queue that receives [`crate::OrderStatus`] messages for this order, if any.
+    /// Queue that receives [`crate::OrderStatus`] messages for this order,
+    /// if any; it wins over the message's `reply_to` property.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
     pub reply_to: Option<String>,
     /// 0 (lowest) to [`MAX_PRIORITY`]; [`DEFAULT_PRIORITY`] when absent. Under
     /// a backlog, higher priorities start first (see docs/design-decisions.md, admission).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = MAX_PRIORITY))]
     pub priority: Option<u8>,
 }
 
@@ -50,12 +70,14 @@ impl SubmitOrder {
 }
 
 /// One line of an order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OrderLine {
     /// Stock keeping unit.
+    #[schemars(regex(pattern = ID_PATTERN))]
     pub sku: String,
     /// How many, at least one.
+    #[schemars(range(min = 1))]
     pub quantity: u32,
 }
 

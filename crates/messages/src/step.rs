@@ -1,12 +1,13 @@
 //! The request/reply pair between the scheduler and an agent.
 
 use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::{AttemptId, OrderId};
 
 /// Whether a request moves the order forward or undoes a completed step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum StepKind {
     /// The step's action (reserve, charge, ship).
@@ -19,10 +20,14 @@ pub enum StepKind {
 ///
 /// Published to [`crate::QueueNames::agent_requests`] with `correlation_id` =
 /// `attempt_id` and `reply_to` = [`crate::QueueNames::scheduler_replies`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Agents refuse unknown fields: a field they do not know may change what
+/// the call must do (docs/messages.md, "Upgrades", says what follows).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StepRequest {
     /// Must equal [`crate::SCHEMA_VERSION`].
+    #[schemars(extend("const" = crate::SCHEMA_VERSION))]
     pub schema_version: u32,
     /// Order the step belongs to.
     pub order_id: OrderId,
@@ -58,7 +63,7 @@ pub struct StepRequest {
 }
 
 /// What the agent learned from the remote service.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "status", rename_all = "snake_case", deny_unknown_fields)]
 pub enum StepOutcome {
     /// The remote service applied (or had already applied) the operation.
@@ -85,8 +90,9 @@ pub enum StepOutcome {
     /// request waited for an agent (in the queue, or for a call slot), so
     /// nothing can have been applied. Waiting is not a failure of the remote
     /// service: the order goes back to the head of its agent's line without
-    /// counting a failure. Older schedulers do not know this answer
-    /// (upgrade schedulers before agents).
+    /// counting a failure. Agents send it only in answer to a request
+    /// that carries `start_by`, which only schedulers that know this
+    /// answer send.
     NotStarted {
         /// What the agent saw, for the order's history.
         reason: String,
@@ -95,10 +101,15 @@ pub enum StepOutcome {
 
 /// The agent's answer, published to the request's `reply_to` with the same
 /// `correlation_id`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Schedulers refuse unknown fields and outcomes: an answer they misread
+/// could settle a step wrongly (docs/messages.md, "Upgrades", says what
+/// follows).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StepReply {
     /// Must equal [`crate::SCHEMA_VERSION`].
+    #[schemars(extend("const" = crate::SCHEMA_VERSION))]
     pub schema_version: u32,
     /// Order the step belongs to.
     pub order_id: OrderId,
