@@ -104,6 +104,38 @@ where
     H: Fn(Delivery) -> Fut,
     Fut: Future<Output = Consumed> + Send + 'static,
 {
+    let refused = |_: Delivery, _: String| std::future::ready(());
+    consume_answering(
+        connection, settings, queue, publisher, shutdown, drain, handler, refused,
+    )
+    .await
+}
+
+/// As [`consume`], and `refused` runs for each message refused before any
+/// handler saw it (over the size limit), with its properties (its body is
+/// not passed: it was not read) and the reason, before it is dead-lettered:
+/// so that a scheduler can answer the client of an order refused unread.
+///
+/// # Errors
+/// As [`consume`].
+// The arguments of `consume` and the one hook it lacks.
+#[allow(clippy::too_many_arguments)]
+pub async fn consume_answering<H, Fut, R, RFut>(
+    connection: &Connection,
+    settings: &AmqpSettings,
+    queue: &str,
+    publisher: Publisher,
+    shutdown: CancellationToken,
+    drain: Duration,
+    handler: H,
+    refused: R,
+) -> Result<(), BrokerError>
+where
+    H: Fn(Delivery) -> Fut,
+    Fut: Future<Output = Consumed> + Send + 'static,
+    R: Fn(Delivery, String) -> RFut,
+    RFut: Future<Output = ()> + Send + 'static,
+{
     let timeout = settings.operation_timeout();
     let channel = timed(
         "opening a consuming channel",
@@ -168,7 +200,15 @@ where
         match oversized(&settings, &message) {
             // Refused before any handler sees (and parses, and copies) it.
             Some(reason) => {
+                let unread = Delivery {
+                    queue: message.queue.clone(),
+                    body: Vec::new(),
+                    properties: message.properties.clone(),
+                    redelivered: message.redelivered,
+                };
+                let answer = refused(unread, reason.clone());
                 tracker.spawn(async move {
+                    answer.await;
                     let requeue = decide(
                         &settings,
                         &publisher,
@@ -410,7 +450,7 @@ async fn requeue_one(channel: &Channel, timeout: Duration, tag: u64) {
 /// itself carries the `user_id` of the service that dead-lettered it, so
 /// the supervisor can tell a service's word from a client's. Whatever a
 /// publisher put in this header is removed first.
-pub const ORIGINAL_USER_HEADER: &str = "x-sas-original-user";
+pub const ORIGINAL_USER_HEADER: &str = headers::ORIGINAL_USER;
 
 /// Publishes `message` to the dead-letter exchange with `reason` and its
 /// source queue in headers (keeping its other properties), and the

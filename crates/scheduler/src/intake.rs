@@ -10,7 +10,8 @@ use crate::{stopping, Scheduler};
 impl Scheduler {
     /// Handles one message of the orders queue.
     ///
-    /// Invalid input is dead-lettered with the reason. A valid order is stored
+    /// Invalid input is answered `rejected` on the `reply_to` it named (see
+    /// [`crate::refusal`]) and dead-lettered with the reason. A valid order is stored
     /// with its process record and its first step started, in one statement
     /// (together with the orders other handlers hold at the same moment)
     /// idempotent on the order id; the message is acknowledged only after
@@ -19,10 +20,10 @@ impl Scheduler {
         let order: SubmitOrder = match decode(&delivery.body, self.settings.amqp.max_message_bytes)
         {
             Ok(order) => order,
-            Err(error) => return reject(error.to_string()),
+            Err(error) => return self.refuse(&delivery, publisher, error.to_string()).await,
         };
         if let Err(error) = order.validate() {
-            return reject(error.to_string());
+            return self.refuse(&delivery, publisher, error.to_string()).await;
         }
         // RabbitMQ's request/reply convention: reply_to and correlation_id as
         // message properties (the body's reply_to wins when both are set).
@@ -30,9 +31,14 @@ impl Scheduler {
         let correlation_id = delivery.correlation_id().map(str::to_owned);
         if let Some(queue) = &reply_to_property {
             if queue.is_empty() || queue.len() > 255 {
-                return reject(
-                    "the reply_to property must be a queue name of 1 to 255 bytes".into(),
-                );
+                let reason = "the reply_to property must be a queue name of 1 to 255 bytes";
+                return self.refuse(&delivery, publisher, reason.into()).await;
+            }
+        }
+        if let Some(queue) = order.reply_to.as_ref().or(reply_to_property.as_ref()) {
+            if self.names.is_own_queue(queue) {
+                let reason = format!("reply_to {queue:?} is one of the system's own queues: name a queue of your own for status messages");
+                return self.refuse(&delivery, publisher, reason).await;
             }
         }
         // Join the client's trace if it sent one; otherwise start the order's own.
@@ -84,15 +90,13 @@ impl Scheduler {
                 tracing::info!(order_id = %order.order_id, "duplicate submission ignored");
                 Consumed::Ack
             }
-            Intake::Conflict => reject(format!(
-                "order_id {:?} is already used by an order with different content",
-                order.order_id
-            )),
+            Intake::Conflict => {
+                let reason = format!(
+                    "order_id {:?} is already used by an order with different content",
+                    order.order_id.as_str()
+                );
+                self.refuse(&delivery, publisher, reason).await
+            }
         }
     }
-}
-
-fn reject(reason: String) -> Consumed {
-    metrics::counter!("sas_orders_rejected_total").increment(1);
-    Consumed::DeadLetter(reason)
 }

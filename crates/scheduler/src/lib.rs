@@ -13,6 +13,7 @@
 
 pub mod claim;
 pub mod intake;
+pub mod refusal;
 pub mod replies;
 pub mod settings;
 pub mod workflow;
@@ -55,6 +56,9 @@ pub struct Scheduler {
     pub intake: Batcher<Submission, Result<Intake, StoreError>>,
     /// Applies the replies of concurrent handlers together.
     pub replies: Batcher<StepReply, Result<ReplyOutcome, StoreError>>,
+    /// Refused orders this instance answered lately, so that a redelivery
+    /// is not answered twice.
+    pub answered: refusal::Answered,
 }
 
 /// Runs a scheduler until `shutdown`, then drains in-flight messages.
@@ -153,6 +157,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         shutdown: shutdown.clone(),
         intake,
         replies,
+        answered: refusal::Answered::default(),
     });
     session
         .run(shutdown, |connection, publisher| {
@@ -219,9 +224,9 @@ impl Scheduler {
             ..amqp.broker.clone()
         };
         let orders = {
-            let me = self.clone();
-            let publisher = publisher.clone();
-            sas_broker::consume::consume(
+            let (me, answering) = (self.clone(), self.clone());
+            let (publisher, answer_with) = (publisher.clone(), publisher.clone());
+            sas_broker::consume::consume_answering(
                 &connection,
                 &intake_amqp,
                 &orders_queue,
@@ -232,6 +237,12 @@ impl Scheduler {
                     let me = me.clone();
                     let publisher = publisher.clone();
                     async move { me.handle_order(delivery, &publisher).await }
+                },
+                // A body over the size limit is refused unread: its client
+                // still hears, on the reply_to property.
+                move |delivery, reason| {
+                    let (me, publisher) = (answering.clone(), answer_with.clone());
+                    async move { me.answer_refusal(&delivery, &publisher, &reason).await }
                 },
             )
         };
