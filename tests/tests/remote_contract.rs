@@ -955,3 +955,39 @@ async fn a_redelivered_request_past_its_start_by_is_never_answered_not_started()
     assert!(calls.lock().unwrap().is_empty());
     assert!(agent.is_running());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_without_start_by_is_never_answered_not_started() {
+    // A scheduler that sends no start_by predates the not_started answer
+    // (docs/messages.md, Upgrades): it would dead-letter the reply. So the
+    // agent says nothing, as agents did before that answer existed.
+    let env = TestEnv::new().await;
+    let (port, calls) = bad_remote().await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let mut old = request(
+        "old-scheduler-1",
+        StepKind::Action,
+        "busy",
+        Duration::ZERO,
+        Duration::from_millis(100),
+    );
+    // Its deadline passed while it waited in the queue.
+    (old.start_by, old.dispatched_at) = (None, None);
+    old.complete_by = Utc::now() - chrono::Duration::milliseconds(200);
+    send(&env, &publisher, "payment", &reply_to, &old).await;
+    let (mut agent, ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/bad"),
+        &[],
+    );
+    wait_expired(ops, "the agent to drop the request").await;
+    let reply = tokio::time::timeout(Duration::from_millis(500), replies.next()).await;
+    assert!(
+        reply.is_err(),
+        "the agent answered a request without start_by: {reply:?}"
+    );
+    assert!(calls.lock().unwrap().is_empty());
+    assert!(agent.is_running());
+}

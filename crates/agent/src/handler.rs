@@ -112,6 +112,15 @@ impl Agent {
                 tracing::warn!(complete_by = %request.complete_by, start_by = ?request.start_by, "start deadline passed and no call can have reached the service; stopping without a reply");
                 return Consumed::Ack;
             }
+            Finished::NotStarted if request.start_by.is_none() => {
+                // Only schedulers that know this answer send start_by
+                // (docs/messages.md, Upgrades): an older one gets silence,
+                // as before the answer existed, and its supervisor retries
+                // the step at its deadline.
+                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
+                tracing::warn!(complete_by = %request.complete_by, "start deadline passed before any call; the request has no start_by, so its sender may not know not_started: no reply");
+                return Consumed::Ack;
+            }
             Finished::NotStarted => {
                 metrics::counter!("sas_agent_deadline_expired_total").increment(1);
                 let waited = (self.clock.database_now()
