@@ -3,7 +3,8 @@
 # real RabbitMQ and PostgreSQL, starting or installing them first if needed.
 # Each test creates and drops its own database and queue prefix. The
 # console's browser test needs chromium and chromium-driver (installed here
-# when missing); its screenshots go to target/screenshots/.
+# when missing); its screenshots go to target/screenshots/. The client
+# examples' tests need pika, Node and amqplib (scripts/client-deps.sh).
 #
 #   SAS_TEST_DATABASE_ADMIN_URL  admin URL (default postgres://postgres:postgres@127.0.0.1:5432/postgres)
 #   SAS_TEST_AMQP_URL            broker URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
@@ -22,6 +23,8 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
+# The client examples' tests (tests/tests/contract.rs): pika, Node and amqplib.
+scripts/client-deps.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
 # Dependency policy (deny.toml): licenses, duplicate versions, sources, advisories.
 scripts/deny.sh
