@@ -287,6 +287,18 @@ async fn every_kind_of_refused_order_is_answered_rejected_through_pika_and_dead_
             reason: "already used by an order with different content",
         },
         Refused {
+            // Postgres would refuse the NUL byte: refused up front.
+            correlation_id: "c-control",
+            body: with(
+                valid_order("control-1"),
+                &[("reply_to", json!("client\u{0}queue"))],
+            ),
+            reply_to: Some(property_queue.clone()),
+            answer_on: property_queue.clone(),
+            order_id: "control-1",
+            reason: "without control characters",
+        },
+        Refused {
             // Statuses may not go to the system's own queues: refused, and
             // answered on the property instead.
             correlation_id: "c-own-queue",

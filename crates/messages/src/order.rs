@@ -15,6 +15,16 @@ pub const MAX_LINES: usize = 100;
 pub const ID_PATTERN: &str = "^[A-Za-z0-9._:-]{1,64}$";
 /// The currency code [`SubmitOrder::validate`] accepts, for the JSON Schema.
 pub const CURRENCY_PATTERN: &str = "^[A-Z]{3}$";
+/// A `reply_to` [`SubmitOrder::validate`] accepts has no ASCII control
+/// character, for the JSON Schema (the length is checked apart, in bytes).
+pub const QUEUE_NAME_PATTERN: &str = "^[^\\u0000-\\u001F\\u007F]+$";
+
+/// True when `name` can be a client's queue name: 1 to 255 bytes (an AMQP
+/// short string) and no ASCII control character (Postgres, which keeps it
+/// with the order, refuses a NUL byte).
+pub fn is_queue_name(name: &str) -> bool {
+    (1..=255).contains(&name.len()) && !name.bytes().any(|b| b.is_ascii_control())
+}
 /// Highest priority an order may ask for; 0 is the lowest.
 pub const MAX_PRIORITY: u8 = 9;
 /// The priority of an order that names none: the middle of the range, so
@@ -53,7 +63,7 @@ pub struct SubmitOrder {
     /// Queue that receives [`crate::OrderStatus`] messages for this order,
     /// if any; it wins over the message's `reply_to` property.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 255))]
+    #[schemars(length(min = 1, max = 255), regex(pattern = QUEUE_NAME_PATTERN))]
     pub reply_to: Option<String>,
     /// 0 (lowest) to [`MAX_PRIORITY`]; [`DEFAULT_PRIORITY`] when absent. Under
     /// a backlog, higher priorities start first (see docs/design-decisions.md, admission).
@@ -148,9 +158,10 @@ impl SubmitOrder {
             )));
         }
         if let Some(reply_to) = &self.reply_to {
-            if reply_to.is_empty() || reply_to.len() > 255 {
+            if !is_queue_name(reply_to) {
                 return Err(InvalidOrder(
-                    "reply_to must be a queue name of 1 to 255 bytes".into(),
+                    "reply_to must be a queue name of 1 to 255 bytes without control characters"
+                        .into(),
                 ));
             }
         }
@@ -208,6 +219,21 @@ mod tests {
         let mut order = sample();
         order.schema_version = 2;
         assert!(order.validate().unwrap_err().0.contains("schema_version"));
+    }
+
+    #[test]
+    fn a_reply_to_with_a_control_character_or_over_255_bytes_is_refused() {
+        for bad in ["client\0queue", "tab\there", "", &"q".repeat(256)] {
+            let mut order = sample();
+            order.reply_to = Some(bad.to_owned());
+            assert!(
+                order.validate().unwrap_err().0.contains("reply_to"),
+                "{bad:?}"
+            );
+        }
+        let mut order = sample();
+        order.reply_to = Some("sas.client.alice.é-1".into());
+        order.validate().unwrap();
     }
 
     #[test]

@@ -84,6 +84,8 @@ fn every_message_schema_accepts_what_the_services_send() {
         ("priority", serde_json::json!(10)),
         ("schema_version", serde_json::json!(2)),
         ("colour", serde_json::json!("red")),
+        ("reply_to", serde_json::json!("tab\there")),
+        ("reply_to", serde_json::json!("")),
     ] {
         let mut invalid = order.clone();
         invalid[field] = bad;

@@ -30,8 +30,8 @@ impl Scheduler {
         let reply_to_property = delivery.reply_to().map(str::to_owned);
         let correlation_id = delivery.correlation_id().map(str::to_owned);
         if let Some(queue) = &reply_to_property {
-            if queue.is_empty() || queue.len() > 255 {
-                let reason = "the reply_to property must be a queue name of 1 to 255 bytes";
+            if !sas_messages::order::is_queue_name(queue) {
+                let reason = "the reply_to property must be a queue name of 1 to 255 bytes without control characters";
                 return self.refuse(&delivery, publisher, reason.into()).await;
             }
         }

@@ -8,8 +8,9 @@
 //!
 //! - **Where.** The body's `reply_to` when the body is a JSON object that
 //!   names a usable one, else the `reply_to` property (always readable, even
-//!   from a body refused unread). Usable: 1 to 255 bytes, and not one of the
-//!   deployment's own queues. None usable: nobody is answered.
+//!   from a body refused unread). Usable: 1 to 255 bytes without control
+//!   characters, and not one of the deployment's own queues. None usable:
+//!   nobody is answered.
 //! - **What.** An [`OrderStatus`] of event `rejected`, the reason in
 //!   `detail` (at most [`MAX_DETAIL`] bytes), the `order_id` the body
 //!   carried (`""` when it had none as a string of at most 255 bytes), and
@@ -107,7 +108,7 @@ fn body_object(body: &[u8], limit: usize) -> Option<Map<String, Value>> {
 
 /// A queue a rejected status may go to.
 fn usable(names: &QueueNames, queue: &str) -> bool {
-    (1..=255).contains(&queue.len()) && !names.is_own_queue(queue)
+    sas_messages::order::is_queue_name(queue) && !names.is_own_queue(queue)
 }
 
 /// `text` cut to at most `max` bytes on a character boundary, with `…`
