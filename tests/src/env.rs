@@ -150,6 +150,7 @@ impl TestEnv {
     pub fn amqp(&self) -> AmqpSettings {
         AmqpSettings {
             url: self.amqp_url.clone(),
+            nodes: Vec::new(),
             prefix: self.prefix.clone(),
             prefetch: 32,
             operation_timeout_ms: 10_000,

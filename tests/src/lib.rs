@@ -6,6 +6,7 @@
 //! - [`console`]: the operator console and its users.
 //! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
+//! - [`proxy`]: a proxy in front of RabbitMQ that swallows confirms and cuts connections.
 //! - [`sim`]: reading remote-sim's record of side effects.
 //! - [`wait`]: polling for a condition with a deadline.
 
@@ -13,6 +14,7 @@ pub mod browser;
 pub mod console;
 pub mod env;
 pub mod process;
+pub mod proxy;
 pub mod sim;
 pub mod wait;
 

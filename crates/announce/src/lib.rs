@@ -10,7 +10,9 @@
 //! - [`Announcer::announce`]: count what the transition finished, then
 //!   publish its status messages and its step request, and await the
 //!   broker's confirms.
-//! - [`send_request`]: one step request to its agent's queue.
+//! - [`Announcer::announce_durably`]: the same, sending again on the next
+//!   connection what a lost one left unconfirmed.
+//! - [`request_message`]: one step request for its agent's queue.
 //!
 //! Metrics, under the names operators and the benchmark read:
 //! `sas_orders_finished_total{event}` (processed, compensated, failed),
@@ -19,12 +21,13 @@
 //! The broker crate below stays generic (channels, confirms, properties);
 //! what a status message or a step request is belongs here.
 
-use std::future::Future;
+use std::time::Duration;
 
-use sas_broker::publish::{confirm_all, json_properties, order_headers, Pending};
-use sas_broker::{AmqpSettings, BrokerError, Publisher};
+use sas_broker::publish::{json_properties, order_headers, Outgoing};
+use sas_broker::{AmqpSettings, BrokerError, Publisher, SharedPublisher};
 use sas_messages::{OrderStatus, QueueNames, StepRequest, SCHEMA_VERSION};
 use sas_store::{Dispatch, Progress};
+use tokio_util::sync::CancellationToken;
 
 /// Publishes what committed transitions ask for, on behalf of one service.
 ///
@@ -64,7 +67,8 @@ impl Announcer {
     /// a silently dropped step); status messages are not (nobody may be
     /// listening). Status messages are handed to the channel before the
     /// request, so a client sees `received` before the first
-    /// `step_completed`.
+    /// `step_completed`. Services use [`Announcer::announce_durably`], which
+    /// also sends again what a lost connection left unconfirmed.
     ///
     /// # Errors
     /// [`BrokerError::NotConnected`] without a publisher (when there is
@@ -78,102 +82,149 @@ impl Announcer {
         progress: &Progress,
     ) -> Result<(), BrokerError> {
         count_finished(&progress.statuses);
-        if progress.statuses.is_empty() && progress.dispatch.is_none() {
+        let messages = self.messages(progress);
+        if messages.is_empty() {
             return Ok(());
         }
         let publisher = publisher.ok_or(BrokerError::NotConnected)?;
         // Everything is sent together and the confirms awaited together: one
-        // round trip to the broker per transition, not one per message. The
-        // statuses are handed to the channel before the request (`join` polls
-        // its first future first, and each send hands over its frames in its
-        // first poll).
+        // round trip to the broker per transition, not one per message.
+        publisher.send_batch(&messages).await?;
+        self.count_sent(progress);
+        Ok(())
+    }
+
+    /// [`Announcer::announce`], and when the connection is lost before every
+    /// confirm came back (or none is up), the same messages are sent again,
+    /// unchanged, on the session's next connection (see
+    /// [`SharedPublisher::deliver`]): a step request is not left to the
+    /// supervisor's deadline because a broker node died after the commit.
+    /// It tries until the request's `start_by` (after which no agent would
+    /// start it), or for [`STATUS_RESEND_WINDOW`] when there is only status
+    /// to send, or until `shutdown`.
+    ///
+    /// `first` is the publisher of the connection the caller works on (the
+    /// one its delivery came on), tried first; `publishers` gives the later ones.
+    ///
+    /// # Errors
+    /// As [`Announcer::announce`], once the window has passed.
+    pub async fn announce_durably(
+        &self,
+        publishers: &SharedPublisher,
+        first: Option<&Publisher>,
+        progress: &Progress,
+        shutdown: &CancellationToken,
+    ) -> Result<(), BrokerError> {
+        count_finished(&progress.statuses);
+        let messages = self.messages(progress);
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let window = progress
+            .dispatch
+            .as_ref()
+            .map_or(STATUS_RESEND_WINDOW, |dispatch| {
+                (dispatch.start_by - chrono::Utc::now())
+                    .to_std()
+                    .unwrap_or_default()
+                    .max(MIN_RESEND_WINDOW)
+            });
+        let give_up = tokio::time::Instant::now() + window;
+        publishers
+            .deliver(first, &messages, give_up, shutdown)
+            .await?;
+        self.count_sent(progress);
+        Ok(())
+    }
+
+    /// Every message of `progress`, in the order they are sent: each status
+    /// to each of its destinations, then the step request. Built once, so a
+    /// resend carries the same bytes and message ids.
+    pub fn messages(&self, progress: &Progress) -> Vec<Outgoing> {
         let trace_id = progress.trace_id.as_deref();
         let reply = progress
             .reply_to
             .as_deref()
             .map(|queue| (queue, progress.correlation_id.as_deref()));
-        let statuses = self.send_statuses(publisher, reply, trace_id, &progress.statuses);
-        let request = async {
-            match &progress.dispatch {
-                Some(dispatch) => send_request(publisher, &self.names, dispatch, trace_id)
-                    .await
-                    .map(Some),
-                None => Ok(None),
-            }
-        };
-        let (statuses, request) = futures_util::future::join(statuses, request).await;
-        let mut pending = statuses?;
-        // Each status goes to the same destinations (status exchange, reply_to).
-        let per_status = (pending.len() / progress.statuses.len().max(1)) as u64;
+        let mut messages: Vec<Outgoing> = progress
+            .statuses
+            .iter()
+            .flat_map(|status| self.status_messages(reply, trace_id, status))
+            .collect();
+        if let Some(dispatch) = &progress.dispatch {
+            messages.push(request_message(&self.names, dispatch, trace_id));
+        }
+        messages
+    }
+
+    /// Counts what a delivered transition sent.
+    fn count_sent(&self, progress: &Progress) {
+        let per_status = self.status_destinations(progress.reply_to.is_some()) as u64;
         for status in &progress.statuses {
             metrics::counter!("sas_status_messages_total", "event" => status.event.as_str())
                 .increment(per_status);
         }
-        pending.extend(request?);
-        confirm_all(pending).await
+        if let Some(dispatch) = &progress.dispatch {
+            metrics::counter!("sas_step_requests_total", "agent" => dispatch.agent.clone(), "kind" => format!("{:?}", dispatch.kind)).increment(1);
+            tracing::debug!(order_id = %dispatch.order_id, correlation_id = %dispatch.attempt_id, step = %dispatch.step, agent = %dispatch.agent, "step request sent");
+        }
     }
 
-    /// Sends `statuses` in order (see [`Announcer::status_sends`]) and
-    /// returns their confirms, not awaited yet.
-    async fn send_statuses(
+    /// How many messages one status makes: the status exchange (if on) and the client's queue (if any).
+    fn status_destinations(&self, has_reply_to: bool) -> usize {
+        usize::from(self.status_exchange) + usize::from(has_reply_to)
+    }
+
+    /// The messages of one status: to the status exchange (routing key
+    /// `order.<id>`, where `sasctl watch` listens) and to the client's
+    /// `reply_to` queue, if the order named one, with the client's
+    /// `correlation_id` if it gave one (RabbitMQ's request/reply
+    /// convention). Neither is mandatory: nobody may be listening.
+    fn status_messages(
         &self,
-        publisher: &Publisher,
         reply: Option<(&str, Option<&str>)>,
         trace_id: Option<&str>,
-        statuses: &[OrderStatus],
-    ) -> Result<Vec<Pending>, BrokerError> {
-        send_all(
-            statuses
-                .iter()
-                .flat_map(|status| self.status_sends(publisher, reply, trace_id, status)),
-        )
-        .await
-    }
-
-    /// The sends of one status message, not started yet: to the status
-    /// exchange (routing key `order.<id>`, where `sasctl watch` listens) and
-    /// to the client's `reply_to` queue, if the order named one, with the
-    /// client's `correlation_id` if it gave one (RabbitMQ's request/reply
-    /// convention). Neither is mandatory: nobody may be listening. The
-    /// confirms are left to the caller.
-    fn status_sends<'a>(
-        &self,
-        publisher: &'a Publisher,
-        reply: Option<(&'a str, Option<&'a str>)>,
-        trace_id: Option<&str>,
-        status: &'a OrderStatus,
-    ) -> Vec<impl Future<Output = Result<Pending, BrokerError>> + Send + 'a> {
+        status: &OrderStatus,
+    ) -> Vec<Outgoing> {
+        let body = serde_json::to_vec(status).expect("wire types always serialize");
         let properties = || {
             json_properties(&uuid::Uuid::now_v7().to_string())
                 .with_headers(order_headers(&status.order_id, trace_id))
         };
-        let mut destinations = Vec::with_capacity(2);
+        let mut messages = Vec::with_capacity(2);
         if self.status_exchange {
-            destinations.push((
-                self.names.status_exchange(),
-                QueueNames::status_routing_key(&status.order_id),
-                None,
-            ));
+            messages.push(Outgoing {
+                exchange: self.names.status_exchange(),
+                routing_key: QueueNames::status_routing_key(&status.order_id),
+                body: body.clone(),
+                properties: properties(),
+                mandatory: false,
+            });
         }
         if let Some((queue, correlation_id)) = reply {
-            destinations.push((String::new(), queue.to_owned(), correlation_id));
+            let properties = match correlation_id {
+                Some(id) => properties().with_correlation_id(id.into()),
+                None => properties(),
+            };
+            messages.push(Outgoing {
+                exchange: String::new(),
+                routing_key: queue.to_owned(),
+                body,
+                properties,
+                mandatory: false,
+            });
         }
-        destinations
-            .into_iter()
-            .map(|(exchange, routing_key, correlation_id)| {
-                let properties = match correlation_id {
-                    Some(id) => properties().with_correlation_id(id.into()),
-                    None => properties(),
-                };
-                async move {
-                    publisher
-                        .send_json(&exchange, &routing_key, status, properties, false)
-                        .await
-                }
-            })
-            .collect()
+        messages
     }
 }
+
+/// How long status messages alone are sent again after a lost connection.
+pub const STATUS_RESEND_WINDOW: Duration = Duration::from_secs(60);
+
+/// The shortest resend window of a step request, even when its `start_by`
+/// is nearer: an agent answers a late request `not_started`, which puts the
+/// order back in line at once rather than after its deadline.
+pub const MIN_RESEND_WINDOW: Duration = Duration::from_secs(5);
 
 /// Counts the orders that a committed transition's `statuses` finish in
 /// `sas_orders_finished_total{event}` (processed, compensated, failed),
@@ -185,20 +236,14 @@ fn count_finished(statuses: &[OrderStatus]) {
     }
 }
 
-/// Sends one step request to its agent's queue, with `correlation_id` =
-/// attempt id and `reply_to` = the shared scheduler reply queue, and counts
-/// it in `sas_step_requests_total`; the caller awaits the confirm.
-///
-/// The request is mandatory: a missing agent queue is an error.
-///
-/// # Errors
-/// When the broker cannot take it.
-pub async fn send_request(
-    publisher: &Publisher,
+/// The step request of `dispatch` for its agent's queue, with
+/// `correlation_id` = attempt id and `reply_to` = the shared scheduler reply
+/// queue. It is mandatory: a missing agent queue is an error.
+pub fn request_message(
     names: &QueueNames,
     dispatch: &Dispatch,
     trace_id: Option<&str>,
-) -> Result<Pending, BrokerError> {
+) -> Outgoing {
     let request = StepRequest {
         schema_version: SCHEMA_VERSION,
         order_id: dispatch.order_id.clone(),
@@ -218,35 +263,13 @@ pub async fn send_request(
         .with_correlation_id(attempt_id.as_str().into())
         .with_reply_to(names.scheduler_replies().into())
         .with_headers(order_headers(&dispatch.order_id, trace_id));
-    let pending = publisher
-        .send_json(
-            "",
-            &names.agent_requests(&dispatch.agent),
-            &request,
-            properties,
-            true,
-        )
-        .await?;
-    metrics::counter!("sas_step_requests_total", "agent" => dispatch.agent.clone(), "kind" => format!("{:?}", dispatch.kind)).increment(1);
-    tracing::debug!(order_id = %dispatch.order_id, correlation_id = %attempt_id, step = %dispatch.step, agent = %dispatch.agent, "step request sent");
-    Ok(pending)
-}
-
-/// Runs sends together and returns their [`Pending`] confirms in order.
-///
-/// Each send waits until lapin's IO loop has written its frames; awaited one
-/// after another, a transition's messages cost one wake-up of the IO loop
-/// each before the last (the step request) leaves. Together they leave in one.
-/// The order is kept: every send hands its frames to the channel in its
-/// first poll, and the sends are first polled in the order given.
-///
-/// # Errors
-/// The first send that fails.
-async fn send_all<F>(sends: impl IntoIterator<Item = F>) -> Result<Vec<Pending>, BrokerError>
-where
-    F: Future<Output = Result<Pending, BrokerError>>,
-{
-    futures_util::future::try_join_all(sends).await
+    Outgoing {
+        exchange: String::new(),
+        routing_key: names.agent_requests(&dispatch.agent),
+        body: serde_json::to_vec(&request).expect("wire types always serialize"),
+        properties,
+        mandatory: true,
+    }
 }
 
 #[cfg(test)]
@@ -316,6 +339,7 @@ mod tests {
     fn settings() -> AmqpSettings {
         AmqpSettings {
             url: "amqp://127.0.0.1:5672/%2f".into(),
+            nodes: Vec::new(),
             prefix: "t.".into(),
             prefetch: 1,
             operation_timeout_ms: 1_000,

@@ -1,11 +1,12 @@
 //! Connecting to RabbitMQ, and the reconnect loop.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties, Event};
 use rand::RngExt;
 use tokio_util::sync::CancellationToken;
@@ -15,18 +16,41 @@ use crate::publish::{Publisher, SharedPublisher};
 use crate::settings::redact;
 use crate::{AmqpSettings, BrokerError};
 
-/// Opens one connection on the tokio runtime, within the operation timeout.
+/// Opens one connection to the first node that answers, in the order of
+/// [`AmqpSettings::node_uris`] (the url's, then `amqp.nodes`), each within the
+/// operation timeout: for short-lived clients such as `sasctl`. Services use
+/// a [`Session`], which also reconnects.
 ///
 /// # Errors
-/// When the broker is unreachable, refuses the credentials, or does not answer in time.
+/// When no node is reachable, refuses the credentials, or answers in time.
 pub async fn connect(settings: &AmqpSettings, name: &str) -> Result<Connection, BrokerError> {
+    let uris = settings
+        .node_uris()
+        .map_err(|reason| BrokerError::Settings { reason })?;
+    let mut last_error = BrokerError::NotConnected;
+    for uri in uris {
+        match connect_node(settings, uri, name).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) => last_error = error,
+        }
+    }
+    Err(last_error)
+}
+
+/// Opens one connection to the node `uri` on the tokio runtime, within the
+/// operation timeout.
+async fn connect_node(
+    settings: &AmqpSettings,
+    uri: AMQPUri,
+    name: &str,
+) -> Result<Connection, BrokerError> {
     // lapin 4 runs on the current tokio runtime through its `tokio` feature.
     // Its automatic recovery stays off (the default): Session::run is our recovery.
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     timed(
         "connecting",
         settings.operation_timeout(),
-        Connection::connect(&settings.url, properties),
+        Connection::connect_uri(uri, properties),
     )
     .await
 }
@@ -40,6 +64,14 @@ pub struct Session {
     name: String,
     publisher: SharedPublisher,
     connected: Arc<AtomicBool>,
+    /// The node the next connection tries first (an index into
+    /// [`AmqpSettings::node_uris`]): a random one at start, so that a
+    /// cluster's clients spread over its nodes, then the one after the node
+    /// last connected to or tried.
+    next_node: Arc<AtomicUsize>,
+    /// Connections made so far: each publisher carries its number, so that
+    /// a message left unconfirmed by one connection is sent again on a later one.
+    generation: Arc<AtomicU64>,
 }
 
 impl Session {
@@ -50,6 +82,8 @@ impl Session {
             name: name.into(),
             publisher: SharedPublisher::default(),
             connected: Arc::new(AtomicBool::new(false)),
+            next_node: Arc::new(AtomicUsize::new(rand::rng().random_range(0..1024))),
+            generation: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -83,9 +117,9 @@ impl Session {
                 return;
             }
             match self.open().await {
-                Ok((connection, publisher, lost)) => {
+                Ok((connection, publisher, lost, node)) => {
                     let connected_at = std::time::Instant::now();
-                    tracing::info!(service = %self.name, url = %redact(&self.settings.url), "connected to RabbitMQ");
+                    tracing::info!(service = %self.name, url = %redact(&self.settings.url), node = %node, "connected to RabbitMQ");
                     self.publisher.set(Some(publisher.clone()));
                     self.connected.store(true, Ordering::Relaxed);
                     let result = tokio::select! {
@@ -134,14 +168,54 @@ impl Session {
         Duration::from_millis(rand::rng().random_range(capped / 2..=capped))
     }
 
-    async fn open(&self) -> Result<(Arc<Connection>, Publisher, CancellationToken), BrokerError> {
-        let connection = connect(&self.settings, &self.name).await?;
+    /// Connects to the first node that answers, starting at `next_node`
+    /// and going round the list once (no wait between nodes: a node that is
+    /// down must not cost a backoff), and opens the publisher. Returns the
+    /// node connected to, as `host:port`.
+    async fn open(
+        &self,
+    ) -> Result<(Arc<Connection>, Publisher, CancellationToken, String), BrokerError> {
+        let uris = self
+            .settings
+            .node_uris()
+            .map_err(|reason| BrokerError::Settings { reason })?;
+        let start = self.next_node.load(Ordering::Relaxed);
+        let mut last_error = None;
+        for offset in 0..uris.len() {
+            let index = (start + offset) % uris.len();
+            let uri = uris[index].clone();
+            let node = format!("{}:{}", uri.authority.host, uri.authority.port);
+            // Whatever happens, the next connection starts at the next node:
+            // after a loss, the node that was lost is tried last.
+            self.next_node.store(index + 1, Ordering::Relaxed);
+            match self.open_node(uri).await {
+                Ok((connection, publisher, lost)) => {
+                    return Ok((connection, publisher, lost, node));
+                }
+                Err(error) => {
+                    if uris.len() > 1 {
+                        tracing::warn!(service = %self.name, node = %node, error = %error, "cannot connect to this RabbitMQ node; trying the next");
+                    }
+                    last_error = Some(error);
+                }
+            }
+        }
+        Err(last_error.unwrap_or(BrokerError::NotConnected))
+    }
+
+    async fn open_node(
+        &self,
+        uri: AMQPUri,
+    ) -> Result<(Arc<Connection>, Publisher, CancellationToken), BrokerError> {
+        let connection = connect_node(&self.settings, uri, &self.name).await?;
         let lost = CancellationToken::new();
         watch_errors(&connection, lost.clone());
         // On failure, cancelling `lost` ends the listener task.
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
         let mut publisher = Publisher::open(&connection, self.settings.operation_timeout())
             .await
-            .inspect_err(|_| lost.cancel())?;
+            .inspect_err(|_| lost.cancel())?
+            .of_generation(generation);
         if let Some(user) = self.settings.user() {
             publisher = publisher.identified_as(user);
         }

@@ -34,6 +34,13 @@ pub enum BrokerError {
         /// Where it was going.
         routing_key: String,
     },
+    /// The `[amqp]` settings cannot be used (checked at start, so only a
+    /// caller that skipped validation sees it).
+    #[error("unusable amqp settings: {reason}")]
+    Settings {
+        /// What is wrong, naming the key.
+        reason: String,
+    },
     /// No connection is up at the moment.
     #[error("not connected to RabbitMQ")]
     NotConnected,

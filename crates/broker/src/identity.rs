@@ -94,7 +94,9 @@ impl ServiceAmqpSettings {
 
 /// A list of names from a TOML array or from one comma-separated string
 /// (how an environment variable gives it: `SAS_AMQP__AGENT_USERS=a,b`).
-fn string_list<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
+pub(crate) fn string_list<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<String>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Names {

@@ -1,6 +1,6 @@
 //! Publishing with confirms.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -8,6 +8,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use sas_messages::CONTENT_TYPE_JSON;
 use serde::Serialize;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::error::timed;
 use crate::BrokerError;
@@ -25,6 +27,10 @@ pub struct Publisher {
     channel: Channel,
     timeout: Duration,
     user_id: Option<ShortString>,
+    /// The number of the [`crate::Session`] connection it publishes on (0
+    /// for one opened by hand): a message a connection left unconfirmed is
+    /// sent again only on a later one.
+    generation: u64,
 }
 
 impl Publisher {
@@ -49,7 +55,14 @@ impl Publisher {
             channel,
             timeout,
             user_id: None,
+            generation: 0,
         })
+    }
+
+    /// Marks the publisher as the one of the session's connection number `generation`.
+    pub(crate) fn of_generation(mut self, generation: u64) -> Self {
+        self.generation = generation;
+        self
     }
 
     /// Stamps `user` (the broker user of this publisher's connection) as the
@@ -165,6 +178,52 @@ impl Publisher {
     }
 }
 
+impl Publisher {
+    /// Sends `messages` together, in order (each hands its frames to the
+    /// channel in its first poll, and they are first polled in order), and
+    /// awaits every confirm: one round trip for all of them.
+    ///
+    /// # Errors
+    /// The first message the broker does not take, refuses, returns or does
+    /// not confirm in time.
+    pub async fn send_batch(&self, messages: &[Outgoing]) -> Result<(), BrokerError> {
+        let pending = futures_util::future::try_join_all(messages.iter().map(|message| {
+            self.send(
+                &message.exchange,
+                &message.routing_key,
+                &message.body,
+                message.properties.clone(),
+                message.mandatory,
+            )
+        }))
+        .await?;
+        confirm_all(pending).await
+    }
+}
+
+/// The pause before a message refused by a negative confirm is sent again.
+const NACK_PAUSE: Duration = Duration::from_millis(200);
+
+/// The longest wait for a new connection before an unconfirmed message is
+/// sent again on the current one.
+const RESEND_PAUSE: Duration = Duration::from_secs(1);
+
+/// A message ready to publish, kept whole so that it can be sent again
+/// unchanged (the same bytes and `message_id`) on another connection.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// The exchange (empty: the default exchange, `routing_key` names the queue).
+    pub exchange: String,
+    /// The routing key.
+    pub routing_key: String,
+    /// The body.
+    pub body: Vec<u8>,
+    /// The properties (the publisher stamps `user_id`).
+    pub properties: BasicProperties,
+    /// A message no queue takes is an error rather than dropped.
+    pub mandatory: bool,
+}
+
 /// Persistent JSON message properties with a message id and a timestamp.
 pub fn json_properties(message_id: &str) -> BasicProperties {
     let now = std::time::SystemTime::now()
@@ -263,14 +322,22 @@ pub fn header_str(properties: &BasicProperties, key: &str) -> Option<String> {
 
 /// The publisher of whatever connection is up, shared with tasks that live
 /// longer than one connection.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct SharedPublisher {
-    current: Arc<RwLock<Option<Publisher>>>,
+    current: Arc<watch::Sender<Option<Publisher>>>,
+}
+
+impl Default for SharedPublisher {
+    fn default() -> Self {
+        Self {
+            current: Arc::new(watch::Sender::new(None)),
+        }
+    }
 }
 
 impl SharedPublisher {
     pub(crate) fn set(&self, publisher: Option<Publisher>) {
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = publisher;
+        self.current.send_replace(publisher);
     }
 
     /// The current publisher.
@@ -279,9 +346,93 @@ impl SharedPublisher {
     /// [`BrokerError::NotConnected`] while no connection is up.
     pub fn get(&self) -> Result<Publisher, BrokerError> {
         self.current
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .borrow()
             .clone()
             .ok_or(BrokerError::NotConnected)
+    }
+
+    /// Waits for the publisher of a connection made after the one of
+    /// generation `after`.
+    async fn next_after(&self, after: u64) -> Publisher {
+        let mut changes = self.current.subscribe();
+        let found = changes
+            .wait_for(|publisher| publisher.as_ref().is_some_and(|p| p.generation > after))
+            .await
+            .map(|publisher| publisher.clone());
+        match found {
+            Ok(Some(publisher)) => publisher,
+            // The sender lives as long as self, and the value waited for is Some.
+            _ => std::future::pending().await,
+        }
+    }
+
+    /// Sends `messages` and awaits their confirms, through `first` (the
+    /// publisher of the connection the caller works on) or the current one;
+    /// when the connection is lost before every confirm came back, sends them
+    /// all again, unchanged, on the next connection the session makes (any
+    /// node of the cluster), and so on until they are confirmed, `give_up`
+    /// passes or `shutdown` fires. Without a new connection they are sent
+    /// again on the current one after a pause: after a negative confirm (a
+    /// quorum queue nacks while it has no leader), or a confirm that did not
+    /// come in time on a connection still up. A message no queue takes is not retried: the topology is
+    /// missing, and sending again would not help.
+    ///
+    /// A message that reached its queue before the connection died is then
+    /// delivered twice: every receiver of ours is idempotent (intake on the
+    /// order id, agents on the idempotency key, schedulers fence replies by
+    /// attempt id), and each resend is counted in `sas_republished_total`.
+    ///
+    /// # Errors
+    /// The last failure, once `give_up` passed or on shutdown; or at once
+    /// for a returned message.
+    pub async fn deliver(
+        &self,
+        first: Option<&Publisher>,
+        messages: &[Outgoing],
+        give_up: tokio::time::Instant,
+        shutdown: &CancellationToken,
+    ) -> Result<(), BrokerError> {
+        let mut publisher = first.cloned().or_else(|| self.get().ok());
+        let mut failed_generation = 0;
+        loop {
+            let error = match &publisher {
+                Some(current) => match current.send_batch(messages).await {
+                    Ok(()) => return Ok(()),
+                    Err(
+                        error @ (BrokerError::Unroutable { .. } | BrokerError::Settings { .. }),
+                    ) => return Err(error),
+                    Err(error) => {
+                        failed_generation = current.generation;
+                        error
+                    }
+                },
+                None => BrokerError::NotConnected,
+            };
+            tracing::warn!(error = %error, messages = messages.len(), "messages not confirmed; sending them again once a connection is up");
+            // A new connection is used as soon as it is up. Without one, the
+            // current publisher is tried again after a pause: a negative
+            // confirm (a quorum queue without a leader yet) or a confirm that
+            // timed out on a connection that is still alive.
+            let pause = if matches!(error, BrokerError::Nacked { .. }) {
+                NACK_PAUSE
+            } else {
+                RESEND_PAUSE
+            };
+            let next = async {
+                tokio::select! {
+                    newer = self.next_after(failed_generation) => newer,
+                    () = tokio::time::sleep(pause) => match self.get() {
+                        Ok(current) => current,
+                        Err(_) => self.next_after(0).await,
+                    },
+                }
+            };
+            tokio::select! {
+                next = next => publisher = Some(next),
+                () = tokio::time::sleep_until(give_up) => return Err(error),
+                () = shutdown.cancelled() => return Err(error),
+            }
+            metrics::counter!("sas_republished_total").increment(messages.len() as u64);
+        }
     }
 }

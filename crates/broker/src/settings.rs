@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use lapin::uri::AMQPUri;
 use sas_messages::QueueNames;
 use serde::Deserialize;
 
@@ -11,6 +12,13 @@ use serde::Deserialize;
 pub struct AmqpSettings {
     /// `amqp://user:password@host:port/vhost?heartbeat=10` (or `amqps://` for TLS).
     pub url: String,
+    /// The other nodes of a RabbitMQ cluster, as `host:port`, reached with
+    /// the url's user, vhost and parameters (`SAS_AMQP__NODES=rabbit-2:5672,rabbit-3:5672`).
+    /// A session connects to one node of the url's and these, trying the
+    /// next one at once when a node cannot be reached, so a cluster that
+    /// lost a node is reached without a load balancer in front.
+    #[serde(default, deserialize_with = "crate::identity::string_list")]
+    pub nodes: Vec<String>,
     /// Prefix of every queue and exchange name (lets deployments and tests share a broker).
     pub prefix: String,
     /// Unacknowledged deliveries per consumer (`basic.qos`), which also bounds
@@ -49,6 +57,7 @@ impl AmqpSettings {
                 redact(&self.url)
             ));
         }
+        self.node_uris()?;
         if self.prefetch == 0 {
             return Err("amqp.prefetch must be at least 1".into());
         }
@@ -94,6 +103,30 @@ impl AmqpSettings {
             .map(|uri| uri.authority.userinfo.username)
     }
 
+    /// The URI of every node a session may connect to: the url's first, then
+    /// [`AmqpSettings::nodes`], each with the url's user, vhost and parameters.
+    ///
+    /// # Errors
+    /// A message naming the bad key: the url does not parse, or a node is not `host:port`.
+    pub fn node_uris(&self) -> Result<Vec<AMQPUri>, String> {
+        let first: AMQPUri = self.url.parse().map_err(|error| {
+            format!("amqp.url does not parse ({error}): {:?}", redact(&self.url))
+        })?;
+        let mut uris = vec![first.clone()];
+        for node in &self.nodes {
+            let (host, port) = node
+                .rsplit_once(':')
+                .and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?)))
+                .filter(|(host, port)| !host.is_empty() && *port > 0)
+                .ok_or_else(|| format!("amqp.nodes must hold host:port entries (got {node:?})"))?;
+            let mut uri = first.clone();
+            uri.authority.host = host.to_owned();
+            uri.authority.port = port;
+            uris.push(uri);
+        }
+        Ok(uris)
+    }
+
     /// [`AmqpSettings::operation_timeout_ms`] as a duration.
     pub fn operation_timeout(&self) -> Duration {
         Duration::from_millis(self.operation_timeout_ms)
@@ -126,6 +159,7 @@ mod tests {
     fn with_url(url: &str) -> AmqpSettings {
         AmqpSettings {
             url: url.into(),
+            nodes: Vec::new(),
             prefix: String::new(),
             prefetch: 1,
             operation_timeout_ms: 1_000,
@@ -153,6 +187,41 @@ mod tests {
             with_url("amqp://rabbit:5672/%2f").user().as_deref(),
             Some("guest")
         );
+    }
+
+    #[test]
+    fn every_node_is_reached_with_the_urls_user_vhost_and_parameters() {
+        let mut settings = with_url("amqp://sas-agent:pw@rabbit-1:5672/sas?heartbeat=10");
+        settings.nodes = vec!["rabbit-2:5672".into(), "10.0.0.3:5673".into()];
+        let uris = settings.node_uris().unwrap();
+        let hosts: Vec<(String, u16)> = uris
+            .iter()
+            .map(|uri| (uri.authority.host.clone(), uri.authority.port))
+            .collect();
+        assert_eq!(
+            hosts,
+            [
+                ("rabbit-1".to_owned(), 5672),
+                ("rabbit-2".to_owned(), 5672),
+                ("10.0.0.3".to_owned(), 5673)
+            ]
+        );
+        for uri in &uris {
+            assert_eq!(uri.authority.userinfo.username, "sas-agent");
+            assert_eq!(uri.authority.userinfo.password, "pw");
+            assert_eq!(uri.vhost, "sas");
+            assert_eq!(uri.query.heartbeat, Some(10));
+        }
+    }
+
+    #[test]
+    fn a_node_that_is_not_host_and_port_is_refused_naming_the_key() {
+        for bad in ["rabbit-2", "rabbit-2:", ":5672", "rabbit-2:99999"] {
+            let mut settings = with_url("amqp://guest:guest@rabbit-1:5672/%2f");
+            settings.nodes = vec![bad.into()];
+            let error = settings.validate().unwrap_err();
+            assert!(error.contains("amqp.nodes"), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub struct Target {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
+    /// The other RabbitMQ nodes of a cluster (`host:port,host:port`), tried
+    /// in turn when the URL's node cannot be reached.
+    #[arg(long, global = true, env = "SAS_AMQP__NODES", value_delimiter = ',')]
+    pub amqp_nodes: Vec<String>,
     /// Queue name prefix of the deployment.
     #[arg(long, global = true, env = "SAS_AMQP__PREFIX", default_value = "")]
     pub prefix: String,
@@ -74,6 +78,7 @@ impl Target {
     pub fn amqp(&self) -> AmqpSettings {
         AmqpSettings {
             url: self.amqp_url.clone(),
+            nodes: self.amqp_nodes.clone(),
             prefix: self.prefix.clone(),
             prefetch: 64,
             operation_timeout_ms: 10_000,

@@ -10,14 +10,21 @@ use crate::Scheduler;
 
 impl Scheduler {
     /// Claims ready orders every `claim_interval_ms` (at once again when a
-    /// claim came back full), until shutdown.
+    /// claim came back full), until shutdown: the heads of the agents'
+    /// lines as their slots free (new orders and next steps that waited for
+    /// admission), orders back from the supervisor's backoff, and
+    /// compensations nobody holds.
     ///
-    /// This is not on the path of a new order, which the intake starts
-    /// directly; it only serves retries, whose backoff is measured in
-    /// hundreds of milliseconds or more.
+    /// While agents have free slots a new order is not on this path: the
+    /// intake and each reply start the next step themselves.
+    ///
+    /// What a claim publishes is sent in a task of its own (see
+    /// [`Scheduler::announce`]): when the connection is lost, this loop is
+    /// dropped with it, and the claimed orders' requests still go out on
+    /// the next connection instead of waiting for their deadline.
     ///
     /// # Errors
-    /// When a request cannot be published: the connection is presumed lost.
+    /// When a request cannot be published even on a later connection.
     pub async fn claim_loop(self: Arc<Self>, publisher: Publisher) -> Result<(), BrokerError> {
         let interval = Duration::from_millis(self.settings.scheduler.claim_interval_ms);
         let batch = self.settings.scheduler.claim_batch;
@@ -55,7 +62,19 @@ impl Scheduler {
                         .record(waited.as_secs_f64());
                 }
                 metrics::counter!("sas_orders_claimed_total").increment(1);
-                self.announcer.announce(Some(&publisher), progress).await?;
+            }
+            let announced = {
+                let (me, publisher) = (self.clone(), publisher.clone());
+                tokio::spawn(async move {
+                    for claim in &claimed {
+                        me.announce(Some(&publisher), &claim.progress).await?;
+                    }
+                    Ok::<(), BrokerError>(())
+                })
+            };
+            match announced.await {
+                Ok(result) => result?,
+                Err(error) => tracing::error!(error = %error, "the task announcing claims failed"),
             }
             if full && !self.shutdown.is_cancelled() {
                 continue;

@@ -74,13 +74,15 @@ impl Scheduler {
             Intake::Accepted(progress) => {
                 metrics::counter!("sas_orders_received_total").increment(1);
                 tracing::info!(order_id = %order.order_id, trace_id = %trace_id, redelivered = delivery.redelivered, "order received");
-                match self.announcer.announce(Some(publisher), &progress).await {
+                match self.announce(Some(publisher), &progress).await {
                     Ok(()) => Consumed::Ack,
                     Err(error) => {
-                        // Committed but not announced: the redelivery will be a
-                        // duplicate, and the supervisor retries the first step
-                        // once its deadline passes.
-                        tracing::warn!(order_id = %order.order_id, error = %error, "order stored but its first request was not confirmed");
+                        // Committed, and not confirmed even on a later
+                        // connection within the request's start window (or
+                        // shutdown came first): the redelivery will be a
+                        // duplicate, and the supervisor retries the first
+                        // step once its deadline passes.
+                        tracing::warn!(order_id = %order.order_id, error = %error, "order stored but its first request was not confirmed; the supervisor will retry it");
                         Consumed::Requeue
                     }
                 }

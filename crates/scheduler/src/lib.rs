@@ -24,7 +24,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use sas_announce::Announcer;
 use sas_broker::lapin::Connection;
-use sas_broker::{topology, BrokerError, Publisher, Session};
+use sas_broker::{topology, BrokerError, Publisher, Session, SharedPublisher};
 use sas_messages::QueueNames;
 use sas_messages::StepReply;
 use sas_runtime::Batcher;
@@ -52,6 +52,9 @@ pub struct Scheduler {
     pub announcer: Announcer,
     /// Fired on SIGTERM: handlers stop retrying and hand their message back.
     pub shutdown: CancellationToken,
+    /// The publisher of whichever broker connection is up: what a lost
+    /// connection left unconfirmed is sent again on the next one.
+    pub publishers: SharedPublisher,
     /// Stores the submitted orders of concurrent handlers together.
     pub intake: Batcher<Submission, Result<Intake, StoreError>>,
     /// Applies the replies of concurrent handlers together.
@@ -155,6 +158,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         workflow,
         store,
         shutdown: shutdown.clone(),
+        publishers: session.publisher(),
         intake,
         replies,
         answered: refusal::Answered::default(),
@@ -266,6 +270,23 @@ impl Scheduler {
         let claims = self.clone().claim_loop(publisher.clone());
         tokio::try_join!(orders, replies, claims)?;
         Ok(())
+    }
+
+    /// Publishes what a committed transition asks for (see
+    /// [`Announcer::announce_durably`]): through `publisher`, the handler's
+    /// connection, and when that connection dies before the confirms came
+    /// back, again on the next one.
+    ///
+    /// # Errors
+    /// When the messages could not be confirmed within their window, or on shutdown.
+    pub async fn announce(
+        &self,
+        publisher: Option<&Publisher>,
+        progress: &sas_store::Progress,
+    ) -> Result<(), BrokerError> {
+        self.announcer
+            .announce_durably(&self.publishers, publisher, progress, &self.shutdown)
+            .await
     }
 
     async fn declare(&self, connection: &Connection) -> Result<(), BrokerError> {

@@ -100,7 +100,7 @@ impl Scheduler {
                 };
                 metrics::counter!("sas_replies_total", "outcome" => label).increment(1);
                 tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, trace_id = progress.trace_id.as_deref().unwrap_or(""), "reply applied");
-                match self.announcer.announce(Some(publisher), &progress).await {
+                match self.announce(Some(publisher), &progress).await {
                     Ok(()) => Consumed::Ack,
                     Err(error) => {
                         tracing::warn!(order_id = %reply.order_id, error = %error, "reply applied but the next request was not confirmed; the supervisor will retry it");

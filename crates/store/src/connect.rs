@@ -235,6 +235,7 @@ impl Store {
             .max_connections(settings.max_connections)
             .acquire_timeout(Duration::from_millis(settings.acquire_timeout_ms))
             .test_before_acquire(false)
+            .after_connect(|connection, _| Box::pin(refuse_standby(connection)))
             .connect_lazy_with(settings.connect_options(application_name)?);
         Ok(Self {
             pool,
@@ -316,10 +317,35 @@ impl Store {
         }
     }
 
-    /// True when a trivial query succeeds: the readiness probe.
+    /// True when the store answers as a primary that takes writes: the
+    /// readiness probe. A standby, or a demoted primary, is not ready.
     pub async fn is_reachable(&self) -> bool {
-        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+        matches!(
+            sqlx::query_scalar::<_, bool>("SELECT NOT pg_is_in_recovery()")
+                .fetch_one(&self.pool)
+                .await,
+            Ok(true)
+        )
     }
+}
+
+/// Refuses a new connection that reached a server in recovery (a standby,
+/// or an old primary that came back as one): writes there would fail one
+/// by one, and a pool holding it would keep failing. The error is
+/// transient ([`StoreError::is_transient`]), so callers wait and connect
+/// again, as when the primary is down; with HAProxy on Patroni's health
+/// checks (docs/high-availability.md) the next try reaches the new primary.
+async fn refuse_standby(connection: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(connection)
+        .await?;
+    if standby {
+        return Err(sqlx::Error::Io(std::io::Error::other(
+            "connected to a Postgres standby (read-only): waiting for the primary; \
+             check that database.url routes to the primary only",
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -59,10 +59,13 @@ impl StoreError {
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // 08: connection exception, 40: transaction rollback
                 // (serialization, deadlock), 57: operator intervention
-                // (admin shutdown, query canceled), 53: insufficient resources.
+                // (admin shutdown, query canceled), 53: insufficient resources;
+                // 25006: a write on a read-only server (a primary demoted
+                // under a connection during a failover).
                 ["08", "40", "57", "53"]
                     .iter()
                     .any(|class| code.starts_with(class))
+                    || code == "25006"
             }),
             _ => false,
         }

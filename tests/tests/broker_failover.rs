@@ -1,0 +1,202 @@
+//! Reaching whichever broker node is alive, and sending again what a dying
+//! connection left unconfirmed (docs/high-availability.md).
+
+use std::time::Duration;
+
+use sas_store::ProcessState;
+use sas_tests::process::{free_port, metric};
+use sas_tests::proxy::{url_at, AmqpProxy};
+use sas_tests::{order, wait_until, TestEnv};
+
+async fn wait_processed(env: &TestEnv, order_id: &str, timeout: Duration) {
+    wait_until(&format!("{order_id} to be processed"), timeout, || async {
+        match env.store.order_detail(order_id).await {
+            Ok(Some(detail)) if detail.summary.state == ProcessState::Processed => Ok(detail),
+            Ok(Some(detail)) => Err(format!("{}", detail.summary.state)),
+            Ok(None) => Err("not stored".into()),
+            Err(error) => Err(error.to_string()),
+        }
+    })
+    .await;
+}
+
+/// Waits until the scheduler, with metrics on `metrics_port`, consumes its
+/// replies through `proxy`.
+async fn wait_consuming(env: &TestEnv, proxy: &AmqpProxy, metrics_port: u16) {
+    wait_until(
+        "the scheduler to consume",
+        Duration::from_secs(20),
+        || async {
+            let replies = format!(
+                "sas_consumers{{queue=\"{}sas.scheduler.replies\"}}",
+                env.prefix
+            );
+            let consumers = metric(metrics_port, &replies).await;
+            match proxy.connections() {
+                0 => Err("no connection through the proxy".to_owned()),
+                _ if consumers.is_none() => Err("not consuming yet".to_owned()),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
+}
+
+/// The broker took the first step's request, and its confirm never came
+/// back before the scheduler's connection died. The scheduler sends the
+/// request again on its next connection at once, not after the step's
+/// 30-second deadline; the agent gets it twice, the remote service applies
+/// it once (same idempotency key), and the second reply is fenced off as stale.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_left_unconfirmed_by_a_lost_connection_is_sent_again_and_done_once() {
+    let env = TestEnv::with_step_timeout(30_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let proxy = AmqpProxy::start(&env.amqp_url).await;
+    let metrics_port = free_port();
+    let _scheduler = env.scheduler(
+        0,
+        &[
+            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{metrics_port}")),
+        ],
+    );
+    let (_connection, publisher) = env.broker().await;
+    wait_consuming(&env, &proxy, metrics_port).await;
+    // From now on its confirms stop coming back.
+    proxy.swallow_confirms(true);
+
+    env.publish_order(&publisher, &order("unconfirmed-1")).await;
+    // The first request reached its queue and the agent: the reservation is
+    // applied, while the scheduler still waits for the request's confirm.
+    wait_until(
+        "the reservation to be applied",
+        Duration::from_secs(20),
+        || async {
+            let applied = sim.applied_per_key().await.map_err(|e| e.to_string())?;
+            applied
+                .contains_key("unconfirmed-1:reserve_stock")
+                .then_some(())
+                .ok_or_else(|| format!("{applied:?}"))
+        },
+    )
+    .await;
+    assert!(proxy.confirms_swallowed() > 0, "no confirm was held back");
+    proxy.swallow_confirms(false);
+    proxy.cut();
+
+    let started = std::time::Instant::now();
+    wait_processed(&env, "unconfirmed-1", Duration::from_secs(20)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "not the supervisor's retry after the 30 s deadline"
+    );
+    let detail = env
+        .store
+        .order_detail("unconfirmed-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(detail.summary.failure_count, 0, "no deadline was missed");
+    for (key, count) in sim.applied_per_key().await.unwrap() {
+        assert_eq!(count, 1, "{key} applied {count} times");
+    }
+    // What the lost connection left unconfirmed went out again on the next one.
+    wait_until(
+        "the scheduler to send again",
+        Duration::from_secs(10),
+        || async {
+            let republished = metric(metrics_port, "sas_republished_total").await;
+            (republished.unwrap_or(0.0) >= 1.0)
+                .then_some(())
+                .ok_or_else(|| format!("{republished:?}"))
+        },
+    )
+    .await;
+    // The agent answered both copies of the request; the second reply is stale.
+    wait_until(
+        "the duplicate reply to be fenced",
+        Duration::from_secs(10),
+        || async {
+            let stale = metric(metrics_port, "sas_stale_replies_total").await;
+            (stale.unwrap_or(0.0) >= 1.0)
+                .then_some(())
+                .ok_or_else(|| format!("{stale:?}"))
+        },
+    )
+    .await;
+}
+
+/// The scheduler stored the order and published its first request, which
+/// never reached the broker: the connection died with it unread. Only the
+/// copy sent again on the next connection can start the step before its
+/// 30-second deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
+    let env = TestEnv::with_step_timeout(30_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let proxy = AmqpProxy::start(&env.amqp_url).await;
+    let metrics_port = free_port();
+    let _scheduler = env.scheduler(
+        0,
+        &[
+            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{metrics_port}")),
+        ],
+    );
+    let (_connection, publisher) = env.broker().await;
+    wait_consuming(&env, &proxy, metrics_port).await;
+    proxy.drop_from_clients(true);
+    env.publish_order(&publisher, &order("lost-request-1"))
+        .await;
+    wait_until(
+        "the order to be stored",
+        Duration::from_secs(20),
+        || async {
+            match env.store.order_detail("lost-request-1").await {
+                Ok(Some(_)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    proxy.drop_from_clients(false);
+    proxy.cut();
+    wait_processed(&env, "lost-request-1", Duration::from_secs(20)).await;
+    let detail = env
+        .store
+        .order_detail("lost-request-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(detail.summary.failure_count, 0, "no deadline was missed");
+    for (key, count) in sim.applied_per_key().await.unwrap() {
+        assert_eq!(count, 1, "{key} applied {count} times");
+    }
+}
+
+/// A cluster node that is down costs nothing: the URL names a node nobody
+/// listens on, `amqp.nodes` the real one, and every service reaches it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
+    let env = TestEnv::new().await;
+    let uri: sas_broker::lapin::uri::AMQPUri = env.amqp_url.parse().unwrap();
+    let cluster = [
+        ("SAS_AMQP__URL", url_at(&env.amqp_url, free_port())),
+        (
+            "SAS_AMQP__NODES",
+            format!("{}:{}", uri.authority.host, uri.authority.port),
+        ),
+    ];
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &cluster);
+    let _supervisor = env.supervisor(0, &cluster);
+    let _scheduler = env.scheduler(0, &cluster);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("skip-dead-node-1"))
+        .await;
+    wait_processed(&env, "skip-dead-node-1", Duration::from_secs(30)).await;
+}
