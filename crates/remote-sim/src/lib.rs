@@ -17,6 +17,8 @@ pub mod settings;
 use std::sync::Arc;
 
 use anyhow::Context;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
 
 pub use settings::Settings;
@@ -67,16 +69,19 @@ fn tls_config(cert_file: &str, key_file: &str) -> anyhow::Result<Arc<rustls::Ser
     let read = |key: &str, path: &str| {
         std::fs::read(path).with_context(|| format!("sim.{key}: cannot read {path:?}"))
     };
-    let certs = rustls_pemfile::certs(&mut read("tls_cert_file", cert_file)?.as_slice())
+    let certs = CertificateDer::pem_slice_iter(&read("tls_cert_file", cert_file)?)
         .collect::<Result<Vec<_>, _>>()
         .with_context(|| format!("sim.tls_cert_file: {cert_file:?} is not PEM"))?;
     anyhow::ensure!(
         !certs.is_empty(),
         "sim.tls_cert_file: {cert_file:?} holds no certificate"
     );
-    let key = rustls_pemfile::private_key(&mut read("tls_key_file", key_file)?.as_slice())
-        .with_context(|| format!("sim.tls_key_file: {key_file:?} is not PEM"))?
-        .with_context(|| format!("sim.tls_key_file: {key_file:?} holds no private key"))?;
+    let key =
+        PrivateKeyDer::from_pem_slice(&read("tls_key_file", key_file)?).with_context(|| {
+            format!(
+                "sim.tls_key_file: {key_file:?} holds no PEM private key (PKCS#8, PKCS#1 or SEC1)"
+            )
+        })?;
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
