@@ -5,6 +5,7 @@
 //! - [`browser`]: headless chromium through chromedriver, and screenshots.
 //! - [`console`]: the operator console and its users.
 //! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
+//! - [`postgres_pair`]: a throwaway Postgres primary and its standby.
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
 //! - [`proxy`]: a proxy in front of RabbitMQ that swallows confirms and cuts connections.
 //! - [`sim`]: reading remote-sim's record of side effects.
@@ -13,6 +14,7 @@
 pub mod browser;
 pub mod console;
 pub mod env;
+pub mod postgres_pair;
 pub mod process;
 pub mod proxy;
 pub mod sim;

@@ -1,16 +1,25 @@
-//! Reaching whichever broker node is alive, and sending again what a dying
-//! connection left unconfirmed (docs/high-availability.md).
+//! Reaching whichever broker node is alive, sending again what a dying
+//! connection left unconfirmed, and waiting for a Postgres primary rather
+//! than writing to a standby (docs/high-availability.md).
 
 use std::time::Duration;
 
 use sas_store::ProcessState;
+use sas_store::Store;
+use sas_tests::env::database_settings;
+use sas_tests::postgres_pair::PostgresPair;
 use sas_tests::process::{free_port, metric};
 use sas_tests::proxy::{url_at, AmqpProxy};
 use sas_tests::{order, wait_until, TestEnv};
+use sqlx::Connection as _;
 
 async fn wait_processed(env: &TestEnv, order_id: &str, timeout: Duration) {
+    wait_processed_in(&env.store, order_id, timeout).await;
+}
+
+async fn wait_processed_in(store: &Store, order_id: &str, timeout: Duration) {
     wait_until(&format!("{order_id} to be processed"), timeout, || async {
-        match env.store.order_detail(order_id).await {
+        match store.order_detail(order_id).await {
             Ok(Some(detail)) if detail.summary.state == ProcessState::Processed => Ok(detail),
             Ok(Some(detail)) => Err(format!("{}", detail.summary.state)),
             Ok(None) => Err("not stored".into()),
@@ -199,4 +208,108 @@ async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
     env.publish_order(&publisher, &order("skip-dead-node-1"))
         .await;
     wait_processed(&env, "skip-dead-node-1", Duration::from_secs(30)).await;
+}
+
+async fn readyz(port: u16) -> Option<(u16, String)> {
+    let response = sas_tests::http_get(format!("http://127.0.0.1:{port}/readyz"))
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.unwrap_or_default()))
+}
+
+/// A scheduler whose database URL reaches only a standby (as after a
+/// failover, before the routing follows) is not ready and writes nothing
+/// there: its migrations and an order that arrives wait. Once the primary
+/// crashed and the standby was promoted, the same process, not restarted,
+/// is ready, migrates, and the order is processed, each effect once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
+    let env = TestEnv::new().await;
+    let pair = tokio::task::spawn_blocking(PostgresPair::start)
+        .await
+        .expect("start a primary and its standby");
+    // Created on the primary, the database reaches the standby by replication.
+    let mut admin = sqlx::PgConnection::connect(&pair.primary_url("postgres"))
+        .await
+        .expect("connect to the primary");
+    sqlx::query("CREATE DATABASE sas")
+        .execute(&mut admin)
+        .await
+        .expect("create the database");
+    wait_until(
+        "the database to reach the standby",
+        Duration::from_secs(20),
+        || async {
+            sqlx::PgConnection::connect(&pair.standby_url("sas"))
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let port = free_port();
+    let scheduler = env.scheduler(
+        0,
+        &[
+            ("SAS_DATABASE__URL", pair.standby_url("sas")),
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+        ],
+    );
+    // Not ready, and saying why in its log (the broker waits for the
+    // migrations, so /readyz names whichever it misses first).
+    wait_until(
+        "the scheduler to refuse the standby",
+        Duration::from_secs(20),
+        || async {
+            let refused = scheduler
+                .log_text()
+                .contains("connected to a Postgres standby");
+            match readyz(port).await {
+                Some((503, _)) if refused => Ok(()),
+                other => Err(format!("{other:?}, refusal logged: {refused}")),
+            }
+        },
+    )
+    .await;
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("on-standby-1")).await;
+    let tables: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+            .fetch_one(
+                &mut sqlx::PgConnection::connect(&pair.standby_url("sas"))
+                    .await
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+    assert_eq!(tables, 0, "nothing was migrated onto the standby");
+    assert_eq!(
+        readyz(port).await.map(|(status, _)| status),
+        Some(503),
+        "still not ready on a standby"
+    );
+
+    let pair = tokio::task::spawn_blocking(move || {
+        pair.crash_primary();
+        pair.promote_standby();
+        pair
+    })
+    .await
+    .expect("crash the primary and promote the standby");
+    wait_until("/readyz once promoted", Duration::from_secs(30), || async {
+        match readyz(port).await {
+            Some((200, _)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let promoted = Store::connect_lazy(&database_settings(&pair.standby_url("sas")), "sas-tests")
+        .expect("store settings");
+    wait_processed_in(&promoted, "on-standby-1", Duration::from_secs(30)).await;
+    for (key, count) in sim.applied_per_key().await.unwrap() {
+        assert_eq!(count, 1, "{key} applied {count} times");
+    }
 }
