@@ -868,6 +868,18 @@ async fn actions_through_the_json_api_go_through_the_store_and_are_recorded_with
             .any(|pair| pair[0] == "processed" && pair[1] == 8),
         "{overview}"
     );
+    // The agents' lines, where admission control keeps the real backlog.
+    let lines = overview["admission"].as_array().unwrap();
+    for agent in ["inventory", "payment", "shipping"] {
+        let line = lines
+            .iter()
+            .find(|l| l["agent"] == agent)
+            .unwrap_or_else(|| panic!("no line for {agent}: {overview}"));
+        assert!(
+            line["waiting"].as_i64().unwrap() >= 0 && line["admit_limit"].as_i64().unwrap() >= 1,
+            "{line}"
+        );
+    }
     let queues = overview["queues"].as_array().unwrap();
     let orders = queues
         .iter()

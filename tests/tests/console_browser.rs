@@ -98,6 +98,11 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         .await;
     let processing = browser.text("#by-state td[data-state='processing']").await;
     assert_eq!(processing, "4", "four orders wait at the payment step");
+    // The agents' lines show them: four attempts in flight to payment.
+    let in_flight = browser
+        .text("#admission tr[data-agent='payment'] td[data-field='in_flight']")
+        .await;
+    assert_eq!(in_flight, "4", "the payment line holds the four attempts");
     browser.screenshot("01-overview").await;
 
     // Filter the orders by customer with the form.

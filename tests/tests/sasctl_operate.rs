@@ -192,3 +192,63 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
     assert_eq!(disposition(replay), "replayed");
     assert_eq!(disposition(foreign), "discarded");
 }
+
+/// `sasctl stats` shows the real backlog: the agents' lines, which admission
+/// control keeps in Postgres (the agent queue holds only what was admitted).
+/// With a limit of one and no agent running, one order is in flight and two
+/// wait, the oldest for as long as it has been in line.
+#[tokio::test(flavor = "multi_thread")]
+async fn sasctl_stats_shows_each_agent_s_line() {
+    let env = TestEnv::with_step_timeout(10_000).await;
+    let _scheduler = env.scheduler(
+        0,
+        &[
+            ("SAS_SCHEDULER__ADMISSION_INITIAL", "1".to_owned()),
+            ("SAS_SCHEDULER__ADMISSION_CEILING", "1".to_owned()),
+        ],
+    );
+    let submitted = std::time::Instant::now();
+    let (code, _) = env
+        .sasctl(&["submit", "--count", "3", "--order-id", "ord-line"])
+        .await;
+    assert_eq!(code, 0);
+    let line = wait_until(
+        "one order in flight to inventory and two in its line",
+        Duration::from_secs(20),
+        || async {
+            let (code, out) = env.sasctl(&["stats", "-o", "json"]).await;
+            let stats: Value =
+                serde_json::from_str(&out).map_err(|e| format!("{code}: {e}: {out}"))?;
+            let inventory = stats["admission"]
+                .as_array()
+                .and_then(|lines| lines.iter().find(|l| l["agent"] == "inventory").cloned())
+                .ok_or_else(|| format!("no inventory line: {stats}"))?;
+            (inventory["in_flight"] == 1
+                && inventory["waiting"] == 2
+                && inventory["admit_limit"] == 1)
+                .then_some(inventory.clone())
+                .ok_or_else(|| inventory.to_string())
+        },
+    )
+    .await;
+    let oldest = line["oldest_wait_secs"].as_f64().expect("an oldest wait");
+    assert!(
+        oldest >= 0.0 && oldest <= submitted.elapsed().as_secs_f64() + 1.0,
+        "waited {oldest} s, submitted {:?} ago",
+        submitted.elapsed()
+    );
+    assert!(line["ceiling"] == 1, "{line}");
+    let (code, out) = env.sasctl(&["stats"]).await;
+    assert_eq!(code, 0);
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("inventory"))
+        .unwrap_or_else(|| panic!("no inventory row: {out}"));
+    let columns: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&columns[..5], ["inventory", "2", "1", "1", "1"], "{out}");
+    assert!(
+        columns[5].ends_with('s'),
+        "the oldest wait in seconds: {out}"
+    );
+    assert!(out.contains("OLDEST WAIT"), "{out}");
+}

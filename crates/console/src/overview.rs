@@ -1,11 +1,13 @@
-//! The overview's numbers: orders by state and per minute (state store),
-//! queue depths and consumers (broker), open alerts. Counting orders by
+//! The overview's numbers: orders by state and per minute, the agents'
+//! admission lines (state store), queue depths and consumers (broker), open
+//! alerts. Counting orders by
 //! state reads every process record, so the numbers are computed at most
 //! once per half live interval, whoever asks, and shared.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sas_store::admission::AdmissionLine;
 use sas_store::overview::Activity;
 use sas_store::queries::Alert;
 use serde::Serialize;
@@ -22,6 +24,9 @@ const DEFAULT_AGENTS: [&str; 3] = ["inventory", "payment", "shipping"];
 pub struct Overview {
     /// Orders by state, per minute, open alerts and dead letters counted.
     pub activity: Activity,
+    /// Each agent's line: the real backlog, which admission control keeps
+    /// in Postgres while the agent queues stay short.
+    pub admission: Vec<AdmissionLine>,
     /// Each queue's depth and consumers.
     pub queues: Vec<QueueDepth>,
     /// The newest open alerts (at most 10).
@@ -46,6 +51,7 @@ impl Console {
             }
         }
         let activity = self.store.activity().await?;
+        let admission = self.store.admission_lines().await?;
         let mut agents = self.store.known_agents().await?;
         if agents.is_empty() {
             agents = DEFAULT_AGENTS.iter().map(|a| (*a).to_owned()).collect();
@@ -63,6 +69,7 @@ impl Console {
         let alerts = self.store.alerts(false, 10).await?;
         let overview = Arc::new(Overview {
             activity,
+            admission,
             queues,
             alerts,
         });

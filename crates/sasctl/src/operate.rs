@@ -353,8 +353,12 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
 /// When the database cannot be reached.
 pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
     let activity = store.activity().await?;
+    let lines = store.admission_lines().await?;
     if output == Output::Json {
-        print_json(&activity)?;
+        // The activity's keys, and the lines beside them under `admission`.
+        let mut json = serde_json::to_value(&activity)?;
+        json["admission"] = serde_json::to_value(&lines)?;
+        print_json(&json)?;
         return Ok(ExitCode::SUCCESS);
     }
     println!("{:<14} {:>10}", "STATE", "ORDERS");
@@ -376,9 +380,28 @@ pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
             .sum();
         println!("{event:<22} {n:>10}");
     }
+    print_admission(&lines);
     println!(
         "\nopen alerts {}, dead letters to look at {}",
         activity.open_alerts, activity.pending_dead_letters
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The agents' lines: the real backlog, which admission control keeps in
+/// Postgres (the agent queues stay short however many orders wait).
+fn print_admission(lines: &[sas_store::admission::AdmissionLine]) {
+    println!(
+        "\n{:<14} {:>8} {:>10} {:>6} {:>8} {:>12}",
+        "AGENT", "WAITING", "IN FLIGHT", "LIMIT", "CEILING", "OLDEST WAIT"
+    );
+    for line in lines {
+        let oldest = line
+            .oldest_wait_secs
+            .map_or_else(|| "-".to_owned(), |secs| format!("{secs:.1}s"));
+        println!(
+            "{:<14} {:>8} {:>10} {:>6} {:>8} {:>12}",
+            line.agent, line.waiting, line.in_flight, line.admit_limit, line.ceiling, oldest
+        );
+    }
 }

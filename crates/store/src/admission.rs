@@ -36,6 +36,24 @@ pub struct AgentAdmission {
     pub ceiling: i32,
 }
 
+/// One agent's line for operators: [`AgentAdmission`] and the oldest wait.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct AdmissionLine {
+    /// The agent.
+    pub agent: String,
+    /// Attempts dispatched and not settled.
+    pub in_flight: i32,
+    /// Orders in its line.
+    pub waiting: i32,
+    /// Attempts allowed in flight now.
+    pub admit_limit: i32,
+    /// The highest the limit may go.
+    pub ceiling: i32,
+    /// Seconds the longest-waiting order of the line has waited (none when
+    /// nobody waits).
+    pub oldest_wait_secs: Option<f64>,
+}
+
 /// How the supervisors adapt the limits.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Adaptation {
@@ -126,6 +144,33 @@ impl Store {
         )
         .bind(adaptation.window.as_millis() as f64)
         .bind(adaptation.deadline_share)
+        .fetch_all(self.pool())
+        .await?;
+        Ok(rows)
+    }
+
+    /// Every agent's line as operators read it: its counters, and how long
+    /// the order that has waited longest in it has waited (its `admit_key`
+    /// less the head start its priority, or its undo, gave it; see
+    /// [`crate::machine::admit_key`]). Read-only: the real backlog, which
+    /// the agent queues do not show.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn admission_lines(&self) -> Result<Vec<AdmissionLine>, StoreError> {
+        let rows = sqlx::query_as(
+            "SELECT a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling,
+                    (SELECT EXTRACT(EPOCH FROM now() - min(p.admit_key
+                                + (p.priority * $1::int8
+                                   + CASE WHEN p.state = 'compensating' THEN $2::int8 ELSE 0 END)
+                                  * interval '1 microsecond'))::float8
+                       FROM order_process p
+                      WHERE p.waiting_for = a.agent) AS oldest_wait_secs
+               FROM admission a
+              ORDER BY a.agent",
+        )
+        .bind(crate::machine::PRIORITY_STEP.num_microseconds())
+        .bind(crate::machine::UNDO_HEAD_START.num_microseconds())
         .fetch_all(self.pool())
         .await?;
         Ok(rows)

@@ -1,5 +1,6 @@
 //! The overview: orders by state now and per minute over the last hour,
-//! throughput, failures and compensations, queues, open alerts.
+//! throughput, failures and compensations, the agents' lines, queues, open
+//! alerts.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -104,6 +105,27 @@ pub fn fragment(overview: &Overview) -> Markup {
                             td.num { (values.last().copied().unwrap_or(0)) }
                             td.num data-event=(event) { (values.iter().sum::<i64>()) }
                             td { (sparkline(&values, bad)) }
+                        }
+                    }
+                }
+            }
+            section {
+                h2 { "Agents' lines" }
+                p.muted { "Orders wait here, in Postgres, for an agent's free slot; its queue holds only what was admitted." }
+                table #admission {
+                    tr { th { "agent" } th { "waiting" } th { "in flight" } th { "limit" } th { "oldest wait" } }
+                    @for line in &overview.admission {
+                        tr data-agent=(line.agent) {
+                            td { (line.agent) }
+                            td.num data-field="waiting" { (line.waiting) }
+                            td.num data-field="in_flight" { (line.in_flight) }
+                            td.num data-field="limit" title={ "ceiling " (line.ceiling) } { (line.admit_limit) }
+                            td.num data-field="oldest_wait" {
+                                @match line.oldest_wait_secs {
+                                    Some(secs) => { (format!("{secs:.1} s")) }
+                                    None => { "-" }
+                                }
+                            }
                         }
                     }
                 }
