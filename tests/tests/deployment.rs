@@ -642,33 +642,41 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         serde_norway::from_str::<Value>("[scheduler, migrate]").unwrap(),
         "the schedulers migrate before they start"
     );
-    // KEDA scales the agent Deployment on exactly the queues its replicas consume.
+    // KEDA scales the agent Deployment, the one that consumes every agent
+    // queue, on the admission lines (the query is checked by
+    // agents_scale_on_the_admission_lines_and_promtool_evaluates_the_query).
     let scaled = documents
         .iter()
         .find(|d| kind(d) == "ScaledObject")
         .expect("a KEDA ScaledObject");
     let target = as_str(&scaled["spec"]["scaleTargetRef"]["name"]);
-    let mut triggered: Vec<String> = scaled["spec"]["triggers"]
+    let triggers: Vec<String> = scaled["spec"]["triggers"]
         .as_sequence()
         .unwrap()
         .iter()
-        .map(|t| {
-            assert_eq!(as_str(&t["type"]), "rabbitmq");
-            as_str(&t["metadata"]["queueName"])
-        })
+        .map(|t| as_str(&t["type"]))
         .collect();
+    assert_eq!(
+        triggers,
+        ["prometheus"],
+        "one trigger, on the admission lines"
+    );
     let mut consumed: Vec<String> = agent_queues
         .iter()
         .filter(|(d, _)| *d == target)
         .map(|(_, q)| q.clone())
         .collect();
-    triggered.sort();
+    let mut every_agent_queue: Vec<String> = agent_queues.iter().map(|(_, q)| q.clone()).collect();
     consumed.sort();
+    every_agent_queue.sort();
     assert!(
         !consumed.is_empty(),
         "the ScaledObject targets {target}, which is not an agent Deployment"
     );
-    assert_eq!(triggered, consumed);
+    assert_eq!(
+        consumed, every_agent_queue,
+        "the scaled Deployment serves every agent"
+    );
     // KEDA owns the count: a replicas field would reset it on every apply.
     assert!(
         named("Deployment", &target)["spec"]
@@ -1584,6 +1592,71 @@ fn alert_rules_pass_promtool_and_every_alert_is_tested_firing_and_quiet() {
     std::fs::write(&file, recording).unwrap();
     let path = file.to_string_lossy().into_owned();
     let result = std::panic::catch_unwind(|| run_promtool(&promtool, &["check", "rules", &path]));
+    let _ = std::fs::remove_file(&file);
+    result.unwrap();
+}
+
+/// The agents' ScaledObject scales on `(waiting + in flight)` of the
+/// busiest agent name, read from metrics the code exports with the labels
+/// it sets; promtool evaluates the query on such series, exported alike by
+/// two supervisors, to the sum KEDA divides by the threshold.
+#[test]
+fn agents_scale_on_the_admission_lines_and_promtool_evaluates_the_query() {
+    let keda = load_yaml_documents(&root().join("deploy/k8s/components/keda/keda.yaml"));
+    let scaled = keda
+        .iter()
+        .find(|d| as_str(&d["kind"]) == "ScaledObject")
+        .expect("a ScaledObject");
+    let trigger = &scaled["spec"]["triggers"][0]["metadata"];
+    let query = as_str(&trigger["query"]);
+    let threshold: f64 = as_str(&trigger["threshold"]).parse().expect("a number");
+    let exported = exported_metrics();
+    check_expression("the ScaledObject's query", &query, &exported);
+    for metric in ["sas_admission_waiting", "sas_admission_in_flight"] {
+        assert!(query.contains(metric), "the query reads {metric}");
+    }
+    let defaults: toml::Table = std::fs::read_to_string(root().join("crates/agent/defaults.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let concurrency = defaults["agent"]["concurrency"]
+        .as_integer()
+        .expect("agent.concurrency");
+    assert_eq!(
+        threshold, concurrency as f64,
+        "one replica per agent.concurrency calls"
+    );
+
+    let Some(promtool) = promtool() else {
+        eprintln!("promtool is not installed (scripts/promtool.sh installs it): the scaling query was not evaluated");
+        return;
+    };
+    // payment: 90 waiting and 10 in flight; inventory: 5 in flight. Both
+    // supervisors export the same store-wide values.
+    let mut series = String::new();
+    for supervisor in ["supervisor-a", "supervisor-b"] {
+        for (metric, agent, value) in [
+            ("sas_admission_waiting", "payment", 90),
+            ("sas_admission_in_flight", "payment", 10),
+            ("sas_admission_waiting", "inventory", 0),
+            ("sas_admission_in_flight", "inventory", 5),
+        ] {
+            series.push_str(&format!(
+                "      - series: '{metric}{{agent=\"{agent}\", instance=\"{supervisor}\"}}'\n        values: '{value}x5'\n"
+            ));
+        }
+    }
+    let file = std::env::temp_dir().join(format!("sas-keda-{}.yml", std::process::id()));
+    std::fs::write(
+        &file,
+        format!(
+            "evaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n{series}    promql_expr_test:\n      - expr: {}\n        eval_time: 3m\n        exp_samples:\n          - labels: '{{}}'\n            value: 100\n",
+            serde_json::to_string(&query).unwrap()
+        ),
+    )
+    .unwrap();
+    let path = file.to_string_lossy().into_owned();
+    let result = std::panic::catch_unwind(|| run_promtool(&promtool, &["test", "rules", &path]));
     let _ = std::fs::remove_file(&file);
     result.unwrap();
 }
