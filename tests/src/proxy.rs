@@ -7,6 +7,8 @@
 //! [`AmqpProxy::swallow_confirms`] can drop `basic.ack` and `basic.nack`
 //! frames going to the client (from a broker they are publisher confirms,
 //! nothing else) while deliveries and everything else pass;
+//! [`AmqpProxy::nack_confirms`] turns the broker's `basic.ack` into
+//! `basic.nack` (what a quorum queue without a leader answers);
 //! [`AmqpProxy::drop_from_clients`] drops what clients send. [`AmqpProxy::cut`]
 //! closes every connection open through the proxy, as a dying node does.
 
@@ -27,6 +29,8 @@ pub struct AmqpProxy {
 
 struct State {
     swallow: AtomicBool,
+    nack: AtomicBool,
+    nacked: AtomicUsize,
     drop_upstream: AtomicBool,
     swallowed: AtomicUsize,
     connections: AtomicUsize,
@@ -45,6 +49,8 @@ impl AmqpProxy {
         let port = listener.local_addr().expect("local address").port();
         let state = Arc::new(State {
             swallow: AtomicBool::new(false),
+            nack: AtomicBool::new(false),
+            nacked: AtomicUsize::new(0),
             drop_upstream: AtomicBool::new(false),
             swallowed: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
@@ -67,6 +73,17 @@ impl AmqpProxy {
     /// the broker sends through the proxy.
     pub fn swallow_confirms(&self, swallow: bool) {
         self.state.swallow.store(swallow, Ordering::SeqCst);
+    }
+
+    /// From now on, turn (`true`) the broker's positive publisher confirms
+    /// into negative ones, or pass them (`false`).
+    pub fn nack_confirms(&self, nack: bool) {
+        self.state.nack.store(nack, Ordering::SeqCst);
+    }
+
+    /// Positive confirms turned into negative ones so far.
+    pub fn confirms_nacked(&self) -> usize {
+        self.state.nacked.load(Ordering::SeqCst)
     }
 
     /// From now on, drop (`true`) or pass (`false`) everything the clients
@@ -173,6 +190,12 @@ async fn relay(client: TcpStream, broker: TcpStream, state: &State) {
                 let frame = &pending[at..at + len];
                 if state.swallow.load(Ordering::SeqCst) && is_confirm(frame) {
                     state.swallowed.fetch_add(1, Ordering::SeqCst);
+                } else if state.nack.load(Ordering::SeqCst) && is_ack(frame) {
+                    // basic.nack has the same arguments' size: delivery tag, bits.
+                    out.extend_from_slice(&frame[..9]);
+                    out.extend_from_slice(&[0, 120]);
+                    out.extend_from_slice(&frame[11..]);
+                    state.nacked.fetch_add(1, Ordering::SeqCst);
                 } else {
                     out.extend_from_slice(frame);
                 }
@@ -200,9 +223,12 @@ fn frame_len(bytes: &[u8]) -> Option<usize> {
 
 /// A method frame of `basic.ack` (60, 80) or `basic.nack` (60, 120).
 fn is_confirm(frame: &[u8]) -> bool {
-    frame[0] == 1
-        && frame.len() >= 11
-        && (frame[7..11] == [0, 60, 0, 80] || frame[7..11] == [0, 60, 0, 120])
+    is_ack(frame) || (frame[0] == 1 && frame.len() >= 11 && frame[7..11] == [0, 60, 0, 120])
+}
+
+/// A method frame of `basic.ack` (60, 80).
+fn is_ack(frame: &[u8]) -> bool {
+    frame[0] == 1 && frame.len() >= 11 && frame[7..11] == [0, 60, 0, 80]
 }
 
 #[cfg(test)]

@@ -313,3 +313,65 @@ async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
         assert_eq!(count, 1, "{key} applied {count} times");
     }
 }
+
+/// While the reply queue answers the payment agent's replies with negative
+/// confirms (as a quorum queue does while it elects a leader), the agent
+/// sends its reply again after a pause, on the same connection, instead of
+/// handing the request back: the request is delivered once (the old way,
+/// every nack was a redelivery, and four of them passed the delivery limit
+/// and dead-lettered a step that had succeeded), and the order is processed.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_sends_a_nacked_reply_again_without_handing_its_request_back() {
+    let env = TestEnv::with_step_timeout(30_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let proxy = AmqpProxy::start(&env.amqp_url).await;
+    let payment_port = free_port();
+    let payment = env.agent(
+        "payment",
+        0,
+        &sim,
+        &[
+            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
+            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{payment_port}")),
+        ],
+    );
+    let _others = [
+        env.agent("inventory", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let consumers = format!("sas_consumers{{queue=\"{}sas.agent.payment\"}}", env.prefix);
+    wait_until(
+        "the payment agent to consume",
+        Duration::from_secs(20),
+        || async {
+            (proxy.connections() > 0 && metric(payment_port, &consumers).await.is_some())
+                .then_some(())
+                .ok_or_else(|| "not consuming yet".to_owned())
+        },
+    )
+    .await;
+    proxy.nack_confirms(true);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("nacked-reply-1"))
+        .await;
+    wait_until("five replies nacked", Duration::from_secs(20), || async {
+        (proxy.confirms_nacked() >= 5)
+            .then_some(())
+            .ok_or_else(|| format!("{} nacked", proxy.confirms_nacked()))
+    })
+    .await;
+    proxy.nack_confirms(false);
+    wait_processed(&env, "nacked-reply-1", Duration::from_secs(20)).await;
+    let log = payment.log_text();
+    assert!(
+        !log.contains("redelivered request"),
+        "the request was handed back: {log}"
+    );
+    let republished = metric(payment_port, "sas_republished_total").await;
+    assert!(republished.unwrap_or(0.0) >= 1.0, "{republished:?}");
+    for (key, count) in sim.applied_per_key().await.unwrap() {
+        assert_eq!(count, 1, "{key} applied {count} times");
+    }
+}

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use rand::RngExt;
 use sas_broker::consume::{Consumed, Delivery};
-use sas_broker::publish::json_properties;
+use sas_broker::publish::{json_properties, Outgoing};
 use sas_broker::Publisher;
 use sas_messages::{decode, StepOutcome, StepReply, StepRequest, SCHEMA_VERSION};
 use tracing::Instrument;
@@ -14,6 +14,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::remote::{bounded_text, is_operation_name, CallResult};
 use crate::{Agent, Lane};
+
+/// How long a reply the broker did not confirm is sent again before the
+/// request is handed back: long enough to ride out a quorum queue's leader
+/// election or a reconnection to another node.
+pub const REPLY_RESEND_WINDOW: Duration = Duration::from_secs(10);
 
 /// How a request ended, before the reply.
 enum Finished {
@@ -173,8 +178,23 @@ impl Agent {
                 &request.order_id,
                 trace_id,
             ));
-        match publisher
-            .publish_json("", reply_to, &reply, properties, true)
+        let message = Outgoing {
+            exchange: String::new(),
+            routing_key: reply_to.to_owned(),
+            body: serde_json::to_vec(&reply).expect("wire types always serialize"),
+            properties,
+            mandatory: true,
+        };
+        // A reply the broker did not confirm (a quorum queue electing a
+        // leader nacks; a node that died takes its confirms with it) is sent
+        // again, unchanged, on this connection after a pause or on the next
+        // one, for REPLY_RESEND_WINDOW: handing the request back at once
+        // would call the remote service again and, in a tight loop, spend
+        // the request's delivery limit in a second.
+        let give_up = tokio::time::Instant::now() + REPLY_RESEND_WINDOW;
+        match self
+            .publishers
+            .deliver(Some(publisher), &[message], give_up, &self.shutdown)
             .await
         {
             Ok(()) => {
@@ -185,8 +205,8 @@ impl Agent {
                 Consumed::Ack
             }
             Err(error) => {
-                // Not confirmed: hand the request back; the repeat call is
-                // deduplicated by the idempotency key.
+                // Still not confirmed: hand the request back; the repeat call
+                // is deduplicated by the idempotency key.
                 tracing::warn!(error = %error, "reply not confirmed; requeueing the request");
                 Consumed::Requeue
             }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sas_broker::lapin::Connection;
-use sas_broker::{topology, BrokerError, Publisher, Session};
+use sas_broker::{topology, BrokerError, Publisher, Session, SharedPublisher};
 use tokio_util::sync::CancellationToken;
 
 pub use settings::Settings;
@@ -56,6 +56,9 @@ pub struct Agent {
     pub lanes: Vec<Arc<Lane>>,
     /// Fired on SIGTERM: retries stop and the request goes back to the queue.
     pub shutdown: CancellationToken,
+    /// The publisher of whichever broker connection is up: a reply a lost
+    /// connection left unconfirmed is sent again on the next one.
+    pub publishers: SharedPublisher,
     /// The local clock and how far it runs behind the database clock.
     pub clock: Clock,
 }
@@ -105,6 +108,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings,
         lanes,
         shutdown: shutdown.clone(),
+        publishers: session.publisher(),
     });
     tracing::info!(agent = %agent.id, "agent starting");
     session
