@@ -34,11 +34,9 @@ rate=${COMPOSE_TEST_RATE:-10}
 project=sas-composetest-$$
 keep=$root/target/compose-test
 
-say() { echo "compose-test: $*"; }
-skip() { say "skipped: $*"; exit 0; }
-fail() { say "FAILED: $*" >&2; exit 1; }
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+name=compose-test
+# shellcheck source=lib/compose.sh
+. scripts/lib/compose.sh
 
 # --- Is there a Docker engine that can run the compose file? -------------------------
 # The images the compose file runs and the Dockerfile builds from (ours excepted).
@@ -90,90 +88,20 @@ if ! python3 -c 'import pika' 2>/dev/null; then
 fi
 
 # --- A project of its own: passwords, ports, temporary files ------------------------
-tmp=$(mktemp -d)
 # The test's own image name, so that a user's sas:latest is left alone.
-image=sas-composetest:$$
+start_project "sas-composetest:$$"
 compose() {
   docker compose -p "$project" --env-file "$tmp/env" -f docker-compose.yml -f "$tmp/image.yml" "$@"
 }
-
-finish() {
-  local status=$?
-  trap - EXIT INT TERM
-  [ -z "${publisher:-}" ] || kill "$publisher" 2>/dev/null || true
-  if [ "$status" -ne 0 ] && [ -f "$tmp/image.yml" ]; then
-    mkdir -p "$keep"
-    compose logs --no-color --timestamps >"$keep/services.log" 2>&1 || true
-    compose ps -a >"$keep/ps.txt" 2>&1 || true
-    say "service logs: $keep/services.log" >&2
-  fi
-  if [ -f "$tmp/image.yml" ]; then
-    compose down -v --remove-orphans --timeout 10 >/dev/null 2>&1 \
-      || say "docker compose -p $project down -v failed: remove it by hand" >&2
-    docker image rm "$image" >/dev/null 2>&1 || true
-  fi
-  rm -rf "$tmp"
-  exit "$status"
-}
-trap finish EXIT
-trap 'exit 130' INT TERM
-secret() { od -An -tx1 -N12 /dev/urandom | tr -d ' \n'; }
-# Four free ports on 127.0.0.1, held together while they are chosen so they differ.
-read -r amqp_port management_port sim_port console_port < <(python3 -c '
-import socket
-sockets = [socket.socket() for _ in range(4)]
-for s in sockets: s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in sockets))')
-client_password=$(secret)
-postgres_password=$(secret)
-sim_token=$(secret)
-console_secret=$(secret)$(secret)
-# The shell's values would win over the env file's.
-unset RABBITMQ_USER RABBITMQ_PASSWORD RABBITMQ_SCHEDULER_PASSWORD RABBITMQ_SUPERVISOR_PASSWORD \
-  RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD RABBITMQ_CONSOLE_PASSWORD POSTGRES_PASSWORD \
-  SAS_APP_PASSWORD REMOTE_SIM_ADMIN_TOKEN CONSOLE_USERS RABBITMQ_AMQP_PORT RABBITMQ_MANAGEMENT_PORT \
-  REMOTE_SIM_PORT CONSOLE_PORT \
-  COMPOSE_FILE COMPOSE_PROJECT_NAME COMPOSE_PROFILES
-umask 077
-cat >"$tmp/env" <<EOF
-RABBITMQ_USER=sas
-RABBITMQ_PASSWORD=$(secret)
-RABBITMQ_SCHEDULER_PASSWORD=$(secret)
-RABBITMQ_SUPERVISOR_PASSWORD=$(secret)
-RABBITMQ_AGENT_PASSWORD=$(secret)
-RABBITMQ_CLIENT_PASSWORD=$client_password
-RABBITMQ_CONSOLE_PASSWORD=$(secret)
-POSTGRES_PASSWORD=$postgres_password
-SAS_APP_PASSWORD=$(secret)
-REMOTE_SIM_ADMIN_TOKEN=$sim_token
-CONSOLE_USERS=tester:operator:$console_secret
+read -r amqp_port management_port sim_port console_port < <(free_ports 4)
+cat >>"$tmp/env" <<EOF
 RABBITMQ_AMQP_PORT=$amqp_port
 RABBITMQ_MANAGEMENT_PORT=$management_port
 REMOTE_SIM_PORT=$sim_port
 CONSOLE_PORT=$console_port
 EOF
-cat >"$tmp/image.yml" <<EOF
-services:
-  migrate: { image: "$image" }
-  scheduler: { image: "$image" }
-  supervisor: { image: "$image" }
-  agent: { image: "$image" }
-  remote-sim: { image: "$image" }
-  console: { image: "$image" }
-EOF
-umask 022
 
 # --- Helpers ------------------------------------------------------------------------
-# wait_for DESCRIPTION SECONDS COMMAND...: polls COMMAND until it succeeds.
-wait_for() {
-  local what=$1 seconds=$2 deadline
-  shift 2
-  deadline=$(($(date +%s) + seconds))
-  until "$@"; do
-    [ "$(date +%s)" -lt "$deadline" ] || fail "$what: not within $seconds s"
-    sleep 0.5
-  done
-}
 sql() { compose exec -T postgres psql -X -q -A -t -U sas_owner -d sas -c "$1"; }
 broker_ctl() { compose exec -T rabbitmq rabbitmqctl -q "$@"; }
 # consumers QUEUE: how many consumers the broker counts on it.
@@ -214,50 +142,9 @@ healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$1" 2>/dev/null)"
 # the order id, so a repeat is a no-op.
 publish_in_background() {
   echo 0 >"$tmp/published"
-  AMQP_URL="amqp://sas-client:$client_password@127.0.0.1:$amqp_port/%2f" \
-    python3 - "$project-$1" "$2" "$3" "${4:-0}" "$tmp/published" >"$tmp/publisher.log" 2>&1 <<'EOF' &
-import json, os, sys, time
-import pika
-prefix, count, rate, declined, progress = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-parameters = pika.URLParameters(os.environ["AMQP_URL"])
-properties = pika.BasicProperties(content_type="application/json", delivery_mode=2)
-
-def connect():
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            channel = pika.BlockingConnection(parameters).channel()
-            channel.confirm_delivery()
-            return channel
-        except pika.exceptions.AMQPError as error:
-            if time.monotonic() > deadline:
-                sys.exit(f"publisher: no broker for 120 s: {error!r}")
-            time.sleep(0.5)
-
-def report(confirmed):
-    with open(progress + ".new", "w") as file:
-        file.write(str(confirmed))
-    os.replace(progress + ".new", progress)
-
-channel, reconnects, i, started = connect(), 0, 0, time.monotonic()
-while i < count:
-    if rate > 0:
-        # Load shaping, not waiting for a condition: order i leaves at i / rate.
-        time.sleep(max(0.0, started + i / rate - time.monotonic()))
-    order = {"schema_version": 1, "order_id": f"{prefix}-{i}", "customer_id": "cust-42",
-             "items": [{"sku": "SKU-1", "quantity": 2}], "amount_cents": 2499, "currency": "EUR"}
-    if declined and i % declined == declined - 1:
-        order["amount_cents"] = 5_000_000  # over remote-sim's decline_above_cents
-    try:
-        channel.basic_publish("sas.orders", "", json.dumps(order), properties)
-    except pika.exceptions.AMQPError as error:
-        print(f"publisher: {error!r} at order {i}: reconnecting", flush=True)
-        channel, reconnects = connect(), reconnects + 1
-        continue
-    i += 1
-    report(i)
-print(f"{count} orders confirmed, {reconnects} reconnections", flush=True)
-EOF
+  AMQP_URLS="amqp://sas-client:$client_password@127.0.0.1:$amqp_port/%2f" \
+    python3 scripts/lib/publish-orders.py "$project-$1" "$2" "$3" "${4:-0}" "$tmp/published" \
+    >"$tmp/publisher.log" 2>&1 &
   publisher=$!
 }
 published() { cat "$tmp/published" 2>/dev/null || echo 0; }
@@ -266,16 +153,6 @@ published_at_least() {
   [ "$(published)" -ge "$1" ] && return 0
   kill -0 "$publisher" 2>/dev/null || { cat "$tmp/publisher.log" >&2; fail "the publisher stopped at $(published) orders"; }
   return 1
-}
-# sim METHOD PATH [BODY]: remote-sim's admin and ledger routes, with its token.
-sim() {
-  SIM_TOKEN=$sim_token python3 - "http://127.0.0.1:$sim_port$2" "$1" "${3:-}" <<'EOF'
-import os, sys, urllib.request
-url, method, body = sys.argv[1], sys.argv[2], sys.argv[3]
-request = urllib.request.Request(url, method=method, data=body.encode() if body else None,
-    headers={"Authorization": "Bearer " + os.environ["SIM_TOKEN"], "Content-Type": "application/json"})
-sys.stdout.write(urllib.request.urlopen(request, timeout=30).read().decode())
-EOF
 }
 
 # --- Build and start ----------------------------------------------------------------
@@ -398,39 +275,8 @@ declined_processed=$(sql "SELECT count(*) FROM orders JOIN order_process USING (
 [ "$declined_processed" = 0 ] || fail "$declined_processed declined orders did not end compensated"
 sim GET /side-effects >"$tmp/ledger.json"
 sql "SELECT order_id, state FROM order_process" >"$tmp/states.txt"
-python3 - "$tmp/ledger.json" "$tmp/states.txt" >"$tmp/ledger-check.txt" <<'EOF' || { cat "$tmp/ledger-check.txt" >&2; fail "remote-sim's ledger"; }
-import collections, json, sys
-entries = json.load(open(sys.argv[1]))
-states = dict(line.strip().split("|") for line in open(sys.argv[2]) if line.strip())
-applied = collections.Counter()
-keys = collections.Counter(e["key"] for e in entries)
-for e in entries:
-    if e["decision"] == "applied":
-        # The key is <order>:<step>[:undo]; our order ids hold no ':'.
-        order = e.get("order_id") or e["key"].split(":")[0]
-        applied[(order, e["service"], e["operation"])] += 1
-duplicates = sum(n - 1 for n in applied.values() if n > 1) + sum(n - 1 for n in keys.values() if n > 1)
-problems = []
-actions = [("inventory", "reserve"), ("payment", "charge"), ("shipping", "ship")]
-undos = {"reserve": ("inventory", "release"), "charge": ("payment", "refund"), "ship": ("shipping", "cancel")}
-for order, state in states.items():
-    if state == "processed":
-        for service, operation in actions:
-            if applied[(order, service, operation)] != 1:
-                problems.append(f"{order} processed with {service}/{operation} applied {applied[(order, service, operation)]} times")
-        for service, operation in undos.values():
-            if applied[(order, service, operation)]:
-                problems.append(f"{order} processed but {service}/{operation} applied")
-    elif state == "compensated":
-        for service, operation in actions:
-            undo = undos[operation]
-            if applied[(order, service, operation)] and applied[(order, *undo)] != 1:
-                problems.append(f"{order} compensated but {service}/{operation} not undone once")
-print(f"entries={len(entries)} duplicates={duplicates}")
-for p in problems[:20]:
-    print(p)
-sys.exit(1 if duplicates or problems else 0)
-EOF
+python3 scripts/lib/check-ledger.py "$tmp/ledger.json" "$tmp/states.txt" >"$tmp/ledger-check.txt" \
+  || { cat "$tmp/ledger-check.txt" >&2; fail "remote-sim's ledger"; }
 ledger=$(head -n 1 "$tmp/ledger-check.txt")
 duplicates=${ledger##*duplicates=}
 

@@ -12,7 +12,9 @@
 #   SAS_PROMTOOL                 promtool to use (default: on the PATH, else unpacked by scripts/promtool.sh)
 #
 # Then, on a full run (no test filter given), scripts/compose-test.sh runs
-# docker-compose.yml for real, or prints one line saying why it cannot here.
+# docker-compose.yml for real, and scripts/ha-test.sh the highly available
+# topology (docker-compose.ha.yml) through its faults, or each prints one line
+# saying why it cannot here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
@@ -34,7 +36,10 @@ export SAS_PROMTOOL
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
 cargo test --workspace -- --test-threads 2 "$@"
-# After the cargo tests, never beside them: both load the machine.
+# After the cargo tests, never beside them: both load the machine. The
+# highly available topology after the single-node one, whose Docker engine
+# and image stand-ins it reuses.
 if [ $# -eq 0 ]; then
   scripts/compose-test.sh
+  scripts/ha-test.sh
 fi

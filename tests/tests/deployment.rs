@@ -186,15 +186,7 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
             continue;
         };
         let command = strings(command);
-        let env: BTreeMap<String, String> = service
-            .get("environment")
-            .and_then(Value::as_mapping)
-            .map(|m| {
-                m.iter()
-                    .map(|(k, v)| (as_str(k), interpolate(&as_str(v))))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let env = compose_env(service);
         check_config(&format!("compose service {name}"), &command, &env);
 
         if ["scheduler", "supervisor", "agent"].contains(&name.as_str()) {
@@ -894,12 +886,8 @@ fn variables(text: &str) -> Vec<(String, String)> {
     found
 }
 
-#[test]
-fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
-    let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
-    let compose = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
-    let services = compose["services"].as_mapping().expect("services");
-    // Nothing is published on all interfaces.
+/// Asserts that no service of `services` publishes a port beyond 127.0.0.1.
+fn published_on_loopback_only(services: &serde_norway::Mapping) {
     for (name, service) in services {
         for port in strings(service.get("ports").unwrap_or(&Value::Null)) {
             assert!(
@@ -909,6 +897,93 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
             );
         }
     }
+}
+
+/// The environment of a compose service, its variables read from `.env.example`.
+fn compose_env(service: &Value) -> BTreeMap<String, String> {
+    service
+        .get("environment")
+        .and_then(Value::as_mapping)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (as_str(k), interpolate(&as_str(v))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// docker-compose.ha.yml on top of docker-compose.yml: every service that
+/// talks to RabbitMQ names the other two nodes in a setting it accepts and
+/// waits for them, the nodes are those the cluster's configuration lists,
+/// every secret it adds is required and has a development value in
+/// `.env.example`, and nothing is published beyond 127.0.0.1.
+#[test]
+fn the_highly_available_override_adds_settings_the_binaries_accept() {
+    let base = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
+    let ha = load_yaml_documents(&root().join("docker-compose.ha.yml")).remove(0);
+    let text = std::fs::read_to_string(root().join("docker-compose.ha.yml")).unwrap();
+    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    let defined: Vec<&str> = example
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('=').map(|(k, _)| k.trim()))
+        .collect();
+    for (name, rest) in variables(&text) {
+        if name.contains("PASSWORD") || name.contains("COOKIE") {
+            assert!(rest.starts_with(":?"), "${{{name}{rest}}} must be required");
+        }
+        if rest.starts_with(":?") {
+            assert!(
+                defined.contains(&name.as_str()),
+                "{name} is required by docker-compose.ha.yml but not in .env.example"
+            );
+        }
+    }
+    let services = ha["services"].as_mapping().expect("services");
+    let nodes: Vec<String> = ["rabbitmq-2", "rabbitmq-3"]
+        .iter()
+        .map(|node| {
+            assert_eq!(as_str(&ha["services"][*node]["hostname"]), *node);
+            format!("{node}:5672")
+        })
+        .collect();
+    let cluster =
+        std::fs::read_to_string(root().join("deploy/ha/rabbitmq/30-cluster.conf")).unwrap();
+    for node in ["rabbitmq", "rabbitmq-2", "rabbitmq-3"] {
+        assert!(
+            cluster.contains(&format!("= rabbit@{node}\n")),
+            "30-cluster.conf does not list rabbit@{node}"
+        );
+    }
+    for name in ["scheduler", "supervisor", "agent", "console"] {
+        let command = strings(&base["services"][name]["command"]);
+        let mut env = compose_env(&base["services"][name]);
+        env.extend(compose_env(&ha["services"][name]));
+        assert_eq!(
+            env.get("SAS_AMQP__NODES")
+                .map(|n| n.split(',').map(str::to_owned).collect::<Vec<_>>()),
+            Some(nodes.clone()),
+            "{name} knows the other nodes"
+        );
+        check_config(&format!("HA compose service {name}"), &command, &env);
+        for node in ["rabbitmq-2", "rabbitmq-3"] {
+            assert_eq!(
+                as_str(&ha["services"][name]["depends_on"][node]["condition"]),
+                "service_healthy",
+                "{name} waits for {node}"
+            );
+        }
+    }
+    published_on_loopback_only(services);
+}
+
+#[test]
+fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
+    let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
+    let compose = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
+    let services = compose["services"].as_mapping().expect("services");
+    // Nothing is published on all interfaces.
+    published_on_loopback_only(services);
     // The override publishes them wider.
     let public = load_yaml_documents(&root().join("docker-compose.public.yml")).remove(0);
     let mut widened = Vec::new();

@@ -51,6 +51,49 @@ async fn wait_consuming(env: &TestEnv, proxy: &AmqpProxy, metrics_port: u16) {
     .await;
 }
 
+/// A whole system with 30-second step deadlines whose one scheduler reaches
+/// RabbitMQ through an [`AmqpProxy`], consuming by the time it is returned.
+struct ProxiedScheduler {
+    env: TestEnv,
+    sim: sas_tests::sim::SimClient,
+    proxy: AmqpProxy,
+    metrics_port: u16,
+    publisher: sas_broker::Publisher,
+    /// Kept for their lifetime: the processes stop when dropped.
+    _processes: Vec<sas_tests::process::Service>,
+    _connection: sas_broker::lapin::Connection,
+}
+
+impl ProxiedScheduler {
+    async fn start() -> Self {
+        let env = TestEnv::with_step_timeout(30_000).await;
+        let (sim_process, sim) = env.remote_sim(&[]).await;
+        let mut processes = env.agents(1, &sim, &[]);
+        processes.push(sim_process);
+        processes.push(env.supervisor(0, &[]));
+        let proxy = AmqpProxy::start(&env.amqp_url).await;
+        let metrics_port = free_port();
+        processes.push(env.scheduler(
+            0,
+            &[
+                ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
+                ("SAS_HTTP__LISTEN", format!("127.0.0.1:{metrics_port}")),
+            ],
+        ));
+        let (connection, publisher) = env.broker().await;
+        wait_consuming(&env, &proxy, metrics_port).await;
+        Self {
+            env,
+            sim,
+            proxy,
+            metrics_port,
+            publisher,
+            _processes: processes,
+            _connection: connection,
+        }
+    }
+}
+
 /// The broker took the first step's request, and its confirm never came
 /// back before the scheduler's connection died. The scheduler sends the
 /// request again on its next connection at once, not after the step's
@@ -58,21 +101,16 @@ async fn wait_consuming(env: &TestEnv, proxy: &AmqpProxy, metrics_port: u16) {
 /// it once (same idempotency key), and the second reply is fenced off as stale.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_left_unconfirmed_by_a_lost_connection_is_sent_again_and_done_once() {
-    let env = TestEnv::with_step_timeout(30_000).await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &[]);
-    let _supervisor = env.supervisor(0, &[]);
-    let proxy = AmqpProxy::start(&env.amqp_url).await;
-    let metrics_port = free_port();
-    let _scheduler = env.scheduler(
-        0,
-        &[
-            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{metrics_port}")),
-        ],
-    );
-    let (_connection, publisher) = env.broker().await;
-    wait_consuming(&env, &proxy, metrics_port).await;
+    // Every field bound: the processes and the connection live to the end.
+    let ProxiedScheduler {
+        env,
+        sim,
+        proxy,
+        metrics_port,
+        publisher,
+        _processes,
+        _connection,
+    } = ProxiedScheduler::start().await;
     // From now on its confirms stop coming back.
     proxy.swallow_confirms(true);
 
@@ -101,39 +139,44 @@ async fn a_request_left_unconfirmed_by_a_lost_connection_is_sent_again_and_done_
         started.elapsed() < Duration::from_secs(20),
         "not the supervisor's retry after the 30 s deadline"
     );
-    let detail = env
-        .store
-        .order_detail("unconfirmed-1")
-        .await
-        .unwrap()
-        .unwrap();
+    no_deadline_missed_and_each_effect_once(&env, &sim, "unconfirmed-1").await;
+    // What the lost connection left unconfirmed went out again on the next one.
+    wait_for_count(
+        metrics_port,
+        "sas_republished_total",
+        "the scheduler to send again",
+    )
+    .await;
+    // The agent answered both copies of the request; the second reply is stale.
+    wait_for_count(
+        metrics_port,
+        "sas_stale_replies_total",
+        "the duplicate reply to be fenced",
+    )
+    .await;
+}
+
+/// Asserts that `order_id` missed no deadline and every side effect was applied once.
+async fn no_deadline_missed_and_each_effect_once(
+    env: &TestEnv,
+    sim: &sas_tests::sim::SimClient,
+    order_id: &str,
+) {
+    let detail = env.store.order_detail(order_id).await.unwrap().unwrap();
     assert_eq!(detail.summary.failure_count, 0, "no deadline was missed");
     for (key, count) in sim.applied_per_key().await.unwrap() {
         assert_eq!(count, 1, "{key} applied {count} times");
     }
-    // What the lost connection left unconfirmed went out again on the next one.
-    wait_until(
-        "the scheduler to send again",
-        Duration::from_secs(10),
-        || async {
-            let republished = metric(metrics_port, "sas_republished_total").await;
-            (republished.unwrap_or(0.0) >= 1.0)
-                .then_some(())
-                .ok_or_else(|| format!("{republished:?}"))
-        },
-    )
-    .await;
-    // The agent answered both copies of the request; the second reply is stale.
-    wait_until(
-        "the duplicate reply to be fenced",
-        Duration::from_secs(10),
-        || async {
-            let stale = metric(metrics_port, "sas_stale_replies_total").await;
-            (stale.unwrap_or(0.0) >= 1.0)
-                .then_some(())
-                .ok_or_else(|| format!("{stale:?}"))
-        },
-    )
+}
+
+/// Waits until the counter `sample` of the process with metrics on `port` is at least 1.
+async fn wait_for_count(port: u16, sample: &str, what: &str) {
+    wait_until(what, Duration::from_secs(10), || async {
+        let value = metric(port, sample).await;
+        (value.unwrap_or(0.0) >= 1.0)
+            .then_some(())
+            .ok_or_else(|| format!("{sample}: {value:?}"))
+    })
     .await;
 }
 
@@ -143,21 +186,16 @@ async fn a_request_left_unconfirmed_by_a_lost_connection_is_sent_again_and_done_
 /// 30-second deadline.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
-    let env = TestEnv::with_step_timeout(30_000).await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &[]);
-    let _supervisor = env.supervisor(0, &[]);
-    let proxy = AmqpProxy::start(&env.amqp_url).await;
-    let metrics_port = free_port();
-    let _scheduler = env.scheduler(
-        0,
-        &[
-            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{metrics_port}")),
-        ],
-    );
-    let (_connection, publisher) = env.broker().await;
-    wait_consuming(&env, &proxy, metrics_port).await;
+    // Every field bound: the processes and the connection live to the end.
+    let ProxiedScheduler {
+        env,
+        sim,
+        proxy,
+        metrics_port: _,
+        publisher,
+        _processes,
+        _connection,
+    } = ProxiedScheduler::start().await;
     proxy.drop_from_clients(true);
     env.publish_order(&publisher, &order("lost-request-1"))
         .await;
@@ -175,16 +213,7 @@ async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
     proxy.drop_from_clients(false);
     proxy.cut();
     wait_processed(&env, "lost-request-1", Duration::from_secs(20)).await;
-    let detail = env
-        .store
-        .order_detail("lost-request-1")
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(detail.summary.failure_count, 0, "no deadline was missed");
-    for (key, count) in sim.applied_per_key().await.unwrap() {
-        assert_eq!(count, 1, "{key} applied {count} times");
-    }
+    no_deadline_missed_and_each_effect_once(&env, &sim, "lost-request-1").await;
 }
 
 /// A cluster node that is down costs nothing: the URL names a node nobody
