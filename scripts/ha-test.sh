@@ -135,6 +135,13 @@ publish_in_background() {
   publisher=$!
 }
 published() { cat "$tmp/published" 2>/dev/null || echo 0; }
+# steady: waits until the backlog of the last fault has drained (no more
+# orders open than 2 s of load), so that each fault is measured on its own.
+few_open() {
+  [ "$(sql "SELECT count(*) FROM order_process WHERE state NOT IN ('processed', 'compensated')" || echo 999999)" \
+    -le $((rate * 2)) ]
+}
+steady() { wait_for "the backlog drained before the next fault" 300 few_open; }
 # Each fault's figures: its name, when it happened, when orders completed again.
 faults=()
 fault() { # NAME EPOCH: waits until an order ends after EPOCH, records the fault
@@ -218,6 +225,7 @@ publish_in_background load 0 "$rate"
 published_at_least() { [ "$(published)" -ge "$1" ]; }
 wait_for "30 s of load under way" 90 published_at_least $((rate * 30))
 
+steady
 # a. kill -9 of the node that leads sas.agent.payment.
 leader=$(broker_ctl list_queues --no-table-headers name leader \
   | awk '$1 == "sas.agent.payment" { sub(/^rabbit@/, "", $2); print $2 }')
@@ -229,6 +237,7 @@ fault "kill -9 of the RabbitMQ node leading the payment queue" "$t"
 docker start "$(container "$leader")" >/dev/null
 wait_for "$leader healthy again" 180 healthy "$leader"
 
+steady
 # b. a node cut off from the other two, then healed.
 network="${project}_default"
 cut=rabbitmq-3
@@ -243,6 +252,7 @@ sleep 75
 docker network connect --alias "$cut" "$network" "$(container "$cut")"
 wait_for "$cut back in the cluster" 180 healthy "$cut"
 
+steady
 # c. kill -9 of the Postgres primary: the synchronous standby takes over.
 old_primary=$(primary) || fail "no primary"
 say "c. kill -9 of the Postgres primary $old_primary"
@@ -252,6 +262,7 @@ fault "kill -9 of the Postgres primary" "$t"
 new_primary=$(primary) || fail "no primary after the failover"
 [ "$new_primary" != "$old_primary" ] || fail "$old_primary is primary again"
 
+steady
 # d. the old primary comes back: as a standby, refusing writes.
 say "d. the old primary $old_primary starts again"
 t=$(now)
@@ -267,6 +278,7 @@ fi
 [ "$(primary)" = "$new_primary" ] || fail "the primary moved while $old_primary came back"
 wait_for "a synchronous standby again" 120 has_sync_standby
 
+steady
 # e. a rolling restart: every node, one at a time.
 say "e. rolling restart: RabbitMQ, etcd, then the Postgres standby and the primary"
 # Each node's restart is a fault of its own: the figure is the worst.
