@@ -72,6 +72,8 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
             "3",
             "-o",
             "json",
+            "--actor",
+            "ann",
         ])
         .await;
     assert_eq!(code, 0);
@@ -81,7 +83,7 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
     assert!(
         history
             .iter()
-            .any(|h| h.event.as_str() == "cancelled" && h.actor == "sasctl"),
+            .any(|h| h.event.as_str() == "cancelled" && h.actor == "sasctl:ann"),
         "{history:?}"
     );
 
@@ -126,7 +128,11 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
     let (_, out) = env.sasctl(&["alerts", "--all", "-o", "json"]).await;
     let alerts: Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(alerts[0]["resolution_note"], "refunded by hand", "{alerts}");
-    assert_eq!(alerts[0]["acknowledged_by"], "sasctl");
+    let acknowledged_by = alerts[0]["acknowledged_by"].as_str().unwrap_or_default();
+    assert!(
+        acknowledged_by.starts_with("sasctl:") && acknowledged_by.len() > "sasctl:".len(),
+        "without --actor, the operating-system user: {alerts}"
+    );
 
     // Dead letters.
     let mut lost = sas_tests::order("ord-s-replayed");
@@ -251,4 +257,26 @@ async fn sasctl_stats_shows_each_agent_s_line() {
         "the oldest wait in seconds: {out}"
     );
     assert!(out.contains("OLDEST WAIT"), "{out}");
+}
+
+/// `sasctl` refuses an empty actor, prints completion scripts, and lists its
+/// exit codes under `--help`.
+#[tokio::test(flavor = "multi_thread")]
+async fn sasctl_checks_its_actor_and_offers_completions_and_exit_codes() {
+    let env = TestEnv::new().await;
+    let (code, _) = env
+        .sasctl(&["cancel", "no-such-order", "--actor", " "])
+        .await;
+    assert_eq!(code, 1, "a blank actor is refused");
+    let (code, script) = env.sasctl(&["completions", "bash"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        script.contains("_sasctl") && script.contains("dead-letters"),
+        "{script}"
+    );
+    let (code, help) = env.sasctl(&["--help"]).await;
+    assert_eq!(code, 0);
+    for line in ["Exit codes:", "3  watch", "4  watch"] {
+        assert!(help.contains(line), "{line:?} missing: {help}");
+    }
 }

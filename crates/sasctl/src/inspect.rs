@@ -152,8 +152,8 @@ pub async fn dead_letters(store: &Store, limit: i64, json: bool) -> anyhow::Resu
 ///
 /// # Errors
 /// When the database cannot be reached.
-pub async fn resubmit(store: &Store, order_id: &str) -> anyhow::Result<ExitCode> {
-    match store.resubmit(order_id, "sasctl").await? {
+pub async fn resubmit(store: &Store, order_id: &str, actor: &str) -> anyhow::Result<ExitCode> {
+    match store.resubmit(order_id, actor).await? {
         sas_store::operator::Resubmit::Resubmitted { what, fresh_keys } => {
             let keys = match (what, fresh_keys.is_empty()) {
                 (_, true) => String::new(),
@@ -189,7 +189,11 @@ pub async fn cancel(
     order_id: &str,
     reason: &str,
 ) -> anyhow::Result<ExitCode> {
-    match target.store()?.cancel(order_id, reason, "sasctl").await? {
+    match target
+        .store()?
+        .cancel(order_id, reason, &target.actor()?)
+        .await?
+    {
         sas_store::operator::Cancel::Cancelled(progress) => {
             println!("order {order_id} cancelled: its completed steps are being undone");
             if let Err(error) = announce(target, &progress).await {

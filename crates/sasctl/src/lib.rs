@@ -23,7 +23,7 @@ use sas_store::{DatabaseSettings, Store};
 /// Operate a Scheduler Agent Supervisor deployment: submit orders, watch
 /// them, inspect orders, alerts and dead letters.
 #[derive(Debug, Parser)]
-#[command(version, about, long_about = None)]
+#[command(version, about, long_about = None, after_help = EXIT_CODES)]
 pub struct Cli {
     /// Where the deployment is.
     #[command(flatten)]
@@ -35,6 +35,15 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
 }
+
+/// What each exit code means, shown under `--help` and in docs/sasctl.md.
+pub const EXIT_CODES: &str = "Exit codes:
+  0  done (for watch and submit --watch: the order was processed)
+  1  failed: the broker or the database cannot be reached, the input is invalid,
+     or the action was refused (the message says which)
+  2  the command line is wrong (an unknown option, a missing argument)
+  3  watch, submit --watch: the order ended compensated or failed
+  4  watch, submit --watch: no terminal status in time (watch --timeout-secs, 300 s)";
 
 /// Connection settings, named like the services' environment variables.
 #[derive(Debug, Clone, Args)]
@@ -68,12 +77,45 @@ pub struct Target {
     /// every user of the machine (`ps`) and lands in shell history.
     #[arg(long, global = true, env = "SAS_DATABASE__PASSWORD_FILE")]
     pub database_password_file: Option<std::path::PathBuf>,
+    /// Who is acting, recorded in the history of every order, alert and
+    /// dead letter an action touches as `sasctl:<actor>` (default: the
+    /// operating-system user).
+    #[arg(long, global = true, env = "SAS_ACTOR")]
+    pub actor: Option<String>,
 }
 
 /// Environment variable holding the database password, as the services read it.
 pub const DATABASE_PASSWORD_VAR: &str = "SAS_DATABASE__PASSWORD";
 
 impl Target {
+    /// Who acts, as recorded: `sasctl:<--actor>`, or `sasctl:<the OS user>`
+    /// (`$USER`, `$LOGNAME`, else the name of the effective user id).
+    ///
+    /// # Errors
+    /// When `--actor` is empty, longer than 64 characters, or holds a control character.
+    pub fn actor(&self) -> anyhow::Result<String> {
+        let name = match &self.actor {
+            Some(actor) => actor.clone(),
+            None => ["USER", "LOGNAME"]
+                .iter()
+                .find_map(|var| std::env::var(var).ok().filter(|v| !v.is_empty()))
+                .or_else(|| {
+                    nix::unistd::User::from_uid(nix::unistd::geteuid())
+                        .ok()
+                        .flatten()
+                        .map(|user| user.name)
+                })
+                .unwrap_or_else(|| "unknown".to_owned()),
+        };
+        anyhow::ensure!(
+            !name.trim().is_empty()
+                && name.chars().count() <= 64
+                && !name.chars().any(char::is_control),
+            "--actor (SAS_ACTOR) must be 1 to 64 characters without control characters: {name:?}"
+        );
+        Ok(format!("sasctl:{name}"))
+    }
+
     /// AMQP settings for a short-lived client.
     pub fn amqp(&self) -> AmqpSettings {
         AmqpSettings {
@@ -191,6 +233,12 @@ pub enum Command {
         /// `http://host:port/path`, such as `http://127.0.0.1:9101/readyz`.
         url: String,
     },
+    /// Prints the shell completion script for `shell` (bash, zsh, fish,
+    /// elvish, powershell): `sasctl completions bash > /etc/bash_completion.d/sasctl`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
     /// Recorded dead letters, newest first; `replay ID`, `discard ID`.
     DeadLetters {
         /// Replay or discard one.
@@ -233,8 +281,7 @@ pub enum OrdersCommand {
     },
 }
 
-/// Runs a command; the exit code is 0 on success, 1 on failure, and for
-/// `watch`, 3 when the order ended unsuccessfully.
+/// Runs a command; the exit codes are [`EXIT_CODES`].
 ///
 /// # Errors
 /// When the broker or the database cannot be reached, or input is invalid.
@@ -274,7 +321,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Alerts {
             action: Some(action),
             ..
-        } => operate::alert(&cli.target.store()?, action).await,
+        } => operate::alert(&cli.target.store()?, action, &cli.target.actor()?).await,
         Command::Alerts {
             action: None,
             all,
@@ -283,7 +330,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bulk(args) => operate::bulk(&cli.target, args, cli.output).await,
         Command::Stats => operate::stats(&cli.target.store()?, cli.output).await,
         Command::Probe { url } => probe::run(&url).await,
-        Command::Resubmit { order_id } => inspect::resubmit(&cli.target.store()?, &order_id).await,
+        Command::Resubmit { order_id } => {
+            inspect::resubmit(&cli.target.store()?, &order_id, &cli.target.actor()?).await
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            clap_complete::generate(shell, &mut Cli::command(), "sasctl", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Cancel { order_id, reason } => {
             inspect::cancel(&cli.target, &order_id, &reason).await
         }

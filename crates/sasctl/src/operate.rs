@@ -23,9 +23,6 @@ pub enum Output {
     Json,
 }
 
-/// The actor sasctl's actions are recorded under.
-pub const ACTOR: &str = "sasctl";
-
 /// Which orders: the console's filters, as options.
 #[derive(Debug, Clone, Default, Args)]
 pub struct FilterArgs {
@@ -128,6 +125,7 @@ fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
 /// # Errors
 /// When the filter is bad or the database cannot be reached.
 pub async fn bulk(target: &Target, args: BulkArgs, output: Output) -> anyhow::Result<ExitCode> {
+    let actor = target.actor()?;
     let filter = args.filter.filter()?;
     let store = target.store()?;
     let eligible = args.action.eligible();
@@ -160,12 +158,12 @@ pub async fn bulk(target: &Target, args: BulkArgs, output: Output) -> anyhow::Re
     let (mut applied, mut skipped) = (Vec::new(), Vec::new());
     for order_id in ids {
         let outcome = match args.action {
-            BulkAction::Resubmit => match store.resubmit(&order_id, ACTOR).await? {
+            BulkAction::Resubmit => match store.resubmit(&order_id, &actor).await? {
                 Resubmit::Resubmitted { .. } => Ok(()),
                 Resubmit::NotFound => Err("gone".to_owned()),
                 Resubmit::NotFailed(state) => Err(format!("now {state}")),
             },
-            BulkAction::Cancel => match store.cancel(&order_id, &args.reason, ACTOR).await? {
+            BulkAction::Cancel => match store.cancel(&order_id, &args.reason, &actor).await? {
                 Cancel::Cancelled(progress) => {
                     if let Some(announce) = &publisher {
                         announce.send(&progress).await;
@@ -228,12 +226,12 @@ pub enum AlertsCommand {
 ///
 /// # Errors
 /// When the database cannot be reached.
-pub async fn alert(store: &Store, command: AlertsCommand) -> anyhow::Result<ExitCode> {
+pub async fn alert(store: &Store, command: AlertsCommand, actor: &str) -> anyhow::Result<ExitCode> {
     use sas_store::alerts::AlertAction;
     let (id, outcome, done) = match command {
         AlertsCommand::Acknowledge { id } => (
             id,
-            store.acknowledge_alert(id, ACTOR).await?,
+            store.acknowledge_alert(id, actor).await?,
             "acknowledged",
         ),
         AlertsCommand::Resolve { id, note } => {
@@ -243,7 +241,7 @@ pub async fn alert(store: &Store, command: AlertsCommand) -> anyhow::Result<Exit
             );
             (
                 id,
-                store.resolve_alert(id, note.trim(), ACTOR).await?,
+                store.resolve_alert(id, note.trim(), actor).await?,
                 "resolved",
             )
         }
@@ -285,6 +283,7 @@ pub enum DeadLettersCommand {
 /// # Errors
 /// When the database or the broker cannot be reached.
 pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow::Result<ExitCode> {
+    let actor = target.actor()?;
     let store = target.store()?;
     match command {
         DeadLettersCommand::Replay { id } => {
@@ -324,14 +323,14 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
                 })?;
             let _ = connection.close(200, "done".into()).await;
             store
-                .dispose_dead_letter(id, Disposition::Replayed, ACTOR)
+                .dispose_dead_letter(id, Disposition::Replayed, &actor)
                 .await?;
             println!("dead letter #{id} replayed to {}", replay.queue);
             Ok(ExitCode::SUCCESS)
         }
         DeadLettersCommand::Discard { id } => {
             if store
-                .dispose_dead_letter(id, Disposition::Discarded, ACTOR)
+                .dispose_dead_letter(id, Disposition::Discarded, &actor)
                 .await?
             {
                 println!("dead letter #{id} discarded");
