@@ -11,11 +11,11 @@
 #      and p99 from receipt to end);
 #   3. under a steady load of orders (HA_TEST_RATE a second, from the host
 #      with pika, trying each RabbitMQ node in turn), one after another:
-#      kill -9 of the RabbitMQ node that leads the agent queues' busiest
-#      (payment); one RabbitMQ node cut off from the other two (docker
+#      kill -9 of the RabbitMQ node that leads the busiest queue (the
+#      schedulers' replies: 3 an order); one RabbitMQ node cut off from the other two (docker
 #      network disconnect), then healed; kill -9 of the Postgres primary;
 #      the old primary started again (it must come back as a standby and
-#      refuse a write); every node restarted one at a time;
+#      refuse a write); every node restarted one at a time, HAProxy last;
 #   4. after the faults: every order ended, none in error, no operator
 #      alert, each side effect applied once and no undo before its action
 #      (remote-sim's ledger, scripts/lib/check-ledger.py);
@@ -226,14 +226,14 @@ published_at_least() { [ "$(published)" -ge "$1" ]; }
 wait_for "30 s of load under way" 90 published_at_least $((rate * 30))
 
 steady
-# a. kill -9 of the node that leads sas.agent.payment.
+# a. kill -9 of the node that leads the busiest queue, the replies.
 leader=$(broker_ctl list_queues --no-table-headers name leader \
-  | awk '$1 == "sas.agent.payment" { sub(/^rabbit@/, "", $2); print $2 }')
-[ -n "$leader" ] || fail "no leader for sas.agent.payment"
-say "a. kill -9 of RabbitMQ node $leader (leads sas.agent.payment)"
+  | awk '$1 == "sas.scheduler.replies" { sub(/^rabbit@/, "", $2); print $2 }')
+[ -n "$leader" ] || fail "no leader for sas.scheduler.replies"
+say "a. kill -9 of RabbitMQ node $leader (leads sas.scheduler.replies)"
 t=$(now)
 docker kill -s KILL "$(container "$leader")" >/dev/null
-fault "kill -9 of the RabbitMQ node leading the payment queue" "$t"
+fault "kill -9 of the RabbitMQ node leading the reply queue (the busiest)" "$t"
 docker start "$(container "$leader")" >/dev/null
 wait_for "$leader healthy again" 180 healthy "$leader"
 
@@ -280,12 +280,12 @@ wait_for "a synchronous standby again" 120 has_sync_standby
 
 steady
 # e. a rolling restart: every node, one at a time.
-say "e. rolling restart: RabbitMQ, etcd, then the Postgres standby and the primary"
+say "e. rolling restart: RabbitMQ, etcd, the Postgres standby, the primary, then HAProxy"
 # Each node's restart is a fault of its own: the figure is the worst.
 t=$(now)
 standby=$old_primary
 worst=0 worst_node=""
-for node in rabbitmq rabbitmq-2 rabbitmq-3 etcd-1 etcd-2 etcd-3 "$standby" "$new_primary"; do
+for node in rabbitmq rabbitmq-2 rabbitmq-3 etcd-1 etcd-2 etcd-3 "$standby" "$new_primary" postgres; do
   node_started=$(now)
   docker restart -t 30 "$(container "$node")" >/dev/null
   wait_for "orders completing again after restarting $node" 180 completing_since "$node_started"
@@ -295,7 +295,7 @@ for node in rabbitmq rabbitmq-2 rabbitmq-3 etcd-1 etcd-2 etcd-3 "$standby" "$new
   if [[ $node == pg-* ]]; then wait_for "a primary after restarting $node" 120 has_primary; fi
 done
 rolled=$(now)
-faults+=("rolling restart of 8 nodes, one at a time ($(since "$t") s; the worst: $worst_node)|$t|$rolled|$worst")
+faults+=("rolling restart of 9 nodes, one at a time ($(since "$t") s; the worst: $worst_node)|$t|$rolled|$worst")
 say "rolling restart: $(since "$t") s; orders completing again at worst $worst s after restarting $worst_node"
 # Load shaping: 30 s more of steady load, for the figures after the last fault.
 sleep 30
