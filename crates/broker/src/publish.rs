@@ -143,23 +143,6 @@ impl Publisher {
             .await
     }
 
-    /// Serializes `message` as JSON and sends it (see [`Publisher::send`]).
-    ///
-    /// # Errors
-    /// As [`Publisher::send`].
-    pub async fn send_json<T: Serialize>(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        message: &T,
-        properties: BasicProperties,
-        mandatory: bool,
-    ) -> Result<Pending, BrokerError> {
-        let body = serde_json::to_vec(message).expect("wire types always serialize");
-        self.send(exchange, routing_key, &body, properties, mandatory)
-            .await
-    }
-
     /// Serializes `message` as JSON and publishes it, waiting for the confirm.
     ///
     /// # Errors
@@ -176,9 +159,7 @@ impl Publisher {
         self.publish(exchange, routing_key, &body, properties, mandatory)
             .await
     }
-}
 
-impl Publisher {
     /// Sends `messages` together, in order (each hands its frames to the
     /// channel in its first poll, and they are first polled in order), and
     /// awaits every confirm: one round trip for all of them.
@@ -273,7 +254,7 @@ impl Pending {
 ///
 /// # Errors
 /// The first refusal or timeout.
-pub async fn confirm_all(pending: Vec<Pending>) -> Result<(), BrokerError> {
+async fn confirm_all(pending: Vec<Pending>) -> Result<(), BrokerError> {
     futures_util::future::try_join_all(pending.into_iter().map(Pending::confirmed)).await?;
     Ok(())
 }
