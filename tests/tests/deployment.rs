@@ -1736,6 +1736,115 @@ fn agents_scale_on_the_admission_lines_and_promtool_evaluates_the_query() {
     result.unwrap();
 }
 
+/// The ledger check the compose and HA tests rely on fails an undo applied
+/// before its action (chrono writes 0 to 9 fractional digits, so `…05.5Z`
+/// is later than `…05Z` though it sorts first as text), a key decided
+/// twice, and a processed order with an action missing; it passes a
+/// compensated order undone after its action.
+#[test]
+fn the_ledger_check_catches_an_undo_before_its_action_and_a_duplicate() {
+    let entry = |key: &str, service: &str, operation: &str, at: &str| {
+        serde_json::json!({"key": key, "service": service, "operation": operation,
+            "order_id": key.split(':').next().unwrap(), "decision": "applied",
+            "at": at, "applied_at": at})
+    };
+    let run = |entries: Vec<serde_json::Value>, states: &str| {
+        let dir = std::env::temp_dir().join(format!(
+            "sas-ledger-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("ledger.json"),
+            serde_json::to_vec(&entries).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(dir.join("states.txt"), states).unwrap();
+        let output = std::process::Command::new("python3")
+            .arg(root().join("scripts/lib/check-ledger.py"))
+            .arg(dir.join("ledger.json"))
+            .arg(dir.join("states.txt"))
+            .output()
+            .expect("python3");
+        let _ = std::fs::remove_dir_all(&dir);
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    };
+    let undone_after = vec![
+        entry(
+            "o1:reserve_stock",
+            "inventory",
+            "reserve",
+            "2026-11-25T10:00:05Z",
+        ),
+        entry(
+            "o1:reserve_stock:undo",
+            "inventory",
+            "release",
+            "2026-11-25T10:00:05.5Z",
+        ),
+    ];
+    assert_eq!(run(undone_after, "o1|compensated\n").0, Some(0));
+    let undone_before = vec![
+        entry(
+            "o1:reserve_stock",
+            "inventory",
+            "reserve",
+            "2026-11-25T10:00:05.5Z",
+        ),
+        entry(
+            "o1:reserve_stock:undo",
+            "inventory",
+            "release",
+            "2026-11-25T10:00:05Z",
+        ),
+    ];
+    let (code, out) = run(undone_before, "o1|compensated\n");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("applied before inventory/reserve"), "{out}");
+    let twice = vec![
+        entry(
+            "o2:reserve_stock",
+            "inventory",
+            "reserve",
+            "2026-11-25T10:00:01Z",
+        ),
+        entry(
+            "o2:reserve_stock",
+            "inventory",
+            "reserve",
+            "2026-11-25T10:00:02Z",
+        ),
+        entry(
+            "o2:charge_payment",
+            "payment",
+            "charge",
+            "2026-11-25T10:00:03Z",
+        ),
+        entry(
+            "o2:create_shipment",
+            "shipping",
+            "ship",
+            "2026-11-25T10:00:04Z",
+        ),
+    ];
+    let (code, out) = run(twice, "o2|processed\n");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("duplicates=2"), "{out}");
+    let missing = vec![entry(
+        "o3:reserve_stock",
+        "inventory",
+        "reserve",
+        "2026-11-25T10:00:01Z",
+    )];
+    let (code, out) = run(missing, "o3|processed\n");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("payment/charge applied 0 times"), "{out}");
+}
+
 #[test]
 fn the_promql_reader_finds_metrics_selectors_and_grouping_labels() {
     let (metrics, grouping) = promql_references(
