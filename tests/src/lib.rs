@@ -48,6 +48,16 @@ pub async fn http_get(url: impl reqwest::IntoUrl) -> reqwest::Result<reqwest::Re
     http_client().get(url).send().await
 }
 
+/// The status and body of `GET http://127.0.0.1:<port><path>` (a service's
+/// `/readyz`, `/healthz`), or `None` while nothing answers there.
+pub async fn local_status(port: u16, path: &str) -> Option<(u16, String)> {
+    let response = http_get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.unwrap_or_default()))
+}
+
 /// A valid order with the given id.
 pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
     sas_messages::SubmitOrder {

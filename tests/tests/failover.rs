@@ -239,14 +239,6 @@ async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
     wait_processed(&env, "skip-dead-node-1", Duration::from_secs(30)).await;
 }
 
-async fn readyz(port: u16) -> Option<(u16, String)> {
-    let response = sas_tests::http_get(format!("http://127.0.0.1:{port}/readyz"))
-        .await
-        .ok()?;
-    let status = response.status().as_u16();
-    Some((status, response.text().await.unwrap_or_default()))
-}
-
 /// A scheduler whose database URL reaches only a standby (as after a
 /// failover, before the routing follows) is not ready and writes nothing
 /// there: its migrations and an order that arrives wait. Once the primary
@@ -296,7 +288,7 @@ async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
             let refused = scheduler
                 .log_text()
                 .contains("connected to a Postgres standby");
-            match readyz(port).await {
+            match sas_tests::local_status(port, "/readyz").await {
                 Some((503, _)) if refused => Ok(()),
                 other => Err(format!("{other:?}, refusal logged: {refused}")),
             }
@@ -316,7 +308,9 @@ async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
             .unwrap();
     assert_eq!(tables, 0, "nothing was migrated onto the standby");
     assert_eq!(
-        readyz(port).await.map(|(status, _)| status),
+        sas_tests::local_status(port, "/readyz")
+            .await
+            .map(|(status, _)| status),
         Some(503),
         "still not ready on a standby"
     );
@@ -329,7 +323,7 @@ async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
     .await
     .expect("crash the primary and promote the standby");
     wait_until("/readyz once promoted", Duration::from_secs(30), || async {
-        match readyz(port).await {
+        match sas_tests::local_status(port, "/readyz").await {
             Some((200, _)) => Ok(()),
             other => Err(format!("{other:?}")),
         }

@@ -12,14 +12,6 @@ use sas_store::ProcessState;
 use sas_tests::process::{bin_dir, free_port, metric};
 use sas_tests::{order, wait_until, TestEnv};
 
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let response = sas_tests::http_get(format!("http://127.0.0.1:{port}{path}"))
-        .await
-        .ok()?;
-    let status = response.status().as_u16();
-    Some((status, response.text().await.unwrap_or_default()))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not() {
     let env = TestEnv::new().await;
@@ -51,7 +43,7 @@ async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not()
         "the healthy scheduler to be ready",
         Duration::from_secs(20),
         || async {
-            match get(good, "/readyz").await {
+            match sas_tests::local_status(good, "/readyz").await {
                 Some((200, _)) => Ok(()),
                 other => Err(format!("{other:?}")),
             }
@@ -64,7 +56,7 @@ async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not()
             &format!("/readyz to name {missing}"),
             Duration::from_secs(20),
             || async {
-                match get(port, "/readyz").await {
+                match sas_tests::local_status(port, "/readyz").await {
                     Some((503, body)) if body.contains(missing) => Ok(()),
                     other => Err(format!("{other:?}")),
                 }
@@ -72,7 +64,9 @@ async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not()
         )
         .await;
         assert_eq!(
-            get(port, "/healthz").await.map(|(s, _)| s),
+            sas_tests::local_status(port, "/healthz")
+                .await
+                .map(|(s, _)| s),
             Some(200),
             "alive all the same"
         );
