@@ -189,6 +189,11 @@ impl Browser {
         .map_or(0, Vec::len)
     }
 
+    /// The folder this session's screenshots go to (`target/screenshots/<test id>/`).
+    pub fn screenshots(&self) -> &Path {
+        &self.screenshots
+    }
+
     /// Saves a screenshot of the page as `<name>.png` and returns its path.
     ///
     /// # Panics

@@ -148,10 +148,17 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
     // page follows it live, without a reload.
     let _payment = env.agent("payment", 0, &sim, &[]);
     browser.goto(&format!("{base}/orders/ord-web-0")).await;
-    let timeline = browser.text("#timeline").await;
+    let history = browser.text("#history").await;
     assert!(
-        timeline.contains("cancelled") && timeline.contains("console:ann"),
-        "{timeline}"
+        history.contains("cancelled") && history.contains("console:ann"),
+        "{history}"
+    );
+    assert_eq!(
+        browser
+            .count("#timeline g.mark.order[data-event='cancelled']")
+            .await,
+        1,
+        "the cancellation is marked across the lanes"
     );
     browser.execute("window.notReloaded = true;").await;
     browser
@@ -182,9 +189,30 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
             Duration::from_secs(60),
         )
         .await;
-    let timeline = browser.text("#timeline").await;
-    assert!(timeline.contains("resubmitted"), "{timeline}");
+    let history = browser.text("#history").await;
+    assert!(history.contains("resubmitted"), "{history}");
     browser.screenshot("06-order-resubmitted-processed").await;
+    // Its timeline: the cancelled run's reservation undone (an outlined
+    // bar in the lower half of its lane), then a bar per step of the
+    // resubmitted run, every one succeeded; 3 lanes.
+    assert_eq!(browser.count("#timeline rect.lane").await, 3);
+    let undone = browser.count("#timeline rect.attempt.ok.undo").await;
+    assert!(undone >= 1, "{undone} undo bars");
+    let succeeded = browser.count("#timeline rect.attempt.ok:not(.undo)").await;
+    assert!(
+        succeeded >= 4,
+        "{succeeded} succeeded actions (reserve twice, payment, shipping)"
+    );
+    assert_eq!(
+        browser
+            .count("#timeline g.mark.order[data-event='resubmitted']")
+            .await,
+        1
+    );
+    browser
+        .execute("document.getElementById('timeline').scrollIntoView();")
+        .await;
+    browser.screenshot("06b-order-timeline").await;
     wait_for_state(
         &env,
         "ord-web-0",
@@ -237,5 +265,122 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         )
         .await;
     browser.screenshot("08-replayed-order-processed").await;
+
+    // A long run: 12 steps, 20 attempts (retries, a line, a failure for
+    // good, undos, an operator's cancel), drawn by the console's own code.
+    let page = browser.screenshots().join("timeline-12-steps.html");
+    std::fs::write(&page, long_run_page()).expect("write the long run's page");
+    browser.goto(&format!("file://{}", page.display())).await;
+    assert_eq!(browser.count("rect.lane").await, 12);
+    assert_eq!(browser.count("rect.attempt").await, 20);
+    browser.screenshot("09-timeline-12-steps-20-attempts").await;
     browser.close().await;
+}
+
+/// A page holding the console's stylesheet and the timeline of a made-up
+/// order of 12 steps whose run took 20 attempts.
+fn long_run_page() -> String {
+    use chrono::{DateTime, Utc};
+    use sas_console::timeline::{legend, svg, Timeline};
+    use sas_store::machine::HistoryEvent as E;
+    use sas_store::queries::HistoryEntry;
+
+    let start = Utc::now() - chrono::Duration::seconds(90);
+    let mut history = Vec::new();
+    let mut push =
+        |ms: i64, event: E, step: Option<usize>, attempt: Option<u128>, detail: Option<&str>| {
+            history.push(HistoryEntry {
+                at: start + chrono::Duration::milliseconds(ms),
+                actor: if event == E::Cancelled {
+                    "console:ann".into()
+                } else {
+                    "scheduler-1".into()
+                },
+                event,
+                step: step.map(|i| format!("step_{:02}", i + 1)),
+                attempt_id: attempt.map(uuid::Uuid::from_u128),
+                detail: detail.map(str::to_owned),
+            });
+        };
+    push(0, E::Received, None, None, None);
+    let mut at = 10;
+    let mut attempt = 0;
+    // Steps 1 to 9 forward: step 3 misses a deadline once, step 5 waits in
+    // its agent's line, step 7 fails twice transiently.
+    for step in 0..9 {
+        let tries = match step {
+            2 => 2,
+            6 => 3,
+            _ => 1,
+        };
+        if step == 4 {
+            push(at, E::Queued, Some(step), None, Some("waiting for a slot"));
+            at += 4_000;
+        }
+        for t in 0..tries {
+            attempt += 1;
+            push(at, E::Dispatched, Some(step), Some(attempt), None);
+            at += 900 + 150 * step as i64;
+            if t + 1 < tries {
+                if step == 2 {
+                    push(
+                        at + 2_000,
+                        E::RetryScheduled,
+                        Some(step),
+                        None,
+                        Some("deadline passed"),
+                    );
+                    at += 4_500;
+                } else {
+                    push(
+                        at,
+                        E::TransientFailure,
+                        Some(step),
+                        Some(attempt),
+                        Some("503 from the remote"),
+                    );
+                    at += 2_500;
+                }
+            } else {
+                push(at, E::StepCompleted, Some(step), Some(attempt), None);
+                at += 20;
+            }
+        }
+    }
+    // Step 10 fails for good; an operator had cancelled meanwhile: undo 9 to
+    // 1 (steps 2 and 6 have no undo); steps 11 and 12 never run.
+    attempt += 1;
+    push(at, E::Dispatched, Some(9), Some(attempt), None);
+    push(at + 600, E::Cancelled, None, None, Some("customer called"));
+    at += 1_800;
+    push(
+        at,
+        E::CompensationStarted,
+        Some(9),
+        Some(attempt),
+        Some("card declined"),
+    );
+    for step in (0..9).rev().filter(|s| *s != 1 && *s != 5) {
+        attempt += 1;
+        at += 30;
+        push(
+            at,
+            E::CompensationDispatched,
+            Some(step),
+            Some(attempt),
+            None,
+        );
+        at += 700;
+        push(at, E::StepCompensated, Some(step), Some(attempt), None);
+    }
+    push(at + 10, E::Compensated, None, None, None);
+    let lanes: Vec<String> = (1..=12).map(|i| format!("step_{i:02}")).collect();
+    let end: DateTime<Utc> = start + chrono::Duration::milliseconds(at + 10);
+    let timeline = Timeline::build(&lanes, &history, end, false);
+    format!(
+        "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><style>{}</style></head><body><main><h2>Timeline</h2><figure id=\"timeline\">{}<figcaption>{}</figcaption></figure></main></body></html>",
+        include_str!("../../crates/console/static/console.css"),
+        svg(&timeline).into_string(),
+        legend().into_string(),
+    )
 }

@@ -21,6 +21,7 @@ pub mod live;
 pub mod overview;
 pub mod pages;
 pub mod settings;
+pub mod timeline;
 
 use std::sync::Arc;
 

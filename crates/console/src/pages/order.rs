@@ -1,6 +1,6 @@
 //! One order: its state, what remains to run or to undo, each step with its
-//! attempts, deadline, error and results, the timeline of its history, the
-//! status messages sent, and its payload; resubmit and cancel.
+//! attempts, deadline, error and results, its run drawn as a timeline, its
+//! history, the status messages sent, and its payload; resubmit and cancel.
 
 use std::sync::Arc;
 
@@ -14,6 +14,7 @@ use serde::Deserialize;
 
 use crate::auth::Principal;
 use crate::error::{Failure, PageFailure};
+use crate::timeline::{self, Timeline};
 use crate::Console;
 
 /// Where the status messages of an order go, besides `sas.status`.
@@ -135,6 +136,12 @@ pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup 
     let detail = &view.detail;
     let s = &detail.summary;
     let (what, remaining) = remaining(s.state, &detail.steps);
+    let lanes: Vec<String> = detail.steps.iter().map(|step| step.name.clone()).collect();
+    let running = matches!(
+        s.state,
+        ProcessState::Pending | ProcessState::Processing | ProcessState::Compensating
+    );
+    let picture = Timeline::build(&lanes, &detail.history, chrono::Utc::now(), running);
     html! {
         (actions(view, console, who))
         table #summary {
@@ -178,7 +185,12 @@ pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup 
             }
         }
         h2 { "Timeline" }
-        table #timeline {
+        figure #timeline {
+            (timeline::svg(&picture))
+            figcaption { (timeline::legend()) }
+        }
+        h2 { "History" }
+        table #history {
             tr { th { "at" } th { "by" } th { "event" } th { "step" } th { "detail" } }
             @for entry in &detail.history {
                 tr data-event=(entry.event.as_str()) {
