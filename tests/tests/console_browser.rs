@@ -266,6 +266,32 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         .await;
     browser.screenshot("08-replayed-order-processed").await;
 
+    // The overview's charts of the last hour: throughput counts the orders
+    // processed, each with a value axis and a time axis.
+    browser.goto(&format!("{base}/")).await;
+    let throughput = browser
+        .execute(
+            "return document.querySelector('#chart-throughput svg').getAttribute('aria-label');",
+        )
+        .await;
+    let most: i64 = throughput
+        .as_str()
+        .and_then(|label| label.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{throughput}"));
+    assert!(most >= 1, "{throughput}");
+    for id in ["chart-throughput", "chart-backlog", "chart-compensations"] {
+        let text = browser.text(&format!("#{id}")).await;
+        assert!(
+            text.contains("-30 min") && text.contains("now"),
+            "{id}: {text}"
+        );
+    }
+    browser
+        .execute("document.getElementById('charts').scrollIntoView();")
+        .await;
+    browser.screenshot("10-overview-charts").await;
+
     // A long run: 12 steps, 20 attempts (retries, a line, a failure for
     // good, undos, an operator's cancel), drawn by the console's own code.
     let page = browser.screenshots().join("timeline-12-steps.html");

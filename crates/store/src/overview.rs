@@ -1,6 +1,6 @@
 //! What the console's overview shows from the state store: orders by state
 //! now, and per minute over the last hour how many were received,
-//! processed, retried, compensated or ended in error.
+//! processed, retried, compensated, ended in error or resubmitted.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -8,16 +8,17 @@ use serde::Serialize;
 use crate::model::ProcessState;
 use crate::{Store, StoreError};
 
-/// The history events counted per minute (those the `history_milestones`
-/// index of migration 0008 holds; the query spells them out, and a test
+/// The history events counted per minute (those the `history_milestones_v2`
+/// index of migration 0011 holds; the query spells them out, and a test
 /// holds the three lists together).
-pub const MILESTONES: [&str; 6] = [
+pub const MILESTONES: [&str; 7] = [
     "received",
     "processed",
     "retry_scheduled",
     "compensation_started",
     "compensated",
     "error",
+    "resubmitted",
 ];
 
 /// One minute's count of one milestone.
@@ -62,7 +63,8 @@ impl Store {
             "SELECT date_trunc('minute', at) AS minute, event, count(*) AS count FROM history
               WHERE at > date_trunc('minute', now()) - interval '59 minutes'
                 AND event IN ('received', 'processed', 'retry_scheduled',
-                              'compensation_started', 'compensated', 'error')
+                              'compensation_started', 'compensated', 'error',
+                              'resubmitted')
               GROUP BY 1, 2 ORDER BY 1, 2",
         )
         .fetch_all(self.pool())
@@ -103,7 +105,7 @@ mod tests {
 
     #[test]
     fn the_milestones_are_those_the_index_and_the_query_name() {
-        let migration = include_str!("../migrations/0008_console.sql");
+        let migration = include_str!("../migrations/0011_milestones_with_resubmissions.sql");
         let source = include_str!("overview.rs");
         for event in MILESTONES {
             assert!(

@@ -52,14 +52,85 @@ fn series(overview: &Overview, event: &str) -> Vec<i64> {
         .collect()
 }
 
-/// 60 bars, one per minute, scaled to the largest.
-fn sparkline(values: &[i64], bad: bool) -> Markup {
-    let max = values.iter().copied().max().unwrap_or(0).max(1) as f64;
+/// Orders in progress at the end of each minute of the last hour, oldest
+/// first: worked back from the number in progress now, less what was
+/// received or resubmitted and plus what ended after each minute.
+fn in_progress(overview: &Overview) -> Vec<i64> {
+    let now: i64 = overview
+        .activity
+        .by_state
+        .iter()
+        .filter(|(state, _)| !state.is_terminal())
+        .map(|(_, n)| n)
+        .sum();
+    let received: Vec<i64> = series(overview, "received")
+        .iter()
+        .zip(series(overview, "resubmitted"))
+        .map(|(a, b)| a + b)
+        .collect();
+    let ended: Vec<i64> = ["processed", "compensated", "error"]
+        .iter()
+        .map(|event| series(overview, event))
+        .fold(vec![0; 60], |sum, one| {
+            sum.iter().zip(one).map(|(a, b)| a + b).collect()
+        });
+    let mut level = now;
+    let mut levels = vec![0; 60];
+    for minute in (0..60).rev() {
+        levels[minute] = level.max(0);
+        level = level - received[minute] + ended[minute];
+    }
+    levels
+}
+
+/// The smallest round number (1, 2 or 5 times a power of ten) at or above `value`.
+fn round_up(value: i64) -> i64 {
+    let mut scale = 1;
+    loop {
+        for step in [1, 2, 5] {
+            if step * scale >= value {
+                return step * scale;
+            }
+        }
+        scale *= 10;
+    }
+}
+
+/// A chart of 60 per-minute values with a value axis (0, half, top) and a
+/// time axis (minutes before now).
+fn chart(id: &str, title: &str, values: &[i64], bad: bool) -> Markup {
+    const W: f64 = 360.0;
+    const H: f64 = 150.0;
+    const LEFT: f64 = 44.0;
+    const BOTTOM: f64 = 22.0;
+    const TOP: f64 = 8.0;
+    let top = round_up(values.iter().copied().max().unwrap_or(0).max(1));
+    let plot_w = W - LEFT - 8.0;
+    let plot_h = H - BOTTOM - TOP;
+    let slot = plot_w / values.len().max(1) as f64;
+    let y = |value: f64| TOP + plot_h - value / top as f64 * plot_h;
     html! {
-        svg class={ "spark" @if bad { " bad" } } width="240" height="40" viewBox="0 0 240 40" role="img" {
-            @for (i, value) in values.iter().enumerate() {
-                @let height = (*value as f64 / max * 38.0).round();
-                rect x=(i * 4) y=(40.0 - height) width="3" height=(height) { title { (value) } }
+        figure.chart #(id) {
+            figcaption { (title) }
+            svg class={ "chart" @if bad { " bad" } } width=(W) height=(H) viewBox={ "0 0 " (W) " " (H) } role="img"
+                aria-label={ (title) ", last hour, at most " (values.iter().max().unwrap_or(&0)) } {
+                @for tick in [0, top / 2, top] {
+                    line x1=(LEFT) y1=(y(tick as f64)) x2=(W - 8.0) y2=(y(tick as f64)) stroke="#dde2e8" {}
+                    text x=(LEFT - 4.0) y=(y(tick as f64) + 4.0) font-size="11" text-anchor="end" fill="#66707a" { (tick) }
+                }
+                @for (i, value) in values.iter().enumerate() {
+                    @let height = *value as f64 / top as f64 * plot_h;
+                    rect.value x=(LEFT + i as f64 * slot) y=(TOP + plot_h - height) width=((slot - 1.0).max(1.0)) height=(height) {
+                        title { (60 - i) " min ago: " (value) }
+                    }
+                }
+                line x1=(LEFT) y1=(TOP + plot_h) x2=(W - 8.0) y2=(TOP + plot_h) stroke="#9aa5b1" {}
+                @for minutes in [60, 45, 30, 15, 0] {
+                    @let x = LEFT + (60 - minutes) as f64 * slot;
+                    text x=(x) y=(H - 6.0) font-size="11" text-anchor=(if minutes == 0 { "end" } else { "middle" }) fill="#66707a" {
+                        @if minutes == 0 { "now" } @else { "-" (minutes) " min" }
+                    }
+                }
             }
         }
     }
@@ -70,12 +141,13 @@ pub fn fragment(overview: &Overview) -> Markup {
     let activity = &overview.activity;
     let total: i64 = activity.by_state.iter().map(|(_, n)| n).sum();
     let rows = [
-        ("received", "Received", false),
-        ("processed", "Processed (throughput)", false),
-        ("retry_scheduled", "Retries (missed deadlines)", true),
-        ("compensation_started", "Compensations started", true),
-        ("compensated", "Compensated", true),
-        ("error", "Ended in error", true),
+        ("received", "Received"),
+        ("processed", "Processed (throughput)"),
+        ("retry_scheduled", "Retries (missed deadlines)"),
+        ("compensation_started", "Compensations started"),
+        ("compensated", "Compensated"),
+        ("error", "Ended in error"),
+        ("resubmitted", "Resubmitted by operators"),
     ];
     html! {
         p.muted { "As of " (super::when(activity.now)) " (database clock)." }
@@ -97,17 +169,22 @@ pub fn fragment(overview: &Overview) -> Markup {
             section {
                 h2 { "Last hour, per minute" }
                 table #per-minute {
-                    tr { th { "" } th { "last minute" } th { "last hour" } th { "per minute" } }
-                    @for (event, label, bad) in rows {
+                    tr { th { "" } th { "last minute" } th { "last hour" } }
+                    @for (event, label) in rows {
                         @let values = series(overview, event);
                         tr {
                             td { (label) }
                             td.num { (values.last().copied().unwrap_or(0)) }
                             td.num data-event=(event) { (values.iter().sum::<i64>()) }
-                            td { (sparkline(&values, bad)) }
                         }
                     }
                 }
+            }
+            section #charts {
+                h2 { "Last hour, charted" }
+                (chart("chart-throughput", "Processed per minute (throughput)", &series(overview, "processed"), false))
+                (chart("chart-backlog", "Orders in progress at each minute's end (backlog)", &in_progress(overview), false))
+                (chart("chart-compensations", "Compensations started per minute", &series(overview, "compensation_started"), true))
             }
             section {
                 h2 { "Agents' lines" }
@@ -165,5 +242,65 @@ pub fn fragment(overview: &Overview) -> Markup {
                 p { a href="/dead-letters" { "Dead letters to look at: " (activity.pending_dead_letters) } }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backlog_is_worked_back_from_now() {
+        use sas_store::overview::{Activity, MinuteCount};
+        use sas_store::ProcessState;
+        let now = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let minute =
+            |ago: i64| now.duration_trunc(Duration::minutes(1)).unwrap() - Duration::minutes(ago);
+        let count = |ago: i64, event: &str, count: i64| MinuteCount {
+            minute: minute(ago),
+            event: event.into(),
+            count,
+        };
+        // 10 received 5 minutes ago, 4 processed 2 minutes ago, one of them
+        // resubmitted in the last minute: 7 in progress now.
+        let overview = Overview {
+            activity: Activity {
+                by_state: vec![(ProcessState::Processing, 7), (ProcessState::Processed, 3)],
+                per_minute: vec![
+                    count(5, "received", 10),
+                    count(2, "processed", 4),
+                    count(0, "resubmitted", 1),
+                ],
+                now,
+                open_alerts: 0,
+                pending_dead_letters: 0,
+            },
+            admission: Vec::new(),
+            queues: Vec::new(),
+            alerts: Vec::new(),
+        };
+        let levels = in_progress(&overview);
+        assert_eq!(levels.len(), 60);
+        assert_eq!(&levels[53..], &[0, 10, 10, 10, 6, 6, 7]);
+        assert!(levels[..54].iter().all(|n| *n == 0), "{levels:?}");
+    }
+
+    #[test]
+    fn round_up_reaches_the_next_round_number() {
+        assert_eq!(
+            [0, 1, 3, 7, 10, 11, 240, 5001].map(round_up),
+            [1, 1, 5, 10, 10, 20, 500, 10_000]
+        );
+    }
+
+    #[test]
+    fn a_chart_labels_its_value_and_time_axes() {
+        let mut values = vec![0; 60];
+        values[59] = 37;
+        let drawn = chart("c", "Processed", &values, false).into_string();
+        for label in [">0<", ">25<", ">50<", ">-60 min<", ">-15 min<", ">now<"] {
+            assert!(drawn.contains(label), "{label} in {drawn}");
+        }
+        assert_eq!(drawn.matches("class=\"value\"").count(), 60);
     }
 }

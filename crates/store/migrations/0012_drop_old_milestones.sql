@@ -1,0 +1,3 @@
+-- no-transaction
+-- history_milestones_v2 (0011) replaces it.
+DROP INDEX CONCURRENTLY IF EXISTS history_milestones;
