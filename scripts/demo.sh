@@ -57,9 +57,10 @@ for replica in 1 2; do
     SAS_SUPERVISOR__BACKOFF_BASE_MS=200
 done
 
-# The console, with a demo operator whose secret is made now.
+# The console, with a demo operator whose secret is made now; the users
+# file keeps only its argon2 hash.
 console_secret=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-printf 'demo:operator:%s\n' "$console_secret" > "$logs/console-users"
+printf 'demo:operator:%s\n' "$(printf '%s\n' "$console_secret" | "$bin/console" hash-secret)" > "$logs/console-users"
 chmod 600 "$logs/console-users"
 start console console SAS_HTTP__LISTEN=127.0.0.1:9104 SAS_CONSOLE__USERS_FILE="$logs/console-users"
 

@@ -240,6 +240,117 @@ async fn reading_needs_credentials_and_acting_needs_an_operator_with_the_csrf_to
     }
 }
 
+/// `console hash-secret`'s output for `secret`, or its exit code and error.
+fn hash_secret(secret: &str) -> Result<String, (Option<i32>, String)> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(bin_dir().join("console"))
+        .arg("hash-secret")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run console hash-secret (cargo build --workspace --bins builds it)");
+    writeln!(child.stdin.take().unwrap(), "{secret}").unwrap();
+    let out = child.wait_with_output().unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap().trim().to_owned())
+    } else {
+        Err((
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hashed_secrets_slowed_guessing_security_headers_and_a_request_timeout() {
+    use sas_tests::console::{OPERATOR, VIEWER};
+    // Secrets stored as their argon2id hashes (commas inside the hashes'
+    // parameters and all); a short secret is not hashed.
+    let (ann, bob) = (
+        hash_secret(OPERATOR.1).unwrap(),
+        hash_secret(VIEWER.1).unwrap(),
+    );
+    assert!(ann.starts_with("$argon2id$") && ann != bob, "{ann}");
+    let short = hash_secret("short").unwrap_err();
+    assert_eq!(short.0, Some(2), "{short:?}");
+    assert!(short.1.contains("16 characters"), "{short:?}");
+    let env = TestEnv::new().await;
+    let (_console, console) = env
+        .console(&[
+            (
+                "SAS_CONSOLE__USERS",
+                format!("{}:operator:{ann},{}:viewer:{bob}", OPERATOR.0, VIEWER.0),
+            ),
+            ("SAS_CONSOLE__LOGIN_FAILURES_PER_MINUTE", "3".to_owned()),
+            ("SAS_CONSOLE__REQUEST_TIMEOUT_MS", "1000".to_owned()),
+        ])
+        .await;
+    for who in [As::Operator, As::Viewer, As::OperatorToken, As::ViewerToken] {
+        let response = console.get("/api/session", who).await;
+        assert_eq!(response.status(), StatusCode::OK, "{who:?}");
+    }
+    // Every answer, refused or not, carries the security headers.
+    for who in [As::Viewer, As::Nobody] {
+        let response = console.get("/orders", who).await;
+        let headers = response.headers();
+        let csp = headers["content-security-policy"].to_str().unwrap();
+        assert!(
+            csp.contains("script-src 'self'") && csp.contains("frame-ancestors 'none'"),
+            "{csp}"
+        );
+        assert_eq!(headers["x-frame-options"], "DENY");
+        assert_eq!(headers["x-content-type-options"], "nosniff");
+        assert_eq!(headers["referrer-policy"], "same-origin");
+    }
+
+    // A page whose query waits (the orders locked by another transaction)
+    // is answered 503 at the timeout, not left hanging.
+    let mut lock = env.store.pool().begin().await.unwrap();
+    sqlx::query("LOCK TABLE orders, order_process IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let response = tokio::time::timeout(
+        Duration::from_secs(20),
+        console.get("/orders/ord-locked", As::Viewer),
+    )
+    .await
+    .expect("an answer before 20 s");
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    lock.rollback().await.unwrap();
+
+    // Three wrong secrets in a minute: the fourth try is refused before
+    // any check, even with the right secret, and says when to come back.
+    for _ in 0..3 {
+        assert_eq!(
+            console.get("/api/session", As::Wrong).await.status(),
+            StatusCode::UNAUTHORIZED
+        );
+    }
+    let blocked = console.get("/api/session", As::Operator).await;
+    assert_eq!(blocked.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = blocked.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let (_, text) = status_and_text(blocked).await;
+    assert!(text.contains("too many failed logins"), "{text}");
+    // Requests without credentials are not slowed (anonymous is off: 401).
+    assert_eq!(
+        console.get("/api/session", As::Nobody).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_filters_get_a_400_naming_the_parameter() {
     let env = TestEnv::new().await;
@@ -971,7 +1082,8 @@ async fn the_overview_and_an_order_page_are_sent_again_when_they_change() {
     // The pages hold the part the streams replace, and the script that does it.
     let (_, page) = status_and_text(console.get("/orders/ord-live-000", As::Viewer).await).await;
     assert!(
-        page.contains("id=\"live\"") && page.contains("EventSource(\"/live/orders/ord-live-000\")"),
+        page.contains("id=\"live\"")
+            && page.contains("src=\"/static/live.js\" data-live=\"/live/orders/ord-live-000\""),
         "{page}"
     );
 }

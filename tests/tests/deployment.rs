@@ -62,6 +62,15 @@ fn interpolate(text: &str) -> String {
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.trim(), v.trim()))
+        // Single quotes keep compose from interpolating (the console's hashes hold `$`).
+        .map(|(k, v)| {
+            (
+                k,
+                v.strip_prefix('\'')
+                    .and_then(|v| v.strip_suffix('\''))
+                    .unwrap_or(v),
+            )
+        })
         .collect();
     let mut out = String::new();
     let mut rest = text;

@@ -2,9 +2,17 @@
 //! bearer token, two roles, and the CSRF tokens of actions.
 //!
 //! Users are configured as `name:role:secret` entries (`console.users`,
-//! normally from a `_FILE` secret). A request authenticates with basic auth
-//! (`name` and `secret`, what a browser prompts for) or `Authorization:
-//! Bearer <secret>` (scripts). Secrets are compared in constant time.
+//! normally from a `_FILE` secret). The secret is stored as its argon2id
+//! hash (a PHC string, `$argon2id$v=19$...`, made by `console hash-secret`),
+//! so a leaked users file does not open the console; a secret in clear is
+//! still read, with a warning at start. A request authenticates with basic
+//! auth (`name` and `secret`, what a browser prompts for) or `Authorization:
+//! Bearer <secret>` (scripts). Secrets in clear are compared in constant
+//! time. Checking a hash costs tens of milliseconds of CPU on purpose, so
+//! it runs off the async threads, and a credential that passed is
+//! remembered for [`VERIFIED_FOR`] by its SHA-256 (a browser sends it with
+//! every request); failures are never remembered, and
+//! [`crate::login_limit`] slows guessing down.
 //!
 //! CSRF: a browser resends basic-auth credentials to the console on any
 //! request, also one a hostile page makes it send. So every action (every
@@ -16,11 +24,23 @@
 //! whose `Origin` header names another host is refused as well. No cookie is
 //! involved, so there is no session to steal or fixate.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use argon2::password_hash::phc::PasswordHash;
+use argon2::password_hash::{PasswordHasher, PasswordVerifier};
+use argon2::Argon2;
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use serde::Serialize;
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+
+/// How long a credential that passed a hash check is taken without another.
+pub const VERIFIED_FOR: Duration = Duration::from_secs(300);
+/// Most credentials remembered at once (the oldest go first).
+const VERIFIED_MAX: usize = 1024;
 
 /// What a user may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -42,6 +62,15 @@ impl Role {
     }
 }
 
+/// A user's secret as configured.
+#[derive(Clone)]
+enum Secret {
+    /// Its argon2 hash, a PHC string.
+    Hashed(String),
+    /// In clear (accepted, with a warning at start).
+    Plain(String),
+}
+
 /// One configured user.
 #[derive(Clone)]
 pub struct User {
@@ -49,7 +78,67 @@ pub struct User {
     pub name: String,
     /// What they may do.
     pub role: Role,
-    secret: String,
+    secret: Secret,
+}
+
+impl User {
+    /// True when the secret is configured in clear rather than hashed.
+    pub fn secret_in_clear(&self) -> bool {
+        matches!(self.secret, Secret::Plain(_))
+    }
+
+    /// Whether `given` is this user's secret. Slow for a hashed one.
+    fn accepts(&self, given: &str) -> bool {
+        match &self.secret {
+            Secret::Plain(secret) => same(secret, given),
+            Secret::Hashed(phc) => PasswordHash::new(phc).is_ok_and(|hash| {
+                Argon2::default()
+                    .verify_password(given.as_bytes(), &hash)
+                    .is_ok()
+            }),
+        }
+    }
+}
+
+/// The argon2id hash of `secret` as a PHC string, to put in `console.users`
+/// in its place (`console hash-secret`).
+///
+/// # Errors
+/// When the secret is shorter than [`MIN_SECRET_CHARS`].
+pub fn hash_secret(secret: &str) -> Result<String, String> {
+    if secret.chars().count() < MIN_SECRET_CHARS {
+        return Err(format!(
+            "the secret must have at least {MIN_SECRET_CHARS} characters"
+        ));
+    }
+    Argon2::default()
+        .hash_password(secret.as_bytes())
+        .map(|hash| hash.to_string())
+        .map_err(|e| format!("cannot hash the secret: {e}"))
+}
+
+/// The entries of `console.users`: split at commas and new lines, except
+/// the commas inside a hash's parameters (`m=19456,t=2,p=1`), which hold
+/// no colon, as every entry does.
+fn entries(text: &str) -> Vec<String> {
+    let mut entries: Vec<String> = Vec::new();
+    for (piece, after_comma) in text
+        .split('\n')
+        .flat_map(|line| line.split(',').enumerate().map(|(i, piece)| (piece, i > 0)))
+    {
+        match entries.last_mut() {
+            Some(last) if after_comma && !piece.contains(':') => {
+                last.push(',');
+                last.push_str(piece);
+            }
+            _ => entries.push(piece.to_owned()),
+        }
+    }
+    entries
+        .into_iter()
+        .map(|entry| entry.trim().to_owned())
+        .filter(|entry| !entry.is_empty())
+        .collect()
 }
 
 /// The caller of a request, once authenticated.
@@ -77,12 +166,7 @@ pub const MIN_SECRET_CHARS: usize = 16;
 /// A message naming `console.users` and the entry (never its secret).
 pub fn parse_users(text: &str) -> Result<Vec<User>, String> {
     let mut users: Vec<User> = Vec::new();
-    for (index, entry) in text
-        .split([',', '\n'])
-        .map(str::trim)
-        .filter(|entry| !entry.is_empty())
-        .enumerate()
-    {
+    for (index, entry) in entries(text).iter().enumerate() {
         let mut parts = entry.splitn(3, ':');
         let (Some(name), Some(role), Some(secret)) = (parts.next(), parts.next(), parts.next())
         else {
@@ -112,25 +196,40 @@ pub fn parse_users(text: &str) -> Result<Vec<User>, String> {
             ))
             }
         };
-        if secret.chars().count() < MIN_SECRET_CHARS {
+        let secret = if secret.starts_with("$argon2") {
+            if let Err(error) = PasswordHash::new(secret) {
+                return Err(format!(
+                    "console.users entry {} ({name}): the secret starts like an argon2 hash but is not one ({error}): make it with `console hash-secret`",
+                    index + 1
+                ));
+            }
+            Secret::Hashed(secret.to_owned())
+        } else if secret.chars().count() < MIN_SECRET_CHARS {
             return Err(format!(
                 "console.users entry {} ({name}): the secret must have at least {MIN_SECRET_CHARS} characters",
                 index + 1
             ));
-        }
+        } else {
+            Secret::Plain(secret.to_owned())
+        };
         if users.iter().any(|user| user.name == name) {
             return Err(format!("console.users names {name} twice"));
         }
-        if users.iter().any(|user| user.secret == secret) {
-            return Err(format!(
-                "console.users entry {} ({name}) has another user's secret: a bearer token must name one user",
-                index + 1
-            ));
+        if let Secret::Plain(plain) = &secret {
+            if users
+                .iter()
+                .any(|user| matches!(&user.secret, Secret::Plain(other) if other == plain))
+            {
+                return Err(format!(
+                    "console.users entry {} ({name}) has another user's secret: a bearer token must name one user",
+                    index + 1
+                ));
+            }
         }
         users.push(User {
             name: name.to_owned(),
             role,
-            secret: secret.to_owned(),
+            secret,
         });
     }
     Ok(users)
@@ -153,13 +252,29 @@ pub enum Refusal {
 /// Checks credentials and CSRF tokens.
 #[derive(Clone)]
 pub struct Authenticator {
-    users: Vec<User>,
+    users: Arc<Vec<User>>,
     anonymous: Option<Role>,
     csrf_key: Vec<u8>,
+    verified: Arc<Mutex<Verified>>,
 }
+
+/// Credentials that passed: by the SHA-256 of the header, the user's index
+/// and when.
+type Verified = HashMap<[u8; 32], (usize, Instant)>;
 
 fn same(a: &str, b: &str) -> bool {
     a.as_bytes().ct_eq(b.as_bytes()).into()
+}
+
+/// A hashed user nobody is, checked for an unknown name so that it takes
+/// as long as a known one.
+fn decoy() -> &'static User {
+    static DECOY: std::sync::OnceLock<User> = std::sync::OnceLock::new();
+    DECOY.get_or_init(|| User {
+        name: String::new(),
+        role: Role::Viewer,
+        secret: Secret::Hashed(hash_secret("no-user-has-this-secret-ever").unwrap_or_default()),
+    })
 }
 
 impl Authenticator {
@@ -174,17 +289,70 @@ impl Authenticator {
             csrf_key.as_bytes().to_vec()
         };
         Self {
-            users,
+            users: Arc::new(users),
             anonymous,
             csrf_key,
+            verified: Arc::default(),
         }
     }
 
-    /// Who sent a request with this `Authorization` header value.
+    /// The configured users.
+    pub fn users(&self) -> &[User] {
+        &self.users
+    }
+
+    /// Who sent a request with this `Authorization` header value; a hash
+    /// check runs on a blocking thread, and a credential that passed is
+    /// taken again for [`VERIFIED_FOR`] without one.
     ///
     /// # Errors
     /// A [`Refusal`] saying what is wrong with the credentials.
-    pub fn authenticate(&self, authorization: Option<&str>) -> Result<Principal, Refusal> {
+    pub async fn authenticate(&self, authorization: Option<&str>) -> Result<Principal, Refusal> {
+        let Some(header) = authorization.map(str::trim).filter(|h| !h.is_empty()) else {
+            return self.check(None);
+        };
+        let key: [u8; 32] = Sha256::digest(header.as_bytes()).into();
+        if let Some(index) = self.remembered(&key) {
+            let user = &self.users[index];
+            return Ok(Principal {
+                name: user.name.clone(),
+                role: user.role,
+            });
+        }
+        let (this, header) = (self.clone(), header.to_owned());
+        let checked = tokio::task::spawn_blocking(move || this.check(Some(&header)))
+            .await
+            .unwrap_or(Err(Refusal::Wrong))?;
+        if let Some(index) = self.users.iter().position(|u| u.name == checked.name) {
+            let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+            if verified.len() >= VERIFIED_MAX {
+                let oldest = verified
+                    .iter()
+                    .min_by_key(|(_, (_, at))| *at)
+                    .map(|(k, _)| *k);
+                if let Some(oldest) = oldest {
+                    verified.remove(&oldest);
+                }
+            }
+            verified.insert(key, (index, Instant::now()));
+        }
+        Ok(checked)
+    }
+
+    fn remembered(&self, key: &[u8; 32]) -> Option<usize> {
+        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        match verified.get(key) {
+            Some((index, at)) if at.elapsed() < VERIFIED_FOR => Some(*index),
+            Some(_) => {
+                verified.remove(key);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// The check itself, slow for hashed secrets.
+    fn check(&self, authorization: Option<&str>) -> Result<Principal, Refusal> {
         let Some(header) = authorization.map(str::trim).filter(|h| !h.is_empty()) else {
             return self
                 .anonymous
@@ -201,18 +369,29 @@ impl Authenticator {
                 .map_err(|_| Refusal::Malformed)?;
             let decoded = String::from_utf8(decoded).map_err(|_| Refusal::Malformed)?;
             let (name, secret) = decoded.split_once(':').ok_or(Refusal::Malformed)?;
-            // Every user is compared, so the time taken does not tell which names exist.
+            // Every name is compared, so the time taken does not tell which
+            // names exist; an unknown name costs a hash check too.
             let mut found = None;
-            for user in &self.users {
-                if same(&user.name, name) & same(&user.secret, secret) {
+            for user in self.users.iter() {
+                if same(&user.name, name) {
                     found = Some(user);
                 }
             }
-            found
+            match found {
+                Some(user) if user.accepts(secret) => Some(user),
+                Some(_) => None,
+                None => {
+                    if self.users.iter().any(|user| !user.secret_in_clear()) {
+                        let _ = decoy().accepts(secret);
+                    }
+                    None
+                }
+            }
         } else if scheme.eq_ignore_ascii_case("bearer") {
+            // A bearer token names no user: each is tried.
             let mut found = None;
-            for user in &self.users {
-                if same(&user.secret, value.trim()) {
+            for user in self.users.iter() {
+                if user.accepts(value.trim()) {
                     found = Some(user);
                 }
             }
@@ -255,39 +434,54 @@ mod tests {
         )
     }
 
-    #[test]
-    fn basic_auth_and_bearer_tokens_name_the_user_and_their_role() {
+    #[tokio::test]
+    async fn basic_auth_and_bearer_tokens_name_the_user_and_their_role() {
         let auth = Authenticator::new(parse_users(USERS).unwrap(), None, "");
         let ann = auth
             .authenticate(Some(&basic("ann", "ann-secret-0123456789")))
+            .await
             .unwrap();
         assert_eq!((ann.name.as_str(), ann.role), ("ann", Role::Operator));
         let bob = auth
             .authenticate(Some("Bearer bob-secret-0123456789"))
+            .await
             .unwrap();
         assert_eq!((bob.name.as_str(), bob.role), ("bob", Role::Viewer));
         assert_eq!(ann.actor(), "console:ann");
     }
 
-    #[test]
-    fn missing_wrong_and_malformed_credentials_are_refused() {
+    #[tokio::test]
+    async fn missing_wrong_and_malformed_credentials_are_refused() {
         let auth = Authenticator::new(parse_users(USERS).unwrap(), None, "");
-        assert_eq!(auth.authenticate(None), Err(Refusal::Missing));
+        assert_eq!(auth.authenticate(None).await, Err(Refusal::Missing));
         assert_eq!(
-            auth.authenticate(Some(&basic("ann", "bob-secret-0123456789"))),
+            auth.authenticate(Some(&basic("ann", "bob-secret-0123456789")))
+                .await,
             Err(Refusal::Wrong),
             "another user's secret does not open ann's account"
         );
-        assert_eq!(auth.authenticate(Some("Bearer nope")), Err(Refusal::Wrong));
-        assert_eq!(auth.authenticate(Some("Digest x")), Err(Refusal::Malformed));
-        assert_eq!(auth.authenticate(Some("Basic !!")), Err(Refusal::Malformed));
+        assert_eq!(
+            auth.authenticate(Some("Bearer nope")).await,
+            Err(Refusal::Wrong)
+        );
+        assert_eq!(
+            auth.authenticate(Some("Digest x")).await,
+            Err(Refusal::Malformed)
+        );
+        assert_eq!(
+            auth.authenticate(Some("Basic !!")).await,
+            Err(Refusal::Malformed)
+        );
     }
 
-    #[test]
-    fn anonymous_viewers_only_when_configured() {
+    #[tokio::test]
+    async fn anonymous_viewers_only_when_configured() {
         let auth = Authenticator::new(Vec::new(), Some(Role::Viewer), "");
-        assert_eq!(auth.authenticate(None).unwrap().role, Role::Viewer);
-        assert_eq!(auth.authenticate(Some("Bearer x")), Err(Refusal::Wrong));
+        assert_eq!(auth.authenticate(None).await.unwrap().role, Role::Viewer);
+        assert_eq!(
+            auth.authenticate(Some("Bearer x")).await,
+            Err(Refusal::Wrong)
+        );
     }
 
     #[test]
@@ -308,6 +502,60 @@ mod tests {
         assert!(!one.csrf_matches(&bob, &token), "not another user's token");
         assert!(!two.csrf_matches(&ann, &token), "not under another key");
         assert!(!one.csrf_matches(&ann, ""));
+    }
+
+    #[tokio::test]
+    async fn hashed_secrets_are_checked_and_a_passed_credential_is_remembered() {
+        let ann = hash_secret("ann-secret-0123456789").unwrap();
+        let bob = hash_secret("bob-secret-0123456789").unwrap();
+        assert!(ann.contains(','), "the parameters hold commas: {ann}");
+        let users = parse_users(&format!(
+            "ann:operator:{ann},bob:viewer:{bob}\ncid:viewer:cid-secret-0123456789"
+        ))
+        .unwrap();
+        let clear: Vec<_> = users
+            .iter()
+            .map(|u| (u.name.as_str(), u.secret_in_clear()))
+            .collect();
+        assert_eq!(clear, [("ann", false), ("bob", false), ("cid", true)]);
+        let auth = Authenticator::new(users, None, "");
+        let header = basic("ann", "ann-secret-0123456789");
+        assert_eq!(
+            auth.authenticate(Some(&header)).await.unwrap().role,
+            Role::Operator
+        );
+        assert_eq!(
+            auth.remembered(&Sha256::digest(header.as_bytes()).into()),
+            Some(0)
+        );
+        assert_eq!(
+            auth.authenticate(Some("Bearer bob-secret-0123456789"))
+                .await
+                .unwrap()
+                .name,
+            "bob"
+        );
+        assert_eq!(
+            auth.authenticate(Some(&basic("ann", "bob-secret-0123456789")))
+                .await,
+            Err(Refusal::Wrong)
+        );
+        assert_eq!(
+            auth.authenticate(Some(&basic("nobody", "ann-secret-0123456789")))
+                .await,
+            Err(Refusal::Wrong)
+        );
+        let wrong = basic("ann", "wrong-secret-0123456789");
+        assert_eq!(auth.authenticate(Some(&wrong)).await, Err(Refusal::Wrong));
+        assert_eq!(
+            auth.remembered(&Sha256::digest(wrong.as_bytes()).into()),
+            None,
+            "a failure is not remembered"
+        );
+        let error = parse_users("ann:operator:$argon2id$v=19$nonsense")
+            .err()
+            .unwrap();
+        assert!(error.contains("hash-secret"), "{error}");
     }
 
     #[test]

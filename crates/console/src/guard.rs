@@ -1,16 +1,20 @@
-//! The gate every page and API request passes: authentication (401),
-//! the operator role for actions (403), and the CSRF checks of actions
+//! The gate every page and API request passes: authentication (401, or
+//! 429 while a client address or a name has failed too often, see
+//! [`crate::login_limit`]), the operator role for actions (403), and the
+//! CSRF checks of actions
 //! (403): the `Origin` header, when sent, must be this host, and the user's
 //! CSRF token must come in `X-CSRF-Token` or the `csrf_token` form field.
 //! See [`crate::auth`] for why.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
 
 use crate::auth::Role;
 use crate::error::{ApiFailure, Failure, PageFailure};
@@ -40,16 +44,62 @@ fn same_origin(origin: &str, host: &str) -> bool {
         .is_some_and(|(_, rest)| rest.trim_end_matches('/').eq_ignore_ascii_case(host))
 }
 
+/// What failed logins are counted against: the client's address, and the
+/// name a basic-auth header claims.
+fn login_keys(request: &Request, authorization: Option<&str>) -> Vec<String> {
+    let mut keys = Vec::new();
+    if let Some(ConnectInfo(peer)) = request.extensions().get::<ConnectInfo<SocketAddr>>() {
+        keys.push(format!("ip:{}", peer.ip()));
+    }
+    let claimed = authorization
+        .and_then(|value| value.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("basic"))
+        .and_then(|(_, value)| {
+            base64::engine::general_purpose::STANDARD
+                .decode(value.trim())
+                .ok()
+        })
+        .and_then(|bytes| String::from_utf8(bytes).ok())
+        .and_then(|text| text.split_once(':').map(|(name, _)| name.to_owned()));
+    if let Some(name) = claimed {
+        keys.push(format!("user:{name}"));
+    }
+    keys
+}
+
 /// The middleware; see the module docs.
 pub async fn guard(State(console): State<Arc<Console>>, request: Request, next: Next) -> Response {
     let api = request.uri().path().starts_with("/api/");
     let authorization = request
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok());
-    let principal = match console.auth.authenticate(authorization) {
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let keys = login_keys(&request, authorization.as_deref());
+    if authorization.is_some() {
+        if let Some(wait) = console.logins.blocked(&keys) {
+            let seconds = wait.as_secs().max(1);
+            let mut response = answer(
+                api,
+                Failure::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("too many failed logins from this address or for this name: try again in {seconds} s"),
+                ),
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            return response;
+        }
+    }
+    let principal = match console.auth.authenticate(authorization.as_deref()).await {
         Ok(principal) => principal,
         Err(refusal) => {
+            if authorization.is_some() {
+                console.logins.failed(&keys);
+                metrics::counter!("sas_console_login_failures_total").increment(1);
+                tracing::warn!(keys = ?keys, %refusal, "console login refused");
+            }
             let mut response = answer(
                 api,
                 Failure::new(StatusCode::UNAUTHORIZED, refusal.to_string()),

@@ -3,7 +3,9 @@
 //!
 //! - [`settings`]: the `[console]` section and the rest.
 //! - [`auth`], [`guard`]: users and roles, basic auth and bearer tokens,
-//!   CSRF tokens; the middleware every page and API request passes.
+//!   hashed secrets, CSRF tokens; the middleware every page and API request
+//!   passes; [`login_limit`]: failed logins slowed down.
+//! - [`timeline`]: an order's run drawn as SVG.
 //! - [`actions`]: resubmit, cancel, bulk actions by filter, alerts, dead letters.
 //! - [`overview`]: the overview's numbers, cached briefly.
 //! - [`broker`]: queue depths by passive declares; replays.
@@ -18,6 +20,7 @@ pub mod broker;
 pub mod error;
 pub mod guard;
 pub mod live;
+pub mod login_limit;
 pub mod overview;
 pub mod pages;
 pub mod settings;
@@ -25,13 +28,20 @@ pub mod timeline;
 
 use std::sync::Arc;
 
+use std::net::SocketAddr;
+use std::time::Duration;
+
 use anyhow::Context as _;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::Router;
 use sas_announce::Announcer;
 use sas_broker::Session;
 use sas_messages::QueueNames;
 use sas_store::Store;
 use tokio_util::sync::CancellationToken;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::set_header::SetResponseHeaderLayer;
+use tower_http::timeout::TimeoutLayer;
 
 pub use settings::Settings;
 
@@ -51,6 +61,8 @@ pub struct Console {
     pub announcer: Announcer,
     /// Users, roles and CSRF tokens.
     pub auth: auth::Authenticator,
+    /// Failed logins by client address and by name.
+    pub logins: login_limit::LoginLimiter,
     /// The overview's numbers, computed at most once per live interval.
     pub overview_cache: overview::Cache,
     /// Fired on SIGTERM: live streams end.
@@ -74,16 +86,56 @@ pub fn router(console: Arc<Console>, shutdown: CancellationToken) -> anyhow::Res
         ),
         shutdown,
     )?;
+    // Pages and the API must answer within the timeout; the live streams
+    // are meant to last.
+    let timeout = Duration::from_millis(console.settings.console.request_timeout_ms);
     let guarded = pages::routes()
         .merge(api::routes())
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            timeout,
+        ))
         .merge(live::routes())
         .layer(axum::middleware::from_fn_with_state(
             console.clone(),
             guard::guard,
         ))
         .with_state(console);
-    Ok(guarded.merge(ops).merge(pages::static_routes()))
+    Ok(security_headers(
+        guarded.merge(ops).merge(pages::static_routes()),
+    ))
 }
+
+/// The Content-Security-Policy of every answer: scripts and styles from
+/// the console only (inline style attributes allowed; no inline script),
+/// live streams to itself, forms posted to itself, never framed.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
+     style-src 'self' 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; \
+     form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+
+/// Headers every answer carries: the policy above, no MIME sniffing, no
+/// framing, no referrer to other sites (`same-origin`: with `no-referrer`
+/// a browser sends `Origin: null` on a form post, which the CSRF check
+/// refuses); and a body limit on every request.
+fn security_headers(router: Router) -> Router {
+    let headers = [
+        (header::CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "same-origin"),
+    ];
+    let mut router = router.layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES));
+    for (name, value) in headers {
+        router = router.layer(SetResponseHeaderLayer::if_not_present(
+            name,
+            HeaderValue::from_static(value),
+        ));
+    }
+    router
+}
+
+/// Largest request body read (a bulk action's form is far smaller).
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
 
 /// Runs the console until `shutdown`.
 ///
@@ -100,6 +152,12 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings.console.id.clone()
     };
     let users = auth::parse_users(&settings.console.users).map_err(anyhow::Error::msg)?;
+    for user in users.iter().filter(|user| user.secret_in_clear()) {
+        tracing::warn!(
+            user = %user.name,
+            "console.users holds this user's secret in clear: store its argon2 hash instead (`console hash-secret`)"
+        );
+    }
     let anonymous = settings
         .console
         .anonymous_role()
@@ -108,6 +166,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let session = Session::new(settings.amqp.clone(), id.clone());
     let console = Arc::new(Console {
         auth: auth::Authenticator::new(users, anonymous, &settings.console.csrf_key),
+        logins: login_limit::LoginLimiter::new(settings.console.login_failures_per_minute),
         names: settings.amqp.names(),
         announcer: Announcer::new(&settings.amqp),
         connection: broker::CurrentConnection::default(),
@@ -126,9 +185,12 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     tracing::info!(console = %id, %local_addr, "console serving pages, /api, /metrics, /healthz, /readyz");
     let stop = shutdown.clone();
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await
     });
     if !console
         .store

@@ -1,8 +1,11 @@
-//! The `console` binary: settings, logs, then [`sas_console::run`] until SIGTERM.
+//! The `console` binary: settings, logs, then [`sas_console::run`] until
+//! SIGTERM; or `console hash-secret`, which prints the hash to store in
+//! `console.users` in place of a secret.
 
+use std::io::BufRead as _;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 
 /// The operator console: pages and a JSON API to find orders, follow them,
 /// resubmit or cancel them (one or by filter), and deal with alerts and
@@ -12,14 +15,45 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     service: sas_runtime::ServiceArgs,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Read a secret from standard input (one line) and print its argon2id
+    /// hash, to put in console.users as name:role:HASH (exit 2 when the
+    /// secret is shorter than 16 characters).
+    HashSecret,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::HashSecret) = cli.command {
+        return hash_secret();
+    }
     sas_runtime::run_service(
         "console",
         sas_console::settings::DEFAULTS,
         &cli.service,
         sas_console::run,
     )
+}
+
+fn hash_secret() -> ExitCode {
+    let mut line = String::new();
+    if let Err(error) = std::io::stdin().lock().read_line(&mut line) {
+        eprintln!("console hash-secret: cannot read the secret from standard input: {error}");
+        return ExitCode::from(2);
+    }
+    match sas_console::auth::hash_secret(line.trim_end_matches(['\r', '\n'])) {
+        Ok(hash) => {
+            println!("{hash}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("console hash-secret: {error}");
+            ExitCode::from(2)
+        }
+    }
 }

@@ -36,6 +36,10 @@ pub struct ConsoleSettings {
     pub anonymous: String,
     /// Key of the CSRF tokens; empty picks a random one at start.
     pub csrf_key: String,
+    /// Failed logins allowed per minute per client address and per name.
+    pub login_failures_per_minute: u32,
+    /// Longest a page or API request may take, in milliseconds.
+    pub request_timeout_ms: u64,
     /// Orders per page of the list.
     pub page_size: i64,
     /// Most orders one bulk action goes through.
@@ -53,6 +57,8 @@ impl std::fmt::Debug for ConsoleSettings {
             .field("users", &"<redacted>")
             .field("anonymous", &self.anonymous)
             .field("csrf_key", &"<redacted>")
+            .field("login_failures_per_minute", &self.login_failures_per_minute)
+            .field("request_timeout_ms", &self.request_timeout_ms)
             .field("page_size", &self.page_size)
             .field("bulk_limit", &self.bulk_limit)
             .field("live_interval_ms", &self.live_interval_ms)
@@ -100,6 +106,9 @@ impl Validate for Settings {
         }
         if c.live_interval_ms < 100 {
             return Err("console.live_interval_ms must be at least 100".into());
+        }
+        if c.request_timeout_ms < 1000 {
+            return Err("console.request_timeout_ms must be at least 1000".into());
         }
         if !c.csrf_key.is_empty() && c.csrf_key.len() < 16 {
             return Err("console.csrf_key must be empty (random) or at least 16 characters".into());
