@@ -24,18 +24,16 @@
 //! whose `Origin` header names another host is refused as well. No cookie is
 //! involved, so there is no session to steal or fixate.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use argon2::password_hash::phc::PasswordHash;
-use argon2::password_hash::{PasswordHasher, PasswordVerifier};
-use argon2::Argon2;
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
+use sas_runtime::secret::{same, Remembered, StoredSecret};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
+use sha2::Sha256;
+
+pub use sas_runtime::secret::{hash_secret, MIN_SECRET_CHARS};
 
 /// How long a credential that passed a hash check is taken without another.
 pub const VERIFIED_FOR: Duration = Duration::from_secs(300);
@@ -62,15 +60,6 @@ impl Role {
     }
 }
 
-/// A user's secret as configured.
-#[derive(Clone)]
-enum Secret {
-    /// Its argon2 hash, a PHC string.
-    Hashed(String),
-    /// In clear (accepted, with a warning at start).
-    Plain(String),
-}
-
 /// One configured user.
 #[derive(Clone)]
 pub struct User {
@@ -78,43 +67,14 @@ pub struct User {
     pub name: String,
     /// What they may do.
     pub role: Role,
-    secret: Secret,
+    secret: StoredSecret,
 }
 
 impl User {
     /// True when the secret is configured in clear rather than hashed.
     pub fn secret_in_clear(&self) -> bool {
-        matches!(self.secret, Secret::Plain(_))
+        self.secret.in_clear()
     }
-
-    /// Whether `given` is this user's secret. Slow for a hashed one.
-    fn accepts(&self, given: &str) -> bool {
-        match &self.secret {
-            Secret::Plain(secret) => same(secret, given),
-            Secret::Hashed(phc) => PasswordHash::new(phc).is_ok_and(|hash| {
-                Argon2::default()
-                    .verify_password(given.as_bytes(), &hash)
-                    .is_ok()
-            }),
-        }
-    }
-}
-
-/// The argon2id hash of `secret` as a PHC string, to put in `console.users`
-/// in its place (`console hash-secret`).
-///
-/// # Errors
-/// When the secret is shorter than [`MIN_SECRET_CHARS`].
-pub fn hash_secret(secret: &str) -> Result<String, String> {
-    if secret.chars().count() < MIN_SECRET_CHARS {
-        return Err(format!(
-            "the secret must have at least {MIN_SECRET_CHARS} characters"
-        ));
-    }
-    Argon2::default()
-        .hash_password(secret.as_bytes())
-        .map(|hash| hash.to_string())
-        .map_err(|e| format!("cannot hash the secret: {e}"))
 }
 
 /// The entries of `console.users`: split at commas and new lines, except
@@ -157,9 +117,6 @@ impl Principal {
     }
 }
 
-/// Shortest secret accepted: a guessable one would make the console an open door.
-pub const MIN_SECRET_CHARS: usize = 16;
-
 /// Reads `name:role:secret` entries separated by commas or new lines.
 ///
 /// # Errors
@@ -196,29 +153,15 @@ pub fn parse_users(text: &str) -> Result<Vec<User>, String> {
             ))
             }
         };
-        let secret = if secret.starts_with("$argon2") {
-            if let Err(error) = PasswordHash::new(secret) {
-                return Err(format!(
-                    "console.users entry {} ({name}): the secret starts like an argon2 hash but is not one ({error}): make it with `console hash-secret`",
-                    index + 1
-                ));
-            }
-            Secret::Hashed(secret.to_owned())
-        } else if secret.chars().count() < MIN_SECRET_CHARS {
-            return Err(format!(
-                "console.users entry {} ({name}): the secret must have at least {MIN_SECRET_CHARS} characters",
-                index + 1
-            ));
-        } else {
-            Secret::Plain(secret.to_owned())
-        };
+        let secret = StoredSecret::parse(secret)
+            .map_err(|error| format!("console.users entry {} ({name}): {error}", index + 1))?;
         if users.iter().any(|user| user.name == name) {
             return Err(format!("console.users names {name} twice"));
         }
-        if let Secret::Plain(plain) = &secret {
+        if let StoredSecret::Plain(plain) = &secret {
             if users
                 .iter()
-                .any(|user| matches!(&user.secret, Secret::Plain(other) if other == plain))
+                .any(|user| matches!(&user.secret, StoredSecret::Plain(other) if other == plain))
             {
                 return Err(format!(
                     "console.users entry {} ({name}) has another user's secret: a bearer token must name one user",
@@ -255,26 +198,7 @@ pub struct Authenticator {
     users: Arc<Vec<User>>,
     anonymous: Option<Role>,
     csrf_key: Vec<u8>,
-    verified: Arc<Mutex<Verified>>,
-}
-
-/// Credentials that passed: by the SHA-256 of the header, the user's index
-/// and when.
-type Verified = HashMap<[u8; 32], (usize, Instant)>;
-
-fn same(a: &str, b: &str) -> bool {
-    a.as_bytes().ct_eq(b.as_bytes()).into()
-}
-
-/// A hashed user nobody is, checked for an unknown name so that it takes
-/// as long as a known one.
-fn decoy() -> &'static User {
-    static DECOY: std::sync::OnceLock<User> = std::sync::OnceLock::new();
-    DECOY.get_or_init(|| User {
-        name: String::new(),
-        role: Role::Viewer,
-        secret: Secret::Hashed(hash_secret("no-user-has-this-secret-ever").unwrap_or_default()),
-    })
+    verified: Arc<Remembered>,
 }
 
 impl Authenticator {
@@ -292,7 +216,7 @@ impl Authenticator {
             users: Arc::new(users),
             anonymous,
             csrf_key,
-            verified: Arc::default(),
+            verified: Arc::new(Remembered::new(VERIFIED_FOR, VERIFIED_MAX)),
         }
     }
 
@@ -311,8 +235,8 @@ impl Authenticator {
         let Some(header) = authorization.map(str::trim).filter(|h| !h.is_empty()) else {
             return self.check(None);
         };
-        let key: [u8; 32] = Sha256::digest(header.as_bytes()).into();
-        if let Some(index) = self.remembered(&key) {
+        let key = Remembered::key(header);
+        if let Some(index) = self.verified.get(&key) {
             let user = &self.users[index];
             return Ok(Principal {
                 name: user.name.clone(),
@@ -324,31 +248,9 @@ impl Authenticator {
             .await
             .unwrap_or(Err(Refusal::Wrong))?;
         if let Some(index) = self.users.iter().position(|u| u.name == checked.name) {
-            let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
-            if verified.len() >= VERIFIED_MAX {
-                let oldest = verified
-                    .iter()
-                    .min_by_key(|(_, (_, at))| *at)
-                    .map(|(k, _)| *k);
-                if let Some(oldest) = oldest {
-                    verified.remove(&oldest);
-                }
-            }
-            verified.insert(key, (index, Instant::now()));
+            self.verified.insert(key, index);
         }
         Ok(checked)
-    }
-
-    fn remembered(&self, key: &[u8; 32]) -> Option<usize> {
-        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
-        match verified.get(key) {
-            Some((index, at)) if at.elapsed() < VERIFIED_FOR => Some(*index),
-            Some(_) => {
-                verified.remove(key);
-                None
-            }
-            None => None,
-        }
     }
 
     /// The check itself, slow for hashed secrets.
@@ -378,11 +280,11 @@ impl Authenticator {
                 }
             }
             match found {
-                Some(user) if user.accepts(secret) => Some(user),
+                Some(user) if user.secret.accepts(secret) => Some(user),
                 Some(_) => None,
                 None => {
                     if self.users.iter().any(|user| !user.secret_in_clear()) {
-                        let _ = decoy().accepts(secret);
+                        let _ = StoredSecret::decoy().accepts(secret);
                     }
                     None
                 }
@@ -391,7 +293,7 @@ impl Authenticator {
             // A bearer token names no user: each is tried.
             let mut found = None;
             for user in self.users.iter() {
-                if user.accepts(value.trim()) {
+                if user.secret.accepts(value.trim()) {
                     found = Some(user);
                 }
             }
@@ -524,10 +426,7 @@ mod tests {
             auth.authenticate(Some(&header)).await.unwrap().role,
             Role::Operator
         );
-        assert_eq!(
-            auth.remembered(&Sha256::digest(header.as_bytes()).into()),
-            Some(0)
-        );
+        assert_eq!(auth.verified.get(&Remembered::key(&header)), Some(0));
         assert_eq!(
             auth.authenticate(Some("Bearer bob-secret-0123456789"))
                 .await
@@ -548,7 +447,7 @@ mod tests {
         let wrong = basic("ann", "wrong-secret-0123456789");
         assert_eq!(auth.authenticate(Some(&wrong)).await, Err(Refusal::Wrong));
         assert_eq!(
-            auth.remembered(&Sha256::digest(wrong.as_bytes()).into()),
+            auth.verified.get(&Remembered::key(&wrong)),
             None,
             "a failure is not remembered"
         );

@@ -2,7 +2,6 @@
 //! SIGTERM; or `console hash-secret`, which prints the hash to store in
 //! `console.users` in place of a secret.
 
-use std::io::BufRead as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -30,7 +29,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::HashSecret) = cli.command {
-        return hash_secret();
+        return sas_runtime::secret::hash_secret_command("console");
     }
     sas_runtime::run_service(
         "console",
@@ -38,22 +37,4 @@ fn main() -> ExitCode {
         &cli.service,
         sas_console::run,
     )
-}
-
-fn hash_secret() -> ExitCode {
-    let mut line = String::new();
-    if let Err(error) = std::io::stdin().lock().read_line(&mut line) {
-        eprintln!("console hash-secret: cannot read the secret from standard input: {error}");
-        return ExitCode::from(2);
-    }
-    match sas_console::auth::hash_secret(line.trim_end_matches(['\r', '\n'])) {
-        Ok(hash) => {
-            println!("{hash}");
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("console hash-secret: {error}");
-            ExitCode::from(2)
-        }
-    }
 }

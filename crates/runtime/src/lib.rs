@@ -5,12 +5,14 @@
 //! - [`telemetry`]: structured logs, text or JSON.
 //! - [`ops`]: the operations HTTP endpoint: `/metrics`, `/healthz`, `/readyz`.
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or SIGINT.
+//! - [`secret`]: secrets stored as argon2 hashes, checked and remembered.
 //! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
 //!   operations endpoint, run until a signal, exit code.
 
 pub mod batch;
 pub mod ops;
 pub mod retry;
+pub mod secret;
 pub mod service;
 pub mod settings;
 pub mod shutdown;
