@@ -11,6 +11,7 @@
 #      the broker's container while orders are in flight;
 #   5. checks that the console refuses a request without credentials (401) and answers
 #      the API with the test's operator (200), its queue depths readable as sas-console;
+#      at the end, submits an order through the HTTP gateway and reads its outcome;
 #   6. checks that every order ended (Postgres: processed or compensated) and that each
 #      side effect happened once (remote-sim's ledger, GET /side-effects with its token);
 #   7. prints its figures, and always (also on failure) runs `docker compose down -v` and
@@ -93,12 +94,13 @@ start_project "sas-composetest:$$"
 compose() {
   docker compose -p "$project" --env-file "$tmp/env" -f docker-compose.yml -f "$tmp/image.yml" "$@"
 }
-read -r amqp_port management_port sim_port console_port < <(free_ports 4)
+read -r amqp_port management_port sim_port console_port gateway_port < <(free_ports 5)
 cat >>"$tmp/env" <<EOF
 RABBITMQ_AMQP_PORT=$amqp_port
 RABBITMQ_MANAGEMENT_PORT=$management_port
 REMOTE_SIM_PORT=$sim_port
 CONSOLE_PORT=$console_port
+GATEWAY_PORT=$gateway_port
 EOF
 
 # --- Helpers ------------------------------------------------------------------------
@@ -279,6 +281,31 @@ python3 scripts/lib/check-ledger.py "$tmp/ledger.json" "$tmp/states.txt" >"$tmp/
   || { cat "$tmp/ledger-check.txt" >&2; fail "remote-sim's ledger"; }
 ledger=$(head -n 1 "$tmp/ledger-check.txt")
 duplicates=${ledger##*duplicates=}
+
+# --- The HTTP gateway: an order in over HTTP, its outcome read back ----------------
+gateway_call() { # METHOD PATH [BODY]: prints the status, and the body to $tmp/gateway.json
+  python3 - "$1" "http://127.0.0.1:$gateway_port$2" "$console_secret" "${3:-}" "$tmp/gateway.json" <<'EOF'
+import sys, urllib.request, urllib.error
+method, url, secret, body, out = sys.argv[1:6]
+request = urllib.request.Request(url, method=method, data=body.encode() or None,
+                                 headers={"Authorization": "Bearer " + secret, "Content-Type": "application/json"})
+try:
+    response = urllib.request.urlopen(request, timeout=90)
+    open(out, "wb").write(response.read())
+    print(response.status)
+except urllib.error.HTTPError as e:
+    open(out, "wb").write(e.read())
+    print(e.code)
+EOF
+}
+gateway_order='{"schema_version": 1, "order_id": "http-compose-1", "customer_id": "cust-http",
+  "items": [{"sku": "SKU-1", "quantity": 1}], "amount_cents": 1200, "currency": "EUR"}'
+code=$(gateway_call POST /v1/orders "$gateway_order")
+[ "$code" = 202 ] || fail "the gateway answered $code to an order (expected 202): $(cat "$tmp/gateway.json")"
+code=$(gateway_call GET "/v1/orders/http-compose-1?wait=60")
+{ [ "$code" = 200 ] && grep -q '"outcome":"processed"' "$tmp/gateway.json"; } \
+  || fail "the gateway's order did not end processed ($code): $(cat "$tmp/gateway.json")"
+say "gateway: an order submitted over HTTP (202) and its outcome read back: processed"
 
 say "orders: $orders ($states); throughput $burst_rate orders/s ($burst at once, $burst_seconds s);" \
   "$((orders - burst)) at $rate/s through kills, scaling and a broker restart ended $load_seconds s after the first"

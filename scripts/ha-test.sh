@@ -61,7 +61,7 @@ compose() {
   docker compose -p "$project" --env-file "$tmp/env" -f docker-compose.yml \
     -f docker-compose.ha.yml -f "$tmp/image.yml" "$@"
 }
-read -r amqp_port amqp2_port amqp3_port management_port sim_port console_port < <(free_ports 6)
+read -r amqp_port amqp2_port amqp3_port management_port sim_port console_port gateway_port < <(free_ports 7)
 cat >>"$tmp/env" <<EOF
 PATRONI_SUPERUSER_PASSWORD=$(secret)
 PATRONI_REPLICATION_PASSWORD=$(secret)
@@ -72,6 +72,7 @@ RABBITMQ_3_AMQP_PORT=$amqp3_port
 RABBITMQ_MANAGEMENT_PORT=$management_port
 REMOTE_SIM_PORT=$sim_port
 CONSOLE_PORT=$console_port
+GATEWAY_PORT=$gateway_port
 EOF
 
 # --- Helpers ------------------------------------------------------------------------

@@ -11,13 +11,14 @@ use sas_messages::QueueNames;
 use sas_tests::process::bin_dir;
 use serde_norway::Value;
 
-const BINARIES: [&str; 6] = [
+const BINARIES: [&str; 7] = [
     "scheduler",
     "agent",
     "supervisor",
     "remote-sim",
     "sasctl",
     "console",
+    "gateway",
 ];
 
 /// The package of each binary, in `crates/<binary>`: the same name but the
@@ -25,6 +26,7 @@ const BINARIES: [&str; 6] = [
 fn package_of(binary: &str) -> &str {
     match binary {
         "console" => "sas-console",
+        "gateway" => "sas-gateway",
         other => other,
     }
 }
@@ -1134,6 +1136,7 @@ fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
         ("rabbitmq", "${RABBITMQ_AMQP_PORT:-5672}", "5672"),
         ("rabbitmq", "${RABBITMQ_MANAGEMENT_PORT:-15672}", "15672"),
         ("console", "${CONSOLE_PORT:-9104}", "9104"),
+        ("gateway", "${GATEWAY_PORT:-9105}", "9105"),
         // Empty: a random free port, as before.
         ("remote-sim", "${REMOTE_SIM_PORT:-}", "8080"),
     ];

@@ -12,7 +12,7 @@
 //! it runs off the async threads, and a credential that passed is
 //! remembered for [`VERIFIED_FOR`] by its SHA-256 (a browser sends it with
 //! every request); failures are never remembered, and
-//! [`crate::login_limit`] slows guessing down.
+//! [`sas_runtime::login_limit`] slows guessing down.
 //!
 //! CSRF: a browser resends basic-auth credentials to the console on any
 //! request, also one a hostile page makes it send. So every action (every
@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
-use sas_runtime::secret::{same, Remembered, StoredSecret};
+use sas_runtime::secret::{config_entries, same, Remembered, StoredSecret};
 use serde::Serialize;
 use sha2::Sha256;
 
@@ -77,30 +77,6 @@ impl User {
     }
 }
 
-/// The entries of `console.users`: split at commas and new lines, except
-/// the commas inside a hash's parameters (`m=19456,t=2,p=1`), which hold
-/// no colon, as every entry does.
-fn entries(text: &str) -> Vec<String> {
-    let mut entries: Vec<String> = Vec::new();
-    for (piece, after_comma) in text
-        .split('\n')
-        .flat_map(|line| line.split(',').enumerate().map(|(i, piece)| (piece, i > 0)))
-    {
-        match entries.last_mut() {
-            Some(last) if after_comma && !piece.contains(':') => {
-                last.push(',');
-                last.push_str(piece);
-            }
-            _ => entries.push(piece.to_owned()),
-        }
-    }
-    entries
-        .into_iter()
-        .map(|entry| entry.trim().to_owned())
-        .filter(|entry| !entry.is_empty())
-        .collect()
-}
-
 /// The caller of a request, once authenticated.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Principal {
@@ -123,7 +99,7 @@ impl Principal {
 /// A message naming `console.users` and the entry (never its secret).
 pub fn parse_users(text: &str) -> Result<Vec<User>, String> {
     let mut users: Vec<User> = Vec::new();
-    for (index, entry) in entries(text).iter().enumerate() {
+    for (index, entry) in config_entries(text).iter().enumerate() {
         let mut parts = entry.splitn(3, ':');
         let (Some(name), Some(role), Some(secret)) = (parts.next(), parts.next(), parts.next())
         else {

@@ -1,6 +1,6 @@
 //! The gate every page and API request passes: authentication (401, or
 //! 429 while a client address or a name has failed too often, see
-//! [`crate::login_limit`]), the operator role for actions (403), and the
+//! [`sas_runtime::login_limit`]), the operator role for actions (403), and the
 //! CSRF checks of actions
 //! (403): the `Origin` header, when sent, must be this host, and the user's
 //! CSRF token must come in `X-CSRF-Token` or the `csrf_token` form field.

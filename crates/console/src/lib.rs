@@ -4,7 +4,7 @@
 //! - [`settings`]: the `[console]` section and the rest.
 //! - [`auth`], [`guard`]: users and roles, basic auth and bearer tokens,
 //!   hashed secrets, CSRF tokens; the middleware every page and API request
-//!   passes; [`login_limit`]: failed logins slowed down.
+//!   passes (failed logins slowed down by [`sas_runtime::login_limit`]).
 //! - [`timeline`]: an order's run drawn as SVG.
 //! - [`actions`]: resubmit, cancel, bulk actions by filter, alerts, dead letters.
 //! - [`overview`]: the overview's numbers, cached briefly.
@@ -20,7 +20,6 @@ pub mod broker;
 pub mod error;
 pub mod guard;
 pub mod live;
-pub mod login_limit;
 pub mod overview;
 pub mod pages;
 pub mod settings;
@@ -62,7 +61,7 @@ pub struct Console {
     /// Users, roles and CSRF tokens.
     pub auth: auth::Authenticator,
     /// Failed logins by client address and by name.
-    pub logins: login_limit::LoginLimiter,
+    pub logins: sas_runtime::login_limit::LoginLimiter,
     /// The overview's numbers, computed at most once per live interval.
     pub overview_cache: overview::Cache,
     /// Fired on SIGTERM: live streams end.
@@ -166,7 +165,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let session = Session::new(settings.amqp.clone(), id.clone());
     let console = Arc::new(Console {
         auth: auth::Authenticator::new(users, anonymous, &settings.console.csrf_key),
-        logins: login_limit::LoginLimiter::new(settings.console.login_failures_per_minute),
+        logins: sas_runtime::login_limit::LoginLimiter::new(
+            settings.console.login_failures_per_minute,
+        ),
         names: settings.amqp.names(),
         announcer: Announcer::new(&settings.amqp),
         connection: broker::CurrentConnection::default(),

@@ -5,11 +5,13 @@
 //! - [`telemetry`]: structured logs, text or JSON.
 //! - [`ops`]: the operations HTTP endpoint: `/metrics`, `/healthz`, `/readyz`.
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or SIGINT.
-//! - [`secret`]: secrets stored as argon2 hashes, checked and remembered.
+//! - [`secret`]: secrets stored as argon2 hashes, checked and remembered;
+//!   [`login_limit`]: failed logins slowed down.
 //! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
 //!   operations endpoint, run until a signal, exit code.
 
 pub mod batch;
+pub mod login_limit;
 pub mod ops;
 pub mod retry;
 pub mod secret;

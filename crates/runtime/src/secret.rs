@@ -78,6 +78,31 @@ impl StoredSecret {
     }
 }
 
+/// The entries of a list of `name:...:secret` (the console's users, the
+/// gateway's clients): split at commas and new lines, except
+/// the commas inside a hash's parameters (`m=19456,t=2,p=1`), which hold
+/// no colon, as every entry does.
+pub fn config_entries(text: &str) -> Vec<String> {
+    let mut entries: Vec<String> = Vec::new();
+    for (piece, after_comma) in text
+        .split('\n')
+        .flat_map(|line| line.split(',').enumerate().map(|(i, piece)| (piece, i > 0)))
+    {
+        match entries.last_mut() {
+            Some(last) if after_comma && !piece.contains(':') && !piece.trim().is_empty() => {
+                last.push(',');
+                last.push_str(piece);
+            }
+            _ => entries.push(piece.to_owned()),
+        }
+    }
+    entries
+        .into_iter()
+        .map(|entry| entry.trim().to_owned())
+        .filter(|entry| !entry.is_empty())
+        .collect()
+}
+
 /// Constant-time equality of two strings.
 pub fn same(a: &str, b: &str) -> bool {
     a.as_bytes().ct_eq(b.as_bytes()).into()

@@ -1,12 +1,12 @@
-//! Failed logins, counted and slowed down: after `max` failures within a
-//! minute from one client address, or for one user name, further requests
-//! with credentials from it (or for it) are answered 429 with `Retry-After`
-//! until the minute is over, without checking the credentials, so that
-//! guessing a secret costs minutes per handful of tries and a flood of
-//! wrong ones cannot make the console spend its CPU on hash checks.
-//! Counting by name as well stops one guesser spread over many addresses;
-//! it also means a guesser can keep a name locked out (the failures are
-//! logged and counted, `sas_console_login_failures_total`).
+//! Failed logins, counted and slowed down (the console's users, the HTTP
+//! gateway's clients): after `max` failures within a minute from one
+//! client address, or for one user name, further requests with credentials
+//! from it (or for it) are answered 429 with `Retry-After` until the minute
+//! is over, without checking the credentials, so that guessing a secret
+//! costs minutes per handful of tries and a flood of wrong ones cannot make
+//! a service spend its CPU on hash checks. Counting by name as well stops
+//! one guesser spread over many addresses; it also means a guesser can keep
+//! a name locked out (the callers log and count each failure).
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -1,0 +1,293 @@
+//! The client API: submit an order, read its status, wait for its outcome.
+//!
+//! A submission is validated as intake validates it (the same decoder and
+//! [`SubmitOrder::validate`]), then published to the orders queue like any
+//! client's, persistent and confirmed: the scheduler's intake stays the one
+//! way in. Idempotent on the order id: an id the store already holds with
+//! the same content is answered 200 with where to look; with other content
+//! 409. Two different orders under one new id sent at the same moment both
+//! get 202, and intake keeps the first (the second is dead-lettered as a
+//! conflict): the status of the id says which one runs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use chrono::{DateTime, Utc};
+use sas_broker::publish::{json_properties, order_headers, Outgoing};
+use sas_messages::SubmitOrder;
+use sas_store::queries::OrderDetail;
+use sas_store::ProcessState;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::{Caller, Gateway};
+
+/// What a submission was taken as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Taken {
+    /// Published to the orders queue and confirmed by the broker: intake
+    /// will store it (202).
+    Accepted,
+    /// The store already holds this order, with the same content (200).
+    AlreadyAccepted,
+}
+
+/// The answer to a submission: where to look next.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct Submitted {
+    /// The order's id.
+    pub order_id: String,
+    /// What the submission was taken as.
+    pub status: Taken,
+    /// Where its status is read (also the `Location` header);
+    /// `?wait=SECONDS` waits for its outcome.
+    pub status_url: String,
+}
+
+/// One step of an order, as a client sees it.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct StepStatus {
+    /// The step's name in the workflow.
+    pub name: String,
+    /// `not_started`, `running`, `completed`, `failed`, `compensating`, `compensated`.
+    pub state: String,
+    /// Attempts so far.
+    pub attempts: i32,
+}
+
+/// An order's status.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct OrderStatusView {
+    /// The order's id.
+    pub order_id: String,
+    /// `pending`, `processing`, `compensating`, `processed`, `compensated` or `error`.
+    pub state: String,
+    /// Once it has ended: `processed` (every step done), `compensated`
+    /// (undone as a whole) or `failed` (could be neither: operators were
+    /// alerted); `null` while it runs.
+    pub outcome: Option<String>,
+    /// Deadlines missed so far.
+    pub failure_count: i32,
+    /// The last error seen, if any.
+    pub last_error: Option<String>,
+    /// Its steps, in order.
+    pub steps: Vec<StepStatus>,
+    /// When intake stored it.
+    pub created_at: DateTime<Utc>,
+    /// When it last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+impl From<&OrderDetail> for OrderStatusView {
+    fn from(detail: &OrderDetail) -> Self {
+        let summary = &detail.summary;
+        let outcome = match summary.state {
+            ProcessState::Processed => Some("processed"),
+            ProcessState::Compensated => Some("compensated"),
+            ProcessState::Error => Some("failed"),
+            _ => None,
+        };
+        Self {
+            order_id: summary.order_id.clone(),
+            state: summary.state.as_str().to_owned(),
+            outcome: outcome.map(str::to_owned),
+            failure_count: summary.failure_count,
+            last_error: summary.last_error.clone(),
+            steps: detail
+                .steps
+                .iter()
+                .map(|step| StepStatus {
+                    name: step.name.clone(),
+                    state: step.state.as_str().to_owned(),
+                    attempts: step.attempt,
+                })
+                .collect(),
+            created_at: summary.created_at,
+            updated_at: summary.updated_at,
+        }
+    }
+}
+
+/// A refusal or failure: what went wrong and what to do.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct Problem {
+    /// What went wrong, and what to do about it.
+    pub error: String,
+}
+
+/// An error answer.
+pub fn problem(status: StatusCode, error: impl Into<String>) -> Response {
+    let error = error.into();
+    metrics::counter!("sas_gateway_refused_total", "status" => status.as_str().to_owned())
+        .increment(1);
+    (status, Json(Problem { error })).into_response()
+}
+
+fn store_unavailable(error: &sas_store::StoreError) -> Response {
+    tracing::warn!(%error, "the state store failed");
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the state store cannot be reached: try again shortly",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+    response
+}
+
+fn counted(outcome: &'static str) {
+    metrics::counter!("sas_gateway_submissions_total", "outcome" => outcome).increment(1);
+}
+
+/// `POST /v1/orders`: a [`SubmitOrder`] as JSON.
+pub async fn submit(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    let limit = gateway.settings.amqp.max_message_bytes;
+    let order: SubmitOrder = match sas_messages::decode::decode(&body, limit) {
+        Ok(order) => order,
+        Err(error @ sas_messages::decode::DecodeError::TooLarge { .. }) => {
+            counted("invalid");
+            return problem(StatusCode::PAYLOAD_TOO_LARGE, error.to_string());
+        }
+        Err(error) => {
+            counted("invalid");
+            return problem(StatusCode::BAD_REQUEST, error.to_string());
+        }
+    };
+    if let Err(error) = order.validate() {
+        counted("invalid");
+        return problem(StatusCode::BAD_REQUEST, error.to_string());
+    }
+    let status_url = format!("/v1/orders/{}", order.order_id);
+    let answer = |code: StatusCode, status: Taken| {
+        let mut response = (
+            code,
+            Json(Submitted {
+                order_id: order.order_id.to_string(),
+                status,
+                status_url: status_url.clone(),
+            }),
+        )
+            .into_response();
+        if let Ok(location) = HeaderValue::from_str(&status_url) {
+            response.headers_mut().insert(header::LOCATION, location);
+        }
+        response
+    };
+    let content = serde_json::to_value(&order).expect("wire types always serialize");
+    match gateway.store.order_detail(&order.order_id).await {
+        Ok(Some(existing)) if existing.body == content => {
+            counted("duplicate");
+            return answer(StatusCode::OK, Taken::AlreadyAccepted);
+        }
+        Ok(Some(_)) => {
+            counted("conflict");
+            return problem(
+                StatusCode::CONFLICT,
+                format!(
+                    "order {} was already submitted with other content: an order id names one order; choose a new id",
+                    order.order_id
+                ),
+            );
+        }
+        Ok(None) => {}
+        Err(error) => return store_unavailable(&error),
+    }
+    let properties = json_properties(&format!("gateway-{}", order.order_id))
+        .with_correlation_id(order.order_id.to_string().into())
+        .with_headers(order_headers(&order.order_id, None));
+    // To the orders exchange, as every client publishes (a client's broker
+    // user may publish there and nowhere else).
+    let message = Outgoing {
+        exchange: gateway.names.orders(),
+        routing_key: String::new(),
+        body: serde_json::to_vec(&order).expect("wire types always serialize"),
+        properties,
+        mandatory: true,
+    };
+    let give_up = tokio::time::Instant::now()
+        + Duration::from_millis(gateway.settings.gateway.publish_timeout_ms);
+    match gateway
+        .publisher
+        .deliver(None, &[message], give_up, &gateway.shutdown)
+        .await
+    {
+        Ok(()) => {
+            counted("accepted");
+            tracing::info!(order_id = %order.order_id, client = %caller.0, "order accepted over HTTP");
+            answer(StatusCode::ACCEPTED, Taken::Accepted)
+        }
+        Err(error) => {
+            counted("unavailable");
+            tracing::warn!(order_id = %order.order_id, %error, "order not confirmed by the broker");
+            let mut response = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the order was not accepted: the broker did not confirm it ({error}); send the same order again, which is safe (idempotent on order_id)"),
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            response
+        }
+    }
+}
+
+/// `?wait=SECONDS`.
+#[derive(Debug, Deserialize)]
+pub struct StatusQuery {
+    /// Wait up to this long (at most `gateway.max_wait_secs`) for the order
+    /// to end, or, for an id not stored yet, to appear.
+    #[serde(default)]
+    pub wait: Option<u64>,
+}
+
+/// How often a waiting request reads the order again.
+const WAIT_POLL: Duration = Duration::from_millis(250);
+
+/// `GET /v1/orders/{id}`.
+pub async fn status(
+    State(gateway): State<Arc<Gateway>>,
+    Path(order_id): Path<String>,
+    Query(query): Query<StatusQuery>,
+) -> Response {
+    let wait = Duration::from_secs(
+        query
+            .wait
+            .unwrap_or(0)
+            .min(gateway.settings.gateway.max_wait_secs),
+    );
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let detail = match gateway.store.order_detail(&order_id).await {
+            Ok(detail) => detail,
+            Err(error) => return store_unavailable(&error),
+        };
+        let ended = detail
+            .as_ref()
+            .is_some_and(|d| d.summary.state.is_terminal());
+        if ended || tokio::time::Instant::now() + WAIT_POLL > deadline {
+            return match detail {
+                Some(detail) => Json(OrderStatusView::from(&detail)).into_response(),
+                None => problem(
+                    StatusCode::NOT_FOUND,
+                    format!("no order {order_id}: not submitted, not stored yet (ask again with ?wait=SECONDS), or removed by retention"),
+                ),
+            };
+        }
+        tokio::select! {
+            () = tokio::time::sleep(WAIT_POLL) => {}
+            () = gateway.shutdown.cancelled() => {
+                return problem(StatusCode::SERVICE_UNAVAILABLE, "the gateway is shutting down: ask again");
+            }
+        }
+    }
+}

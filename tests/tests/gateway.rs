@@ -1,0 +1,268 @@
+//! The HTTP gateway end to end, against a running system: a client with a
+//! hashed secret submits an order over HTTP, waits for its outcome and
+//! reads it; the same order again is answered where to look, another order
+//! under the same id is a conflict, a bad order names its field, a client
+//! without its secret or with a wrong one is refused (and slowed down), and
+//! the OpenAPI document is served as checked in. A broker that does not
+//! confirm makes a submission answer 503, and the same submission sent
+//! again, once it does, runs the order once.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use sas_tests::process::{bin_dir, free_port, Service};
+use sas_tests::proxy::AmqpProxy;
+use sas_tests::{order, wait_until, TestEnv};
+use serde_json::{json, Value};
+
+const SECRET: &str = "shop-client-secret-0123456789";
+
+/// `gateway hash-secret`'s output for `secret`.
+fn hashed(secret: &str) -> String {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(bin_dir().join("gateway"))
+        .arg("hash-secret")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gateway hash-secret (cargo build --workspace --bins builds it)");
+    writeln!(child.stdin.take().unwrap(), "{secret}").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// Starts the gateway with the client `shop` (its secret hashed) plus
+/// `vars`; returns it and its base URL once it is ready.
+async fn gateway(env: &TestEnv, vars: &[(&str, String)]) -> (Service, String) {
+    let port = free_port();
+    let mut all = vec![
+        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+        ("SAS_GATEWAY__CLIENTS", format!("shop:{}", hashed(SECRET))),
+    ];
+    all.extend(vars.iter().cloned());
+    let service = env.spawn("gateway", "gateway", &all);
+    let base = format!("http://127.0.0.1:{port}");
+    let http = sas_tests::http_client();
+    wait_until("the gateway to be ready", Duration::from_secs(20), || {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let response = http
+                .get(format!("{base}/readyz"))
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if response.status().is_success() {
+                Ok(())
+            } else {
+                Err(response.status().to_string())
+            }
+        }
+    })
+    .await;
+    (service, base)
+}
+
+async fn post(
+    base: &str,
+    secret: Option<&str>,
+    body: &Value,
+) -> (StatusCode, Option<String>, Value) {
+    let mut request = sas_tests::http_client()
+        .post(format!("{base}/v1/orders"))
+        .json(body);
+    if let Some(secret) = secret {
+        request = request.bearer_auth(secret);
+    }
+    let response = request.send().await.expect("the gateway answers");
+    let status = response.status();
+    let location = response
+        .headers()
+        .get("location")
+        .map(|value| value.to_str().unwrap().to_owned());
+    (
+        status,
+        location,
+        response.json().await.unwrap_or(Value::Null),
+    )
+}
+
+async fn get(base: &str, path: &str) -> (StatusCode, Value) {
+    let response = sas_tests::http_client()
+        .get(format!("{base}{path}"))
+        .bearer_auth(SECRET)
+        .send()
+        .await
+        .expect("the gateway answers");
+    (
+        response.status(),
+        response.json().await.unwrap_or(Value::Null),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_submitted_over_http_runs_once_and_its_outcome_is_read_back() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_gateway, base) = gateway(
+        &env,
+        &[("SAS_GATEWAY__LOGIN_FAILURES_PER_MINUTE", "3".into())],
+    )
+    .await;
+    let submitted = serde_json::to_value(order("ord-http-1")).unwrap();
+
+    // Accepted, with where to look.
+    let (status, location, body) = post(&base, Some(SECRET), &submitted).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(location.as_deref(), Some("/v1/orders/ord-http-1"));
+    assert_eq!(body["status"], "accepted");
+    assert_eq!(body["status_url"], "/v1/orders/ord-http-1");
+
+    // Its outcome, waited for.
+    let (status, outcome) = get(&base, "/v1/orders/ord-http-1?wait=30").await;
+    assert_eq!(status, StatusCode::OK, "{outcome}");
+    assert_eq!(outcome["outcome"], "processed", "{outcome}");
+    let steps: Vec<_> = outcome["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["state"].as_str().unwrap().to_owned(),
+                s["attempts"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(steps.len(), 3);
+    assert!(
+        steps
+            .iter()
+            .all(|(state, attempts)| state == "completed" && *attempts == 1),
+        "{steps:?}"
+    );
+
+    // The same order again: where to look, nothing run twice.
+    let (status, location, body) = post(&base, Some(SECRET), &submitted).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "already_accepted");
+    assert_eq!(location.as_deref(), Some("/v1/orders/ord-http-1"));
+    let applied = sim.applied_per_key().await.unwrap();
+    for step in ["reserve_stock", "charge_payment", "create_shipment"] {
+        assert_eq!(
+            applied.get(&format!("ord-http-1:{step}")).copied(),
+            Some(1),
+            "{applied:?}"
+        );
+    }
+
+    // Another order under the same id.
+    let mut other = submitted.clone();
+    other["amount_cents"] = json!(1);
+    let (status, _, body) = post(&base, Some(SECRET), &other).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("other content"),
+        "{body}"
+    );
+
+    // Bad orders name what is wrong, as intake does.
+    let mut zero = serde_json::to_value(order("ord-http-bad")).unwrap();
+    zero["items"][0]["quantity"] = json!(0);
+    let (status, _, body) = post(&base, Some(SECRET), &zero).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("items[0].quantity"),
+        "{body}"
+    );
+    let mut unknown = serde_json::to_value(order("ord-http-bad")).unwrap();
+    unknown["shipping_adress"] = json!("typo");
+    let (status, _, body) = post(&base, Some(SECRET), &unknown).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        body["error"].as_str().unwrap().contains("shipping_adress"),
+        "{body}"
+    );
+    let (status, body) = get(&base, "/v1/orders/ord-http-bad").await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "a refused order is not stored: {body}"
+    );
+
+    // The OpenAPI document, open to all, is the one checked in.
+    let served: Value = sas_tests::http_client()
+        .get(format!("{base}/v1/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let checked_in: Value = serde_json::from_str(
+        &std::fs::read_to_string(bin_dir().join("../../contract/openapi.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(served, checked_in);
+
+    // No secret, a wrong one: 401; three wrong ones: 429 even for the right one.
+    let (status, _, _) = post(&base, None, &submitted).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    for _ in 0..3 {
+        let (status, _, _) = post(&base, Some("not-the-client-secret-0123"), &submitted).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+    }
+    let (status, _, body) = post(&base, Some(SECRET), &submitted).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_submission_the_broker_does_not_confirm_is_a_503_and_safe_to_send_again() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &[]);
+    let proxy = AmqpProxy::start(&env.amqp_url).await;
+    let (_gateway, base) = gateway(
+        &env,
+        &[
+            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
+            ("SAS_GATEWAY__PUBLISH_TIMEOUT_MS", "1500".into()),
+        ],
+    )
+    .await;
+    let submitted = serde_json::to_value(order("ord-http-unconfirmed")).unwrap();
+    proxy.swallow_confirms(true);
+    let (status, _, body) = post(&base, Some(SECRET), &submitted).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("send the same order again"),
+        "{body}"
+    );
+    assert!(proxy.confirms_swallowed() > 0);
+    // The order may have reached its queue all the same: sending it again
+    // once the broker confirms is safe.
+    proxy.swallow_confirms(false);
+    let (status, _, body) = post(&base, Some(SECRET), &submitted).await;
+    assert!(
+        status == StatusCode::ACCEPTED || status == StatusCode::OK,
+        "{status} {body}"
+    );
+    let (status, outcome) = get(&base, "/v1/orders/ord-http-unconfirmed?wait=30").await;
+    assert_eq!(status, StatusCode::OK, "{outcome}");
+    assert_eq!(outcome["outcome"], "processed", "{outcome}");
+    let applied = sim.applied_per_key().await.unwrap();
+    assert_eq!(
+        applied.get("ord-http-unconfirmed:charge_payment").copied(),
+        Some(1),
+        "charged once: {applied:?}"
+    );
+}
