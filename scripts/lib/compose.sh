@@ -78,6 +78,7 @@ services:
   agent: { image: "$image" }
   remote-sim: { image: "$image" }
   console: { image: "$image" }
+  gateway: { image: "$image" }
 YAML
   )
   trap finish EXIT

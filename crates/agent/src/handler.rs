@@ -69,8 +69,13 @@ impl Agent {
             return Consumed::DeadLetter("request has no reply_to".into());
         };
         let correlation_id = request.attempt_id.to_string();
-        let trace_id = sas_broker::publish::trace_id_of(&delivery.properties);
+        let traceparent = sas_broker::publish::traceparent_of(&delivery.properties);
+        let trace_id = traceparent.as_ref().map(|parent| parent.trace_id.clone());
         let span = tracing::info_span!("step", order_id = %request.order_id, correlation_id = %correlation_id, trace_id = trace_id.as_deref().unwrap_or(""), step = %request.step, action = %request.action);
+        // In the order's trace, a child of the scheduler's dispatch.
+        if let Some(parent) = &traceparent {
+            sas_runtime::telemetry::join_trace(&span, &parent.trace_id, &parent.span_id);
+        }
         if delivery.redelivered {
             span.in_scope(|| {
                 tracing::info!(
@@ -107,7 +112,7 @@ impl Agent {
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
         let finished = self
-            .call_until_deadline(lane, &request, redelivered, connection_lost)
+            .call_until_deadline(lane, &request, redelivered, trace_id, connection_lost)
             .await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
         let outcome = match finished {
@@ -218,6 +223,7 @@ impl Agent {
         lane: &Lane,
         request: &StepRequest,
         redelivered: bool,
+        trace_id: Option<&str>,
         connection_lost: &CancellationToken,
     ) -> Finished {
         let settings = &self.settings.agent;
@@ -278,7 +284,7 @@ impl Agent {
             // lost broker connection does cut it: the request is back in the
             // queue for another agent, and this one must stop calling for it.
             let result = tokio::select! {
-                result = lane.remote.call(request, timeout) => result,
+                result = lane.remote.call(request, timeout, trace_id) => result,
                 () = connection_lost.cancelled() => {
                     metrics::counter!("sas_agent_calls_abandoned_total").increment(1);
                     tracing::warn!("broker connection lost: call abandoned; the request goes back to its queue");

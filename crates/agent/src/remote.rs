@@ -22,6 +22,7 @@
 use std::time::Duration;
 
 use sas_messages::{StepKind, StepRequest};
+use tracing::Instrument as _;
 
 use crate::settings::AgentSettings;
 
@@ -102,7 +103,7 @@ impl RemoteClient {
     /// cannot be built.
     pub fn new(agent: &str, base_url: &str, settings: &AgentSettings) -> anyhow::Result<Self> {
         let tls = settings.tls_files().map_err(anyhow::Error::msg)?;
-        install_crypto_provider();
+        sas_runtime::install_crypto_provider();
         let mut builder = reqwest::Client::builder()
             // rustls with the platform's verifier (the system's roots),
             // merged with the CA file's roots below.
@@ -142,20 +143,35 @@ impl RemoteClient {
     }
 
     /// POSTs the request's payload to `<base_url>/<action>` with its
-    /// idempotency key, waiting at most `timeout`. The action must have been
-    /// checked with [`is_operation_name`].
-    pub async fn call(&self, request: &StepRequest, timeout: Duration) -> CallResult {
+    /// idempotency key and the order's trace context (`traceparent`: a
+    /// child of the current span when spans are exported, else of the
+    /// order's trace `trace_id`), waiting at most `timeout`. The action
+    /// must have been checked with [`is_operation_name`].
+    pub async fn call(
+        &self,
+        request: &StepRequest,
+        timeout: Duration,
+        trace_id: Option<&str>,
+    ) -> CallResult {
         let url = format!("{}/{}", self.base_url, request.action);
+        let span =
+            tracing::info_span!("call", url = %url, idempotency_key = %request.idempotency_key);
+        let traceparent = span
+            .in_scope(sas_runtime::telemetry::current_traceparent)
+            .or_else(|| trace_id.map(|id| sas_messages::TraceParent::child_of(id).to_string()));
         let mut builder = self
             .http
             .post(&url)
             .header(IDEMPOTENCY_KEY_HEADER, &request.idempotency_key)
             .timeout(timeout)
             .json(&request.payload);
+        if let Some(traceparent) = traceparent {
+            builder = builder.header(sas_messages::headers::TRACEPARENT, traceparent);
+        }
         if let Some(auth) = &self.auth {
             builder = builder.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
-        let mut response = match builder.send().await {
+        let mut response = match builder.send().instrument(span).await {
             Ok(response) => response,
             Err(error) => return self.transport_error(&url, &error, timeout),
         };
@@ -195,15 +211,6 @@ impl RemoteClient {
             service_failed: true,
         }
     }
-}
-
-/// Makes rustls on ring the process's crypto provider, unless one is
-/// installed already. reqwest is built without a provider of its own
-/// (`rustls-no-provider`: no aws-lc build), so every process that builds a
-/// client must call this first; calling it again does nothing.
-pub fn install_crypto_provider() {
-    // An error means a provider is installed already: that one stays.
-    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// Whether `action` may be called: letters, digits, `_` and `-` only, so

@@ -274,7 +274,14 @@ pub fn string_headers<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -
 /// Headers of a message about one order: its id, and the order's trace
 /// context (same trace id, a new span id for this hop) when it has one.
 pub fn order_headers(order_id: &str, trace_id: Option<&str>) -> FieldTable {
-    let traceparent = trace_id.map(|id| sas_messages::TraceParent::child_of(id).to_string());
+    // The current span's context when spans are exported and it belongs to
+    // the order's trace (the receiver's spans become its children); else
+    // the order's trace with a new span id.
+    let traceparent = trace_id.map(|id| {
+        sas_runtime::telemetry::current_traceparent()
+            .filter(|current| current.contains(id))
+            .unwrap_or_else(|| sas_messages::TraceParent::child_of(id).to_string())
+    });
     let mut pairs = vec![(sas_messages::headers::ORDER_ID, order_id)];
     if let Some(traceparent) = &traceparent {
         pairs.push((sas_messages::headers::TRACEPARENT, traceparent.as_str()));
@@ -284,9 +291,13 @@ pub fn order_headers(order_id: &str, trace_id: Option<&str>) -> FieldTable {
 
 /// The trace id of a message's `traceparent` header, if valid.
 pub fn trace_id_of(properties: &BasicProperties) -> Option<String> {
+    traceparent_of(properties).map(|context| context.trace_id)
+}
+
+/// A message's `traceparent` header, if valid.
+pub fn traceparent_of(properties: &BasicProperties) -> Option<sas_messages::TraceParent> {
     header_str(properties, sas_messages::headers::TRACEPARENT)
         .and_then(|value| sas_messages::TraceParent::parse(&value))
-        .map(|context| context.trace_id)
 }
 
 /// Reads a string header (long or short string), if present.

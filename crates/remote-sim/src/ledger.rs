@@ -47,6 +47,10 @@ pub struct Entry {
     /// applied decision: tests check that an undo landed after its action.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub applied_at: Option<DateTime<Utc>>,
+    /// The trace id of the deciding call's `traceparent` header, if it sent
+    /// a valid one: tests check that a caller passes its trace on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 /// Counters of what the simulator saw.
@@ -207,6 +211,7 @@ mod tests {
             },
             at: DateTime::from_timestamp(at_secs, 0).expect("a time"),
             applied_at: None,
+            trace_id: None,
         }
     }
 

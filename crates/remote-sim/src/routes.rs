@@ -145,6 +145,19 @@ pub fn router(state: SimState) -> Router {
     services.merge(admin).with_state(state)
 }
 
+/// The trace id of a W3C `traceparent` value (`00-<32 hex>-<16 hex>-<2 hex>`).
+fn trace_id_of(traceparent: &str) -> Option<String> {
+    let parts: Vec<&str> = traceparent.trim().split('-').collect();
+    let hex =
+        |text: &str, len: usize| text.len() == len && text.bytes().all(|b| b.is_ascii_hexdigit());
+    (parts.len() == 4
+        && parts[0] == "00"
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2))
+    .then(|| parts[1].to_ascii_lowercase())
+}
+
 fn bearer_matches(headers: &HeaderMap, token: &str) -> bool {
     headers
         .get(axum::http::header::AUTHORIZATION)
@@ -326,6 +339,7 @@ async fn call(
                             },
                             at: now_micros(),
                             applied_at: None,
+                            trace_id: None,
                         };
                         if let Err(e) = ledger.decide(tombstone) {
                             return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"));
@@ -397,6 +411,10 @@ async fn call(
             decision: decision.clone(),
             at,
             applied_at: applied.then_some(at),
+            trace_id: headers
+                .get("traceparent")
+                .and_then(|value| value.to_str().ok())
+                .and_then(trace_id_of),
         };
         if let Err(e) = ledger.decide(entry) {
             return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"));

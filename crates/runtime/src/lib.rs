@@ -20,6 +20,15 @@ pub mod settings;
 pub mod shutdown;
 pub mod telemetry;
 
+/// Makes rustls on ring the process's crypto provider, unless one is
+/// installed already. reqwest is built without a provider of its own
+/// (`rustls-no-provider`: no aws-lc build), so every process that builds a
+/// client must call this first; calling it again does nothing.
+pub fn install_crypto_provider() {
+    // An error means a provider is installed already: that one stays.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 pub use batch::Batcher;
 pub use ops::{OpsServer, Readiness};
 pub use retry::retry_transient;

@@ -55,7 +55,7 @@ where
         println!("{name}: settings are valid");
         return ExitCode::SUCCESS;
     }
-    if let Err(error) = crate::telemetry::init(settings.log()) {
+    if let Err(error) = crate::telemetry::init(settings.log(), name) {
         eprintln!("{name}: {error:#}");
         return ExitCode::from(2);
     }
@@ -76,6 +76,7 @@ where
         let shutdown = crate::shutdown::on_signal();
         run(settings, shutdown).await
     });
+    crate::telemetry::flush();
     match result {
         Ok(()) => {
             tracing::info!("{name} stopped");

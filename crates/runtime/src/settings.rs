@@ -37,6 +37,10 @@ pub struct LogSettings {
     pub format: LogFormat,
     /// A `tracing` filter such as `info` or `info,scheduler=debug`.
     pub filter: String,
+    /// Where spans go over OTLP/HTTP (JSON), such as
+    /// `http://otel-collector:4318`; empty (the default) exports none.
+    #[serde(default)]
+    pub otlp_endpoint: String,
 }
 
 /// Environment variable prefix of every setting.

@@ -16,7 +16,13 @@ impl Scheduler {
     /// (together with the orders other handlers hold at the same moment)
     /// idempotent on the order id; the message is acknowledged only after
     /// that commit and after the first request is confirmed by the broker.
-    pub async fn handle_order(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
+    /// `trace_id` is the order's trace: its client's, or a new one.
+    pub async fn handle_order(
+        &self,
+        delivery: Delivery,
+        publisher: &Publisher,
+        trace_id: &str,
+    ) -> Consumed {
         let order: SubmitOrder = match decode(&delivery.body, self.settings.amqp.max_message_bytes)
         {
             Ok(order) => order,
@@ -41,9 +47,8 @@ impl Scheduler {
                 return self.refuse(&delivery, publisher, reason).await;
             }
         }
-        // Join the client's trace if it sent one; otherwise start the order's own.
-        let trace_id = sas_broker::publish::trace_id_of(&delivery.properties)
-            .unwrap_or_else(|| sas_messages::TraceParent::new_root().trace_id);
+        tracing::Span::current().record("order_id", order.order_id.as_str());
+        let trace_id = trace_id.to_owned();
         let stored = sas_runtime::retry_transient(
             &self.shutdown,
             "storing an order",

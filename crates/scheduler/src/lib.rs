@@ -20,6 +20,7 @@ pub mod workflow;
 
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument as _;
 
 use anyhow::Context as _;
 use sas_announce::Announcer;
@@ -240,7 +241,20 @@ impl Scheduler {
                 move |delivery| {
                     let me = me.clone();
                     let publisher = publisher.clone();
-                    async move { me.handle_order(delivery, &publisher).await }
+                    async move {
+                        // The order's trace: the client's, or a new one.
+                        let parent = sas_broker::publish::traceparent_of(&delivery.properties)
+                            .unwrap_or_else(sas_messages::TraceParent::new_root);
+                        let span = tracing::info_span!("intake", trace_id = %parent.trace_id, order_id = tracing::field::Empty);
+                        sas_runtime::telemetry::join_trace(
+                            &span,
+                            &parent.trace_id,
+                            &parent.span_id,
+                        );
+                        me.handle_order(delivery, &publisher, &parent.trace_id)
+                            .instrument(span)
+                            .await
+                    }
                 },
                 // A body over the size limit is refused unread: its client
                 // still hears, on the reply_to property.
@@ -263,7 +277,20 @@ impl Scheduler {
                 move |delivery| {
                     let me = me.clone();
                     let publisher = publisher.clone();
-                    async move { me.handle_reply(delivery, &publisher).await }
+                    async move {
+                        // In the order's trace, a child of the agent's span.
+                        let span = tracing::info_span!("reply");
+                        if let Some(parent) =
+                            sas_broker::publish::traceparent_of(&delivery.properties)
+                        {
+                            sas_runtime::telemetry::join_trace(
+                                &span,
+                                &parent.trace_id,
+                                &parent.span_id,
+                            );
+                        }
+                        me.handle_reply(delivery, &publisher).instrument(span).await
+                    }
                 },
             )
         };
@@ -284,8 +311,20 @@ impl Scheduler {
         publisher: Option<&Publisher>,
         progress: &sas_store::Progress,
     ) -> Result<(), BrokerError> {
+        // A dispatch span: within intake's or a reply's span, or (a claim,
+        // a resend) joined to the order's trace on its own.
+        let step = progress.dispatch.as_ref().map_or("", |d| d.step.as_str());
+        let span = tracing::info_span!("dispatch", step = %step);
+        if let (Some(trace_id), None) = (
+            progress.trace_id.as_deref(),
+            sas_runtime::telemetry::current_traceparent(),
+        ) {
+            let parent = sas_messages::TraceParent::child_of(trace_id);
+            sas_runtime::telemetry::join_trace(&span, trace_id, &parent.span_id);
+        }
         self.announcer
             .announce_durably(&self.publishers, publisher, progress, &self.shutdown)
+            .instrument(span)
             .await
     }
 
