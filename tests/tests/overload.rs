@@ -20,6 +20,12 @@ use sas_tests::sim::SimClient;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::json;
 
+/// The tests of this file run one at a time: each sends a burst meant to
+/// saturate a slow remote, and two bursts on two cores at once measure
+/// their contention for the CPU (a reply waiting a second in a starved
+/// scheduler), not the system.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const STEP_TIMEOUT_MS: u64 = 1500;
 
 /// Agents of one call at a time, and a small starting limit that the
@@ -108,6 +114,7 @@ async fn assert_all_processed_and_some_waited(env: &TestEnv, n: i64) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_failed() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     // A single missed deadline would compensate an order.
     let mut system = slow_system(&env, 1, 1, 0).await;
@@ -183,6 +190,7 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
 
 #[tokio::test(flavor = "multi_thread")]
 async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     let (sim_process, sim) = env.remote_sim(&[]).await;
     set_latency(&sim, 100).await;
@@ -250,6 +258,7 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_same_burst_survives_a_scheduler_and_an_agent_killed_in_the_middle() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     // Killed agents leave attempts to expire: those are retried, not compensated.
     let mut system = slow_system(&env, 2, 2, 5).await;
@@ -276,6 +285,7 @@ async fn the_same_burst_survives_a_scheduler_and_an_agent_killed_in_the_middle()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_supervisor_frozen_under_backlog_makes_no_order_fail() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     let system = slow_system(&env, 1, 1, 0).await;
     let (_connection, publisher) = env.broker().await;
@@ -302,6 +312,7 @@ async fn a_supervisor_frozen_under_backlog_makes_no_order_fail() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     let _system = slow_system(&env, 1, 1, 0).await;
     let (_connection, publisher) = env.broker().await;
@@ -355,6 +366,7 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sustained_overload_that_grows_the_orders_queue_loses_nothing_and_keeps_the_scheduler_small(
 ) {
+    let _turn = ONE_AT_A_TIME.lock().await;
     const HELD: usize = 1000;
     const MORE: usize = 500;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
@@ -470,6 +482,7 @@ fn rss_kib(pid: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_doubles_a_lined_one_grows(
 ) {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let store = &env.store;
     store
@@ -525,6 +538,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
 
 #[tokio::test(flavor = "multi_thread")]
 async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
     let (sim_process, sim) = env.remote_sim(&[]).await;
     set_latency(&sim, 100).await;
