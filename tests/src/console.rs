@@ -2,8 +2,6 @@
 //! its users do: an operator and a viewer, with basic auth or a bearer
 //! token, and the CSRF token of their actions.
 
-use std::time::Duration;
-
 use reqwest::{Method, RequestBuilder, Response};
 
 use crate::process::{free_port, Service};
@@ -130,23 +128,7 @@ impl TestEnv {
             base: format!("http://127.0.0.1:{port}"),
             port,
         };
-        let probe = client.clone();
-        crate::wait_until("the console to be ready", Duration::from_secs(20), || {
-            let probe = probe.clone();
-            async move {
-                let response = probe
-                    .request(Method::GET, "/readyz", As::Nobody)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if response.status().is_success() {
-                    Ok(())
-                } else {
-                    Err(response.text().await.unwrap_or_default())
-                }
-            }
-        })
-        .await;
+        crate::wait::wait_ready("the console", &client.base).await;
         (service, client)
     }
 }

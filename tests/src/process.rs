@@ -348,3 +348,31 @@ pub async fn metric(port: u16, sample: &str) -> Option<f64> {
         .and_then(|line| line.rsplit(' ').next())
         .and_then(|value| value.parse().ok())
 }
+
+/// What `<binary> hash-secret` (the console's, the gateway's) prints for
+/// `secret` on its standard input, or its exit code and error.
+///
+/// # Panics
+/// When the binary is not built.
+pub fn hash_secret(binary: &str, secret: &str) -> Result<String, (Option<i32>, String)> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(bin_dir().join(binary))
+        .arg("hash-secret")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("run {binary} hash-secret (cargo build --workspace --bins builds it): {e}")
+        });
+    writeln!(child.stdin.take().expect("stdin"), "{secret}").expect("write the secret");
+    let out = child.wait_with_output().expect("its output");
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err((
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    }
+}

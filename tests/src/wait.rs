@@ -24,3 +24,30 @@ where
         }
     }
 }
+
+/// Waits until `base`'s `/readyz` answers 200 (at most 20 s): a service
+/// started with [`crate::TestEnv::spawn`] is connected to the broker and the
+/// database.
+///
+/// # Panics
+/// When it is not ready in time.
+pub async fn wait_ready(what: &str, base: &str) {
+    let http = crate::http_client();
+    let url = format!("{base}/readyz");
+    wait_until(
+        &format!("{what} to be ready"),
+        Duration::from_secs(20),
+        || {
+            let (http, url) = (http.clone(), url.clone());
+            async move {
+                let response = http.get(&url).send().await.map_err(|e| e.to_string())?;
+                if response.status().is_success() {
+                    Ok(())
+                } else {
+                    Err(response.text().await.unwrap_or_default())
+                }
+            }
+        },
+    )
+    .await;
+}

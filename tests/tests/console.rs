@@ -240,26 +240,8 @@ async fn reading_needs_credentials_and_acting_needs_an_operator_with_the_csrf_to
     }
 }
 
-/// `console hash-secret`'s output for `secret`, or its exit code and error.
 fn hash_secret(secret: &str) -> Result<String, (Option<i32>, String)> {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new(bin_dir().join("console"))
-        .arg("hash-secret")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run console hash-secret (cargo build --workspace --bins builds it)");
-    writeln!(child.stdin.take().unwrap(), "{secret}").unwrap();
-    let out = child.wait_with_output().unwrap();
-    if out.status.success() {
-        Ok(String::from_utf8(out.stdout).unwrap().trim().to_owned())
-    } else {
-        Err((
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        ))
-    }
+    sas_tests::process::hash_secret("console", secret)
 }
 
 #[tokio::test(flavor = "multi_thread")]

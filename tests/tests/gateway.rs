@@ -7,30 +7,13 @@
 //! confirm makes a submission answer 503, and the same submission sent
 //! again, once it does, runs the order once.
 
-use std::time::Duration;
-
 use reqwest::StatusCode;
-use sas_tests::process::{bin_dir, free_port, Service};
+use sas_tests::process::{bin_dir, free_port, hash_secret, Service};
 use sas_tests::proxy::AmqpProxy;
-use sas_tests::{order, wait_until, TestEnv};
+use sas_tests::{order, TestEnv};
 use serde_json::{json, Value};
 
 const SECRET: &str = "shop-client-secret-0123456789";
-
-/// `gateway hash-secret`'s output for `secret`.
-fn hashed(secret: &str) -> String {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new(bin_dir().join("gateway"))
-        .arg("hash-secret")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("run gateway hash-secret (cargo build --workspace --bins builds it)");
-    writeln!(child.stdin.take().unwrap(), "{secret}").unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).unwrap().trim().to_owned()
-}
 
 /// Starts the gateway with the client `shop` (its secret hashed) plus
 /// `vars`; returns it and its base URL once it is ready.
@@ -38,28 +21,15 @@ async fn gateway(env: &TestEnv, vars: &[(&str, String)]) -> (Service, String) {
     let port = free_port();
     let mut all = vec![
         ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-        ("SAS_GATEWAY__CLIENTS", format!("shop:{}", hashed(SECRET))),
+        (
+            "SAS_GATEWAY__CLIENTS",
+            format!("shop:{}", hash_secret("gateway", SECRET).unwrap()),
+        ),
     ];
     all.extend(vars.iter().cloned());
     let service = env.spawn("gateway", "gateway", &all);
     let base = format!("http://127.0.0.1:{port}");
-    let http = sas_tests::http_client();
-    wait_until("the gateway to be ready", Duration::from_secs(20), || {
-        let (http, base) = (http.clone(), base.clone());
-        async move {
-            let response = http
-                .get(format!("{base}/readyz"))
-                .send()
-                .await
-                .map_err(|e| e.to_string())?;
-            if response.status().is_success() {
-                Ok(())
-            } else {
-                Err(response.status().to_string())
-            }
-        }
-    })
-    .await;
+    sas_tests::wait::wait_ready("the gateway", &base).await;
     (service, base)
 }
 

@@ -3,7 +3,8 @@
 //! spans of one order (intake, each dispatch, the agent's step and call,
 //! each reply, through compensation) make one trace across the scheduler
 //! and the agents, the trace the order carries in its `traceparent`
-//! headers; the remote service receives that trace too.
+//! headers; the remote service receives that trace too. A collector that
+//! never answers holds up no order.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -211,4 +212,35 @@ async fn each_order_is_one_trace_across_every_service_and_reaches_the_remote() {
             .expect("an order of this test");
         assert_eq!(entry.trace_id.as_deref(), Some(trace.as_str()), "{entry:?}");
     }
+}
+
+/// A collector that accepts connections and never answers (hung, or behind
+/// a black-holing proxy) costs spans, never orders: export runs on its own
+/// thread with a bounded queue, off the path of every message.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_collector_that_never_answers_holds_up_no_order() {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = listener.accept().await {
+            held.push(connection);
+        }
+    });
+    let otlp = [("SAS_LOG__OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))];
+    let env = TestEnv::new().await;
+    let (_connection, publisher) = env.broker().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &otlp);
+    let _scheduler = env.scheduler(0, &otlp);
+    let _supervisor = env.supervisor(0, &otlp);
+    for i in 0..20 {
+        env.publish_order(&publisher, &order(&format!("ord-hung-collector-{i}")))
+            .await;
+    }
+    env.wait_for_count(ProcessState::Processed, 20, Duration::from_secs(30))
+        .await;
+    assert_eq!(env.count(ProcessState::Compensated).await, 0);
 }

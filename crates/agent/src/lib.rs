@@ -69,16 +69,12 @@ pub struct Agent {
 /// When the settings are unusable. Broker outages are waited out.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let names = settings.agent.names();
-    let id = if settings.agent.id.is_empty() {
-        let kind = if names.len() == 1 {
-            names[0].as_str()
-        } else {
-            "agent"
-        };
-        format!("{kind}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+    let kind = if names.len() == 1 {
+        names[0].as_str()
     } else {
-        settings.agent.id.clone()
+        "agent"
     };
+    let id = sas_runtime::instance_id(kind, &settings.agent.id);
     let session = Session::new(settings.amqp.clone(), id.clone());
     let readiness = session.clone();
     sas_runtime::ops::serve(

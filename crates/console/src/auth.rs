@@ -196,11 +196,6 @@ impl Authenticator {
         }
     }
 
-    /// The configured users.
-    pub fn users(&self) -> &[User] {
-        &self.users
-    }
-
     /// Who sent a request with this `Authorization` header value; a hash
     /// check runs on a blocking thread, and a credential that passed is
     /// taken again for [`VERIFIED_FOR`] without one.

@@ -27,7 +27,6 @@ pub mod timeline;
 
 use std::sync::Arc;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -142,14 +141,7 @@ pub const MAX_BODY_BYTES: usize = 256 * 1024;
 /// When the settings are unusable or the address cannot be bound. Outages
 /// of the broker or the database are waited out (`/readyz` says so).
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let id = if settings.console.id.is_empty() {
-        format!(
-            "console-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        )
-    } else {
-        settings.console.id.clone()
-    };
+    let id = sas_runtime::instance_id("console", &settings.console.id);
     let users = auth::parse_users(&settings.console.users).map_err(anyhow::Error::msg)?;
     for user in users.iter().filter(|user| user.secret_in_clear()) {
         tracing::warn!(
@@ -178,21 +170,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings,
     });
     let app = router(console.clone(), shutdown.clone())?;
-    let listen = console.settings.http.listen.clone();
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
-    let local_addr = listener.local_addr()?;
-    tracing::info!(console = %id, %local_addr, "console serving pages, /api, /metrics, /healthz, /readyz");
-    let stop = shutdown.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
-    });
+    let server =
+        sas_runtime::ops::serve_app(&console.settings.http.listen, app, shutdown.clone()).await?;
+    tracing::info!(console = %id, local_addr = %server.local_addr, "console serving pages, /api, /metrics, /healthz, /readyz");
     if !console
         .store
         .migrate_if_asked(&console.settings.database, &shutdown)
@@ -215,9 +195,5 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         })
         .await;
     console.connection.set(None);
-    match tokio::time::timeout(std::time::Duration::from_secs(5), server).await {
-        Ok(Ok(Ok(()))) | Err(_) => Ok(()),
-        Ok(Ok(Err(error))) => Err(anyhow::anyhow!("the HTTP server failed: {error}")),
-        Ok(Err(error)) => Err(anyhow::anyhow!("the HTTP server task failed: {error}")),
-    }
+    server.stopped().await
 }

@@ -14,7 +14,6 @@ use chrono::{DateTime, Utc};
 use maud::{html, Markup};
 use sas_store::machine::HistoryEvent;
 use sas_store::queries::HistoryEntry;
-use uuid::Uuid;
 
 /// What became of one attempt: the bar's color.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,8 +104,6 @@ pub struct Bar {
     pub direction: Direction,
     /// The attempt's number in its lane and direction, from 1.
     pub number: u32,
-    /// Its correlation id.
-    pub attempt_id: Option<Uuid>,
     /// Dispatched.
     pub start: DateTime<Utc>,
     /// Answered, given up, or now while in flight.
@@ -279,7 +276,6 @@ impl Builder {
                     lane,
                     direction,
                     number,
-                    attempt_id: entry.attempt_id,
                     start: entry.at,
                     end: entry.at,
                     outcome: Outcome::InFlight,
@@ -591,6 +587,7 @@ pub fn legend() -> Markup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
 
     fn at(ms: i64) -> DateTime<Utc> {
         DateTime::from_timestamp_millis(1_700_000_000_000 + ms).unwrap()

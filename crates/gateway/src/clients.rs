@@ -91,11 +91,6 @@ impl Clients {
         }
     }
 
-    /// The configured clients.
-    pub fn all(&self) -> &[Client] {
-        &self.clients
-    }
-
     /// The client whose secret `authorization` (the header's value) carries.
     ///
     /// # Errors
@@ -134,15 +129,14 @@ mod tests {
     #[tokio::test]
     async fn a_client_is_known_by_its_secret_hashed_or_not() {
         let hash = sas_runtime::secret::hash_secret("shop-secret-0123456789").unwrap();
-        let clients = Clients::new(
-            parse_clients(&format!("shop:{hash},\nbatch:batch-secret-0123456789")).unwrap(),
-        );
-        let names: Vec<_> = clients
-            .all()
+        let parsed =
+            parse_clients(&format!("shop:{hash},\nbatch:batch-secret-0123456789")).unwrap();
+        let names: Vec<_> = parsed
             .iter()
             .map(|c| (c.name.as_str(), c.secret_in_clear()))
             .collect();
         assert_eq!(names, [("shop", false), ("batch", true)]);
+        let clients = Clients::new(parsed);
         assert_eq!(
             clients
                 .authenticate(Some("Bearer shop-secret-0123456789"))

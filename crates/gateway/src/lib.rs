@@ -153,14 +153,7 @@ pub fn router(gateway: Arc<Gateway>, session: &Session) -> anyhow::Result<Router
 /// of the broker or the database are waited out (`/readyz` says so; a
 /// submission meanwhile is answered 503).
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let id = if settings.gateway.id.is_empty() {
-        format!(
-            "gateway-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        )
-    } else {
-        settings.gateway.id.clone()
-    };
+    let id = sas_runtime::instance_id("gateway", &settings.gateway.id);
     let clients = clients::parse_clients(&settings.gateway.clients).map_err(anyhow::Error::msg)?;
     for client in clients.iter().filter(|client| client.secret_in_clear()) {
         tracing::warn!(
@@ -180,20 +173,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings,
     });
     let app = router(gateway.clone(), &session)?;
-    let listen = gateway.settings.http.listen.clone();
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
-    tracing::info!(gateway = %id, local_addr = %listener.local_addr()?, "gateway serving /v1/orders, /v1/openapi.json, /metrics, /healthz, /readyz");
-    let stop = shutdown.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
-    });
+    let server =
+        sas_runtime::ops::serve_app(&gateway.settings.http.listen, app, shutdown.clone()).await?;
+    tracing::info!(gateway = %id, local_addr = %server.local_addr, "gateway serving /v1/orders, /v1/openapi.json, /metrics, /healthz, /readyz");
     if !gateway
         .store
         .migrate_if_asked(&gateway.settings.database, &shutdown)
@@ -212,9 +194,5 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             }
         })
         .await;
-    match tokio::time::timeout(std::time::Duration::from_secs(5), server).await {
-        Ok(Ok(Ok(()))) | Err(_) => Ok(()),
-        Ok(Ok(Err(error))) => Err(anyhow::anyhow!("the HTTP server failed: {error}")),
-        Ok(Err(error)) => Err(anyhow::anyhow!("the HTTP server task failed: {error}")),
-    }
+    server.stopped().await
 }

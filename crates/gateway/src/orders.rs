@@ -20,7 +20,7 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use sas_broker::publish::{json_properties, order_headers, Outgoing};
 use sas_messages::SubmitOrder;
-use sas_store::queries::OrderDetail;
+use sas_store::queries::{OrderSummary, StepView};
 use sas_store::ProcessState;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -84,9 +84,8 @@ pub struct OrderStatusView {
     pub updated_at: DateTime<Utc>,
 }
 
-impl From<&OrderDetail> for OrderStatusView {
-    fn from(detail: &OrderDetail) -> Self {
-        let summary = &detail.summary;
+impl OrderStatusView {
+    fn new(summary: &OrderSummary, steps: &[StepView]) -> Self {
         let outcome = match summary.state {
             ProcessState::Processed => Some("processed"),
             ProcessState::Compensated => Some("compensated"),
@@ -99,8 +98,7 @@ impl From<&OrderDetail> for OrderStatusView {
             outcome: outcome.map(str::to_owned),
             failure_count: summary.failure_count,
             last_error: summary.last_error.clone(),
-            steps: detail
-                .steps
+            steps: steps
                 .iter()
                 .map(|step| StepStatus {
                     name: step.name.clone(),
@@ -184,8 +182,8 @@ pub async fn submit(
         response
     };
     let content = serde_json::to_value(&order).expect("wire types always serialize");
-    match gateway.store.order_detail(&order.order_id).await {
-        Ok(Some(existing)) if existing.body == content => {
+    match gateway.store.order_body(&order.order_id).await {
+        Ok(Some(existing)) if existing == content => {
             counted("duplicate");
             return answer(StatusCode::OK, Taken::AlreadyAccepted);
         }
@@ -267,16 +265,20 @@ pub async fn status(
     );
     let deadline = tokio::time::Instant::now() + wait;
     loop {
-        let detail = match gateway.store.order_detail(&order_id).await {
-            Ok(detail) => detail,
+        // The process record and steps only: a waiting request reads them
+        // every quarter second, and needs neither the body nor the history.
+        let status = match gateway.store.order_status(&order_id).await {
+            Ok(status) => status,
             Err(error) => return store_unavailable(&error),
         };
-        let ended = detail
+        let ended = status
             .as_ref()
-            .is_some_and(|d| d.summary.state.is_terminal());
+            .is_some_and(|(summary, _)| summary.state.is_terminal());
         if ended || tokio::time::Instant::now() + WAIT_POLL > deadline {
-            return match detail {
-                Some(detail) => Json(OrderStatusView::from(&detail)).into_response(),
+            return match status {
+                Some((summary, steps)) => {
+                    Json(OrderStatusView::new(&summary, &steps)).into_response()
+                }
                 None => problem(
                     StatusCode::NOT_FOUND,
                     format!("no order {order_id}: not submitted, not stored yet (ask again with ?wait=SECONDS), or removed by retention"),

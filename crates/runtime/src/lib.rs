@@ -29,6 +29,16 @@ pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
+/// The name of this instance in logs, the broker's connection list and the
+/// store's locks: `configured` when set, else `<kind>-<8 random hex digits>`.
+pub fn instance_id(kind: &str, configured: &str) -> String {
+    if configured.is_empty() {
+        format!("{kind}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+    } else {
+        configured.to_owned()
+    }
+}
+
 pub use batch::Batcher;
 pub use ops::{OpsServer, Readiness};
 pub use retry::retry_transient;

@@ -101,6 +101,54 @@ pub async fn serve(
     Ok(OpsServer { local_addr })
 }
 
+/// A service's own HTTP routes (the console's, the gateway's), served with
+/// the operations endpoint merged in, until shutdown.
+pub struct AppServer {
+    /// The address it listens on.
+    pub local_addr: SocketAddr,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// Serves `app` on `listen` until `shutdown`, with each request's peer
+/// address available (`ConnectInfo<SocketAddr>`, for limits by client).
+///
+/// # Errors
+/// When the address cannot be bound.
+pub async fn serve_app(
+    listen: &str,
+    app: Router,
+    shutdown: CancellationToken,
+) -> anyhow::Result<AppServer> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
+    let local_addr = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+    });
+    Ok(AppServer { local_addr, task })
+}
+
+impl AppServer {
+    /// Waits (at most 5 s) for the server to finish its requests after
+    /// shutdown fired.
+    ///
+    /// # Errors
+    /// When the server or its task failed.
+    pub async fn stopped(self) -> anyhow::Result<()> {
+        match tokio::time::timeout(std::time::Duration::from_secs(5), self.task).await {
+            Ok(Ok(Ok(()))) | Err(_) => Ok(()),
+            Ok(Ok(Err(error))) => Err(anyhow::anyhow!("the HTTP server failed: {error}")),
+            Ok(Err(error)) => Err(anyhow::anyhow!("the HTTP server task failed: {error}")),
+        }
+    }
+}
+
 /// Readiness of a service that needs only the broker.
 pub fn broker_readiness(connected: impl Fn() -> bool + Send + Sync + 'static) -> Readiness {
     Arc::new(move || {

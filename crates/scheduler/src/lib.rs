@@ -71,14 +71,7 @@ pub struct Scheduler {
 /// When the workflow file or the settings are unusable. Broker and database
 /// outages are not errors: the scheduler waits for them to come back.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let id = if settings.scheduler.id.is_empty() {
-        format!(
-            "scheduler-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        )
-    } else {
-        settings.scheduler.id.clone()
-    };
+    let id = sas_runtime::instance_id("scheduler", &settings.scheduler.id);
     let workflow = Workflow::load(&settings.scheduler.workflow_file)?;
     let shortest = workflow.steps.iter().map(|step| step.timeout_ms).min();
     settings

@@ -176,6 +176,28 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn order_detail(&self, order_id: &str) -> Result<Option<OrderDetail>, StoreError> {
+        let Some((summary, steps)) = self.order_status(order_id).await? else {
+            return Ok(None);
+        };
+        let body = self.order_body(order_id).await?.unwrap_or_default();
+        let history = self.history(order_id).await?;
+        Ok(Some(OrderDetail {
+            summary,
+            body,
+            steps,
+            history,
+        }))
+    }
+
+    /// An order's process record and steps (what a client's status shows),
+    /// without its body or history; `None` if no such order exists.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn order_status(
+        &self,
+        order_id: &str,
+    ) -> Result<Option<(OrderSummary, Vec<StepView>)>, StoreError> {
         let summary: Option<OrderSummary> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {SUMMARY_COLUMNS} FROM order_process WHERE order_id = $1"
         )))
@@ -185,10 +207,6 @@ impl Store {
         let Some(summary) = summary else {
             return Ok(None);
         };
-        let body = sqlx::query_scalar("SELECT body FROM orders WHERE order_id = $1")
-            .bind(order_id)
-            .fetch_one(self.pool())
-            .await?;
         let steps = sqlx::query_as(
             "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
                     attempt_id, complete_by, idempotency_key, result, last_error,
@@ -198,13 +216,24 @@ impl Store {
         .bind(order_id)
         .fetch_all(self.pool())
         .await?;
-        let history = self.history(order_id).await?;
-        Ok(Some(OrderDetail {
-            summary,
-            body,
-            steps,
-            history,
-        }))
+        Ok(Some((summary, steps)))
+    }
+
+    /// The order as submitted, if the store holds it (one read: the HTTP
+    /// gateway compares a submission with it).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn order_body(
+        &self,
+        order_id: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        Ok(
+            sqlx::query_scalar("SELECT body FROM orders WHERE order_id = $1")
+                .bind(order_id)
+                .fetch_optional(self.pool())
+                .await?,
+        )
     }
 
     /// An order's history, oldest first.

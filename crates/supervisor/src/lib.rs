@@ -53,14 +53,7 @@ pub struct Supervisor {
 /// # Errors
 /// When the settings are unusable. Outages are waited out.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let id = if settings.supervisor.id.is_empty() {
-        format!(
-            "supervisor-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        )
-    } else {
-        settings.supervisor.id.clone()
-    };
+    let id = sas_runtime::instance_id("supervisor", &settings.supervisor.id);
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
     let (ready_session, ready_store) = (session.clone(), store.clone());
