@@ -128,8 +128,11 @@ const OPERATOR: &str = "operator";
 fn policy() -> RecoveryPolicy {
     RecoveryPolicy {
         max_failures: 2,
-        backoff_base: std::time::Duration::from_millis(100),
-        backoff_max: std::time::Duration::from_secs(1),
+        backoff: sas_runtime::Backoff::new(
+            std::time::Duration::from_millis(100),
+            std::time::Duration::from_secs(1),
+            sas_runtime::Jitter::Equal,
+        ),
         grace: std::time::Duration::from_millis(500),
     }
 }

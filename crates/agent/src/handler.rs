@@ -2,7 +2,6 @@
 
 use std::time::{Duration, Instant};
 
-use rand::RngExt;
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::publish::{json_properties, Outgoing};
 use sas_broker::Publisher;
@@ -345,11 +344,14 @@ impl Agent {
             };
             metrics::counter!("sas_agent_retries_total").increment(1);
             attempt = attempt.saturating_add(1);
-            let ceiling = settings
-                .retry_base_ms
-                .saturating_mul(1u64 << attempt.min(16))
-                .min(settings.retry_max_ms);
-            let wait = Duration::from_millis(rand::rng().random_range(0..=ceiling));
+            // Retry n waits up to retry_base × 2^n: the first retry already
+            // twice the base.
+            let wait = sas_runtime::Backoff::new(
+                Duration::from_millis(settings.retry_base_ms),
+                Duration::from_millis(settings.retry_max_ms),
+                sas_runtime::Jitter::Full,
+            )
+            .wait(attempt.saturating_add(1));
             if !logged {
                 tracing::info!(class, error = %error, attempt, wait_ms = wait.as_millis() as u64, maybe_applied, "call not settled; retrying the same key");
             }

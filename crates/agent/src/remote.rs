@@ -21,6 +21,7 @@
 
 use std::time::Duration;
 
+use sas_messages::storable::{make_storable, REPLACEMENT};
 use sas_messages::{StepKind, StepRequest};
 use tracing::Instrument as _;
 
@@ -252,7 +253,7 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
         return match body {
             Body::Complete(bytes) => match serde_json::from_slice::<serde_json::Value>(&bytes) {
                 Ok(mut value) => {
-                    if replace_nul(&mut value) {
+                    if make_storable(&mut value) {
                         tracing::warn!(url, "the answer held U+0000, which Postgres refuses; replaced by U+FFFD");
                         if let serde_json::Value::Object(map) = &mut value {
                             map.insert(
@@ -316,40 +317,13 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
     }
 }
 
-/// Replaces U+0000 (which Postgres's jsonb refuses) in every string and key
-/// of `value` by U+FFFD; true when it replaced any.
-pub fn replace_nul(value: &mut serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::String(text) if text.contains('\0') => {
-            *text = text.replace('\0', "\u{FFFD}");
-            true
-        }
-        serde_json::Value::Array(items) => items
-            .iter_mut()
-            .fold(false, |replaced, item| replace_nul(item) | replaced),
-        serde_json::Value::Object(map) => {
-            let mut replaced = false;
-            if map.keys().any(|key| key.contains('\0')) {
-                let old = std::mem::take(map);
-                for (key, value) in old {
-                    map.insert(key.replace('\0', "\u{FFFD}"), value);
-                }
-                replaced = true;
-            }
-            map.values_mut()
-                .fold(replaced, |replaced, item| replace_nul(item) | replaced)
-        }
-        _ => false,
-    }
-}
-
 /// `text` made safe for a reply: U+0000 replaced, at most
 /// [`MAX_ERROR_CHARS`] characters.
 pub fn bounded_text(text: &str) -> String {
     let mut out: String = text
         .chars()
         .take(MAX_ERROR_CHARS)
-        .map(|c| if c == '\0' { '\u{FFFD}' } else { c })
+        .map(|c| if c == '\0' { REPLACEMENT } else { c })
         .collect();
     if text.chars().nth(MAX_ERROR_CHARS).is_some() {
         out.push('…');

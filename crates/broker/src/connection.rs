@@ -161,11 +161,12 @@ impl Session {
     }
 
     fn reconnect_wait(&self, failures: u32) -> Duration {
-        let base = self.settings.reconnect_base_ms;
-        let capped = base
-            .saturating_mul(1u64 << failures.saturating_sub(1).min(16))
-            .min(self.settings.reconnect_max_ms);
-        Duration::from_millis(rand::rng().random_range(capped / 2..=capped))
+        sas_runtime::Backoff::new(
+            Duration::from_millis(self.settings.reconnect_base_ms),
+            Duration::from_millis(self.settings.reconnect_max_ms),
+            sas_runtime::Jitter::Equal,
+        )
+        .wait(failures)
     }
 
     /// Connects to the first node that answers, starting at `next_node`

@@ -11,6 +11,7 @@
 //! - [`step`]: the request an agent receives and the reply it sends back.
 //! - [`status`]: progress events sent to the client.
 //! - [`trace`]: W3C trace context carried in AMQP headers.
+//! - [`storable`]: text and JSON without U+0000, which Postgres refuses.
 //! - [`decode`]: strict decoding of bytes into a message, with reasons fit for a
 //!   dead-letter header.
 //! - [`contract`]: the JSON Schemas and the AsyncAPI document generated from
@@ -23,6 +24,7 @@ pub mod names;
 pub mod order;
 pub mod status;
 pub mod step;
+pub mod storable;
 pub mod trace;
 
 pub use decode::{decode, DecodeError};

@@ -1,5 +1,7 @@
 //! What every service binary does the same way.
 //!
+//! - [`backoff`]: the one growing, jittered wait between tries;
+//!   [`periodic`]: the one periodic loop, with a tick tests can call.
 //! - [`batch`]: group commit, many callers' items in one statement.
 //! - [`settings`]: defaults, then a file, then `SAS_*` environment variables.
 //! - [`telemetry`]: structured logs, text or JSON.
@@ -10,9 +12,11 @@
 //! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
 //!   operations endpoint, run until a signal, exit code.
 
+pub mod backoff;
 pub mod batch;
 pub mod login_limit;
 pub mod ops;
+pub mod periodic;
 pub mod retry;
 pub mod secret;
 pub mod service;
@@ -39,8 +43,10 @@ pub fn instance_id(kind: &str, configured: &str) -> String {
     }
 }
 
+pub use backoff::{Backoff, Jitter};
 pub use batch::Batcher;
 pub use ops::{OpsServer, Readiness};
+pub use periodic::{every, Next};
 pub use retry::retry_transient;
 pub use service::{run_service, HasLog, ServiceArgs};
 pub use settings::{load_settings, HttpSettings, LogFormat, LogSettings, Validate};

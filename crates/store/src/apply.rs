@@ -1,5 +1,12 @@
-//! The store's side of the state machine: loading an order's snapshot
-//! under its lock, and writing a decision back.
+//! The write kernel: every transition of an order, whatever its cause (a
+//! claim, a reply, a missed deadline, a dead letter, an operator's action),
+//! goes through [`transition`]: lock the orders, load their snapshots, let
+//! the state machine decide each under admission control, write each
+//! decision. The modules that receive those causes (`progress`, `recovery`,
+//! `operator`) only turn their inputs into [`Event`]s and the decisions
+//! into their results; intake and a forward step's success take the
+//! single-statement paths of `intake` and `fast`, which the property test
+//! holds to the same machine.
 //!
 //! A decision is written in one statement: the process record, the changed
 //! steps (each guarded by the state and attempt id it was decided on), the
@@ -16,7 +23,85 @@ use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot, StepRow};
-use crate::StoreError;
+use crate::{Store, StoreError};
+
+/// What one transition decided about one order, with what it decided on.
+pub(crate) struct Decided {
+    /// The order as it was read under its lock.
+    pub(crate) snapshot: Snapshot,
+    /// What the state machine decided, now written.
+    pub(crate) decision: Decision,
+    /// The transaction's clock.
+    pub(crate) now: DateTime<Utc>,
+}
+
+/// Whether the orders of a batch still need a slot of their agents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slots {
+    /// A decision that would start an attempt is checked for a free slot
+    /// first ([`decide_admitted`]); without one the order waits in line.
+    Check,
+    /// Each order was counted against its agent's free slots when it was
+    /// locked (the heads of the agents' lines): decided as it comes.
+    Held,
+}
+
+/// The write kernel. In the caller's transaction: locks the orders
+/// `order_ids` and loads their snapshots ([`load_snapshots`]), decides
+/// for each the event `event_for` makes of it (under admission control,
+/// as `slots` says), and writes each decision ([`apply`]). Orders that do
+/// not exist are left out. Every decision of the batch uses the
+/// transaction's clock.
+///
+/// # Errors
+/// When the database fails, or a guard did not hold: the caller's
+/// transaction must then be abandoned.
+pub(crate) async fn transition<'e>(
+    conn: &mut PgConnection,
+    store: &Store,
+    order_ids: &[&str],
+    actor: &str,
+    slots: Slots,
+    mut event_for: impl FnMut(&Snapshot) -> Event<'e>,
+) -> Result<Vec<Decided>, StoreError> {
+    let (snapshots, now) = load_snapshots(&mut *conn, order_ids).await?;
+    let mut decided = Vec::with_capacity(snapshots.len());
+    for snapshot in snapshots {
+        let ctx = store.context(now, actor);
+        let event = event_for(&snapshot);
+        let decision = match slots {
+            Slots::Held => decide(&snapshot, &event, &ctx),
+            Slots::Check => decide_admitted(&mut *conn, &snapshot, &event, &ctx).await?,
+        };
+        apply(&mut *conn, &snapshot, &decision, actor).await?;
+        decided.push(Decided {
+            snapshot,
+            decision,
+            now,
+        });
+    }
+    Ok(decided)
+}
+
+impl Store {
+    /// [`transition`] for one order and one event, in a transaction of its
+    /// own. `None` when the order does not exist.
+    ///
+    /// # Errors
+    /// When the database fails; nothing changed then.
+    pub(crate) async fn transition_one(
+        &self,
+        order_id: &str,
+        event: &Event<'_>,
+        actor: &str,
+    ) -> Result<Option<Decided>, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let decided =
+            transition(&mut tx, self, &[order_id], actor, Slots::Check, |_| *event).await?;
+        tx.commit().await?;
+        Ok(decided.into_iter().next())
+    }
+}
 
 /// Locks the `order_process` rows of `order_ids` (in order id order, as
 /// every batch does, so two transactions cannot deadlock) and reads each
@@ -25,7 +110,7 @@ use crate::StoreError;
 ///
 /// # Errors
 /// When the database fails.
-pub(crate) async fn load_snapshots(
+async fn load_snapshots(
     conn: &mut PgConnection,
     order_ids: &[&str],
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
@@ -70,18 +155,6 @@ pub(crate) async fn load_snapshots(
         }
     }
     Ok((snapshots.into_values().collect(), now))
-}
-
-/// [`load_snapshots`] for one order; `None` when it does not exist.
-///
-/// # Errors
-/// When the database fails.
-pub(crate) async fn load_snapshot(
-    conn: &mut PgConnection,
-    order_id: &str,
-) -> Result<(Option<Snapshot>, DateTime<Utc>), StoreError> {
-    let (mut snapshots, now) = load_snapshots(conn, &[order_id]).await?;
-    Ok((snapshots.pop(), now))
 }
 
 fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
@@ -136,7 +209,7 @@ fn step_from_row(row: &PgRow) -> Result<StepRow, StoreError> {
 /// # Errors
 /// When the database fails, or a guard did not hold ([`StoreError::Invariant`]):
 /// the caller's transaction must then be abandoned.
-pub(crate) async fn apply(
+async fn apply(
     conn: &mut PgConnection,
     snapshot: &Snapshot,
     decision: &Decision,
@@ -263,7 +336,7 @@ pub(crate) async fn apply(
 ///
 /// # Errors
 /// When the database fails.
-pub(crate) async fn decide_admitted(
+async fn decide_admitted(
     conn: &mut PgConnection,
     snapshot: &Snapshot,
     event: &Event<'_>,

@@ -270,8 +270,18 @@ impl Store {
         self.start_margin
     }
 
-    /// The underlying pool, for queries this crate does not offer.
+    /// The underlying pool. Private to this crate in the services: every
+    /// read and write they make is a store method. The `harness` feature,
+    /// which only the test harness and the benchmark turn on, opens it for
+    /// their ad-hoc checks on the store's own sessions.
+    #[cfg(feature = "harness")]
     pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The underlying pool (see the `harness` feature).
+    #[cfg(not(feature = "harness"))]
+    pub(crate) fn pool(&self) -> &PgPool {
         &self.pool
     }
 
@@ -287,8 +297,8 @@ impl Store {
     }
 
     /// Applies the migrations if `settings.migrate` asks for it, waiting out
-    /// a database that is not up yet (retrying transient errors with a
-    /// doubling wait up to 5 s) until `shutdown`. Returns false on shutdown.
+    /// a database that is not up yet (retrying transient errors with
+    /// [`sas_runtime::retry::TRANSIENT`]'s waits) until `shutdown`. Returns false on shutdown.
     ///
     /// # Errors
     /// When a migration fails for good.
@@ -300,20 +310,16 @@ impl Store {
         if !settings.migrate {
             return Ok(true);
         }
-        let mut wait = Duration::from_millis(100);
-        loop {
-            match self.migrate().await {
-                Ok(()) => return Ok(true),
-                Err(error) if error.is_transient() => {
-                    tracing::warn!(error = %error, "cannot apply migrations yet; retrying");
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        () = shutdown.cancelled() => return Ok(false),
-                    }
-                    wait = (wait * 2).min(Duration::from_secs(5));
-                }
-                Err(error) => return Err(error),
-            }
+        match sas_runtime::retry_transient(
+            shutdown,
+            "applying the migrations",
+            StoreError::is_transient,
+            || self.migrate(),
+        )
+        .await
+        {
+            Some(result) => result.map(|()| true),
+            None => Ok(false),
         }
     }
 

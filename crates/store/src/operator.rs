@@ -2,11 +2,61 @@
 //! dead-lettered, and an operator resubmitting or cancelling an order.
 
 use sas_messages::AttemptId;
+use serde::Serialize;
 
-use crate::apply::{apply, decide_admitted, load_snapshot};
-use crate::machine::{Decision, Event, ResubmitAction, Snapshot, Verdict};
+use crate::apply::Decided;
+use crate::machine::{Event, ResubmitAction, Verdict};
 use crate::model::{ProcessState, Progress};
 use crate::{Store, StoreError};
+
+/// An operator's action on orders one by one, as the console and `sasctl`
+/// both offer it (on one order, or in bulk by filter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OrderAction {
+    /// Put an order that ended `error` or `compensated` back into the
+    /// workflow ([`Store::resubmit`]).
+    Resubmit,
+    /// Undo what a pending or processing order did, by compensating now
+    /// ([`Store::cancel`]).
+    Cancel,
+}
+
+impl OrderAction {
+    /// Its name in URLs and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Resubmit => "resubmit",
+            Self::Cancel => "cancel",
+        }
+    }
+
+    /// The states of the orders it applies to: a bulk action selects only
+    /// those, and the state machine refuses it on any other.
+    pub fn eligible(self) -> &'static [ProcessState] {
+        match self {
+            Self::Resubmit => &[ProcessState::Error, ProcessState::Compensated],
+            Self::Cancel => &[ProcessState::Pending, ProcessState::Processing],
+        }
+    }
+}
+
+/// A name that is no [`OrderAction`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown action {0:?}: expected resubmit or cancel")]
+pub struct UnknownAction(pub String);
+
+impl std::str::FromStr for OrderAction {
+    type Err = UnknownAction;
+
+    fn from_str(text: &str) -> Result<Self, UnknownAction> {
+        match text {
+            "resubmit" => Ok(Self::Resubmit),
+            "cancel" => Ok(Self::Cancel),
+            other => Err(UnknownAction(other.to_owned())),
+        }
+    }
+}
 
 /// What became of an operator's resubmission.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,16 +87,6 @@ pub enum Cancel {
     NotRunning(ProcessState),
 }
 
-/// What one transaction decided about one order, with what it decided on.
-pub(crate) struct Decided {
-    /// The order as it was read under its lock.
-    pub(crate) snapshot: Snapshot,
-    /// What the state machine decided, now written.
-    pub(crate) decision: Decision,
-    /// The transaction's clock.
-    pub(crate) now: chrono::DateTime<chrono::Utc>,
-}
-
 impl Store {
     /// Settles the order a dead-lettered step request or reply belonged to
     /// (see [`Event::DeadLettered`]): a message that kept failing its
@@ -65,7 +105,7 @@ impl Store {
         actor: &str,
     ) -> Result<Option<Progress>, StoreError> {
         let event = Event::DeadLettered { attempt_id, reason };
-        let decided = self.decide_and_apply(order_id, &event, actor).await?;
+        let decided = self.transition_one(order_id, &event, actor).await?;
         Ok(decided
             .map(|d| d.decision)
             .filter(|d| d.verdict == Verdict::Applied)
@@ -86,27 +126,25 @@ impl Store {
         .fetch_one(self.pool())
         .await?;
         let event = Event::Resubmitted { earlier };
-        Ok(
-            match self.decide_and_apply(order_id, &event, actor).await? {
-                None => Resubmit::NotFound,
-                Some(Decided { decision, .. }) => match decision.verdict {
-                    Verdict::Resubmitted(what) => Resubmit::Resubmitted {
-                        what,
-                        fresh_keys: decision
-                            .steps
-                            .iter()
-                            .map(|change| change.row.name.clone())
-                            .collect(),
-                    },
-                    Verdict::Refused(state) => Resubmit::NotFailed(state),
-                    other => {
-                        return Err(StoreError::Invariant(format!(
-                            "a resubmission was decided as {other:?}"
-                        )))
-                    }
+        Ok(match self.transition_one(order_id, &event, actor).await? {
+            None => Resubmit::NotFound,
+            Some(Decided { decision, .. }) => match decision.verdict {
+                Verdict::Resubmitted(what) => Resubmit::Resubmitted {
+                    what,
+                    fresh_keys: decision
+                        .steps
+                        .iter()
+                        .map(|change| change.row.name.clone())
+                        .collect(),
                 },
+                Verdict::Refused(state) => Resubmit::NotFailed(state),
+                other => {
+                    return Err(StoreError::Invariant(format!(
+                        "a resubmission was decided as {other:?}"
+                    )))
+                }
             },
-        )
+        })
     }
 
     /// Cancels a pending or processing order: what was done is undone (see
@@ -121,45 +159,17 @@ impl Store {
         actor: &str,
     ) -> Result<Cancel, StoreError> {
         let event = Event::Cancelled { reason };
-        Ok(
-            match self.decide_and_apply(order_id, &event, actor).await? {
-                None => Cancel::NotFound,
-                Some(Decided { decision, .. }) => match decision.verdict {
-                    Verdict::Applied => Cancel::Cancelled(decision.progress),
-                    Verdict::Refused(state) => Cancel::NotRunning(state),
-                    other => {
-                        return Err(StoreError::Invariant(format!(
-                            "a cancellation was decided as {other:?}"
-                        )))
-                    }
-                },
+        Ok(match self.transition_one(order_id, &event, actor).await? {
+            None => Cancel::NotFound,
+            Some(Decided { decision, .. }) => match decision.verdict {
+                Verdict::Applied => Cancel::Cancelled(decision.progress),
+                Verdict::Refused(state) => Cancel::NotRunning(state),
+                other => {
+                    return Err(StoreError::Invariant(format!(
+                        "a cancellation was decided as {other:?}"
+                    )))
+                }
             },
-        )
-    }
-
-    /// One order, one event, one transaction: lock and read the order, let
-    /// the state machine decide (under admission control), write the
-    /// decision. `None` when the order does not exist.
-    pub(crate) async fn decide_and_apply(
-        &self,
-        order_id: &str,
-        event: &Event<'_>,
-        actor: &str,
-    ) -> Result<Option<Decided>, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        let (snapshot, now) = load_snapshot(&mut tx, order_id).await?;
-        let Some(snapshot) = snapshot else {
-            tx.commit().await?;
-            return Ok(None);
-        };
-        let ctx = self.context(now, actor);
-        let decision = decide_admitted(&mut tx, &snapshot, event, &ctx).await?;
-        apply(&mut tx, &snapshot, &decision, actor).await?;
-        tx.commit().await?;
-        Ok(Some(Decided {
-            snapshot,
-            decision,
-            now,
-        }))
+        })
     }
 }

@@ -12,10 +12,9 @@ use std::sync::Arc;
 
 use sas_messages::{StepOutcome, StepReply};
 
-use crate::apply::{apply, decide_admitted, load_snapshots};
-use crate::machine::{decide, Event, Verdict};
+use crate::apply::{transition, Decided, Slots};
+use crate::machine::{Event, Verdict};
 use crate::model::Progress;
-use crate::operator::Decided;
 use crate::{Store, StoreError};
 
 /// What became of an agent's reply.
@@ -142,27 +141,25 @@ impl Store {
             return Ok(Vec::new());
         }
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let (snapshots, now) = load_snapshots(&mut tx, &ids).await?;
-        let mut claimed = Vec::with_capacity(snapshots.len());
-        for snapshot in snapshots {
-            let ctx = self.context(now, actor);
-            let decision = if admitted {
-                decide(&snapshot, &Event::Claimed, &ctx)
-            } else {
-                decide_admitted(&mut tx, &snapshot, &Event::Claimed, &ctx).await?
-            };
-            apply(&mut tx, &snapshot, &decision, actor).await?;
-            if decision.verdict == Verdict::Applied {
-                let waited = snapshot.process.waiting_for.clone().map(|agent| {
-                    let since = snapshot.process.not_before;
-                    (agent, (now - since).to_std().unwrap_or_default())
-                });
-                claimed.push(Claimed {
+        let slots = if admitted { Slots::Held } else { Slots::Check };
+        let decided = transition(&mut tx, self, &ids, actor, slots, |_| Event::Claimed).await?;
+        let claimed = decided
+            .into_iter()
+            .filter(|d| d.decision.verdict == Verdict::Applied)
+            .map(
+                |Decided {
+                     snapshot,
+                     decision,
+                     now,
+                 }| Claimed {
                     progress: decision.progress,
-                    waited,
-                });
-            }
-        }
+                    waited: snapshot.process.waiting_for.map(|agent| {
+                        let since = snapshot.process.not_before;
+                        (agent, (now - since).to_std().unwrap_or_default())
+                    }),
+                },
+            )
+            .collect();
         tx.commit().await?;
         Ok(claimed)
     }
@@ -252,9 +249,7 @@ impl Store {
             snapshot,
             decision,
             now,
-        }) = self
-            .decide_and_apply(&reply.order_id, &event, actor)
-            .await?
+        }) = self.transition_one(&reply.order_id, &event, actor).await?
         else {
             return Ok(ReplyOutcome::Stale {
                 reason: "no such order".into(),

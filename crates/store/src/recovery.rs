@@ -1,11 +1,12 @@
 //! The supervisor's transitions: orders whose deadline passed, and dead letters.
 
 use chrono::{DateTime, Utc};
+use sas_messages::storable::storable_text;
 use sas_messages::OrderId;
 
-use crate::apply::{apply, load_snapshots};
+use crate::apply::{transition, Decided, Slots};
 pub use crate::machine::RecoveryPolicy;
-use crate::machine::{decide, Event, Verdict};
+use crate::machine::{Event, Verdict};
 use crate::model::{ProcessState, Progress};
 use crate::{Store, StoreError};
 
@@ -80,32 +81,40 @@ impl Store {
             return Ok(Vec::new());
         }
         let due: Vec<&str> = due.iter().map(String::as_str).collect();
-        let (snapshots, now) = load_snapshots(&mut tx, &due).await?;
-        let mut recoveries = Vec::with_capacity(snapshots.len());
-        for snapshot in snapshots {
-            let ctx = self.context(now, actor);
-            let event = Event::DeadlineMissed {
+        let decided = transition(&mut tx, self, &due, actor, Slots::Check, |_| {
+            Event::DeadlineMissed {
                 policy,
                 jitter: jitter(),
-            };
-            let decision = decide(&snapshot, &event, &ctx);
-            apply(&mut tx, &snapshot, &decision, actor).await?;
-            let (Verdict::Applied, Some(process)) = (&decision.verdict, &decision.process) else {
-                continue;
-            };
-            recoveries.push(Recovery {
-                order_id: snapshot.order_id.clone(),
-                from: snapshot.process.state,
-                to: process.state,
-                failure_count: process.failure_count,
-                not_before: if process.state == ProcessState::Error {
-                    now
-                } else {
-                    process.not_before
+            }
+        })
+        .await?;
+        let recoveries = decided
+            .into_iter()
+            .filter_map(
+                |Decided {
+                     snapshot,
+                     decision,
+                     now,
+                 }| {
+                    let (Verdict::Applied, Some(process)) = (&decision.verdict, &decision.process)
+                    else {
+                        return None;
+                    };
+                    Some(Recovery {
+                        order_id: snapshot.order_id.clone(),
+                        from: snapshot.process.state,
+                        to: process.state,
+                        failure_count: process.failure_count,
+                        not_before: if process.state == ProcessState::Error {
+                            now
+                        } else {
+                            process.not_before
+                        },
+                        progress: decision.progress,
+                    })
                 },
-                progress: decision.progress,
-            });
-        }
+            )
+            .collect();
         tx.commit().await?;
         Ok(recoveries)
     }
@@ -133,7 +142,7 @@ impl Store {
         .bind(message_id)
         // Postgres text cannot hold NUL; the operator's copy in the
         // dead-letter queue keeps the exact bytes.
-        .bind(String::from_utf8_lossy(body).replace('\0', "\u{fffd}"))
+        .bind(storable_text(&String::from_utf8_lossy(body)))
         .execute(self.pool())
         .await?;
         Ok(())

@@ -2,8 +2,11 @@
 //! [`sas_store::retention`]), so that a deployment running for years keeps
 //! a bounded database.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
+
+use sas_runtime::Next;
 
 use crate::Supervisor;
 
@@ -19,9 +22,8 @@ impl Supervisor {
             return;
         }
         let interval = Duration::from_millis(settings.interval_ms);
-        let batch = u64::try_from(retention.batch).unwrap_or(1);
-        loop {
-            let full = match self.store.retire(&retention).await {
+        let tick = || async {
+            let next = match self.store.retire(&retention).await {
                 Ok(retired) => {
                     metrics::counter!("sas_retired_total", "what" => "orders")
                         .increment(retired.orders);
@@ -34,21 +36,19 @@ impl Supervisor {
                             "retired"
                         );
                     }
-                    retired.orders == batch || retired.dead_letters == batch
+                    Next::after(
+                        usize::try_from(retired.orders.max(retired.dead_letters))
+                            .unwrap_or(usize::MAX),
+                        i64::from(retention.batch),
+                    )
                 }
                 Err(error) => {
                     tracing::warn!(error = %error, "cannot delete finished orders or old dead letters; retrying at the next interval");
-                    false
+                    Next::Wait
                 }
             };
-            if full && !self.shutdown.is_cancelled() {
-                tokio::task::yield_now().await;
-                continue;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(interval) => {}
-                () = self.shutdown.cancelled() => return,
-            }
-        }
+            Ok::<_, Infallible>(next)
+        };
+        let Ok(()) = sas_runtime::every(interval, &self.shutdown, tick).await;
     }
 }

@@ -1,60 +1,67 @@
 //! The periodic scan for held orders whose complete-by has passed.
 
-use std::sync::Arc;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use sas_runtime::Next;
+use tokio::time::Instant;
 
 use sas_store::ProcessState;
 
 use crate::Supervisor;
 
 impl Supervisor {
-    /// Every `interval_ms` until shutdown: recover expired orders (at once
-    /// again when a batch came back full), publish what the decisions say to
-    /// clients, and refresh the orders-by-state gauge.
+    /// Every `interval_ms` until shutdown ([`sas_runtime::every`]): one
+    /// [`Supervisor::scan_once`], at once again when its batch came back
+    /// full; every interval also the gauges and the adaptation of the
+    /// admission limits, and every `admission_reconcile_ms` their
+    /// reconciliation.
     pub async fn scan_loop(self: Arc<Self>) {
         let settings = &self.settings.supervisor;
         let interval = Duration::from_millis(settings.interval_ms);
-        let policy = settings.policy(&self.settings.deadlines);
-        let mut last_gauge = tokio::time::Instant::now() - interval;
-        let mut last_reconcile = tokio::time::Instant::now();
         let reconcile_every = Duration::from_millis(settings.admission_reconcile_ms);
-        loop {
-            let full = match self
-                .store
-                .recover_expired(&self.id, &policy, settings.batch)
-                .await
-            {
-                Ok(decisions) => {
-                    let full = decisions.len() as i64 == settings.batch;
-                    for decision in decisions {
-                        metrics::counter!("sas_step_timeouts_total").increment(1);
-                        metrics::counter!("sas_recoveries_total", "to" => decision.to.as_str())
-                            .increment(1);
-                        tracing::warn!(order_id = %decision.order_id, from = %decision.from, to = %decision.to, failure_count = decision.failure_count, not_before = %decision.not_before, "deadline passed; order recovered");
-                        self.announce(&decision.progress).await;
-                    }
-                    full
-                }
-                Err(error) => {
-                    tracing::warn!(error = %error, "cannot scan for expired orders");
-                    false
-                }
-            };
-            if last_gauge.elapsed() >= interval {
-                last_gauge = tokio::time::Instant::now();
+        let last_gauge = Mutex::new(Instant::now() - interval);
+        let last_reconcile = Mutex::new(Instant::now());
+        let tick = || async {
+            let next = self.scan_once().await;
+            if due(&last_gauge, interval) {
                 self.refresh_gauges().await;
                 self.adapt_admission().await;
             }
-            if last_reconcile.elapsed() >= reconcile_every {
-                last_reconcile = tokio::time::Instant::now();
+            if due(&last_reconcile, reconcile_every) {
                 self.reconcile_admission().await;
             }
-            if full && !self.shutdown.is_cancelled() {
-                continue;
+            Ok::<_, Infallible>(next)
+        };
+        let Ok(()) = sas_runtime::every(interval, &self.shutdown, tick).await;
+    }
+
+    /// One scan: recovers up to a batch of expired orders (see
+    /// [`sas_store::Store::recover_expired`]) and publishes what the
+    /// decisions say to clients. Says whether the batch came back full.
+    pub async fn scan_once(&self) -> Next {
+        let settings = &self.settings.supervisor;
+        let policy = settings.policy(&self.settings.deadlines);
+        match self
+            .store
+            .recover_expired(&self.id, &policy, settings.batch)
+            .await
+        {
+            Ok(decisions) => {
+                let next = Next::after(decisions.len(), settings.batch);
+                for decision in decisions {
+                    metrics::counter!("sas_step_timeouts_total").increment(1);
+                    metrics::counter!("sas_recoveries_total", "to" => decision.to.as_str())
+                        .increment(1);
+                    tracing::warn!(order_id = %decision.order_id, from = %decision.from, to = %decision.to, failure_count = decision.failure_count, not_before = %decision.not_before, "deadline passed; order recovered");
+                    self.announce(&decision.progress).await;
+                }
+                next
             }
-            tokio::select! {
-                () = tokio::time::sleep(interval) => {}
-                () = self.shutdown.cancelled() => return,
+            Err(error) => {
+                tracing::warn!(error = %error, "cannot scan for expired orders");
+                Next::Wait
             }
         }
     }
@@ -151,4 +158,16 @@ impl Supervisor {
             Err(error) => tracing::debug!(error = %error, "cannot count overdue orders and alerts"),
         }
     }
+}
+
+/// True, and the clock `last` set to now, when `every` has passed since it.
+fn due(last: &Mutex<Instant>, every: Duration) -> bool {
+    let mut last = last
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let due = last.elapsed() >= every;
+    if due {
+        *last = Instant::now();
+    }
+    due
 }

@@ -106,8 +106,11 @@ impl SupervisorSettings {
     pub fn policy(&self, deadlines: &DeadlineSettings) -> RecoveryPolicy {
         RecoveryPolicy {
             max_failures: self.max_failures,
-            backoff_base: Duration::from_millis(self.backoff_base_ms),
-            backoff_max: Duration::from_millis(self.backoff_max_ms),
+            backoff: sas_runtime::Backoff::new(
+                Duration::from_millis(self.backoff_base_ms),
+                Duration::from_millis(self.backoff_max_ms),
+                sas_runtime::Jitter::Equal,
+            ),
             grace: deadlines.grace(),
         }
     }

@@ -30,11 +30,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sas_messages::{AttemptId, OrderId, OrderStatus, StatusEvent, StepReply, SCHEMA_VERSION};
+use sas_runtime::Backoff;
 use serde::Serialize;
 
 use crate::model::{NewStep, ProcessState, Progress, StepState};
 pub use names::{AlertKind, HistoryEvent, ResubmitAction};
-pub use rules::{decide, storable, storable_text};
+pub use rules::decide;
+pub use sas_messages::storable::{storable, storable_text};
 
 /// The process record of an order: the fields transitions change.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -230,26 +232,11 @@ pub struct RecoveryPolicy {
     /// Failures tolerated before giving up: the next one starts compensation
     /// (or, for a compensation, ends the order in error).
     pub max_failures: i32,
-    /// Wait before the first retry; doubled at each failure.
-    pub backoff_base: Duration,
-    /// Longest wait before a retry.
-    pub backoff_max: Duration,
+    /// The wait before each retry, by the failure count (equal jitter).
+    pub backoff: Backoff,
     /// How long after a deadline the supervisor waits before acting, so that
     /// a call started just in time has landed before any undo is sent.
     pub grace: Duration,
-}
-
-impl RecoveryPolicy {
-    /// The wait before retry number `failures` (1-based), before jitter:
-    /// `base * 2^(failures-1)`, capped at `backoff_max`.
-    pub fn backoff(&self, failures: i32) -> Duration {
-        let exponent = u32::try_from(failures.saturating_sub(1))
-            .unwrap_or(0)
-            .min(20);
-        self.backoff_base
-            .saturating_mul(1u32 << exponent)
-            .min(self.backoff_max)
-    }
 }
 
 /// What happened to an order.

@@ -40,8 +40,11 @@ fn attempt(n: u128) -> AttemptId {
 fn policy() -> RecoveryPolicy {
     RecoveryPolicy {
         max_failures: 2,
-        backoff_base: Duration::from_secs(1),
-        backoff_max: Duration::from_secs(8),
+        backoff: sas_runtime::Backoff::new(
+            Duration::from_secs(1),
+            Duration::from_secs(8),
+            sas_runtime::Jitter::Equal,
+        ),
         grace: Duration::from_secs(2),
     }
 }

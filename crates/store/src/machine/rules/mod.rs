@@ -1,0 +1,356 @@
+//! The rules: one function per event, sharing a [`Draft`] that collects
+//! the changes and turns them into a [`Decision`]. Each event's rules live
+//! in a module of their own, so a new kind of event or step is a new file:
+//! [`start`] (intake, claims), [`reply`], [`deadline`], [`dead_letter`],
+//! [`operator`] (resubmit, cancel).
+
+mod dead_letter;
+mod deadline;
+mod operator;
+mod reply;
+mod start;
+
+use std::collections::BTreeSet;
+
+use chrono::{DateTime, Utc};
+
+use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
+
+use super::dispatch::{attempt_detail, operation, payload};
+use super::{
+    admission_delta, admit_key, slot_held, status, AlertKind, Context, Decision, Event,
+    HistoryEvent, HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
+};
+use crate::model::{Dispatch, ProcessState, Progress, StepState};
+
+/// Decides what `event` does to the order in `snapshot`. Pure: the same
+/// inputs always give the same decision.
+pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Decision {
+    let mut draft = Draft::new(snapshot, ctx);
+    match *event {
+        Event::Submitted => start::submitted(&mut draft),
+        Event::Claimed => start::claimed(&mut draft),
+        Event::Reply(reply) => reply::replied(&mut draft, reply),
+        Event::DeadlineMissed { policy, jitter } => {
+            deadline::deadline_missed(&mut draft, policy, jitter)
+        }
+        Event::DeadLettered { attempt_id, reason } => {
+            dead_letter::dead_lettered(&mut draft, attempt_id, reason)
+        }
+        Event::Resubmitted { earlier } => operator::resubmitted(&mut draft, earlier),
+        Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
+    }
+    draft.finish()
+}
+
+/// Why an order ends in `error`, as each record says it.
+struct Failure<'a> {
+    /// The step that could not be undone.
+    step: Option<&'a str>,
+    /// Its attempt, when one message settled it.
+    attempt_id: Option<AttemptId>,
+    /// The alert's kind.
+    kind: AlertKind,
+    /// The history line's detail.
+    detail: String,
+    /// The order's `last_error`.
+    last_error: &'a str,
+    /// The alert's message and the `failed` status's detail.
+    message: &'a str,
+}
+
+/// A decision being made: the order's rows as they will be, and what to
+/// record and publish.
+struct Draft<'a> {
+    snapshot: &'a Snapshot,
+    ctx: &'a Context<'a>,
+    verdict: Verdict,
+    process: ProcessRow,
+    steps: Vec<StepRow>,
+    changed: BTreeSet<usize>,
+    history: Vec<HistoryLine>,
+    alert: Option<NewAlert>,
+    resolve_alerts: bool,
+    progress: Progress,
+    /// The attempt given back never started: its slot is no completion.
+    unstarted: bool,
+}
+
+impl<'a> Draft<'a> {
+    fn new(snapshot: &'a Snapshot, ctx: &'a Context<'a>) -> Self {
+        Self {
+            snapshot,
+            ctx,
+            verdict: Verdict::Applied,
+            process: snapshot.process.clone(),
+            steps: snapshot.steps.clone(),
+            changed: BTreeSet::new(),
+            history: Vec::new(),
+            alert: None,
+            resolve_alerts: false,
+            progress: Progress {
+                reply_to: snapshot.reply_to.clone(),
+                correlation_id: snapshot.reply_correlation_id.clone(),
+                trace_id: snapshot.trace_id.clone(),
+                ..Progress::default()
+            },
+            unstarted: false,
+        }
+    }
+
+    fn unchanged(&mut self, reason: &str) {
+        self.verdict = Verdict::Unchanged(reason.to_owned());
+    }
+
+    /// A reply that answers no awaited attempt: only a history line.
+    fn stale(&mut self, reply: &StepReply, reason: String) {
+        self.log(
+            HistoryEvent::StaleReply,
+            Some(&reply.step),
+            Some(reply.attempt_id),
+            Some(reason.clone()),
+        );
+        self.verdict = Verdict::Stale(reason);
+    }
+
+    fn change_step(&mut self, index: usize, change: impl FnOnce(&mut StepRow)) {
+        change(&mut self.steps[index]);
+        self.changed.insert(index);
+    }
+
+    fn log(
+        &mut self,
+        event: HistoryEvent,
+        step: Option<&str>,
+        attempt_id: Option<AttemptId>,
+        detail: Option<String>,
+    ) {
+        self.history.push(HistoryLine {
+            event,
+            step: step.map(str::to_owned),
+            attempt_id,
+            detail,
+        });
+    }
+
+    fn notify(&mut self, event: StatusEvent, step: Option<&str>, detail: Option<&str>) {
+        let message = status(&self.snapshot.order_id, event, step, detail, self.ctx.now);
+        self.progress.statuses.push(message);
+    }
+
+    /// The forward run is given up: undo what was, or may have been, done.
+    fn start_compensation(
+        &mut self,
+        step: Option<&str>,
+        attempt_id: Option<AttemptId>,
+        reason: &str,
+    ) {
+        self.process.state = ProcessState::Compensating;
+        self.process.failure_count = 0;
+        self.process.last_error = Some(reason.to_owned());
+        self.log(
+            HistoryEvent::CompensationStarted,
+            step,
+            attempt_id,
+            Some(reason.to_owned()),
+        );
+        self.notify(StatusEvent::Compensating, step, Some(reason));
+    }
+
+    /// The order can neither finish nor be undone: `error`, an alert, a
+    /// `failed` status.
+    fn fail(&mut self, failure: Failure<'_>) {
+        self.process.state = ProcessState::Error;
+        self.process.locked_by = None;
+        self.process.complete_by = None;
+        self.process.last_error = Some(failure.last_error.to_owned());
+        self.log(
+            HistoryEvent::Error,
+            failure.step,
+            failure.attempt_id,
+            Some(failure.detail),
+        );
+        self.alert = Some(NewAlert {
+            kind: failure.kind,
+            message: failure.message.to_owned(),
+        });
+        self.notify(StatusEvent::Failed, failure.step, Some(failure.message));
+    }
+
+    /// Starts the next thing the order needs: the first step not completed
+    /// (forward), or the last step that had, or may have had, an effect
+    /// (compensating: completed, or in flight when it was given up; a step
+    /// that failed permanently applied nothing); or finishes the order.
+    fn advance(&mut self) {
+        let (next, kind) = match self.process.state {
+            ProcessState::Processing => (
+                self.steps
+                    .iter()
+                    .position(|s| s.state != StepState::Completed),
+                StepKind::Action,
+            ),
+            ProcessState::Compensating => (
+                self.steps.iter().rposition(StepRow::needs_undo),
+                StepKind::Compensation,
+            ),
+            _ => return,
+        };
+        match next {
+            Some(index) => self.start_attempt(index, kind),
+            None => self.finish_order(),
+        }
+    }
+
+    fn start_attempt(&mut self, index: usize, kind: StepKind) {
+        if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
+            return self.wait_for_slot(index, kind);
+        }
+        let (now, attempt_id) = (self.ctx.now, self.ctx.next_attempt_id);
+        self.change_step(index, |step| {
+            step.state = match kind {
+                StepKind::Action => StepState::Running,
+                StepKind::Compensation => StepState::Compensating,
+            };
+            step.attempt += 1;
+            step.attempt_id = Some(attempt_id);
+            step.complete_by =
+                Some(now + chrono::Duration::milliseconds(i64::from(step.timeout_ms)));
+        });
+        let step = &self.steps[index];
+        self.process.complete_by = step.complete_by;
+        self.process.locked_by = Some(self.ctx.actor.to_owned());
+        let event = match kind {
+            StepKind::Action => HistoryEvent::Dispatched,
+            StepKind::Compensation => HistoryEvent::CompensationDispatched,
+        };
+        let detail = attempt_detail(step.attempt, &step.agent, operation(step, kind));
+        let name = step.name.clone();
+        let results = self
+            .steps
+            .iter()
+            .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
+        let payload = payload(&self.snapshot.body, results);
+        let dispatch = Dispatch::for_step(
+            &self.snapshot.order_id,
+            &self.steps[index],
+            kind,
+            payload,
+            self.ctx.start_margin,
+        );
+        self.progress.dispatch = Some(Box::new(dispatch));
+        self.log(event, Some(&name), Some(attempt_id), Some(detail));
+    }
+
+    /// No slot of the step's agent is free: the order waits in that agent's
+    /// line, held by nobody and with no deadline, so waiting never fails.
+    fn wait_for_slot(&mut self, index: usize, kind: StepKind) {
+        let now = self.ctx.now;
+        self.wait_in_line(index, kind, now, "has no free slot; waiting in its line");
+    }
+
+    /// Puts the order in the line of step `index`'s agent, placed as if it
+    /// had started waiting at `since`.
+    fn wait_in_line(&mut self, index: usize, kind: StepKind, since: DateTime<Utc>, why: &str) {
+        let step = &self.steps[index];
+        let agent = step.agent.clone();
+        let name = step.name.clone();
+        if self.process.state == ProcessState::Processing {
+            self.process.state = ProcessState::Pending;
+        }
+        self.process.locked_by = None;
+        self.process.complete_by = None;
+        self.process.not_before = self.ctx.now;
+        self.process.admit_key = Some(admit_key(
+            since,
+            self.snapshot.priority,
+            kind == StepKind::Compensation,
+        ));
+        let detail = format!("{agent} {why}");
+        self.process.waiting_for = Some(agent);
+        self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
+    }
+
+    fn finish_order(&mut self) {
+        let (done, event, status) = if self.process.state == ProcessState::Processing {
+            (
+                ProcessState::Processed,
+                HistoryEvent::Processed,
+                StatusEvent::Processed,
+            )
+        } else {
+            (
+                ProcessState::Compensated,
+                HistoryEvent::Compensated,
+                StatusEvent::Compensated,
+            )
+        };
+        self.process.state = done;
+        self.process.locked_by = None;
+        self.process.complete_by = None;
+        self.log(event, None, None, None);
+        self.notify(status, None, None);
+    }
+
+    fn finish(self) -> Decision {
+        let applies = matches!(self.verdict, Verdict::Applied | Verdict::Resubmitted(_));
+        if !applies {
+            // Only a stale reply leaves a trace: its history line.
+            let history = if matches!(self.verdict, Verdict::Stale(_)) {
+                self.history
+            } else {
+                Vec::new()
+            };
+            return Decision {
+                verdict: self.verdict,
+                process: None,
+                steps: Vec::new(),
+                history,
+                alert: None,
+                resolve_alerts: false,
+                progress: Progress {
+                    reply_to: self.snapshot.reply_to.clone(),
+                    correlation_id: self.snapshot.reply_correlation_id.clone(),
+                    trace_id: self.snapshot.trace_id.clone(),
+                    ..Progress::default()
+                },
+                admission: Vec::new(),
+            };
+        }
+        let steps = self
+            .changed
+            .iter()
+            .filter(|&&index| self.steps[index] != self.snapshot.steps[index])
+            .map(|&index| {
+                let before = &self.snapshot.steps[index];
+                StepChange {
+                    expected_state: before.state,
+                    expected_attempt_id: before.attempt_id,
+                    row: self.steps[index].clone(),
+                }
+            })
+            .collect();
+        let mut admission = admission_delta(
+            (&self.snapshot.process, &self.snapshot.steps),
+            (&self.process, &self.steps),
+        );
+        if self.unstarted {
+            let given_back = slot_held(&self.snapshot.process, &self.snapshot.steps);
+            if let Some(delta) = admission
+                .iter_mut()
+                .find(|d| Some(d.agent.as_str()) == given_back)
+            {
+                delta.unstarted = 1;
+            }
+        }
+        Decision {
+            admission,
+            verdict: self.verdict,
+            process: (self.process != self.snapshot.process).then_some(self.process),
+            steps,
+            history: self.history,
+            alert: self.alert,
+            resolve_alerts: self.resolve_alerts,
+            progress: self.progress,
+        }
+    }
+}

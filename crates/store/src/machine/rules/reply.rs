@@ -1,0 +1,186 @@
+//! An agent's reply: fenced by attempt id, then a success, a failure or
+//! an attempt that never started.
+
+use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply};
+
+use super::{Draft, Failure};
+use crate::machine::{storable, storable_text};
+use crate::machine::{AlertKind, HistoryEvent};
+use crate::model::{ProcessState, StepState};
+
+/// An agent's reply: applied only to the step's current attempt of an
+/// order that awaits one (fencing); anything else is stale.
+pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
+    let state = draft.process.state;
+    let expected = match state {
+        ProcessState::Processing => StepState::Running,
+        ProcessState::Compensating => StepState::Compensating,
+        other => {
+            return draft.stale(reply, format!("order is {other}, no attempt is awaited"));
+        }
+    };
+    let Some(index) = draft
+        .steps
+        .iter()
+        .position(|s| s.attempt_id == Some(reply.attempt_id) && s.state == expected)
+    else {
+        let reason = format!(
+            "attempt {} is not the step's current attempt (order {state})",
+            reply.attempt_id
+        );
+        return draft.stale(reply, reason);
+    };
+    answered(draft, index, reply);
+}
+
+/// A reply to the current attempt of step `index`: a success completes the
+/// step (or its compensation) and moves on; a refusal of an action starts
+/// compensation, of a compensation ends the order in error; a transient
+/// failure leaves the decision to the supervisor's next scan; an attempt
+/// that never started goes back to its agent's line.
+pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
+    let name = draft.steps[index].name.clone();
+    let by = format!("by {}", reply.agent_id);
+    let expected = draft.steps[index].state;
+    // "Maybe applied" is never read as "not applied": an action whose
+    // outcome this reply leaves open stays marked for undo for good.
+    if let StepOutcome::Failed {
+        maybe_applied: true,
+        ..
+    } = reply.outcome
+    {
+        if expected == StepState::Running {
+            draft.change_step(index, |step| step.maybe_applied = true);
+        }
+    }
+    match (&reply.outcome, expected) {
+        (StepOutcome::Succeeded { result }, StepState::Running) => {
+            draft.change_step(index, |step| {
+                step.state = StepState::Completed;
+                step.result = Some(storable(result));
+                step.last_error = None;
+            });
+            draft.log(
+                HistoryEvent::StepCompleted,
+                Some(&name),
+                Some(reply.attempt_id),
+                Some(by),
+            );
+            draft.notify(StatusEvent::StepCompleted, Some(&name), None);
+            draft.advance();
+        }
+        (StepOutcome::Succeeded { result }, _) => {
+            // The action's answer stays in `result`, beside the undo's.
+            draft.change_step(index, |step| {
+                step.state = StepState::Compensated;
+                step.undo_result = Some(storable(result));
+                step.last_error = None;
+            });
+            draft.log(
+                HistoryEvent::StepCompensated,
+                Some(&name),
+                Some(reply.attempt_id),
+                Some(by),
+            );
+            draft.advance();
+        }
+        (
+            StepOutcome::Failed {
+                error,
+                permanent: true,
+                ..
+            },
+            StepState::Running,
+        ) => {
+            draft.change_step(index, |step| {
+                step.state = StepState::Failed;
+                step.last_error = Some(storable_text(error));
+            });
+            let reason = format!("step {name} failed: {}", storable_text(error));
+            draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
+            draft.advance();
+        }
+        (
+            StepOutcome::Failed {
+                error,
+                permanent: true,
+                ..
+            },
+            _,
+        ) => {
+            // This undo key is decided at the remote: an operator's
+            // resubmission retries with a fresh one.
+            draft.change_step(index, |step| {
+                step.last_error = Some(storable_text(error));
+                step.undo_refused = true;
+            });
+            let reason = format!(
+                "compensation of step {name} failed permanently: {}",
+                storable_text(error)
+            );
+            draft.fail(Failure {
+                step: Some(&name),
+                attempt_id: Some(reply.attempt_id),
+                kind: AlertKind::CompensationFailed,
+                detail: reason.clone(),
+                last_error: &reason,
+                message: &reason,
+            });
+        }
+        (
+            StepOutcome::Failed {
+                error,
+                permanent: false,
+                ..
+            },
+            _,
+        ) => {
+            // The supervisor decides at its next scan whether to retry or undo.
+            draft.change_step(index, |step| step.last_error = Some(storable_text(error)));
+            draft.process.complete_by = Some(draft.ctx.now);
+            draft.log(
+                HistoryEvent::TransientFailure,
+                Some(&name),
+                Some(reply.attempt_id),
+                Some(storable_text(error)),
+            );
+        }
+        (StepOutcome::NotStarted { reason }, _) => not_started(draft, index, reply, reason),
+    }
+}
+
+/// Waiting is not failing: the agent made no call for this attempt, so
+/// nothing was applied and no failure counts. The order goes back to its
+/// agent's line, at the place it had when the attempt was dispatched (it has
+/// waited since), and starts again as a slot frees.
+pub(super) fn not_started(draft: &mut Draft<'_>, index: usize, reply: &StepReply, reason: &str) {
+    let step = &draft.steps[index];
+    let (name, attempt) = (step.name.clone(), step.attempt);
+    let since = step.started_at().unwrap_or(draft.ctx.now);
+    let kind = if step.state == StepState::Running {
+        StepKind::Action
+    } else {
+        StepKind::Compensation
+    };
+    let reason = storable_text(reason);
+    draft.change_step(index, |step| {
+        step.last_error = Some(format!("attempt {attempt} not started: {reason}"));
+        // A forward step nothing may have reached needs no undo.
+        if step.state == StepState::Running && !step.maybe_applied {
+            step.state = StepState::NotStarted;
+        }
+    });
+    draft.unstarted = true;
+    draft.log(
+        HistoryEvent::NotStarted,
+        Some(&name),
+        Some(reply.attempt_id),
+        Some(format!("by {}: {reason}", reply.agent_id)),
+    );
+    draft.wait_in_line(
+        index,
+        kind,
+        since,
+        "back in its line: the attempt never started",
+    );
+}

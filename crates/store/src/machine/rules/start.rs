@@ -1,0 +1,39 @@
+//! Intake and claims: the order's next attempt starts, or it waits in
+//! its agent's line.
+
+use sas_messages::StatusEvent;
+
+use super::Draft;
+use crate::machine::HistoryEvent;
+use crate::model::ProcessState;
+
+/// Intake: the order is held by the intake scheduler and its first step starts.
+pub(super) fn submitted(draft: &mut Draft<'_>) {
+    if draft.process.state != ProcessState::Pending || draft.steps.iter().any(|s| s.attempt > 0) {
+        return draft.unchanged("the order was already taken in");
+    }
+    draft.log(HistoryEvent::Received, None, None, None);
+    draft.notify(StatusEvent::Received, None, None);
+    draft.process.state = ProcessState::Processing;
+    draft.advance();
+}
+
+/// A claim: a pending order runs forward again; a compensation nobody holds resumes.
+pub(super) fn claimed(draft: &mut Draft<'_>) {
+    let process = &draft.process;
+    let claimable = match process.state {
+        ProcessState::Pending => true,
+        ProcessState::Compensating => process.locked_by.is_none(),
+        _ => false,
+    };
+    if !claimable || process.not_before > draft.ctx.now {
+        return draft.unchanged("the order is not ready to be claimed");
+    }
+    draft.log(HistoryEvent::Claimed, None, None, None);
+    draft.process.waiting_for = None;
+    draft.process.admit_key = None;
+    if draft.process.state == ProcessState::Pending {
+        draft.process.state = ProcessState::Processing;
+    }
+    draft.advance();
+}
