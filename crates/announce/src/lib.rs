@@ -13,6 +13,8 @@
 //! - [`Announcer::announce_durably`]: the same, sending again on the next
 //!   connection what a lost one left unconfirmed.
 //! - [`request_message`]: one step request for its agent's queue.
+//! - [`replay::replay_dead_letter`]: a dead letter published again, for
+//!   the console and `sasctl` alike.
 //!
 //! Metrics, under the names operators and the benchmark read:
 //! `sas_orders_finished_total{event}` (processed, compensated, failed),
@@ -20,6 +22,8 @@
 //!
 //! The broker crate below stays generic (channels, confirms, properties);
 //! what a status message or a step request is belongs here.
+
+pub mod replay;
 
 use std::time::Duration;
 

@@ -5,10 +5,11 @@
 //! action is recorded in the order's history as `console:<user>`.
 
 use futures_util::StreamExt as _;
+use sas_announce::replay::{replay_dead_letter, ReplayError};
 use sas_store::dead_letters::{Disposition, NotReplayable};
 use sas_store::operator::{Cancel, Resubmit};
 use sas_store::search::OrderFilter;
-use sas_store::{ProcessState, Progress};
+use sas_store::Progress;
 use serde::Serialize;
 
 use crate::auth::Principal;
@@ -18,45 +19,11 @@ use crate::Console;
 /// Orders changed at once by a bulk action (each in its own transaction).
 const BULK_CONCURRENCY: usize = 4;
 
-/// An action that applies to orders one by one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OrderAction {
-    /// Put an order that ended `error` or `compensated` back into the workflow.
-    Resubmit,
-    /// Undo what a pending or processing order did, by compensating now.
-    Cancel,
-}
+pub use sas_store::operator::OrderAction;
 
-impl OrderAction {
-    /// Its name in URLs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Resubmit => "resubmit",
-            Self::Cancel => "cancel",
-        }
-    }
-
-    /// The states of the orders it can apply to.
-    pub fn eligible(self) -> &'static [ProcessState] {
-        match self {
-            Self::Resubmit => &[ProcessState::Error, ProcessState::Compensated],
-            Self::Cancel => &[ProcessState::Pending, ProcessState::Processing],
-        }
-    }
-}
-
-impl std::str::FromStr for OrderAction {
-    type Err = Failure;
-
-    fn from_str(text: &str) -> Result<Self, Failure> {
-        match text {
-            "resubmit" => Ok(Self::Resubmit),
-            "cancel" => Ok(Self::Cancel),
-            other => Err(Failure::bad_request(format!(
-                "unknown action {other:?}: expected resubmit or cancel"
-            ))),
-        }
+impl From<sas_store::operator::UnknownAction> for Failure {
+    fn from(error: sas_store::operator::UnknownAction) -> Self {
+        Failure::bad_request(error.to_string())
     }
 }
 
@@ -279,50 +246,37 @@ impl Console {
         }
     }
 
-    /// Publishes a dead letter's recorded body again to its source queue
-    /// (confirmed by the broker), then records the replay.
-    ///
-    /// A replay is at least once: two operators replaying the same letter
-    /// at the same moment may both publish it, which the consumers absorb
-    /// (intake is idempotent on the order id, requests carry idempotency keys).
+    /// Replays a dead letter (see [`sas_announce::replay::replay_dead_letter`]).
     ///
     /// # Errors
     /// 404; 409 when it was already dealt with, its source queue is not
     /// known to be one of this deployment's, or only part of it was
     /// recorded; 503 when the broker or the store fails.
     pub async fn replay_dead_letter(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
-        let replay = match self.store.replay_of(id, &self.names).await? {
-            Ok(replay) => replay,
-            Err(NotReplayable::NotFound(_)) => {
-                return Err(Failure::not_found(format!("dead letter #{id}")))
-            }
-            Err(refusal) => return Err(Failure::conflict(refusal.to_string())),
-        };
-        let (source, body) = (replay.queue, replay.body);
         let publisher = self.session.publisher().get().map_err(|_| {
             Failure::new(
                 axum::http::StatusCode::SERVICE_UNAVAILABLE,
                 "not connected to RabbitMQ: nothing was replayed; try again once /readyz answers 200",
             )
         })?;
-        publisher
-            .publish(
-                "",
-                &source,
-                body.as_bytes(),
-                crate::broker::replay_properties(id),
-                true,
-            )
-            .await
-            .map_err(|error| {
-                Failure::new(
+        let replayed =
+            replay_dead_letter(&self.store, &self.names, &publisher, id, &who.actor()).await;
+        let source = match replayed {
+            Ok(source) => source,
+            Err(ReplayError::Refused(NotReplayable::NotFound(_))) => {
+                return Err(Failure::not_found(format!("dead letter #{id}")))
+            }
+            Err(ReplayError::Refused(refusal)) => {
+                return Err(Failure::conflict(refusal.to_string()))
+            }
+            Err(error @ ReplayError::NotTaken { .. }) => {
+                return Err(Failure::new(
                     axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                    format!("RabbitMQ did not take the replay of dead letter #{id} to {source} ({error}): nothing is recorded; try again"),
-                )
-            })?;
-        self.store
-            .dispose_dead_letter(id, Disposition::Replayed, &who.actor())
-            .await?;
+                    error.to_string(),
+                ))
+            }
+            Err(ReplayError::Store(error)) => return Err(error.into()),
+        };
         metrics::counter!("sas_console_actions_total", "action" => "replay").increment(1);
         tracing::info!(dead_letter = id, queue = %source, user = %who.name, "dead letter replayed");
         Ok(Done {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use sas_broker::lapin::options::QueueDeclareOptions;
 use sas_broker::lapin::types::FieldTable;
-use sas_broker::lapin::{BasicProperties, Connection};
+use sas_broker::lapin::Connection;
 use serde::Serialize;
 
 /// The connection of the broker session, while one is up.
@@ -102,12 +102,4 @@ pub async fn queue_depths(
         });
     }
     depths
-}
-
-/// Properties of a replayed message: persistent JSON with a fresh message id.
-pub fn replay_properties(dead_letter_id: i64) -> BasicProperties {
-    sas_broker::publish::json_properties(&format!(
-        "replay-{dead_letter_id}-{}",
-        uuid::Uuid::new_v4().simple()
-    ))
 }

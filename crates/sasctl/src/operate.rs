@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand, ValueEnum};
+use sas_announce::replay::{replay_dead_letter, ReplayError};
 use sas_store::dead_letters::Disposition;
 use sas_store::operator::{Cancel, Resubmit};
 use sas_store::search::OrderFilter;
@@ -89,9 +90,15 @@ pub enum BulkAction {
 
 impl BulkAction {
     fn eligible(self) -> &'static [ProcessState] {
-        match self {
-            Self::Resubmit => &[ProcessState::Error, ProcessState::Compensated],
-            Self::Cancel => &[ProcessState::Pending, ProcessState::Processing],
+        sas_store::operator::OrderAction::from(self).eligible()
+    }
+}
+
+impl From<BulkAction> for sas_store::operator::OrderAction {
+    fn from(action: BulkAction) -> Self {
+        match action {
+            BulkAction::Resubmit => Self::Resubmit,
+            BulkAction::Cancel => Self::Cancel,
         }
     }
 }
@@ -288,13 +295,6 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
     match command {
         DeadLettersCommand::Replay { id } => {
             let settings = target.amqp();
-            let replay = match store.replay_of(id, &settings.names()).await? {
-                Ok(replay) => replay,
-                Err(refusal) => {
-                    eprintln!("{refusal}");
-                    return Ok(ExitCode::FAILURE);
-                }
-            };
             let connection = sas_broker::connect(&settings, "sasctl")
                 .await
                 .context("cannot connect to RabbitMQ")?;
@@ -303,29 +303,18 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
             if let Some(user) = settings.user() {
                 publisher = publisher.identified_as(user);
             }
-            publisher
-                .publish(
-                    "",
-                    &replay.queue,
-                    replay.body.as_bytes(),
-                    sas_broker::publish::json_properties(&format!(
-                        "replay-{id}-{}",
-                        uuid::Uuid::new_v4().simple()
-                    )),
-                    true,
-                )
-                .await
-                .with_context(|| {
-                    format!(
-                        "RabbitMQ did not take the replay to {}: nothing is recorded",
-                        replay.queue
-                    )
-                })?;
+            let replayed =
+                replay_dead_letter(&store, &settings.names(), &publisher, id, &actor).await;
             let _ = connection.close(200, "done".into()).await;
-            store
-                .dispose_dead_letter(id, Disposition::Replayed, &actor)
-                .await?;
-            println!("dead letter #{id} replayed to {}", replay.queue);
+            let queue = match replayed {
+                Ok(queue) => queue,
+                Err(ReplayError::Refused(refusal)) => {
+                    eprintln!("{refusal}");
+                    return Ok(ExitCode::FAILURE);
+                }
+                Err(error) => return Err(error.into()),
+            };
+            println!("dead letter #{id} replayed to {queue}");
             Ok(ExitCode::SUCCESS)
         }
         DeadLettersCommand::Discard { id } => {

@@ -16,7 +16,11 @@ pub enum StoreError {
     /// A statement shared by a batch of callers failed; each caller gets this.
     #[error("{0}")]
     Shared(std::sync::Arc<StoreError>),
-    /// The data contradicts a rule of the state machine; a bug, not bad luck.
+    /// Nothing to retry here: the data contradicts a rule of the state
+    /// machine (a bug, not bad luck), the workflow cannot be stored (no
+    /// steps), or a caller's group-commit batch gave no answer (it
+    /// panicked, or the process is stopping). The message concerned goes
+    /// back to its queue; the text says which case.
     #[error("state store invariant broken: {0}")]
     Invariant(String),
 }

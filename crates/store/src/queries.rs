@@ -86,6 +86,19 @@ pub struct HistoryEntry {
     pub detail: Option<String>,
 }
 
+/// Where the status messages of an order go, besides `sas.status`.
+#[derive(Debug, Clone, Default, sqlx::FromRow, serde::Serialize)]
+pub struct Delivery {
+    /// The client's status queue, if it named one.
+    pub reply_to: Option<String>,
+    /// The client's correlation id on those messages.
+    pub reply_correlation_id: Option<String>,
+    /// Priority, 0 to 9.
+    pub priority: i16,
+    /// The agent whose line the order waits in, if it waits.
+    pub waiting_for: Option<String>,
+}
+
 /// Everything known about one order.
 #[derive(Debug, Clone, Serialize)]
 pub struct OrderDetail {
@@ -217,6 +230,21 @@ impl Store {
         .fetch_all(self.pool())
         .await?;
         Ok(Some((summary, steps)))
+    }
+
+    /// Where an order's status messages go, besides `sas.status`, and the
+    /// line it waits in; `None` if no such order exists.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn order_delivery(&self, order_id: &str) -> Result<Option<Delivery>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT reply_to, reply_correlation_id, priority, waiting_for
+               FROM order_process WHERE order_id = $1",
+        )
+        .bind(order_id)
+        .fetch_optional(self.pool())
+        .await?)
     }
 
     /// The order as submitted, if the store holds it (one read: the HTTP

@@ -8,7 +8,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use maud::{html, Markup};
-use sas_store::queries::{OrderDetail, StepView};
+use sas_store::queries::{Delivery, OrderDetail, StepView};
 use sas_store::{ProcessState, StepState};
 use serde::Deserialize;
 
@@ -16,19 +16,6 @@ use crate::auth::Principal;
 use crate::error::{Failure, PageFailure};
 use crate::timeline::{self, Timeline};
 use crate::Console;
-
-/// Where the status messages of an order go, besides `sas.status`.
-#[derive(Debug, Clone, Default, sqlx::FromRow, serde::Serialize)]
-pub struct Delivery {
-    /// The client's status queue, if it named one.
-    pub reply_to: Option<String>,
-    /// The client's correlation id on those messages.
-    pub reply_correlation_id: Option<String>,
-    /// Priority, 0 to 9.
-    pub priority: i16,
-    /// The agent whose line the order waits in, if it waits.
-    pub waiting_for: Option<String>,
-}
 
 /// Everything the order page shows.
 pub struct OrderView {
@@ -48,14 +35,11 @@ pub async fn load(console: &Console, order_id: &str) -> Result<OrderView, Failur
         .order_detail(order_id)
         .await?
         .ok_or_else(|| Failure::not_found(format!("order {order_id}")))?;
-    let delivery = sqlx::query_as(
-        "SELECT reply_to, reply_correlation_id, priority, waiting_for FROM order_process WHERE order_id = $1",
-    )
-    .bind(order_id)
-    .fetch_optional(console.store.pool())
-    .await
-    .map_err(sas_store::StoreError::from)?
-    .unwrap_or_default();
+    let delivery = console
+        .store
+        .order_delivery(order_id)
+        .await?
+        .unwrap_or_default();
     Ok(OrderView { detail, delivery })
 }
 
