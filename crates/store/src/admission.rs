@@ -1,25 +1,43 @@
 //! Admission control's shared state: one row per agent (`admission`), read
-//! by every scheduler and adapted by the supervisors.
-//!
-//! The limit of attempts in flight per agent follows what the agent's
-//! replicas measurably finish: every adaptation window, the completions
-//! counted (`settled`; an attempt that never started is not one) give a
-//! rate, and `rate × deadline × share` is the number of attempts that can
-//! wait and run within `share` of a step's deadline. The limit grows to that
-//! target at once (a fast agent must not be held back), and while orders
-//! wait in the agent's line it shrinks towards it, at most halving per
-//! window. Only a limit in use is trusted (as TCP's congestion window
-//! validation): while nobody waits in the agent's line it never exceeds
-//! twice the most attempts in flight during the window, or the initial
-//! limit, so a limit learnt while the remote service was fast and busy
-//! decays while it is quiet instead of admitting the next burst at once.
-//! A line means the limit is in full use: it may go to the target. The ceiling caps it, and it never drops below one.
+//! by every scheduler and adapted by the supervisors. What the counters mean
+//! and how the limit adapts (the control law) is decided in
+//! [`crate::machine::admission`]; this module reads and writes the rows.
 
 use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::machine::admission::{adapted_limit, Window};
 use crate::{Store, StoreError};
+
+/// An agent's row whose window is due, as the control law reads it.
+#[derive(sqlx::FromRow)]
+struct DueWindow {
+    agent: String,
+    admit_limit: i32,
+    initial_limit: i32,
+    ceiling: i32,
+    waiting: i32,
+    peak_in_flight: i32,
+    settled: i64,
+    seconds: f64,
+    deadline_ms: i32,
+}
+
+impl DueWindow {
+    fn window(&self) -> Window {
+        Window {
+            limit: self.admit_limit,
+            initial: self.initial_limit,
+            ceiling: self.ceiling,
+            waiting: self.waiting,
+            peak_in_flight: self.peak_in_flight,
+            settled: self.settled,
+            seconds: self.seconds,
+            deadline_ms: self.deadline_ms,
+        }
+    }
+}
 
 /// One agent's admission counters, for gauges and operators.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
@@ -101,8 +119,11 @@ impl Store {
         Ok(())
     }
 
-    /// Adapts the limit of every agent whose window has run its length (see
-    /// the module documentation), and returns every agent's counters.
+    /// Adapts the limit of every agent whose window has run its length, by
+    /// [`crate::machine::admission::adapted_limit`] (the control law, in
+    /// Rust), and returns every agent's counters. The rows adapted stay
+    /// locked from their read to their write; a row another supervisor is
+    /// adapting is skipped.
     ///
     /// # Errors
     /// When the database fails.
@@ -110,42 +131,42 @@ impl Store {
         &self,
         adaptation: &Adaptation,
     ) -> Result<Vec<AgentAdmission>, StoreError> {
-        let rows = sqlx::query_as(
-            "WITH due AS (
-                 SELECT agent,
-                        CEIL((settled - window_settled) / GREATEST(EXTRACT(EPOCH FROM now() - window_started), 0.001)
-                             * deadline_ms / 1000.0 * $2)::int8 AS target
-                   FROM admission
-                  WHERE now() - window_started >= make_interval(secs => $1::float8 / 1000)
-                  ORDER BY agent
-                    FOR UPDATE SKIP LOCKED),
-             adapted AS (
-                 UPDATE admission a
-                    SET admit_limit = LEAST(a.ceiling,
-                            CASE WHEN a.waiting > 0 THEN a.ceiling
-                                 ELSE GREATEST(a.initial_limit, 2 * a.peak_in_flight::int8)
-                            END,
-                            GREATEST(1,
-                                CASE WHEN a.waiting > 0
-                                     THEN GREATEST(due.target, a.admit_limit / 2)
-                                     ELSE GREATEST(due.target, a.admit_limit)
-                                END))::int4,
-                        window_settled = a.settled, window_started = now(),
-                        peak_in_flight = a.in_flight
-                   FROM due WHERE a.agent = due.agent
-              RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling)
-             -- The statement's own snapshot predates its update: the adapted
-             -- rows come from RETURNING.
-             SELECT * FROM adapted
-             UNION ALL
-             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission
-              WHERE agent NOT IN (SELECT agent FROM adapted)
-             ORDER BY agent",
+        let mut tx = self.pool().begin().await?;
+        let due: Vec<DueWindow> = sqlx::query_as(
+            "SELECT agent, admit_limit, initial_limit, ceiling, waiting, peak_in_flight,
+                    settled - window_settled AS settled,
+                    GREATEST(EXTRACT(EPOCH FROM now() - window_started), 0)::float8 AS seconds,
+                    deadline_ms
+               FROM admission
+              WHERE now() - window_started >= make_interval(secs => $1::float8 / 1000)
+              ORDER BY agent
+                FOR UPDATE SKIP LOCKED",
         )
         .bind(adaptation.window.as_millis() as f64)
-        .bind(adaptation.deadline_share)
-        .fetch_all(self.pool())
+        .fetch_all(&mut *tx)
         .await?;
+        let limits: Vec<i32> = due
+            .iter()
+            .map(|row| adapted_limit(&row.window(), adaptation.deadline_share))
+            .collect();
+        let agents: Vec<&str> = due.iter().map(|row| row.agent.as_str()).collect();
+        sqlx::query(
+            "UPDATE admission a
+                SET admit_limit = d.admit_limit, window_settled = a.settled,
+                    window_started = now(), peak_in_flight = a.in_flight
+               FROM UNNEST($1::text[], $2::int4[]) AS d(agent, admit_limit)
+              WHERE a.agent = d.agent",
+        )
+        .bind(&agents)
+        .bind(&limits)
+        .execute(&mut *tx)
+        .await?;
+        let rows = sqlx::query_as(
+            "SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission ORDER BY agent",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
         Ok(rows)
     }
 

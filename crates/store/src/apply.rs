@@ -22,6 +22,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use crate::machine::admission::has_room;
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot, StepRow};
 use crate::{Store, StoreError};
 
@@ -327,9 +328,7 @@ async fn apply(
 /// when the decision would take a slot of an agent with none free, decides
 /// again with that agent closed, and the order waits in its line instead.
 ///
-/// A slot is free when fewer attempts are in flight than the agent's limit
-/// and, for new forward work, nobody waits in its line (an undo, or the
-/// order at the head of the line, does not queue behind others). The check
+/// Whether a slot is free is [`has_room`]'s rule. The check
 /// reads the counters without locking them, so schedulers deciding at the
 /// same moment can overshoot the limit by a few: it bounds queueing, it is
 /// not a semaphore.
@@ -347,15 +346,16 @@ async fn decide_admitted(
         return Ok(decision);
     };
     let first_in_line = kind == StepKind::Compensation || snapshot.process.waiting_for.is_some();
-    let room: Option<bool> = sqlx::query_scalar(
-        "SELECT in_flight < admit_limit AND (waiting = 0 OR $2) FROM admission WHERE agent = $1",
-    )
-    .bind(agent)
-    .bind(first_in_line)
-    .fetch_optional(&mut *conn)
-    .await?;
+    let counters: Option<(i32, i32, i32)> =
+        sqlx::query_as("SELECT in_flight, admit_limit, waiting FROM admission WHERE agent = $1")
+            .bind(agent)
+            .fetch_optional(&mut *conn)
+            .await?;
     // An agent without a row has no admission control.
-    if room.unwrap_or(true) {
+    let room = counters.is_none_or(|(in_flight, limit, waiting)| {
+        has_room(in_flight, limit, waiting, first_in_line)
+    });
+    if room {
         return Ok(decision);
     }
     let agent = agent.to_owned();

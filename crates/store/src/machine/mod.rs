@@ -20,6 +20,7 @@
 //!   payload, deadline and history detail.
 //! - `rules`: the decisions, one function per event.
 
+pub mod admission;
 pub mod dispatch;
 pub mod names;
 mod rules;
@@ -34,6 +35,9 @@ use sas_runtime::Backoff;
 use serde::Serialize;
 
 use crate::model::{NewStep, ProcessState, Progress, StepState};
+pub use admission::{
+    admission_delta, admit_key, slot_held, AdmissionDelta, PRIORITY_STEP, UNDO_HEAD_START,
+};
 pub use names::{AlertKind, HistoryEvent, ResubmitAction};
 pub use rules::decide;
 pub use sas_messages::storable::{storable, storable_text};
@@ -359,89 +363,6 @@ pub struct Decision {
     pub progress: Progress,
     /// How the agents' admission counters move.
     pub admission: Vec<AdmissionDelta>,
-}
-
-/// How one agent's admission counters move with a decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdmissionDelta {
-    /// The agent.
-    pub agent: String,
-    /// Attempts in flight: +1 for a slot taken, -1 for one given back.
-    pub in_flight: i32,
-    /// Orders in line.
-    pub waiting: i32,
-    /// Of the slots given back, those of attempts that never started: not
-    /// completions, so they do not count towards the agent's measured rate.
-    pub unstarted: i32,
-}
-
-/// The agent whose slot an order holds: the agent of its attempt in flight,
-/// while a scheduler holds the order with a deadline.
-pub fn slot_held<'a>(process: &ProcessRow, steps: &'a [StepRow]) -> Option<&'a str> {
-    let in_flight = match process.state {
-        ProcessState::Processing => StepState::Running,
-        ProcessState::Compensating => StepState::Compensating,
-        _ => return None,
-    };
-    if process.locked_by.is_none() || process.complete_by.is_none() {
-        return None;
-    }
-    steps
-        .iter()
-        .find(|step| step.state == in_flight)
-        .map(|step| step.agent.as_str())
-}
-
-/// How the admission counters move when an order goes from `before` to
-/// `after` (process record and steps): a slot given back and one taken, a
-/// place in line left and one taken.
-pub fn admission_delta(
-    before: (&ProcessRow, &[StepRow]),
-    after: (&ProcessRow, &[StepRow]),
-) -> Vec<AdmissionDelta> {
-    let mut deltas: Vec<AdmissionDelta> = Vec::new();
-    let mut add = |agent: Option<&str>, in_flight: i32, waiting: i32| {
-        let Some(agent) = agent else { return };
-        match deltas.iter_mut().find(|d| d.agent == agent) {
-            Some(delta) => {
-                delta.in_flight += in_flight;
-                delta.waiting += waiting;
-            }
-            None => deltas.push(AdmissionDelta {
-                agent: agent.to_owned(),
-                in_flight,
-                waiting,
-                unstarted: 0,
-            }),
-        }
-    };
-    add(slot_held(before.0, before.1), -1, 0);
-    add(slot_held(after.0, after.1), 1, 0);
-    add(before.0.waiting_for.as_deref(), 0, -1);
-    add(after.0.waiting_for.as_deref(), 0, 1);
-    deltas.retain(|d| d.in_flight != 0 || d.waiting != 0);
-    deltas.sort_by(|a, b| a.agent.cmp(&b.agent));
-    deltas
-}
-
-/// Levels of priority are worth this much waiting: an order of priority p
-/// goes before orders of priority p-1 that started waiting less than this
-/// before it, and never waits more than this per level behind later ones.
-pub const PRIORITY_STEP: chrono::TimeDelta = chrono::TimeDelta::seconds(10);
-
-/// Compensations go before any new work of the same agent.
-pub const UNDO_HEAD_START: chrono::TimeDelta = chrono::TimeDelta::days(1);
-
-/// An order's place in an agent's line: the time it started waiting, less
-/// [`PRIORITY_STEP`] per priority level, less [`UNDO_HEAD_START`] for an undo.
-pub fn admit_key(now: DateTime<Utc>, priority: i16, undo: bool) -> DateTime<Utc> {
-    let head_start = PRIORITY_STEP * i32::from(priority)
-        + if undo {
-            UNDO_HEAD_START
-        } else {
-            chrono::TimeDelta::zero()
-        };
-    to_micros(now - head_start)
 }
 
 impl Decision {
