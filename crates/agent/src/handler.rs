@@ -82,125 +82,44 @@ impl Agent {
                 );
             });
         }
-        self.handle_request(
-            lane,
+        let received = Received {
             request,
-            delivery.redelivered,
-            &reply_to,
-            trace_id.as_deref(),
-            publisher,
-            connection_lost,
-        )
-        .instrument(span)
-        .await
+            redelivered: delivery.redelivered,
+            reply_to,
+            trace_id,
+        };
+        self.handle_request(lane, &received, publisher, connection_lost)
+            .instrument(span)
+            .await
     }
 
-    // What one delivery carries, passed through as it is.
-    #[allow(clippy::too_many_arguments)]
+    /// Calls the service for `received`'s request, then replies.
     async fn handle_request(
         &self,
         lane: &Lane,
-        request: StepRequest,
-        redelivered: bool,
-        reply_to: &str,
-        trace_id: Option<&str>,
+        received: &Received,
         publisher: &Publisher,
         connection_lost: &CancellationToken,
     ) -> Consumed {
-        let correlation_id = request.attempt_id.to_string();
+        let request = &received.request;
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
         let finished = self
-            .call_until_deadline(lane, &request, redelivered, trace_id, connection_lost)
+            .call_until_deadline(lane, received, connection_lost)
             .await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
-        let outcome = match finished {
-            Finished::Reply(outcome) => outcome,
-            Finished::Expired => {
-                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
-                tracing::warn!(complete_by = %request.complete_by, start_by = ?request.start_by, "start deadline passed and no call can have reached the service; stopping without a reply");
-                return Consumed::Ack;
-            }
-            Finished::NotStarted if request.start_by.is_none() => {
-                // Only schedulers that know this answer send start_by
-                // (docs/messages.md, Upgrades): an older one gets silence,
-                // as before the answer existed, and its supervisor retries
-                // the step at its deadline.
-                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
-                tracing::warn!(complete_by = %request.complete_by, "start deadline passed before any call; the request has no start_by, so its sender may not know not_started: no reply");
-                return Consumed::Ack;
-            }
-            Finished::NotStarted => {
-                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
-                let waited = (self.clock.database_now()
-                    - request.dispatched_at.unwrap_or(request.complete_by))
-                .num_milliseconds()
-                .max(0);
-                tracing::info!(start_by = ?request.start_by, waited_ms = waited, "start deadline passed before any call; replying not started");
-                StepOutcome::NotStarted {
-                    reason: format!(
-                        "start-by passed before any call was made (waited {waited} ms since dispatch for the queue or a call slot)"
-                    ),
-                }
-            }
-            Finished::Interrupted => return Consumed::Requeue,
+        let outcome = match self.outcome_of(finished, request) {
+            Ok(outcome) => outcome,
+            Err(consumed) => return consumed,
         };
+        let label = outcome_label(&outcome);
+        metrics::histogram!("sas_agent_step_duration_seconds", "action" => request.action.clone(), "outcome" => label)
+            .record(started.elapsed().as_secs_f64());
         let failure = match &outcome {
             StepOutcome::Failed { error, .. } => Some(error.clone()),
             StepOutcome::Succeeded { .. } | StepOutcome::NotStarted { .. } => None,
         };
-        let label = match &outcome {
-            StepOutcome::Succeeded { .. } => "succeeded",
-            StepOutcome::NotStarted { .. } => "not_started",
-            StepOutcome::Failed {
-                permanent: true,
-                maybe_applied: false,
-                ..
-            } => "failed_permanent",
-            StepOutcome::Failed {
-                permanent: true, ..
-            } => "failed_permanent_maybe_applied",
-            StepOutcome::Failed {
-                maybe_applied: true,
-                ..
-            } => "failed_maybe_applied",
-            StepOutcome::Failed { .. } => "failed_transient",
-        };
-        metrics::histogram!("sas_agent_step_duration_seconds", "action" => request.action.clone(), "outcome" => label)
-            .record(started.elapsed().as_secs_f64());
-        let reply = StepReply {
-            schema_version: SCHEMA_VERSION,
-            order_id: request.order_id.clone(),
-            step: request.step.clone(),
-            attempt_id: request.attempt_id,
-            agent_id: self.id.clone(),
-            outcome,
-        };
-        let properties = json_properties(&uuid::Uuid::now_v7().to_string())
-            .with_correlation_id(correlation_id.as_str().into())
-            .with_headers(sas_broker::publish::order_headers(
-                &request.order_id,
-                trace_id,
-            ));
-        let message = Outgoing {
-            exchange: String::new(),
-            routing_key: reply_to.to_owned(),
-            body: serde_json::to_vec(&reply).expect("wire types always serialize"),
-            properties,
-            mandatory: true,
-        };
-        // A reply the broker did not confirm (a quorum queue electing a
-        // leader nacks; a node that died takes its confirms with it) is sent
-        // again, unchanged, on this connection after a pause or on the next
-        // one, for REPLY_RESEND_WINDOW: handing the request back at once
-        // would call the remote service again and, in a tight loop, spend
-        // the request's delivery limit in a second.
-        let give_up = tokio::time::Instant::now() + REPLY_RESEND_WINDOW;
-        match self
-            .publishers
-            .deliver(Some(publisher), &[message], give_up, &self.shutdown)
-            .await
-        {
+        match self.reply(received, outcome, publisher).await {
             Ok(()) => {
                 match failure {
                     Some(error) => tracing::warn!(outcome = label, error = %error, "replied"),
@@ -217,30 +136,126 @@ impl Agent {
         }
     }
 
+    /// The reply's outcome for how the calls ended, or what to do with the
+    /// request when there is no reply to send.
+    fn outcome_of(
+        &self,
+        finished: Finished,
+        request: &StepRequest,
+    ) -> Result<StepOutcome, Consumed> {
+        match finished {
+            Finished::Reply(outcome) => Ok(outcome),
+            Finished::Expired => {
+                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
+                tracing::warn!(complete_by = %request.complete_by, start_by = ?request.start_by, "start deadline passed and no call can have reached the service; stopping without a reply");
+                Err(Consumed::Ack)
+            }
+            Finished::NotStarted if request.start_by.is_none() => {
+                // Only schedulers that know this answer send start_by
+                // (docs/messages.md, Upgrades): an older one gets silence,
+                // as before the answer existed, and its supervisor retries
+                // the step at its deadline.
+                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
+                tracing::warn!(complete_by = %request.complete_by, "start deadline passed before any call; the request has no start_by, so its sender may not know not_started: no reply");
+                Err(Consumed::Ack)
+            }
+            Finished::NotStarted => {
+                metrics::counter!("sas_agent_deadline_expired_total").increment(1);
+                let waited = (self.clock.database_now()
+                    - request.dispatched_at.unwrap_or(request.complete_by))
+                .num_milliseconds()
+                .max(0);
+                tracing::info!(start_by = ?request.start_by, waited_ms = waited, "start deadline passed before any call; replying not started");
+                Ok(StepOutcome::NotStarted {
+                    reason: format!(
+                        "start-by passed before any call was made (waited {waited} ms since dispatch for the queue or a call slot)"
+                    ),
+                })
+            }
+            Finished::Interrupted => Err(Consumed::Requeue),
+        }
+    }
+
+    /// Publishes the reply to the request's `reply_to`, with its
+    /// correlation id and the order's headers, and waits for the confirm.
+    ///
+    /// A reply the broker did not confirm (a quorum queue electing a leader
+    /// nacks; a node that died takes its confirms with it) is sent again,
+    /// unchanged, on this connection after a pause or on the next one, for
+    /// [`REPLY_RESEND_WINDOW`]: handing the request back at once would call
+    /// the remote service again and, in a tight loop, spend the request's
+    /// delivery limit in a second.
+    ///
+    /// # Errors
+    /// When it is still not confirmed at the end of the window.
+    async fn reply(
+        &self,
+        received: &Received,
+        outcome: StepOutcome,
+        publisher: &Publisher,
+    ) -> Result<(), sas_broker::BrokerError> {
+        let request = &received.request;
+        let reply = StepReply {
+            schema_version: SCHEMA_VERSION,
+            order_id: request.order_id.clone(),
+            step: request.step.clone(),
+            attempt_id: request.attempt_id,
+            agent_id: self.id.clone(),
+            outcome,
+        };
+        let properties = json_properties(&uuid::Uuid::now_v7().to_string())
+            .with_correlation_id(request.attempt_id.to_string().into())
+            .with_headers(sas_broker::publish::order_headers(
+                &request.order_id,
+                received.trace_id.as_deref(),
+            ));
+        let message = Outgoing {
+            exchange: String::new(),
+            routing_key: received.reply_to.clone(),
+            body: serde_json::to_vec(&reply).expect("wire types always serialize"),
+            properties,
+            mandatory: true,
+        };
+        let give_up = tokio::time::Instant::now() + REPLY_RESEND_WINDOW;
+        self.publishers
+            .deliver(Some(publisher), &[message], give_up, &self.shutdown)
+            .await
+    }
+
+    /// Calls the service for the request, retrying what did not settle with
+    /// the same idempotency key, until an answer settles it or its start
+    /// deadline passes.
     async fn call_until_deadline(
         &self,
         lane: &Lane,
-        request: &StepRequest,
-        redelivered: bool,
-        trace_id: Option<&str>,
+        received: &Received,
         connection_lost: &CancellationToken,
     ) -> Finished {
         let settings = &self.settings.agent;
+        let request = &received.request;
         let deadlines = self.deadlines(request);
-        let mut attempt: u32 = 0;
-        // Whether some call of this request may have reached the service
-        // (an unknown outcome, or a 409 "in progress"): once true, no later
-        // answer makes the step "not applied".
-        let mut maybe_applied = false;
-        let mut last_error = String::new();
-        // Whether this request may have met the service: a call was made,
-        // the circuit (opened by the service's failures) held it back, or it
-        // is a redelivery, whose earlier delivery may have called (an agent
-        // killed mid-call): never "not started" then.
-        let mut tried = redelivered;
+        let retries = sas_runtime::Backoff::new(
+            Duration::from_millis(settings.retry_base_ms),
+            Duration::from_millis(settings.retry_max_ms),
+            sas_runtime::Jitter::Full,
+        );
+        let mut tries = Tries {
+            attempt: 0,
+            maybe_applied: false,
+            last_error: String::new(),
+            // A redelivery's earlier delivery may have called (an agent
+            // killed mid-call): never "not started" then.
+            tried: received.redelivered,
+        };
+        let interrupted = || async {
+            tokio::select! {
+                () = self.shutdown.cancelled() => {}
+                () = connection_lost.cancelled() => {}
+            }
+        };
         loop {
             let Some(left) = self.time_left(deadlines.start_by) else {
-                return expired(tried, maybe_applied, &last_error);
+                return tries.expired();
             };
             if !lane.circuit.allow() {
                 // Fail fast: no call to a service that keeps failing. The
@@ -248,15 +263,14 @@ impl Agent {
                 // than answering at once and using up the order's failures
                 // in a few seconds of outage.
                 metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone()).increment(1);
-                tried = true;
+                tries.tried = true;
                 let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
                 if wait >= left {
-                    return expired(tried, maybe_applied, &last_error);
+                    return tries.expired();
                 }
                 tokio::select! {
                     () = tokio::time::sleep(wait) => continue,
-                    () = self.shutdown.cancelled() => return Finished::Interrupted,
-                    () = connection_lost.cancelled() => return Finished::Interrupted,
+                    () = interrupted() => return Finished::Interrupted,
                 }
             }
             // Waiting for a call slot counts against the deadline too: a call
@@ -265,25 +279,24 @@ impl Agent {
             let permit = tokio::select! {
                 permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
                     Ok(permit) => permit.expect("the semaphore is never closed"),
-                    Err(_) => return expired(tried, maybe_applied, &last_error),
+                    Err(_) => return tries.expired(),
                 },
-                () = self.shutdown.cancelled() => return Finished::Interrupted,
-                () = connection_lost.cancelled() => return Finished::Interrupted,
+                () = interrupted() => return Finished::Interrupted,
             };
-            if self.time_left(deadlines.start_by).is_none() {
-                return expired(tried, maybe_applied, &last_error);
-            }
-            let Some(until_complete) = self.time_left(deadlines.complete_by) else {
-                return expired(tried, maybe_applied, &last_error);
+            let (Some(_), Some(until_complete)) = (
+                self.time_left(deadlines.start_by),
+                self.time_left(deadlines.complete_by),
+            ) else {
+                return tries.expired();
             };
             let timeout = until_complete.min(Duration::from_millis(settings.call_timeout_ms));
-            tried = true;
+            tries.tried = true;
             // A call under way is not cut short by shutdown: the drain limit
             // bounds it, and cutting it would only make the call repeat. A
             // lost broker connection does cut it: the request is back in the
             // queue for another agent, and this one must stop calling for it.
             let result = tokio::select! {
-                result = lane.remote.call(request, timeout, trace_id) => result,
+                result = lane.remote.call(request, timeout, received.trace_id.as_deref()) => result,
                 () = connection_lost.cancelled() => {
                     metrics::counter!("sas_agent_calls_abandoned_total").increment(1);
                     tracing::warn!("broker connection lost: call abandoned; the request goes back to its queue");
@@ -291,79 +304,28 @@ impl Agent {
                 }
             };
             drop(permit);
-            metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => result.class()).increment(1);
             let class = result.class();
-            let mut logged = false;
-            let error = match result {
-                CallResult::Succeeded(result) => {
-                    lane.circuit.record_success();
-                    return Finished::Reply(StepOutcome::Succeeded { result });
-                }
-                CallResult::Refused(error) => {
-                    lane.circuit.record_success();
-                    let error = if maybe_applied {
-                        bounded_text(&format!(
-                            "{error} (after an earlier call whose outcome is unknown: {last_error})"
-                        ))
-                    } else {
-                        error
-                    };
-                    return Finished::Reply(StepOutcome::Failed {
-                        error,
-                        permanent: true,
-                        maybe_applied,
-                    });
-                }
-                CallResult::Transient { error, certificate } => {
-                    lane.circuit.record_failure();
-                    if certificate {
-                        // One clear line per failure, naming the URL.
-                        tracing::warn!(error = %error, attempt, "TLS certificate of the remote service not accepted; nothing was sent");
-                        logged = true;
-                    }
-                    error
-                }
-                CallResult::InProgress(error) => {
-                    // The service answered: it is up, and busy with this key.
-                    lane.circuit.record_success();
-                    maybe_applied = true;
-                    error
-                }
-                CallResult::Unknown {
-                    error,
-                    service_failed,
-                } => {
-                    if service_failed {
-                        lane.circuit.record_failure();
-                    } else {
-                        lane.circuit.record_success();
-                    }
-                    maybe_applied = true;
-                    error
-                }
+            metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => class).increment(1);
+            let (error, logged) = match tries.settle(lane, result) {
+                Ok(finished) => return finished,
+                Err(unsettled) => unsettled,
             };
             metrics::counter!("sas_agent_retries_total").increment(1);
-            attempt = attempt.saturating_add(1);
+            tries.attempt = tries.attempt.saturating_add(1);
             // Retry n waits up to retry_base × 2^n: the first retry already
             // twice the base.
-            let wait = sas_runtime::Backoff::new(
-                Duration::from_millis(settings.retry_base_ms),
-                Duration::from_millis(settings.retry_max_ms),
-                sas_runtime::Jitter::Full,
-            )
-            .wait(attempt.saturating_add(1));
+            let wait = retries.wait(tries.attempt.saturating_add(1));
             if !logged {
-                tracing::info!(class, error = %error, attempt, wait_ms = wait.as_millis() as u64, maybe_applied, "call not settled; retrying the same key");
+                tracing::info!(class, error = %error, attempt = tries.attempt, wait_ms = wait.as_millis() as u64, maybe_applied = tries.maybe_applied, "call not settled; retrying the same key");
             }
-            last_error = error;
+            tries.last_error = error;
             match self.time_left(deadlines.start_by) {
                 Some(left) if left > wait => {}
-                _ => return expired(tried, maybe_applied, &last_error),
+                _ => return tries.expired(),
             }
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
-                () = self.shutdown.cancelled() => return Finished::Interrupted,
-                () = connection_lost.cancelled() => return Finished::Interrupted,
+                () = interrupted() => return Finished::Interrupted,
             }
         }
     }
@@ -411,21 +373,125 @@ struct Deadlines {
     complete_by: DateTime<Utc>,
 }
 
-/// How a request ends at its start deadline: silently when no call can
-/// have reached the service (the supervisor owns the step), otherwise with
-/// a failure that says the step may have been applied.
-fn expired(tried: bool, maybe_applied: bool, last_error: &str) -> Finished {
-    if !tried {
-        Finished::NotStarted
-    } else if maybe_applied {
-        Finished::Reply(StepOutcome::Failed {
-            error: bounded_text(&format!(
-                "start deadline reached; an earlier call may have been applied: {last_error}"
-            )),
-            permanent: false,
-            maybe_applied: true,
-        })
-    } else {
-        Finished::Expired
+/// What one request's calls have learnt so far.
+struct Tries {
+    /// Retries made.
+    attempt: u32,
+    /// Whether some call may have reached the service (an unknown
+    /// outcome, or a 409 "in progress"): once true, no later answer makes
+    /// the step "not applied".
+    maybe_applied: bool,
+    /// The last call's error.
+    last_error: String,
+    /// Whether this request may have met the service: a call was made, the
+    /// circuit (opened by the service's failures) held it back, or it is a
+    /// redelivery.
+    tried: bool,
+}
+
+impl Tries {
+    /// What one call's result settles: `Ok` with how the request ends (a
+    /// success, a refusal), or `Err` with the error to retry after and
+    /// whether it was logged already. Records the result on the circuit.
+    fn settle(&mut self, lane: &Lane, result: CallResult) -> Result<Finished, (String, bool)> {
+        match result {
+            CallResult::Succeeded(result) => {
+                lane.circuit.record_success();
+                Ok(Finished::Reply(StepOutcome::Succeeded { result }))
+            }
+            CallResult::Refused(error) => {
+                lane.circuit.record_success();
+                let error = if self.maybe_applied {
+                    bounded_text(&format!(
+                        "{error} (after an earlier call whose outcome is unknown: {})",
+                        self.last_error
+                    ))
+                } else {
+                    error
+                };
+                Ok(Finished::Reply(StepOutcome::Failed {
+                    error,
+                    permanent: true,
+                    maybe_applied: self.maybe_applied,
+                }))
+            }
+            CallResult::Transient { error, certificate } => {
+                lane.circuit.record_failure();
+                if certificate {
+                    // One clear line per failure, naming the URL.
+                    tracing::warn!(error = %error, attempt = self.attempt, "TLS certificate of the remote service not accepted; nothing was sent");
+                }
+                Err((error, certificate))
+            }
+            CallResult::InProgress(error) => {
+                // The service answered: it is up, and busy with this key.
+                lane.circuit.record_success();
+                self.maybe_applied = true;
+                Err((error, false))
+            }
+            CallResult::Unknown {
+                error,
+                service_failed,
+            } => {
+                if service_failed {
+                    lane.circuit.record_failure();
+                } else {
+                    lane.circuit.record_success();
+                }
+                self.maybe_applied = true;
+                Err((error, false))
+            }
+        }
     }
+
+    /// How the request ends at its start deadline: silently when no call
+    /// can have reached the service (the supervisor owns the step),
+    /// otherwise with a failure that says the step may have been applied.
+    fn expired(&self) -> Finished {
+        if !self.tried {
+            Finished::NotStarted
+        } else if self.maybe_applied {
+            Finished::Reply(StepOutcome::Failed {
+                error: bounded_text(&format!(
+                    "start deadline reached; an earlier call may have been applied: {}",
+                    self.last_error
+                )),
+                permanent: false,
+                maybe_applied: true,
+            })
+        } else {
+            Finished::Expired
+        }
+    }
+}
+
+/// The label of an outcome in `sas_agent_step_duration_seconds`.
+fn outcome_label(outcome: &StepOutcome) -> &'static str {
+    match outcome {
+        StepOutcome::Succeeded { .. } => "succeeded",
+        StepOutcome::NotStarted { .. } => "not_started",
+        StepOutcome::Failed {
+            permanent: true,
+            maybe_applied: false,
+            ..
+        } => "failed_permanent",
+        StepOutcome::Failed {
+            permanent: true, ..
+        } => "failed_permanent_maybe_applied",
+        StepOutcome::Failed {
+            maybe_applied: true,
+            ..
+        } => "failed_maybe_applied",
+        StepOutcome::Failed { .. } => "failed_transient",
+    }
+}
+
+/// What one delivery carries to the calls and the reply.
+struct Received {
+    request: StepRequest,
+    redelivered: bool,
+    /// Where the reply goes.
+    reply_to: String,
+    /// The order's trace, when the request carried one.
+    trace_id: Option<String>,
 }

@@ -137,29 +137,7 @@ where
     RFut: Future<Output = ()> + Send + 'static,
 {
     let timeout = settings.operation_timeout();
-    let channel = timed(
-        "opening a consuming channel",
-        timeout,
-        connection.create_channel(),
-    )
-    .await?;
-    timed(
-        "setting prefetch",
-        timeout,
-        channel.basic_qos(settings.prefetch, BasicQosOptions::default()),
-    )
-    .await?;
-    let mut consumer = timed(
-        "starting a consumer",
-        timeout,
-        channel.basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        ),
-    )
-    .await?;
+    let (channel, mut consumer) = start_consumer(connection, settings, queue).await?;
     let consumer_tag = consumer.tag();
     tracing::info!(queue, prefetch = settings.prefetch, "consuming");
     let _consuming = Consuming::start(queue);
@@ -238,6 +216,56 @@ where
         )
         .await;
     }
+    drain_and_close(queue, &channel, timeout, drain, &tracker, &settle, settler).await;
+    result
+}
+
+/// Opens a channel on `connection` with the settings' prefetch, and starts
+/// a consumer of `queue` on it.
+async fn start_consumer(
+    connection: &Connection,
+    settings: &AmqpSettings,
+    queue: &str,
+) -> Result<(Channel, lapin::Consumer), BrokerError> {
+    let timeout = settings.operation_timeout();
+    let channel = timed(
+        "opening a consuming channel",
+        timeout,
+        connection.create_channel(),
+    )
+    .await?;
+    timed(
+        "setting prefetch",
+        timeout,
+        channel.basic_qos(settings.prefetch, BasicQosOptions::default()),
+    )
+    .await?;
+    let consumer = timed(
+        "starting a consumer",
+        timeout,
+        channel.basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await?;
+    Ok((channel, consumer))
+}
+
+/// The end of a consumer: waits up to `drain` for its handlers, sends the
+/// settlements of those that finished, and closes the channel; what is
+/// unfinished goes back to the queue.
+async fn drain_and_close(
+    queue: &str,
+    channel: &Channel,
+    timeout: Duration,
+    drain: Duration,
+    tracker: &TaskTracker,
+    settle: &mpsc::UnboundedSender<Settle>,
+    settler: tokio::task::JoinHandle<()>,
+) {
     tracker.close();
     if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
         tracing::warn!(
@@ -255,7 +283,6 @@ where
         channel.close(200, "done".into()),
     )
     .await;
-    result
 }
 
 /// `sas_consumers{queue}`: the consumers this process holds on `queue`, up

@@ -16,7 +16,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 
-use crate::auth::Role;
+use crate::auth::{Principal, Role};
 use crate::error::{ApiFailure, Failure, PageFailure};
 use crate::Console;
 
@@ -70,130 +70,161 @@ fn login_keys(request: &Request, authorization: Option<&str>) -> Vec<String> {
 /// The middleware; see the module docs.
 pub async fn guard(State(console): State<Arc<Console>>, request: Request, next: Next) -> Response {
     let api = request.uri().path().starts_with("/api/");
+    // Owned before any await: a borrowed request would not be Send.
     let authorization = request
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned);
     let keys = login_keys(&request, authorization.as_deref());
-    if authorization.is_some() {
-        if let Some(wait) = console.logins.blocked(&keys) {
-            let seconds = wait.as_secs().max(1);
-            let mut response = answer(
-                api,
-                Failure::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!("too many failed logins from this address or for this name: try again in {seconds} s"),
-                ),
-            );
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-            return response;
-        }
-    }
-    let principal = match console.auth.authenticate(authorization.as_deref()).await {
+    let principal = match authenticate(&console, authorization.as_deref(), &keys).await {
         Ok(principal) => principal,
-        Err(refusal) => {
-            if authorization.is_some() {
-                console.logins.failed(&keys);
-                metrics::counter!("sas_console_login_failures_total").increment(1);
-                tracing::warn!(keys = ?keys, %refusal, "console login refused");
-            }
-            let mut response = answer(
-                api,
-                Failure::new(StatusCode::UNAUTHORIZED, refusal.to_string()),
-            );
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Basic realm=\"sas console\", charset=\"UTF-8\""),
-            );
-            return response;
-        }
+        Err(refusal) => return refusal.answer(api),
     };
     let mut request = request;
     if !matches!(*request.method(), Method::GET | Method::HEAD) {
-        if principal.role < Role::Operator {
-            return answer(
-                api,
-                Failure::new(
-                    StatusCode::FORBIDDEN,
-                    format!(
-                        "{} has the {} role: actions need the operator role",
-                        principal.name,
-                        principal.role.as_str()
-                    ),
-                ),
-            );
-        }
-        let host = request
-            .headers()
-            .get(header::HOST)
-            .and_then(|value| value.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
-        if let Some(origin) = request.headers().get(header::ORIGIN) {
-            let origin = origin.to_str().unwrap_or("null");
-            if !same_origin(origin, &host) {
-                return answer(
-                    api,
-                    Failure::new(
-                        StatusCode::FORBIDDEN,
-                        format!("CSRF check failed: a request from {origin} may not act on the console at {host}"),
-                    ),
-                );
-            }
-        }
-        let mut token = request
-            .headers()
-            .get(CSRF_HEADER)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned);
-        let is_form = request
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|value| value.to_str().ok())
-            .is_some_and(|value| value.starts_with("application/x-www-form-urlencoded"));
-        if token.is_none() && is_form {
-            let (parts, body) = request.into_parts();
-            let Ok(bytes) = axum::body::to_bytes(body, MAX_FORM_BYTES).await else {
-                return answer(
-                    api,
-                    Failure::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        format!("a form of more than {MAX_FORM_BYTES} bytes"),
-                    ),
-                );
-            };
-            token = form_urlencoded::parse(&bytes)
-                .find(|(name, _)| name == CSRF_FIELD)
-                .map(|(_, value)| value.into_owned());
-            request = Request::from_parts(parts, Body::from(bytes));
-        }
-        match token {
-            None => {
-                return answer(
-                    api,
-                    Failure::new(
-                        StatusCode::FORBIDDEN,
-                        format!("CSRF token missing: send it in the {CSRF_HEADER} header (GET /api/session returns it) or the {CSRF_FIELD} form field"),
-                    ),
-                )
-            }
-            Some(token) if !console.auth.csrf_matches(&principal, &token) => {
-                return answer(
-                    api,
-                    Failure::new(
-                        StatusCode::FORBIDDEN,
-                        "CSRF token does not match this user's: reload the page, or get it again from GET /api/session",
-                    ),
-                )
-            }
-            Some(_) => {}
-        }
+        request = match may_act(&console, &principal, request).await {
+            Ok(request) => request,
+            Err(failure) => return answer(api, failure),
+        };
     }
     request.extensions_mut().insert(principal);
     next.run(request).await
+}
+
+/// Why a request was not let in, and the header that goes with the answer.
+struct Refusal {
+    failure: Failure,
+    header: (header::HeaderName, HeaderValue),
+}
+
+impl Refusal {
+    fn answer(self, api: bool) -> Response {
+        let mut response = answer(api, self.failure);
+        response.headers_mut().insert(self.header.0, self.header.1);
+        response
+    }
+}
+
+/// Who sent the request: 429 (with `Retry-After`) while its address or
+/// name has failed too often, 401 (with `WWW-Authenticate`) for no or bad
+/// credentials, which count as a failed login.
+async fn authenticate(
+    console: &Console,
+    authorization: Option<&str>,
+    keys: &[String],
+) -> Result<Principal, Refusal> {
+    if authorization.is_some() {
+        if let Some(wait) = console.logins.blocked(keys) {
+            let seconds = wait.as_secs().max(1);
+            return Err(Refusal {
+                failure: Failure::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("too many failed logins from this address or for this name: try again in {seconds} s"),
+                ),
+                header: (header::RETRY_AFTER, HeaderValue::from(seconds)),
+            });
+        }
+    }
+    console
+        .auth
+        .authenticate(authorization)
+        .await
+        .map_err(|refusal| {
+            if authorization.is_some() {
+                console.logins.failed(keys);
+                metrics::counter!("sas_console_login_failures_total").increment(1);
+                tracing::warn!(keys = ?keys, %refusal, "console login refused");
+            }
+            Refusal {
+                failure: Failure::new(StatusCode::UNAUTHORIZED, refusal.to_string()),
+                header: (
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Basic realm=\"sas console\", charset=\"UTF-8\""),
+                ),
+            }
+        })
+}
+
+/// Whether `principal` may act with `request`: the operator role, an
+/// `Origin` (when sent) of this host, and the user's CSRF token in the
+/// header or, for a form, its field. Returns the request (with the form
+/// body read and put back) or why not (403, 413).
+async fn may_act(
+    console: &Console,
+    principal: &Principal,
+    request: Request,
+) -> Result<Request, Failure> {
+    if principal.role < Role::Operator {
+        return Err(Failure::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{} has the {} role: actions need the operator role",
+                principal.name,
+                principal.role.as_str()
+            ),
+        ));
+    }
+    // Owned before any await: a borrowed request would not be Send.
+    let (host, origin, is_form, header_token) = {
+        let headers = request.headers();
+        let text = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_owned)
+        };
+        let is_form = text(header::CONTENT_TYPE.as_str())
+            .is_some_and(|value| value.starts_with("application/x-www-form-urlencoded"));
+        (
+            text(header::HOST.as_str()).unwrap_or_default(),
+            headers
+                .get(header::ORIGIN)
+                .map(|origin| origin.to_str().unwrap_or("null").to_owned()),
+            is_form,
+            text(CSRF_HEADER),
+        )
+    };
+    if let Some(origin) = origin {
+        if !same_origin(&origin, &host) {
+            return Err(Failure::new(
+                StatusCode::FORBIDDEN,
+                format!("CSRF check failed: a request from {origin} may not act on the console at {host}"),
+            ));
+        }
+    }
+    let (token, request) = match header_token {
+        Some(token) => (Some(token), request),
+        None if is_form => form_token(request).await?,
+        None => (None, request),
+    };
+    match token {
+        None => Err(Failure::new(
+            StatusCode::FORBIDDEN,
+            format!("CSRF token missing: send it in the {CSRF_HEADER} header (GET /api/session returns it) or the {CSRF_FIELD} form field"),
+        )),
+        Some(token) if !console.auth.csrf_matches(principal, &token) => Err(Failure::new(
+            StatusCode::FORBIDDEN,
+            "CSRF token does not match this user's: reload the page, or get it again from GET /api/session",
+        )),
+        Some(_) => Ok(request),
+    }
+}
+
+/// A form's CSRF field, and the request with its body read and put back
+/// (413 past [`MAX_FORM_BYTES`]).
+async fn form_token(request: Request) -> Result<(Option<String>, Request), Failure> {
+    let (parts, body) = request.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_FORM_BYTES).await else {
+        return Err(Failure::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a form of more than {MAX_FORM_BYTES} bytes"),
+        ));
+    };
+    let token = form_urlencoded::parse(&bytes)
+        .find(|(name, _)| name == CSRF_FIELD)
+        .map(|(_, value)| value.into_owned());
+    Ok((token, Request::from_parts(parts, Body::from(bytes))))
 }
 
 #[cfg(test)]

@@ -255,203 +255,304 @@ fn business_rule(
     }
 }
 
+/// An answer given before a call is decided (boxed: a response is large).
+type Refusal = Box<Response>;
+
+fn refuse(status: StatusCode, message: impl Into<String>) -> Refusal {
+    Box::new(error(status, message))
+}
+
+/// One call as the handler reads it.
+struct Call {
+    service: String,
+    operation: String,
+    /// The service's action (its first operation), which this call is or undoes.
+    action: &'static str,
+    key: String,
+    order: serde_json::Value,
+    order_id: Option<String>,
+    trace_id: Option<String>,
+}
+
+impl Call {
+    /// The call, or the answer to a call this service cannot take: an
+    /// unknown service or operation (404), no idempotency key (400).
+    fn read(
+        service: String,
+        operation: String,
+        headers: &HeaderMap,
+        payload: &serde_json::Value,
+    ) -> Result<Self, Refusal> {
+        let Some((_, operations)) = SERVICES.iter().find(|(name, _)| *name == service) else {
+            return Err(refuse(
+                StatusCode::NOT_FOUND,
+                format!("no service {service:?}"),
+            ));
+        };
+        if !operations.contains(&operation.as_str()) {
+            return Err(refuse(
+                StatusCode::NOT_FOUND,
+                format!("{service} has no operation {operation:?}"),
+            ));
+        }
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let Some(key) = header("idempotency-key").map(str::to_owned) else {
+            return Err(refuse(
+                StatusCode::BAD_REQUEST,
+                "the Idempotency-Key header is required",
+            ));
+        };
+        let order = payload
+            .get("order")
+            .cloned()
+            .unwrap_or(serde_json::Value::Null);
+        let order_id = order
+            .get("order_id")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned);
+        Ok(Self {
+            action: operations[0],
+            trace_id: header("traceparent").and_then(trace_id_of),
+            service,
+            operation,
+            key,
+            order,
+            order_id,
+        })
+    }
+
+    fn is_action(&self) -> bool {
+        self.operation == self.action
+    }
+}
+
+/// What a call was decided to do, under the ledger's lock.
+struct Decided {
+    decision: Decision,
+    /// Applied, but the answer never comes.
+    hang: bool,
+    /// Applied, and the answer comes after the caller gave up.
+    late: bool,
+    /// Strict mode: the key stays in flight while this is held.
+    in_flight: Option<InFlight>,
+}
+
 async fn call(
     State(state): State<SimState>,
     Path((service, operation)): Path<(String, String)>,
     headers: HeaderMap,
     Json(payload): Json<serde_json::Value>,
 ) -> Response {
-    let Some((_, operations)) = SERVICES.iter().find(|(name, _)| *name == service) else {
-        return error(StatusCode::NOT_FOUND, format!("no service {service:?}"));
+    let call = match Call::read(service, operation, &headers, &payload) {
+        Ok(call) => call,
+        Err(response) => return *response,
     };
-    if !operations.contains(&operation.as_str()) {
-        return error(
-            StatusCode::NOT_FOUND,
-            format!("{service} has no operation {operation:?}"),
-        );
-    }
-    let is_action = operation == operations[0];
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-    else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "the Idempotency-Key header is required",
-        );
-    };
-    let faults = state.faults_for(&service);
+    let faults = state.faults_for(&call.service);
     let provider = state.provider();
-    let strict = provider.mode == Mode::Strict;
-    let order = payload
-        .get("order")
-        .cloned()
-        .unwrap_or(serde_json::Value::Null);
-    let order_id = order
-        .get("order_id")
-        .and_then(|v| v.as_str())
-        .map(str::to_owned);
-
-    // Deciding and recording happen under one lock, so two concurrent calls
-    // with the same key (a retry racing a slow first call) apply once.
-    let (decision, hang, late, in_flight_guard) = {
-        let mut ledger = state.ledger();
-        ledger.stats.calls += 1;
-        metrics::counter!("sas_sim_calls_total", "service" => service.clone()).increment(1);
-        let mut in_flight = state.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        if strict && in_flight.contains(&key) {
-            ledger.stats.in_progress += 1;
-            return error(
-                StatusCode::CONFLICT,
-                format!("a request with key {key:?} is in progress; retry later"),
-            );
-        }
-        if let Some(decision) = ledger.decided(&key) {
-            let decision = decision.clone();
-            ledger.stats.deduplicated += 1;
-            return answer(&decision);
-        }
-        if strict && !is_action {
-            // The undo of a key that was never applied: nothing to undo.
-            let action_key = key.find(":undo").map(|at| &key[..at]);
-            let applied = action_key
-                .and_then(|action_key| ledger.decided(action_key))
-                .is_some_and(|decision| matches!(decision, Decision::Applied { .. }));
-            if !applied {
-                ledger.stats.nothing_to_undo += 1;
-                if let Some(action_key) = action_key {
-                    if provider.late_action == LateAction::Refuse
-                        && ledger.decided(action_key).is_none()
-                        && !in_flight.contains(action_key)
-                    {
-                        ledger.stats.tombstones += 1;
-                        let tombstone = Entry {
-                            key: action_key.to_owned(),
-                            service: service.clone(),
-                            operation: operations[0].to_owned(),
-                            order_id: order_id.clone(),
-                            decision: Decision::Refused {
-                                status: 410,
-                                error: format!(
-                                    "tombstoned: its undo {key:?} came first; nothing applied"
-                                ),
-                            },
-                            at: now_micros(),
-                            applied_at: None,
-                            trace_id: None,
-                        };
-                        if let Err(e) = ledger.decide(tombstone) {
-                            return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"));
-                        }
-                    }
-                }
-                return error(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "nothing to undo: {} was never applied",
-                        action_key.unwrap_or(key.as_str())
-                    ),
-                );
-            }
-        }
-        let roll: f64 = state.rng.lock().unwrap_or_else(|e| e.into_inner()).random();
-        if roll < faults.transient_fault_rate {
-            ledger.stats.transient_faults += 1;
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "simulated transient fault; nothing applied",
-            );
-        }
-        let permanent =
-            is_action && roll < faults.transient_fault_rate + faults.permanent_fault_rate;
-        let hang = !permanent
-            && roll < faults.transient_fault_rate + faults.permanent_fault_rate + faults.hang_rate;
-        let decision = if let Some(refusal) = is_action
-            .then(|| business_rule(&state, &service, &operation, &order))
-            .flatten()
-        {
-            refusal
-        } else if permanent {
-            Decision::Refused {
-                status: 422,
-                error: "simulated permanent fault".into(),
-            }
-        } else {
-            Decision::Applied {
-                result: json!({
-                    "id": format!("{operation}-{}", uuid::Uuid::new_v4().simple()),
-                    "service": service,
-                    "operation": operation,
-                    "order_id": order_id,
-                }),
-            }
-        };
-        let applied = matches!(decision, Decision::Applied { .. });
-        if !applied {
-            ledger.stats.permanent_faults += 1;
-        }
-        let late = strict
-            && is_action
-            && applied
-            && !hang
-            && provider.late_answer_rate > 0.0
-            && state
-                .rng
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .random::<f64>()
-                < provider.late_answer_rate;
-        let at = now_micros();
-        let entry = Entry {
-            key: key.clone(),
-            service: service.clone(),
-            operation: operation.clone(),
-            order_id: order_id.clone(),
-            decision: decision.clone(),
-            at,
-            applied_at: applied.then_some(at),
-            trace_id: headers
-                .get("traceparent")
-                .and_then(|value| value.to_str().ok())
-                .and_then(trace_id_of),
-        };
-        if let Err(e) = ledger.decide(entry) {
-            return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"));
-        }
-        if hang {
-            ledger.stats.hangs += 1;
-        }
-        if late {
-            ledger.stats.late_answers += 1;
-        }
-        // Strict mode: the key is in flight until its answer leaves (or the
-        // caller gives up): a retry meanwhile gets 409.
-        let guard = strict.then(|| {
-            in_flight.insert(key.clone());
-            InFlight {
-                keys: state.in_flight.clone(),
-                key: key.clone(),
-            }
-        });
-        (decision, hang, late, guard)
+    let decided = match decide(&state, &call, &faults, &provider) {
+        Ok(decided) => decided,
+        Err(response) => return *response,
     };
     tracing::debug!(
-        key,
-        service,
-        operation,
-        ?decision,
-        hang,
-        late,
+        key = call.key,
+        service = call.service,
+        operation = call.operation,
+        decision = ?decided.decision,
+        hang = decided.hang,
+        late = decided.late,
         "call decided"
     );
-    // The latency comes after the decision: the effect is applied and the
-    // answer is slow, so a caller killed meanwhile leaves an applied effect
-    // whose retry must be deduplicated.
+    deliver(&state, &faults, &provider, decided).await
+}
+
+/// Decides the call and records it in the ledger, under one lock, so two
+/// concurrent calls with the same key (a retry racing a slow first call)
+/// apply once. `Err` is an answer that records nothing new: a key in flight
+/// (strict, 409), a key decided before (its decision again), an undo with
+/// nothing to undo (strict, 404), a simulated transient fault (503).
+fn decide(
+    state: &SimState,
+    call: &Call,
+    faults: &Faults,
+    provider: &Provider,
+) -> Result<Decided, Refusal> {
+    let strict = provider.mode == Mode::Strict;
+    let mut ledger = state.ledger();
+    ledger.stats.calls += 1;
+    metrics::counter!("sas_sim_calls_total", "service" => call.service.clone()).increment(1);
+    let mut in_flight = state.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+    if strict && in_flight.contains(&call.key) {
+        ledger.stats.in_progress += 1;
+        return Err(refuse(
+            StatusCode::CONFLICT,
+            format!(
+                "a request with key {:?} is in progress; retry later",
+                call.key
+            ),
+        ));
+    }
+    if let Some(decision) = ledger.decided(&call.key) {
+        let decision = decision.clone();
+        ledger.stats.deduplicated += 1;
+        return Err(Box::new(answer(&decision)));
+    }
+    if strict && !call.is_action() {
+        nothing_to_undo(&mut ledger, &in_flight, call, provider)?;
+    }
+    let roll: f64 = state.rng.lock().unwrap_or_else(|e| e.into_inner()).random();
+    if roll < faults.transient_fault_rate {
+        ledger.stats.transient_faults += 1;
+        return Err(refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "simulated transient fault; nothing applied",
+        ));
+    }
+    let (decision, hang) = outcome(state, call, faults, roll);
+    let applied = matches!(decision, Decision::Applied { .. });
+    if !applied {
+        ledger.stats.permanent_faults += 1;
+    }
+    let late = strict
+        && call.is_action()
+        && applied
+        && !hang
+        && provider.late_answer_rate > 0.0
+        && state
+            .rng
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .random::<f64>()
+            < provider.late_answer_rate;
+    let at = now_micros();
+    let entry = Entry {
+        key: call.key.clone(),
+        service: call.service.clone(),
+        operation: call.operation.clone(),
+        order_id: call.order_id.clone(),
+        decision: decision.clone(),
+        at,
+        applied_at: applied.then_some(at),
+        trace_id: call.trace_id.clone(),
+    };
+    if let Err(e) = ledger.decide(entry) {
+        return Err(refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")));
+    }
+    ledger.stats.hangs += u64::from(hang);
+    ledger.stats.late_answers += u64::from(late);
+    // Strict mode: the key is in flight until its answer leaves (or the
+    // caller gives up): a retry meanwhile gets 409.
+    let in_flight = strict.then(|| {
+        in_flight.insert(call.key.clone());
+        InFlight {
+            keys: state.in_flight.clone(),
+            key: call.key.clone(),
+        }
+    });
+    Ok(Decided {
+        decision,
+        hang,
+        late,
+        in_flight,
+    })
+}
+
+/// Strict mode, an undo: `Err(404)` when its action was never applied,
+/// and then, if the provider refuses late actions, the action's key is
+/// tombstoned (its undo came first: the action, should it arrive, is
+/// refused with 410). `Ok` when there is something to undo.
+fn nothing_to_undo(
+    ledger: &mut Ledger,
+    in_flight: &HashSet<String>,
+    call: &Call,
+    provider: &Provider,
+) -> Result<(), Refusal> {
+    let key = call.key.as_str();
+    let action_key = key.find(":undo").map(|at| &key[..at]);
+    let applied = action_key
+        .and_then(|action_key| ledger.decided(action_key))
+        .is_some_and(|decision| matches!(decision, Decision::Applied { .. }));
+    if applied {
+        return Ok(());
+    }
+    ledger.stats.nothing_to_undo += 1;
+    if let Some(action_key) = action_key {
+        if provider.late_action == LateAction::Refuse
+            && ledger.decided(action_key).is_none()
+            && !in_flight.contains(action_key)
+        {
+            ledger.stats.tombstones += 1;
+            let tombstone = Entry {
+                key: action_key.to_owned(),
+                service: call.service.clone(),
+                operation: call.action.to_owned(),
+                order_id: call.order_id.clone(),
+                decision: Decision::Refused {
+                    status: 410,
+                    error: format!("tombstoned: its undo {key:?} came first; nothing applied"),
+                },
+                at: now_micros(),
+                applied_at: None,
+                trace_id: None,
+            };
+            if let Err(e) = ledger.decide(tombstone) {
+                return Err(refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")));
+            }
+        }
+    }
+    Err(refuse(
+        StatusCode::NOT_FOUND,
+        format!(
+            "nothing to undo: {} was never applied",
+            action_key.unwrap_or(key)
+        ),
+    ))
+}
+
+/// What the service does with a call past its transient faults (`roll` in
+/// [0, 1) chose among the fault rates): its business rule's refusal, a
+/// simulated permanent fault, or applied; and whether it then hangs.
+fn outcome(state: &SimState, call: &Call, faults: &Faults, roll: f64) -> (Decision, bool) {
+    let is_action = call.is_action();
+    let permanent = is_action && roll < faults.transient_fault_rate + faults.permanent_fault_rate;
+    let hang = !permanent
+        && roll < faults.transient_fault_rate + faults.permanent_fault_rate + faults.hang_rate;
+    let decision = if let Some(refusal) = is_action
+        .then(|| business_rule(state, &call.service, &call.operation, &call.order))
+        .flatten()
+    {
+        refusal
+    } else if permanent {
+        Decision::Refused {
+            status: 422,
+            error: "simulated permanent fault".into(),
+        }
+    } else {
+        Decision::Applied {
+            result: json!({
+                "id": format!("{}-{}", call.operation, uuid::Uuid::new_v4().simple()),
+                "service": call.service,
+                "operation": call.operation,
+                "order_id": call.order_id,
+            }),
+        }
+    };
+    (decision, hang)
+}
+
+/// Answers a decided call as the faults say: after the latency (the effect
+/// is applied and the answer is slow, so a caller killed meanwhile leaves an
+/// applied effect whose retry must be deduplicated), late, or never.
+async fn deliver(
+    state: &SimState,
+    faults: &Faults,
+    provider: &Provider,
+    decided: Decided,
+) -> Response {
     if faults.latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(faults.latency_ms)).await;
     }
-    if late {
+    let in_flight = decided.in_flight;
+    if decided.late {
         // A real provider keeps working when the caller gives up: the key
         // stays in flight (a retry meanwhile gets 409) until the answer
         // would have gone out, even if this caller's connection is gone and
@@ -459,20 +560,20 @@ async fn call(
         let wait = Duration::from_millis(provider.late_answer_ms);
         let answered = tokio::spawn(async move {
             tokio::time::sleep(wait).await;
-            drop(in_flight_guard);
+            drop(in_flight);
         });
         let _ = answered.await;
     } else {
-        drop(in_flight_guard);
+        drop(in_flight);
     }
-    if hang {
+    if decided.hang {
         // Applied, but the answer never comes: the caller must time out and
         // retry, and the retry must be deduplicated.
         // Released only by shutdown, so that a graceful stop does not wait forever.
         state.shutdown.cancelled().await;
         return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
     }
-    answer(&decision)
+    answer(&decided.decision)
 }
 
 /// The wall clock, to the microsecond.

@@ -57,9 +57,9 @@ pub struct Scheduler {
     /// connection left unconfirmed is sent again on the next one.
     pub publishers: SharedPublisher,
     /// Stores the submitted orders of concurrent handlers together.
-    pub intake: Batcher<Submission, Result<Intake, StoreError>>,
+    pub intake: IntakeBatcher,
     /// Applies the replies of concurrent handlers together.
-    pub replies: Batcher<StepReply, Result<ReplyOutcome, StoreError>>,
+    pub replies: ReplyBatcher,
     /// Refused orders this instance answered lately, so that a redelivery
     /// is not answered twice.
     pub answered: refusal::Answered,
@@ -106,12 +106,45 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
 
     register_agents(&store, &workflow, &settings.scheduler, &shutdown).await;
     tracing::info!(scheduler = %id, workflow = %workflow.name, steps = workflow.steps.len(), "scheduler starting");
-    let (batch_max, batch_workers) = (
-        settings.scheduler.batch_max,
-        settings.scheduler.batch_workers,
-    );
+    let (intake, replies) = batchers(&store, &id, &workflow, &settings.scheduler);
+    let scheduler = Arc::new(Scheduler {
+        id,
+        names: settings.amqp.names(),
+        announcer: Announcer::new(&settings.amqp),
+        settings,
+        workflow,
+        store,
+        shutdown: shutdown.clone(),
+        publishers: session.publisher(),
+        intake,
+        replies,
+        answered: refusal::Answered::default(),
+    });
+    session
+        .run(shutdown, |connection, publisher| {
+            let scheduler = scheduler.clone();
+            async move { scheduler.work(connection, publisher).await }
+        })
+        .await;
+    Ok(())
+}
+
+/// Stores submitted orders together.
+pub type IntakeBatcher = Batcher<Submission, Result<Intake, StoreError>>;
+/// Applies agents' replies together.
+pub type ReplyBatcher = Batcher<StepReply, Result<ReplyOutcome, StoreError>>;
+
+/// The group commits of one scheduler: submitted orders stored together
+/// (intake), and agents' replies applied together.
+fn batchers(
+    store: &Store,
+    id: &str,
+    workflow: &Workflow,
+    settings: &settings::SchedulerSettings,
+) -> (IntakeBatcher, ReplyBatcher) {
+    let (batch_max, batch_workers) = (settings.batch_max, settings.batch_workers);
     let intake = {
-        let (store, actor) = (store.clone(), id.clone());
+        let (store, actor) = (store.clone(), id.to_owned());
         let (workflow_name, steps) = (workflow.name.clone(), workflow.new_steps());
         Batcher::spawn(
             "intake",
@@ -133,7 +166,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         )
     };
     let replies = {
-        let (store, actor) = (store.clone(), id.clone());
+        let (store, actor) = (store.clone(), id.to_owned());
         Batcher::spawn(
             "replies",
             batch_max,
@@ -144,26 +177,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             },
         )
     };
-    let scheduler = Arc::new(Scheduler {
-        id,
-        names: settings.amqp.names(),
-        announcer: Announcer::new(&settings.amqp),
-        settings,
-        workflow,
-        store,
-        shutdown: shutdown.clone(),
-        publishers: session.publisher(),
-        intake,
-        replies,
-        answered: refusal::Answered::default(),
-    });
-    session
-        .run(shutdown, |connection, publisher| {
-            let scheduler = scheduler.clone();
-            async move { scheduler.work(connection, publisher).await }
-        })
-        .await;
-    Ok(())
+    (intake, replies)
 }
 
 /// `scheduler migrate`: applies the migrations and returns, for a one-shot

@@ -53,88 +53,19 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             draft.change_step(index, |step| step.maybe_applied = true);
         }
     }
-    match (&reply.outcome, expected) {
-        (StepOutcome::Succeeded { result }, StepState::Running) => {
-            draft.change_step(index, |step| {
-                step.state = StepState::Completed;
-                step.result = Some(storable(result));
-                step.last_error = None;
-            });
-            draft.log(
-                HistoryEvent::StepCompleted,
-                Some(&name),
-                Some(reply.attempt_id),
-                Some(by),
-            );
-            draft.notify(StatusEvent::StepCompleted, Some(&name), None);
-            draft.advance();
-        }
-        (StepOutcome::Succeeded { result }, _) => {
-            // The action's answer stays in `result`, beside the undo's.
-            draft.change_step(index, |step| {
-                step.state = StepState::Compensated;
-                step.undo_result = Some(storable(result));
-                step.last_error = None;
-            });
-            draft.log(
-                HistoryEvent::StepCompensated,
-                Some(&name),
-                Some(reply.attempt_id),
-                Some(by),
-            );
-            draft.advance();
-        }
-        (
-            StepOutcome::Failed {
-                error,
-                permanent: true,
-                ..
-            },
-            StepState::Running,
-        ) => {
-            draft.change_step(index, |step| {
-                step.state = StepState::Failed;
-                step.last_error = Some(storable_text(error));
-            });
-            let reason = format!("step {name} failed: {}", storable_text(error));
-            draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
-            draft.advance();
-        }
-        (
-            StepOutcome::Failed {
-                error,
-                permanent: true,
-                ..
-            },
-            _,
-        ) => {
-            // This undo key is decided at the remote: an operator's
-            // resubmission retries with a fresh one.
-            draft.change_step(index, |step| {
-                step.last_error = Some(storable_text(error));
-                step.undo_refused = true;
-            });
-            let reason = format!(
-                "compensation of step {name} failed permanently: {}",
-                storable_text(error)
-            );
-            draft.fail(Failure {
-                step: Some(&name),
-                attempt_id: Some(reply.attempt_id),
-                kind: AlertKind::CompensationFailed,
-                detail: reason.clone(),
-                last_error: &reason,
-                message: &reason,
-            });
-        }
-        (
-            StepOutcome::Failed {
-                error,
-                permanent: false,
-                ..
-            },
-            _,
-        ) => {
+    let forward = expected == StepState::Running;
+    match &reply.outcome {
+        StepOutcome::Succeeded { result } => succeeded(draft, index, reply, result, forward, by),
+        StepOutcome::Failed {
+            error,
+            permanent: true,
+            ..
+        } => refused(draft, index, reply, error, forward),
+        StepOutcome::Failed {
+            error,
+            permanent: false,
+            ..
+        } => {
             // The supervisor decides at its next scan whether to retry or undo.
             draft.change_step(index, |step| step.last_error = Some(storable_text(error)));
             draft.process.complete_by = Some(draft.ctx.now);
@@ -145,8 +76,75 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
                 Some(storable_text(error)),
             );
         }
-        (StepOutcome::NotStarted { reason }, _) => not_started(draft, index, reply, reason),
+        StepOutcome::NotStarted { reason } => not_started(draft, index, reply, reason),
     }
+}
+
+/// A success: the step completed (`forward`) or was compensated (its
+/// action's answer stays in `result`, beside the undo's); the order moves on.
+fn succeeded(
+    draft: &mut Draft<'_>,
+    index: usize,
+    reply: &StepReply,
+    result: &serde_json::Value,
+    forward: bool,
+    by: String,
+) {
+    let name = draft.steps[index].name.clone();
+    let event = if forward {
+        draft.change_step(index, |step| {
+            step.state = StepState::Completed;
+            step.result = Some(storable(result));
+            step.last_error = None;
+        });
+        HistoryEvent::StepCompleted
+    } else {
+        draft.change_step(index, |step| {
+            step.state = StepState::Compensated;
+            step.undo_result = Some(storable(result));
+            step.last_error = None;
+        });
+        HistoryEvent::StepCompensated
+    };
+    draft.log(event, Some(&name), Some(reply.attempt_id), Some(by));
+    if forward {
+        draft.notify(StatusEvent::StepCompleted, Some(&name), None);
+    }
+    draft.advance();
+}
+
+/// A permanent refusal: of an action (`forward`), compensation starts; of
+/// a compensation, the order ends in error with an alert (this undo key is
+/// decided at the remote: an operator's resubmission retries with a fresh
+/// one).
+fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, forward: bool) {
+    let name = draft.steps[index].name.clone();
+    if forward {
+        draft.change_step(index, |step| {
+            step.state = StepState::Failed;
+            step.last_error = Some(storable_text(error));
+        });
+        let reason = format!("step {name} failed: {}", storable_text(error));
+        draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
+        draft.advance();
+        return;
+    }
+    draft.change_step(index, |step| {
+        step.last_error = Some(storable_text(error));
+        step.undo_refused = true;
+    });
+    let reason = format!(
+        "compensation of step {name} failed permanently: {}",
+        storable_text(error)
+    );
+    draft.fail(Failure {
+        step: Some(&name),
+        attempt_id: Some(reply.attempt_id),
+        kind: AlertKind::CompensationFailed,
+        detail: reason.clone(),
+        last_error: &reason,
+        message: &reason,
+    });
 }
 
 /// Waiting is not failing: the agent made no call for this attempt, so
