@@ -97,6 +97,13 @@ impl Session {
         self.connected.load(Ordering::Relaxed)
     }
 
+    /// [`Session::is_connected`] as a check the operations endpoint can
+    /// hold (see `sas_runtime::ops::broker_and_database_readiness`).
+    pub fn connected_check(&self) -> impl Fn() -> bool + Send + Sync + 'static {
+        let session = self.clone();
+        move || session.is_connected()
+    }
+
     /// Runs `work` on a fresh connection, again and again, until `shutdown`.
     ///
     /// `work` gets the connection and a confirmed publisher on it. When the

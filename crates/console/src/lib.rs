@@ -73,14 +73,10 @@ pub struct Console {
 /// # Errors
 /// When the metrics recorder cannot be installed.
 pub fn router(console: Arc<Console>, shutdown: CancellationToken) -> anyhow::Result<Router> {
-    let (ready_session, ready_store) = (console.session.clone(), console.store.clone());
     let ops = sas_runtime::ops::router(
         sas_runtime::ops::broker_and_database_readiness(
-            move || ready_session.is_connected(),
-            move || {
-                let store = ready_store.clone();
-                async move { store.is_reachable().await }
-            },
+            console.session.connected_check(),
+            console.store.reachable_check(),
         ),
         shutdown,
     )?;

@@ -114,14 +114,10 @@ async fn guard(State(gateway): State<Arc<Gateway>>, mut request: Request, next: 
 /// # Errors
 /// When the metrics recorder cannot be installed.
 pub fn router(gateway: Arc<Gateway>, session: &Session) -> anyhow::Result<Router> {
-    let (ready_session, ready_store) = (session.clone(), gateway.store.clone());
     let ops = sas_runtime::ops::router(
         sas_runtime::ops::broker_and_database_readiness(
-            move || ready_session.is_connected(),
-            move || {
-                let store = ready_store.clone();
-                async move { store.is_reachable().await }
-            },
+            session.connected_check(),
+            gateway.store.reachable_check(),
         ),
         gateway.shutdown.clone(),
     )?;

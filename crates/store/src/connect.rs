@@ -323,6 +323,18 @@ impl Store {
         }
     }
 
+    /// [`Store::is_reachable`] as a check the operations endpoint can hold
+    /// (see `sas_runtime::ops::broker_and_database_readiness`).
+    pub fn reachable_check(
+        &self,
+    ) -> impl Fn() -> futures_util::future::BoxFuture<'static, bool> + Send + Sync + 'static {
+        let store = self.clone();
+        move || {
+            let store = store.clone();
+            Box::pin(async move { store.is_reachable().await })
+        }
+    }
+
     /// True when the store answers as a primary that takes writes: the
     /// readiness probe. A standby, or a demoted primary, is not ready.
     pub async fn is_reachable(&self) -> bool {

@@ -56,15 +56,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let id = sas_runtime::instance_id("supervisor", &settings.supervisor.id);
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
-    let (ready_session, ready_store) = (session.clone(), store.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,
         sas_runtime::ops::broker_and_database_readiness(
-            move || ready_session.is_connected(),
-            move || {
-                let store = ready_store.clone();
-                async move { store.is_reachable().await }
-            },
+            session.connected_check(),
+            store.reachable_check(),
         ),
         shutdown.clone(),
     )
