@@ -1,18 +1,18 @@
 //! The write kernel: every transition of an order, whatever its cause (a
 //! claim, a reply, a missed deadline, a dead letter, an operator's action),
 //! goes through [`transition`]: lock the orders, load their snapshots, let
-//! the state machine decide each under admission control, write each
-//! decision. The modules that receive those causes (`progress`, `recovery`,
+//! the state machine decide each under admission control, write them all. The modules that receive those causes (`progress`, `recovery`,
 //! `operator`) only turn their inputs into [`Event`]s and the decisions
 //! into their results; intake and a forward step's success take the
 //! single-statement paths of `intake` and `fast`, which the property test
 //! holds to the same machine.
 //!
-//! A decision is written in one statement: the process record, the changed
-//! steps (each guarded by the state and attempt id it was decided on), the
-//! history lines and the alert. A guard that does not hold means the rows
-//! changed under the lock, which cannot happen without a bug: the statement's
-//! counts are checked and the transaction is abandoned.
+//! A batch's decisions are written in one statement: the process records,
+//! the changed steps (each guarded by the state and attempt id it was
+//! decided on), the history lines, the alerts and the admission counters.
+//! A guard that does not hold means the rows changed under the lock, which
+//! cannot happen without a bug: the statement's counts are checked and the
+//! transaction is abandoned.
 
 use std::collections::BTreeMap;
 
@@ -50,7 +50,8 @@ pub(crate) enum Slots {
 /// The write kernel. In the caller's transaction: locks the orders
 /// `order_ids` and loads their snapshots ([`load_snapshots`]), decides
 /// for each the event `event_for` makes of it (under admission control,
-/// as `slots` says), and writes each decision ([`apply`]). Orders that do
+/// as `slots` says), and writes all the decisions in one statement
+/// ([`apply_all`]). Orders that do
 /// not exist are left out. Every decision of the batch uses the
 /// transaction's clock.
 ///
@@ -67,21 +68,44 @@ pub(crate) async fn transition<'e>(
 ) -> Result<Vec<Decided>, StoreError> {
     let (snapshots, now) = load_snapshots(&mut *conn, order_ids).await?;
     let mut decided = Vec::with_capacity(snapshots.len());
+    // Slots taken and places in line by the decisions made so far, not yet
+    // written: each room check counts them.
+    let mut taken = Taken::default();
     for snapshot in snapshots {
         let ctx = store.context(now, actor);
         let event = event_for(&snapshot);
         let decision = match slots {
             Slots::Held => decide(&snapshot, &event, &ctx),
-            Slots::Check => decide_admitted(&mut *conn, &snapshot, &event, &ctx).await?,
+            Slots::Check => decide_admitted(&mut *conn, &snapshot, &event, &ctx, &taken).await?,
         };
-        apply(&mut *conn, &snapshot, &decision, actor).await?;
+        taken.add(&decision);
         decided.push(Decided {
             snapshot,
             decision,
             now,
         });
     }
+    apply_all(&mut *conn, &decided, actor).await?;
     Ok(decided)
+}
+
+/// The admission deltas of a batch's decisions not yet written, by agent:
+/// attempts in flight and places in line.
+#[derive(Debug, Default)]
+struct Taken(std::collections::HashMap<String, (i32, i32)>);
+
+impl Taken {
+    fn add(&mut self, decision: &Decision) {
+        for delta in &decision.admission {
+            let entry = self.0.entry(delta.agent.clone()).or_default();
+            entry.0 += delta.in_flight;
+            entry.1 += delta.waiting;
+        }
+    }
+
+    fn of(&self, agent: &str) -> (i32, i32) {
+        self.0.get(agent).copied().unwrap_or_default()
+    }
 }
 
 impl Store {
@@ -204,39 +228,47 @@ fn step_from_row(row: &PgRow) -> Result<StepRow, StoreError> {
     })
 }
 
-/// Writes `decision` about the order of `snapshot`, decided by `actor`, in
-/// one statement.
+/// Writes every decision of a batch, decided by `actor`, in one statement:
+/// the process records, the changed steps (each guarded by the state and
+/// attempt id it was decided on), the history lines, the alerts and the
+/// admission counters (summed by agent, in agent order, as every writer
+/// locks them).
 ///
 /// # Errors
 /// When the database fails, or a guard did not hold ([`StoreError::Invariant`]):
 /// the caller's transaction must then be abandoned.
-async fn apply(
+async fn apply_all(
     conn: &mut PgConnection,
-    snapshot: &Snapshot,
-    decision: &Decision,
+    decided: &[Decided],
     actor: &str,
 ) -> Result<(), StoreError> {
-    if !decision.writes() {
+    let writes: Vec<&Decided> = decided.iter().filter(|d| d.decision.writes()).collect();
+    if writes.is_empty() {
         return Ok(());
     }
-    let process = decision.process.as_ref().unwrap_or(&snapshot.process);
-    let steps = &decision.steps;
-    let history = &decision.history;
+    let rows = Rows::of(&writes);
     let row = sqlx::query(
         "WITH p AS (
-             UPDATE order_process
-                SET state = $2, locked_by = $3, complete_by = $4, failure_count = $5,
-                    not_before = $6, last_error = $7, waiting_for = $31, admit_key = $32,
-                    updated_at = now()
-              WHERE order_id = $1 AND $8
+             UPDATE order_process o
+                SET state = d.state::process_state, locked_by = d.locked_by,
+                    complete_by = d.complete_by, failure_count = d.failure_count,
+                    not_before = d.not_before, last_error = d.last_error,
+                    waiting_for = d.waiting_for, admit_key = d.admit_key, updated_at = now()
+               FROM UNNEST($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::int4[],
+                           $6::timestamptz[], $7::text[], $8::text[], $9::timestamptz[])
+                    AS d(order_id, state, locked_by, complete_by, failure_count, not_before,
+                         last_error, waiting_for, admit_key)
+              WHERE o.order_id = d.order_id
           RETURNING 1),
          c AS (
-             SELECT * FROM UNNEST($9::int4[], $10::text[], $11::int4[], $12::uuid[], $13::timestamptz[],
-                                  $14::text[], $15::jsonb[], $16::text[], $17::text[], $18::uuid[],
-                                  $27::bool[], $28::int4[], $29::bool[], $30::jsonb[])
-                    AS c(position, state, attempt, attempt_id, complete_by, idempotency_key, result,
-                         last_error, expected_state, expected_attempt_id,
-                         maybe_applied, undo_generation, undo_refused, undo_result)),
+             SELECT * FROM UNNEST($10::text[], $11::int4[], $12::text[], $13::int4[], $14::uuid[],
+                                  $15::timestamptz[], $16::text[], $17::jsonb[], $18::text[],
+                                  $19::text[], $20::uuid[], $21::bool[], $22::int4[], $23::bool[],
+                                  $24::jsonb[])
+                    AS c(order_id, position, state, attempt, attempt_id, complete_by,
+                         idempotency_key, result, last_error, expected_state,
+                         expected_attempt_id, maybe_applied, undo_generation, undo_refused,
+                         undo_result)),
          s AS (
              UPDATE steps st
                 SET state = c.state::step_state, attempt = c.attempt, attempt_id = c.attempt_id,
@@ -245,83 +277,233 @@ async fn apply(
                     maybe_applied = c.maybe_applied, undo_generation = c.undo_generation,
                     undo_refused = c.undo_refused, undo_result = c.undo_result, updated_at = now()
                FROM c
-              WHERE st.order_id = $1 AND st.position = c.position
+              WHERE st.order_id = c.order_id AND st.position = c.position
                 AND st.state = c.expected_state::step_state
                 AND st.attempt_id IS NOT DISTINCT FROM c.expected_attempt_id
           RETURNING 1),
          h AS (
              INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
-             SELECT $1, $19, h.event, h.step, h.attempt_id, h.detail
-               FROM UNNEST($20::text[], $21::text[], $22::uuid[], $23::text[]) WITH ORDINALITY
-                    AS h(event, step, attempt_id, detail, n)
+             SELECT h.order_id, $25, h.event, h.step, h.attempt_id, h.detail
+               FROM UNNEST($26::text[], $27::text[], $28::text[], $29::uuid[], $30::text[])
+                    WITH ORDINALITY AS h(order_id, event, step, attempt_id, detail, n)
               ORDER BY h.n),
          a AS (
              INSERT INTO alerts (order_id, kind, message)
-             SELECT $1, $24, $25 WHERE $24::text IS NOT NULL),
+             SELECT * FROM UNNEST($31::text[], $32::text[], $33::text[])),
          r AS (
-             UPDATE alerts SET resolved_at = now(), resolved_by = $19,
+             UPDATE alerts SET resolved_at = now(), resolved_by = $25,
                     resolution_note = 'the order was resubmitted'
-              WHERE order_id = $1 AND resolved_at IS NULL AND $26),
+              WHERE order_id = ANY($34::text[]) AND resolved_at IS NULL),
          q AS (
              UPDATE admission a
                 SET in_flight = a.in_flight + d.in_flight, waiting = a.waiting + d.waiting,
-                    peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + d.in_flight),
-                    settled = a.settled + GREATEST(-d.in_flight - d.unstarted, 0)
-               FROM (SELECT * FROM UNNEST($33::text[], $34::int4[], $35::int4[], $36::int4[])
-                              AS d(agent, in_flight, waiting, unstarted) ORDER BY agent) d
+                    peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + d.peak_rise),
+                    settled = a.settled + d.settled
+               FROM (SELECT * FROM UNNEST($35::text[], $36::int4[], $37::int4[], $38::int4[], $39::int8[])
+                              AS d(agent, in_flight, waiting, peak_rise, settled) ORDER BY agent) d
               WHERE a.agent = d.agent)
          SELECT (SELECT count(*) FROM p) AS process, (SELECT count(*) FROM s) AS steps",
     )
-    .bind(snapshot.order_id.as_str())
-    .bind(process.state)
-    .bind(&process.locked_by)
-    .bind(process.complete_by)
-    .bind(process.failure_count)
-    .bind(process.not_before)
-    .bind(&process.last_error)
-    .bind(decision.process.is_some())
-    .bind(steps.iter().map(|c| c.row.position).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.state.as_str()).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.attempt).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.attempt_id.map(AttemptId::as_uuid)).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.complete_by).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.idempotency_key.as_str()).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.result.clone()).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.last_error.as_deref()).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.expected_state.as_str()).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.expected_attempt_id.map(AttemptId::as_uuid)).collect::<Vec<_>>())
+    .bind(&rows.process.order_id)
+    .bind(&rows.process.state)
+    .bind(&rows.process.locked_by)
+    .bind(&rows.process.complete_by)
+    .bind(&rows.process.failure_count)
+    .bind(&rows.process.not_before)
+    .bind(&rows.process.last_error)
+    .bind(&rows.process.waiting_for)
+    .bind(&rows.process.admit_key)
+    .bind(&rows.steps.order_id)
+    .bind(&rows.steps.position)
+    .bind(&rows.steps.state)
+    .bind(&rows.steps.attempt)
+    .bind(&rows.steps.attempt_id)
+    .bind(&rows.steps.complete_by)
+    .bind(&rows.steps.idempotency_key)
+    .bind(&rows.steps.result)
+    .bind(&rows.steps.last_error)
+    .bind(&rows.steps.expected_state)
+    .bind(&rows.steps.expected_attempt_id)
+    .bind(&rows.steps.maybe_applied)
+    .bind(&rows.steps.undo_generation)
+    .bind(&rows.steps.undo_refused)
+    .bind(&rows.steps.undo_result)
     .bind(actor)
-    .bind(history.iter().map(|h| h.event.as_str()).collect::<Vec<_>>())
-    .bind(history.iter().map(|h| h.step.as_deref()).collect::<Vec<_>>())
-    .bind(history.iter().map(|h| h.attempt_id.map(AttemptId::as_uuid)).collect::<Vec<_>>())
-    .bind(history.iter().map(|h| h.detail.as_deref()).collect::<Vec<_>>())
-    .bind(decision.alert.as_ref().map(|a| a.kind.as_str()))
-    .bind(decision.alert.as_ref().map(|a| a.message.as_str()))
-    .bind(decision.resolve_alerts)
-    .bind(steps.iter().map(|c| c.row.maybe_applied).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.undo_generation).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.undo_refused).collect::<Vec<_>>())
-    .bind(steps.iter().map(|c| c.row.undo_result.clone()).collect::<Vec<_>>())
-    .bind(&process.waiting_for)
-    .bind(process.admit_key)
-    .bind(decision.admission.iter().map(|d| d.agent.as_str()).collect::<Vec<_>>())
-    .bind(decision.admission.iter().map(|d| d.in_flight).collect::<Vec<_>>())
-    .bind(decision.admission.iter().map(|d| d.waiting).collect::<Vec<_>>())
-    .bind(decision.admission.iter().map(|d| d.unstarted).collect::<Vec<_>>())
+    .bind(&rows.history.order_id)
+    .bind(&rows.history.event)
+    .bind(&rows.history.step)
+    .bind(&rows.history.attempt_id)
+    .bind(&rows.history.detail)
+    .bind(&rows.alerts.0)
+    .bind(&rows.alerts.1)
+    .bind(&rows.alerts.2)
+    .bind(&rows.resolve)
+    .bind(&rows.admission.agent)
+    .bind(&rows.admission.in_flight)
+    .bind(&rows.admission.waiting)
+    .bind(&rows.admission.peak_rise)
+    .bind(&rows.admission.settled)
     .fetch_one(&mut *conn)
     .await?;
     let (changed_process, changed_steps): (i64, i64) =
         (row.try_get("process")?, row.try_get("steps")?);
-    let expected_process = i64::from(decision.process.is_some());
-    if changed_process != expected_process || changed_steps != steps.len() as i64 {
+    let (expected_process, expected_steps) = (
+        rows.process.order_id.len() as i64,
+        rows.steps.order_id.len() as i64,
+    );
+    if changed_process != expected_process || changed_steps != expected_steps {
+        let orders: Vec<&str> = writes
+            .iter()
+            .map(|d| d.snapshot.order_id.as_str())
+            .collect();
         return Err(StoreError::Invariant(format!(
-            "order {}: a decision's guards did not hold under the order's lock \
-             ({changed_process} of {expected_process} process rows, {changed_steps} of {} steps changed)",
-            snapshot.order_id,
-            steps.len()
+            "orders {orders:?}: a decision's guards did not hold under the orders' locks \
+             ({changed_process} of {expected_process} process rows, {changed_steps} of {expected_steps} steps changed)"
         )));
     }
     Ok(())
+}
+
+/// A batch's decisions as the columns of [`apply_all`]'s statement.
+#[derive(Default)]
+struct Rows<'a> {
+    process: ProcessColumns<'a>,
+    steps: StepColumns<'a>,
+    history: HistoryColumns<'a>,
+    /// The new alerts: order, kind, message.
+    alerts: (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>),
+    /// Orders whose open alerts are resolved.
+    resolve: Vec<&'a str>,
+    admission: AdmissionColumns,
+}
+
+#[derive(Default)]
+struct ProcessColumns<'a> {
+    order_id: Vec<&'a str>,
+    state: Vec<&'a str>,
+    locked_by: Vec<Option<&'a str>>,
+    complete_by: Vec<Option<DateTime<Utc>>>,
+    failure_count: Vec<i32>,
+    not_before: Vec<DateTime<Utc>>,
+    last_error: Vec<Option<&'a str>>,
+    waiting_for: Vec<Option<&'a str>>,
+    admit_key: Vec<Option<DateTime<Utc>>>,
+}
+
+#[derive(Default)]
+struct StepColumns<'a> {
+    order_id: Vec<&'a str>,
+    position: Vec<i32>,
+    state: Vec<&'a str>,
+    attempt: Vec<i32>,
+    attempt_id: Vec<Option<Uuid>>,
+    complete_by: Vec<Option<DateTime<Utc>>>,
+    idempotency_key: Vec<&'a str>,
+    result: Vec<Option<serde_json::Value>>,
+    last_error: Vec<Option<&'a str>>,
+    expected_state: Vec<&'a str>,
+    expected_attempt_id: Vec<Option<Uuid>>,
+    maybe_applied: Vec<bool>,
+    undo_generation: Vec<i32>,
+    undo_refused: Vec<bool>,
+    undo_result: Vec<Option<serde_json::Value>>,
+}
+
+#[derive(Default)]
+struct HistoryColumns<'a> {
+    order_id: Vec<&'a str>,
+    event: Vec<&'a str>,
+    step: Vec<Option<&'a str>>,
+    attempt_id: Vec<Option<Uuid>>,
+    detail: Vec<Option<&'a str>>,
+}
+
+/// The batch's admission deltas summed by agent, in agent order: the
+/// attempts in flight and places in line it moves, the highest the
+/// in-flight count rises along the batch (for the peak), and the attempts
+/// it settles (a slot given back by an attempt that started).
+#[derive(Default)]
+struct AdmissionColumns {
+    agent: Vec<String>,
+    in_flight: Vec<i32>,
+    waiting: Vec<i32>,
+    peak_rise: Vec<i32>,
+    settled: Vec<i64>,
+}
+
+impl<'a> Rows<'a> {
+    fn of(writes: &[&'a Decided]) -> Self {
+        let mut rows = Self::default();
+        // agent -> (in flight, waiting, peak rise, settled), in agent order.
+        let mut admission: BTreeMap<&str, (i32, i32, i32, i64)> = BTreeMap::new();
+        for decided in writes {
+            let (snapshot, decision) = (&decided.snapshot, &decided.decision);
+            let order_id = snapshot.order_id.as_str();
+            if let Some(process) = &decision.process {
+                let p = &mut rows.process;
+                p.order_id.push(order_id);
+                p.state.push(process.state.as_str());
+                p.locked_by.push(process.locked_by.as_deref());
+                p.complete_by.push(process.complete_by);
+                p.failure_count.push(process.failure_count);
+                p.not_before.push(process.not_before);
+                p.last_error.push(process.last_error.as_deref());
+                p.waiting_for.push(process.waiting_for.as_deref());
+                p.admit_key.push(process.admit_key);
+            }
+            for change in &decision.steps {
+                let (c, row) = (&mut rows.steps, &change.row);
+                c.order_id.push(order_id);
+                c.position.push(row.position);
+                c.state.push(row.state.as_str());
+                c.attempt.push(row.attempt);
+                c.attempt_id.push(row.attempt_id.map(AttemptId::as_uuid));
+                c.complete_by.push(row.complete_by);
+                c.idempotency_key.push(row.idempotency_key.as_str());
+                c.result.push(row.result.clone());
+                c.last_error.push(row.last_error.as_deref());
+                c.expected_state.push(change.expected_state.as_str());
+                c.expected_attempt_id
+                    .push(change.expected_attempt_id.map(AttemptId::as_uuid));
+                c.maybe_applied.push(row.maybe_applied);
+                c.undo_generation.push(row.undo_generation);
+                c.undo_refused.push(row.undo_refused);
+                c.undo_result.push(row.undo_result.clone());
+            }
+            for line in &decision.history {
+                let h = &mut rows.history;
+                h.order_id.push(order_id);
+                h.event.push(line.event.as_str());
+                h.step.push(line.step.as_deref());
+                h.attempt_id.push(line.attempt_id.map(AttemptId::as_uuid));
+                h.detail.push(line.detail.as_deref());
+            }
+            if let Some(alert) = &decision.alert {
+                rows.alerts.0.push(order_id);
+                rows.alerts.1.push(alert.kind.as_str());
+                rows.alerts.2.push(alert.message.as_str());
+            }
+            if decision.resolve_alerts {
+                rows.resolve.push(order_id);
+            }
+            for delta in &decision.admission {
+                let sum = admission.entry(delta.agent.as_str()).or_default();
+                sum.0 += delta.in_flight;
+                sum.1 += delta.waiting;
+                sum.2 = sum.2.max(sum.0);
+                sum.3 += i64::from((-delta.in_flight - delta.unstarted).max(0));
+            }
+        }
+        for (agent, (in_flight, waiting, peak_rise, settled)) in admission {
+            let a = &mut rows.admission;
+            a.agent.push(agent.to_owned());
+            a.in_flight.push(in_flight);
+            a.waiting.push(waiting);
+            a.peak_rise.push(peak_rise);
+            a.settled.push(settled);
+        }
+        rows
+    }
 }
 
 /// Decides `event` for the order of `snapshot` under admission control:
@@ -340,6 +522,7 @@ async fn decide_admitted(
     snapshot: &Snapshot,
     event: &Event<'_>,
     ctx: &Context<'_>,
+    taken: &Taken,
 ) -> Result<Decision, StoreError> {
     let decision = decide(snapshot, event, ctx);
     let Some((agent, kind)) = decision.takes_slot() else {
@@ -352,8 +535,14 @@ async fn decide_admitted(
             .fetch_optional(&mut *conn)
             .await?;
     // An agent without a row has no admission control.
+    let (more_in_flight, more_waiting) = taken.of(agent);
     let room = counters.is_none_or(|(in_flight, limit, waiting)| {
-        has_room(in_flight, limit, waiting, first_in_line)
+        has_room(
+            in_flight + more_in_flight,
+            limit,
+            waiting + more_waiting,
+            first_in_line,
+        )
     });
     if room {
         return Ok(decision);
