@@ -25,7 +25,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sas_messages::{AttemptId, OrderId, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::intake::{Intake, Submission};
 use sas_store::machine::{
-    decide, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
+    decide, slot_held, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
     RecoveryPolicy, Snapshot, StepRow, Verdict,
 };
 use sas_store::operator::{Cancel, Resubmit};
@@ -532,6 +532,7 @@ async fn run_case(
         &expected(&decision),
         &Returned::Applied(progress),
     )?;
+    recount_agrees("intake", store, &model).await?;
 
     let policy = policy();
     for (index, step) in sequence.iter().enumerate() {
@@ -764,6 +765,7 @@ async fn run_case(
             model.last_reply = event_reply.clone();
         }
         compare(&label, &model.rows(), &rows, &decided, &returned)?;
+        recount_agrees(&label, store, &model).await?;
         if model
             .history
             .iter()
@@ -774,6 +776,33 @@ async fn run_case(
                 .expect("coverage lock")
                 .insert("an order in a line".into());
         }
+    }
+    Ok(())
+}
+
+/// Reconcile's recount of the admission counters (its own SQL) gives what
+/// the machine says the one order in the database holds: the slot of its
+/// attempt in flight, its place in a line.
+async fn recount_agrees(label: &str, store: &Store, model: &Model) -> Result<(), String> {
+    let process = &model.snapshot.process;
+    let mut expected: BTreeMap<String, (i32, i32)> = BTreeMap::new();
+    if let Some(agent) = slot_held(process, &model.snapshot.steps) {
+        expected.entry(agent.to_owned()).or_default().0 += 1;
+    }
+    if let Some(agent) = &process.waiting_for {
+        expected.entry(agent.clone()).or_default().1 += 1;
+    }
+    let recounted: BTreeMap<String, (i32, i32)> = store
+        .recount_admission()
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|(agent, in_flight, waiting)| (agent, (in_flight, waiting)))
+        .collect();
+    if recounted != expected {
+        return Err(format!(
+            "after {label}, reconcile's recount {recounted:?} differs from the machine's {expected:?}"
+        ));
     }
     Ok(())
 }

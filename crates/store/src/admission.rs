@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use sqlx::AssertSqlSafe;
+
 use crate::machine::admission::{adapted_limit, Window};
 use crate::{Store, StoreError};
 
@@ -197,6 +199,20 @@ impl Store {
         Ok(rows)
     }
 
+    /// Every agent's counters as its orders say they are (agent, in flight,
+    /// waiting; see the `RECOUNT` statement), read only: what
+    /// [`Store::reconcile_admission`] corrects the counters to.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn recount_admission(&self) -> Result<Vec<(String, i32, i32)>, StoreError> {
+        Ok(
+            sqlx::query_as(AssertSqlSafe(format!("{RECOUNT} ORDER BY agent")))
+                .fetch_all(self.pool())
+                .await?,
+        )
+    }
+
     /// Recounts every agent's `in_flight` and `waiting` from the orders
     /// themselves and corrects counters that drifted (a row deleted or
     /// edited by hand, a bug): a lost slot would otherwise be lost for
@@ -220,39 +236,45 @@ impl Store {
         sqlx::query("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
             .execute(&mut *tx)
             .await?;
-        let corrections = sqlx::query_as(
-            "WITH held AS (
-                 SELECT s.agent, count(*)::int4 AS n
-                   FROM order_process op
-                   JOIN steps s ON s.order_id = op.order_id
-                    AND s.state = CASE op.state WHEN 'processing' THEN 'running'::step_state
-                                                ELSE 'compensating'::step_state END
-                  WHERE op.state IN ('processing', 'compensating')
-                    AND op.locked_by IS NOT NULL AND op.complete_by IS NOT NULL
-                  GROUP BY s.agent),
-             lined AS (
-                 SELECT waiting_for AS agent, count(*)::int4 AS n
-                   FROM order_process WHERE waiting_for IS NOT NULL
-                  GROUP BY waiting_for),
+        let corrections = sqlx::query_as(AssertSqlSafe(format!(
+            "WITH recount AS ({RECOUNT}),
              counted AS (
                  SELECT a.agent, a.in_flight AS was_in_flight, a.waiting AS was_waiting,
-                        coalesce(held.n, 0) AS in_flight, coalesce(lined.n, 0) AS waiting
+                        coalesce(r.in_flight, 0) AS in_flight, coalesce(r.waiting, 0) AS waiting
                    FROM admission a
-                   LEFT JOIN held ON held.agent = a.agent
-                   LEFT JOIN lined ON lined.agent = a.agent)
+                   LEFT JOIN recount r ON r.agent = a.agent)
              UPDATE admission a
                 SET in_flight = c.in_flight, waiting = c.waiting
                FROM counted c
               WHERE a.agent = c.agent
                 AND (c.was_in_flight, c.was_waiting) IS DISTINCT FROM (c.in_flight, c.waiting)
-          RETURNING a.agent, c.was_in_flight, c.was_waiting, c.in_flight, c.waiting",
-        )
+          RETURNING a.agent, c.was_in_flight, c.was_waiting, c.in_flight, c.waiting"
+        )))
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
         Ok(corrections)
     }
 }
+
+/// Every agent's counters as its orders say they are: an attempt in
+/// flight for each order held with a deadline whose current step (running
+/// forward, or compensating) is the agent's (the machine's
+/// [`crate::machine::slot_held`]), a place in line for each order waiting
+/// for it. Agents with neither are left out. Pinned to the machine by the
+/// property test (`tests/tests/state_machine.rs`).
+const RECOUNT: &str = "
+    SELECT agent, sum(in_flight)::int4 AS in_flight, sum(waiting)::int4 AS waiting
+      FROM (SELECT s.agent, 1 AS in_flight, 0 AS waiting
+              FROM order_process op
+              JOIN steps s ON s.order_id = op.order_id
+               AND s.state = CASE op.state WHEN 'processing' THEN 'running'::step_state
+                                           ELSE 'compensating'::step_state END
+             WHERE op.state IN ('processing', 'compensating')
+               AND op.locked_by IS NOT NULL AND op.complete_by IS NOT NULL
+            UNION ALL
+            SELECT waiting_for, 0, 1 FROM order_process WHERE waiting_for IS NOT NULL) c
+     GROUP BY agent";
 
 /// An agent's counters that did not match its orders, and what they became.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
