@@ -467,11 +467,16 @@ async fn a_client_s_reply_to_and_correlation_id_properties_are_honoured() {
     let _system = env.system(1).await;
     let (connection, publisher) = env.broker().await;
     let channel = connection.create_channel().await.unwrap();
+    // Exclusive: gone with the test's connection (the harness deletes only
+    // the topology it knows).
     let client_queue = format!("{}rpc-client", env.prefix);
     channel
         .queue_declare(
             client_queue.as_str().into(),
-            QueueDeclareOptions::default(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
             FieldTable::default(),
         )
         .await

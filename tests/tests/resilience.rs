@@ -75,11 +75,16 @@ async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() 
     let system = env.system(1).await;
     let (connection, publisher) = env.broker().await;
     let channel = connection.create_channel().await.unwrap();
+    // Exclusive: gone with the test's connection (the harness deletes only
+    // the topology it knows).
     let client_queue = format!("{}client", env.prefix);
     channel
         .queue_declare(
             client_queue.as_str().into(),
-            QueueDeclareOptions::default(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
             FieldTable::default(),
         )
         .await

@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use sas_broker::lapin::options::{BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions};
+use sas_broker::lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
 use sas_broker::lapin::types::{AMQPValue, FieldTable};
 use sas_broker::lapin::{BasicProperties, Connection};
 use sas_broker::{topology, AmqpSettings};
@@ -294,6 +296,16 @@ async fn rabbitmq_refuses_a_client_outside_its_documented_permissions() {
         let _ = connection.close(200, "done".into()).await;
         let _ = other.close(200, "done".into()).await;
     }
+    // The other client's queue never had a consumer, so auto-delete never
+    // took it, and it is no part of the topology the harness deletes.
+    let (guest, _) = env.broker().await;
+    guest
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_delete(other_queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
     drop(users);
     let listed = Command::new("rabbitmqctl")
         .args(["-q", "list_users"])
