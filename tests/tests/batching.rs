@@ -542,3 +542,77 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
         "the batch of 3 replies read {read} entries of the open-orders index, most of them dead"
     );
 }
+
+/// A claim starts several orders in one transaction and writes their
+/// decisions in one statement: each room check counts the slots the
+/// batch's earlier decisions took, so one claim never hands out more than
+/// the agent's limit, and the rest wait in its line.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
+    let env = TestEnv::new().await;
+    let steps = env.steps();
+    let ids: Vec<String> = (0..5).map(|n| format!("room-{n}")).collect();
+    // Five orders started without admission control (no row yet), then
+    // their deadlines missed: back to pending, due at once.
+    let batch: Vec<Submission> = ids.iter().map(|id| submission(id)).collect();
+    for outcome in env
+        .store
+        .insert_orders(&batch, "order", &steps, "test")
+        .await
+    {
+        accepted(&outcome);
+    }
+    sqlx::query("UPDATE order_process SET complete_by = now() - interval '1 hour'")
+        .execute(env.store.pool())
+        .await
+        .expect("deadlines passed");
+    let policy = sas_store::recovery::RecoveryPolicy {
+        max_failures: 3,
+        backoff: sas_runtime::Backoff::new(
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+            sas_runtime::Jitter::None,
+        ),
+        grace: Duration::ZERO,
+    };
+    let recovered = env
+        .store
+        .recover_expired_with("test", &policy, 10, || 0.0)
+        .await
+        .expect("recover");
+    assert_eq!(recovered.len(), 5);
+    sqlx::query("UPDATE order_process SET not_before = now() - interval '1 second'")
+        .execute(env.store.pool())
+        .await
+        .expect("due");
+    // The first step's agent takes two attempts at a time.
+    sqlx::query(
+        "INSERT INTO admission (agent, admit_limit, initial_limit, ceiling, deadline_ms)
+         VALUES ('inventory', 2, 2, 2, 3000)",
+    )
+    .execute(env.store.pool())
+    .await
+    .expect("an admission row");
+
+    let claimed = env.store.claim_ready("test", 10).await.expect("claim");
+    let started = claimed
+        .iter()
+        .filter(|claim| claim.progress.dispatch.is_some())
+        .count();
+    assert_eq!(
+        started, 2,
+        "one claim started {started} attempts under a limit of 2"
+    );
+    let lined = count(
+        &env,
+        "SELECT count(*) FROM order_process WHERE waiting_for = 'inventory'",
+    )
+    .await;
+    assert_eq!(lined, 3);
+    let counters: (i32, i32) =
+        sqlx::query_as("SELECT in_flight, waiting FROM admission WHERE agent = 'inventory'")
+            .fetch_one(env.store.pool())
+            .await
+            .expect("the counters");
+    assert_eq!(counters, (2, 3));
+}

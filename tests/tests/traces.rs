@@ -78,20 +78,43 @@ fn spans_of(request: &Value) -> Vec<Span> {
     out
 }
 
+/// A system whose scheduler, agents and supervisor export their spans to
+/// the collector on `port`; the processes run while it lives.
+struct Traced {
+    publisher: sas_broker::Publisher,
+    sim: sas_tests::sim::SimClient,
+    _processes: Vec<sas_tests::process::Service>,
+    _connection: sas_broker::lapin::Connection,
+}
+
+impl Traced {
+    async fn start(env: &TestEnv, port: u16) -> Self {
+        let otlp = [("SAS_LOG__OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))];
+        let (connection, publisher) = env.broker().await;
+        let (sim_process, sim) = env.remote_sim(&[]).await;
+        let mut processes = env.agents(1, &sim, &otlp);
+        processes.push(sim_process);
+        processes.push(env.scheduler(0, &otlp));
+        processes.push(env.supervisor(0, &otlp));
+        Self {
+            publisher,
+            sim,
+            _processes: processes,
+            _connection: connection,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn each_order_is_one_trace_across_every_service_and_reaches_the_remote() {
     let (port, spans) = receiver().await;
-    let otlp = [("SAS_LOG__OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))];
     let env = TestEnv::new().await;
-    let (_connection, publisher) = env.broker().await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &otlp);
-    let _scheduler = env.scheduler(0, &otlp);
-    let _supervisor = env.supervisor(0, &otlp);
+    let system = Traced::start(&env, port).await;
+    let (publisher, sim) = (&system.publisher, &system.sim);
     let mut declined = order("ord-trace-declined");
     declined.amount_cents = 50_000_000;
-    env.publish_order(&publisher, &order("ord-trace-ok")).await;
-    env.publish_order(&publisher, &declined).await;
+    env.publish_order(publisher, &order("ord-trace-ok")).await;
+    env.publish_order(publisher, &declined).await;
     for (id, state) in [
         ("ord-trace-ok", ProcessState::Processed),
         ("ord-trace-declined", ProcessState::Compensated),
@@ -229,15 +252,11 @@ async fn a_collector_that_never_answers_holds_up_no_order() {
             held.push(connection);
         }
     });
-    let otlp = [("SAS_LOG__OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))];
     let env = TestEnv::new().await;
-    let (_connection, publisher) = env.broker().await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &otlp);
-    let _scheduler = env.scheduler(0, &otlp);
-    let _supervisor = env.supervisor(0, &otlp);
+    let system = Traced::start(&env, port).await;
+    let publisher = &system.publisher;
     for i in 0..20 {
-        env.publish_order(&publisher, &order(&format!("ord-hung-collector-{i}")))
+        env.publish_order(publisher, &order(&format!("ord-hung-collector-{i}")))
             .await;
     }
     env.wait_for_count(ProcessState::Processed, 20, Duration::from_secs(30))

@@ -295,6 +295,11 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
     match command {
         DeadLettersCommand::Replay { id } => {
             let settings = target.amqp();
+            // A letter that cannot be replayed is refused without the broker.
+            if let Err(refusal) = store.replay_of(id, &settings.names()).await? {
+                eprintln!("{refusal}");
+                return Ok(ExitCode::FAILURE);
+            }
             let connection = sas_broker::connect(&settings, "sasctl")
                 .await
                 .context("cannot connect to RabbitMQ")?;

@@ -152,20 +152,24 @@ impl Store {
             .map(|row| adapted_limit(&row.window(), adaptation.deadline_share))
             .collect();
         let agents: Vec<&str> = due.iter().map(|row| row.agent.as_str()).collect();
-        sqlx::query(
-            "UPDATE admission a
-                SET admit_limit = d.admit_limit, window_settled = a.settled,
-                    window_started = now(), peak_in_flight = a.in_flight
-               FROM UNNEST($1::text[], $2::int4[]) AS d(agent, admit_limit)
-              WHERE a.agent = d.agent",
+        let rows = sqlx::query_as(
+            "WITH adapted AS (
+                 UPDATE admission a
+                    SET admit_limit = d.admit_limit, window_settled = a.settled,
+                        window_started = now(), peak_in_flight = a.in_flight
+                   FROM UNNEST($1::text[], $2::int4[]) AS d(agent, admit_limit)
+                  WHERE a.agent = d.agent
+              RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling)
+             -- The statement's own snapshot predates its update: the adapted
+             -- rows come from RETURNING.
+             SELECT * FROM adapted
+             UNION ALL
+             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission
+              WHERE agent <> ALL($1::text[])
+             ORDER BY agent",
         )
         .bind(&agents)
         .bind(&limits)
-        .execute(&mut *tx)
-        .await?;
-        let rows = sqlx::query_as(
-            "SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission ORDER BY agent",
-        )
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;

@@ -14,7 +14,7 @@
 //! cannot happen without a bug: the statement's counts are checked and the
 //! transaction is abandoned.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use sas_messages::{AttemptId, StepKind};
@@ -51,9 +51,8 @@ pub(crate) enum Slots {
 /// `order_ids` and loads their snapshots ([`load_snapshots`]), decides
 /// for each the event `event_for` makes of it (under admission control,
 /// as `slots` says), and writes all the decisions in one statement
-/// ([`apply_all`]). Orders that do
-/// not exist are left out. Every decision of the batch uses the
-/// transaction's clock.
+/// ([`apply_all`]). Orders that do not exist are left out. Every decision
+/// of the batch uses the transaction's clock.
 ///
 /// # Errors
 /// When the database fails, or a guard did not hold: the caller's
@@ -68,17 +67,17 @@ pub(crate) async fn transition<'e>(
 ) -> Result<Vec<Decided>, StoreError> {
     let (snapshots, now) = load_snapshots(&mut *conn, order_ids).await?;
     let mut decided = Vec::with_capacity(snapshots.len());
-    // Slots taken and places in line by the decisions made so far, not yet
-    // written: each room check counts them.
-    let mut taken = Taken::default();
+    // Each agent's counters, read once for the batch, and the slots and
+    // places in line the decisions made so far take (not yet written).
+    let mut room = Room::default();
     for snapshot in snapshots {
         let ctx = store.context(now, actor);
         let event = event_for(&snapshot);
         let decision = match slots {
             Slots::Held => decide(&snapshot, &event, &ctx),
-            Slots::Check => decide_admitted(&mut *conn, &snapshot, &event, &ctx, &taken).await?,
+            Slots::Check => decide_admitted(&mut *conn, &snapshot, &event, &ctx, &mut room).await?,
         };
-        taken.add(&decision);
+        room.take(&decision);
         decided.push(Decided {
             snapshot,
             decision,
@@ -89,22 +88,54 @@ pub(crate) async fn transition<'e>(
     Ok(decided)
 }
 
-/// The admission deltas of a batch's decisions not yet written, by agent:
-/// attempts in flight and places in line.
+/// What a batch's room checks read: each agent's admission counters (in
+/// flight, limit, waiting; `None` for an agent without a row, which has no
+/// admission control), read once for the batch, and the attempts in flight
+/// and places in line the batch's decisions so far move, not yet written.
 #[derive(Debug, Default)]
-struct Taken(std::collections::HashMap<String, (i32, i32)>);
+struct Room {
+    read: HashMap<String, Option<(i32, i32, i32)>>,
+    taken: HashMap<String, (i32, i32)>,
+}
 
-impl Taken {
-    fn add(&mut self, decision: &Decision) {
+impl Room {
+    fn take(&mut self, decision: &Decision) {
         for delta in &decision.admission {
-            let entry = self.0.entry(delta.agent.clone()).or_default();
-            entry.0 += delta.in_flight;
-            entry.1 += delta.waiting;
+            let taken = self.taken.entry(delta.agent.clone()).or_default();
+            taken.0 += delta.in_flight;
+            taken.1 += delta.waiting;
         }
     }
 
-    fn of(&self, agent: &str) -> (i32, i32) {
-        self.0.get(agent).copied().unwrap_or_default()
+    /// Whether `agent` has a slot for one more attempt ([`has_room`]).
+    async fn has_room(
+        &mut self,
+        conn: &mut PgConnection,
+        agent: &str,
+        first_in_line: bool,
+    ) -> Result<bool, StoreError> {
+        let counters = match self.read.get(agent) {
+            Some(counters) => *counters,
+            None => {
+                let counters = sqlx::query_as(
+                    "SELECT in_flight, admit_limit, waiting FROM admission WHERE agent = $1",
+                )
+                .bind(agent)
+                .fetch_optional(&mut *conn)
+                .await?;
+                self.read.insert(agent.to_owned(), counters);
+                counters
+            }
+        };
+        let (more_in_flight, more_waiting) = self.taken.get(agent).copied().unwrap_or_default();
+        Ok(counters.is_none_or(|(in_flight, limit, waiting)| {
+            has_room(
+                in_flight + more_in_flight,
+                limit,
+                waiting + more_waiting,
+                first_in_line,
+            )
+        }))
     }
 }
 
@@ -510,10 +541,10 @@ impl<'a> Rows<'a> {
 /// when the decision would take a slot of an agent with none free, decides
 /// again with that agent closed, and the order waits in its line instead.
 ///
-/// Whether a slot is free is [`has_room`]'s rule. The check
-/// reads the counters without locking them, so schedulers deciding at the
-/// same moment can overshoot the limit by a few: it bounds queueing, it is
-/// not a semaphore.
+/// Whether a slot is free is [`has_room`]'s rule, on the counters as
+/// [`Room`] holds them for the batch. They are read without locking them,
+/// so schedulers deciding at the same moment can overshoot the limit by a
+/// few: it bounds queueing, it is not a semaphore.
 ///
 /// # Errors
 /// When the database fails.
@@ -522,29 +553,14 @@ async fn decide_admitted(
     snapshot: &Snapshot,
     event: &Event<'_>,
     ctx: &Context<'_>,
-    taken: &Taken,
+    room: &mut Room,
 ) -> Result<Decision, StoreError> {
     let decision = decide(snapshot, event, ctx);
     let Some((agent, kind)) = decision.takes_slot() else {
         return Ok(decision);
     };
     let first_in_line = kind == StepKind::Compensation || snapshot.process.waiting_for.is_some();
-    let counters: Option<(i32, i32, i32)> =
-        sqlx::query_as("SELECT in_flight, admit_limit, waiting FROM admission WHERE agent = $1")
-            .bind(agent)
-            .fetch_optional(&mut *conn)
-            .await?;
-    // An agent without a row has no admission control.
-    let (more_in_flight, more_waiting) = taken.of(agent);
-    let room = counters.is_none_or(|(in_flight, limit, waiting)| {
-        has_room(
-            in_flight + more_in_flight,
-            limit,
-            waiting + more_waiting,
-            first_in_line,
-        )
-    });
-    if room {
+    if room.has_room(&mut *conn, agent, first_in_line).await? {
         return Ok(decision);
     }
     let agent = agent.to_owned();

@@ -1,40 +1,47 @@
 //! The periodic scan for held orders whose complete-by has passed.
 
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sas_runtime::Next;
-use tokio::time::Instant;
 
 use sas_store::ProcessState;
 
 use crate::Supervisor;
 
 impl Supervisor {
-    /// Every `interval_ms` until shutdown ([`sas_runtime::every`]): one
-    /// [`Supervisor::scan_once`], at once again when its batch came back
-    /// full; every interval also the gauges and the adaptation of the
-    /// admission limits, and every `admission_reconcile_ms` their
+    /// Until shutdown, three periodic loops ([`sas_runtime::every`]): every
+    /// `interval_ms` one [`Supervisor::scan_once`] (at once again when its
+    /// batch came back full), every `interval_ms` the gauges and the
+    /// adaptation of the admission limits, and every
+    /// `admission_reconcile_ms` (the first after one period) their
     /// reconciliation.
     pub async fn scan_loop(self: Arc<Self>) {
         let settings = &self.settings.supervisor;
         let interval = Duration::from_millis(settings.interval_ms);
         let reconcile_every = Duration::from_millis(settings.admission_reconcile_ms);
-        let last_gauge = Mutex::new(Instant::now() - interval);
-        let last_reconcile = Mutex::new(Instant::now());
-        let tick = || async {
-            let next = self.scan_once().await;
-            if due(&last_gauge, interval) {
-                self.refresh_gauges().await;
-                self.adapt_admission().await;
+        let shutdown = &self.shutdown;
+        let scans = sas_runtime::every(interval, shutdown, || async {
+            Ok::<_, Infallible>(self.scan_once().await)
+        });
+        let gauges = sas_runtime::every(interval, shutdown, || async {
+            self.refresh_gauges().await;
+            self.adapt_admission().await;
+            Ok::<_, Infallible>(Next::Wait)
+        });
+        let reconciliations = async {
+            tokio::select! {
+                () = tokio::time::sleep(reconcile_every) => {}
+                () = shutdown.cancelled() => return Ok(()),
             }
-            if due(&last_reconcile, reconcile_every) {
+            sas_runtime::every(reconcile_every, shutdown, || async {
                 self.reconcile_admission().await;
-            }
-            Ok::<_, Infallible>(next)
+                Ok::<_, Infallible>(Next::Wait)
+            })
+            .await
         };
-        let Ok(()) = sas_runtime::every(interval, &self.shutdown, tick).await;
+        let (Ok(()), Ok(()), Ok(())) = tokio::join!(scans, gauges, reconciliations);
     }
 
     /// One scan: recovers up to a batch of expired orders (see
@@ -158,16 +165,4 @@ impl Supervisor {
             Err(error) => tracing::debug!(error = %error, "cannot count overdue orders and alerts"),
         }
     }
-}
-
-/// True, and the clock `last` set to now, when `every` has passed since it.
-fn due(last: &Mutex<Instant>, every: Duration) -> bool {
-    let mut last = last
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let due = last.elapsed() >= every;
-    if due {
-        *last = Instant::now();
-    }
-    due
 }
