@@ -10,7 +10,7 @@ use sas_broker::lapin::options::{
 use sas_broker::lapin::types::FieldTable;
 use sas_broker::lapin::BasicProperties;
 use sas_broker::{topology, Publisher};
-use sas_tests::TestEnv;
+use sas_lab::TestEnv;
 
 /// Messages per second published (confirmed, persistent) to one quorum
 /// queue and consumed back (acknowledged one by one), publishing and

@@ -12,8 +12,8 @@
 use std::time::Instant;
 
 use clap::Parser;
-use sas_tests::console::As;
-use sas_tests::TestEnv;
+use sas_lab::console::As;
+use sas_lab::TestEnv;
 use serde::Serialize;
 
 /// Measures the console's list and filter pages at growing numbers of orders.

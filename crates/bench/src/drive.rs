@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
 use sas_broker::{topology, Publisher};
+use sas_lab::{order, TestEnv};
 use sas_messages::{OrderStatus, StatusEvent};
-use sas_tests::{order, TestEnv};
 
 /// Publishes the orders `ids` with confirms, up to 256 unconfirmed at once,
 /// at `rate` orders per second (0: as fast as the broker confirms). Returns
@@ -167,7 +167,7 @@ impl StatusListener {
 
 /// Sums every sample of a counter (all label sets) on a `/metrics` page.
 pub async fn counter_sum(port: u16, name: &str) -> f64 {
-    let Ok(response) = sas_tests::http_get(format!("http://127.0.0.1:{port}/metrics")).await else {
+    let Ok(response) = sas_lab::http_get(format!("http://127.0.0.1:{port}/metrics")).await else {
         return 0.0;
     };
     let text = response.text().await.unwrap_or_default();

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use sas_broker::Publisher;
-use sas_tests::TestEnv;
+use sas_lab::TestEnv;
 use serde_json::json;
 
 use crate::drive::{publish_with_priority, StatusListener};

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use sas_broker::Publisher;
-use sas_tests::TestEnv;
+use sas_lab::TestEnv;
 use serde_json::json;
 
 use crate::drive::{counter_sum, publish, wait_processed, StatusListener};

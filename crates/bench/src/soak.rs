@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::drive::{counter_sum, publish};
 use crate::system::{memory_mib, BenchSystem};
-use sas_tests::TestEnv;
+use sas_lab::TestEnv;
 
 /// Tables sampled, in the order printed.
 const TABLES: [&str; 6] = [

@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use sas_tests::process::{free_port, Service};
-use sas_tests::sim::SimClient;
-use sas_tests::TestEnv;
+use sas_lab::process::{free_port, Service};
+use sas_lab::sim::SimClient;
+use sas_lab::TestEnv;
 
 /// Settings every benchmarked service gets: quiet logs (an info line per
 /// message costs throughput), fast supervisor.
