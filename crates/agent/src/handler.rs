@@ -231,102 +231,138 @@ impl Agent {
         received: &Received,
         connection_lost: &CancellationToken,
     ) -> Finished {
-        let settings = &self.settings.agent;
-        let request = &received.request;
-        let deadlines = self.deadlines(request);
+        let deadlines = self.deadlines(&received.request);
         let retries = sas_runtime::Backoff::new(
-            Duration::from_millis(settings.retry_base_ms),
-            Duration::from_millis(settings.retry_max_ms),
+            Duration::from_millis(self.settings.agent.retry_base_ms),
+            Duration::from_millis(self.settings.agent.retry_max_ms),
             sas_runtime::Jitter::Full,
         );
-        let mut tries = Tries {
-            attempt: 0,
-            maybe_applied: false,
-            last_error: String::new(),
-            // A redelivery's earlier delivery may have called (an agent
-            // killed mid-call): never "not started" then.
-            tried: received.redelivered,
-        };
-        let interrupted = || async {
-            tokio::select! {
-                () = self.shutdown.cancelled() => {}
-                () = connection_lost.cancelled() => {}
-            }
-        };
+        let mut tries = Tries::new(received.redelivered);
         loop {
             let Some(left) = self.time_left(deadlines.start_by) else {
                 return tries.expired();
             };
             if !lane.circuit.allow() {
-                // Fail fast: no call to a service that keeps failing. The
-                // request waits here for the probe (or its deadline), rather
-                // than answering at once and using up the order's failures
-                // in a few seconds of outage.
-                metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone()).increment(1);
-                tries.tried = true;
-                let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
-                if wait >= left {
-                    return tries.expired();
+                if let Err(finished) = self
+                    .wait_for_circuit(lane, left, &mut tries, connection_lost)
+                    .await
+                {
+                    return finished;
                 }
-                tokio::select! {
-                    () = tokio::time::sleep(wait) => continue,
-                    () = interrupted() => return Finished::Interrupted,
-                }
+                continue;
             }
-            // Waiting for a call slot counts against the deadline too: a call
-            // must never start after start-by, when the supervisor may soon
-            // send the undo.
-            let permit = tokio::select! {
-                permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
-                    Ok(permit) => permit.expect("the semaphore is never closed"),
-                    Err(_) => return tries.expired(),
-                },
-                () = interrupted() => return Finished::Interrupted,
+            let result = match self
+                .call_once(
+                    lane,
+                    received,
+                    &deadlines,
+                    left,
+                    &mut tries,
+                    connection_lost,
+                )
+                .await
+            {
+                Ok(result) => result,
+                Err(finished) => return finished,
             };
-            let (Some(_), Some(until_complete)) = (
-                self.time_left(deadlines.start_by),
-                self.time_left(deadlines.complete_by),
-            ) else {
-                return tries.expired();
-            };
-            let timeout = until_complete.min(Duration::from_millis(settings.call_timeout_ms));
-            tries.tried = true;
-            // A call under way is not cut short by shutdown: the drain limit
-            // bounds it, and cutting it would only make the call repeat. A
-            // lost broker connection does cut it: the request is back in the
-            // queue for another agent, and this one must stop calling for it.
-            let result = tokio::select! {
-                result = lane.remote.call(request, timeout, received.trace_id.as_deref()) => result,
-                () = connection_lost.cancelled() => {
-                    metrics::counter!("sas_agent_calls_abandoned_total").increment(1);
-                    tracing::warn!("broker connection lost: call abandoned; the request goes back to its queue");
-                    return Finished::Interrupted;
-                }
-            };
-            drop(permit);
             let class = result.class();
             metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => class).increment(1);
             let (error, logged) = match tries.settle(lane, result) {
                 Ok(finished) => return finished,
                 Err(unsettled) => unsettled,
             };
-            metrics::counter!("sas_agent_retries_total").increment(1);
-            tries.attempt = tries.attempt.saturating_add(1);
-            // Retry n waits up to retry_base × 2^n: the first retry already
-            // twice the base.
-            let wait = retries.wait(tries.attempt.saturating_add(1));
-            if !logged {
-                tracing::info!(class, error = %error, attempt = tries.attempt, wait_ms = wait.as_millis() as u64, maybe_applied = tries.maybe_applied, "call not settled; retrying the same key");
-            }
-            tries.last_error = error;
+            let wait = tries.count_retry(&retries, class, error, logged);
             match self.time_left(deadlines.start_by) {
                 Some(left) if left > wait => {}
                 _ => return tries.expired(),
             }
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
-                () = interrupted() => return Finished::Interrupted,
+                () = self.interrupted(connection_lost) => return Finished::Interrupted,
             }
+        }
+    }
+
+    /// Waits while the lane's circuit is open, `left` being the time to the
+    /// start deadline: `Ok` when it is time to look again, `Err` with how
+    /// the request ends when the deadline comes first or it is interrupted.
+    ///
+    /// Fail fast: no call to a service that keeps failing. The request
+    /// waits here for the probe (or its deadline), rather than answering at
+    /// once and using up the order's failures in a few seconds of outage.
+    async fn wait_for_circuit(
+        &self,
+        lane: &Lane,
+        left: Duration,
+        tries: &mut Tries,
+        connection_lost: &CancellationToken,
+    ) -> Result<(), Finished> {
+        metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone())
+            .increment(1);
+        tries.tried = true;
+        let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
+        if wait >= left {
+            return Err(tries.expired());
+        }
+        tokio::select! {
+            () = tokio::time::sleep(wait) => Ok(()),
+            () = self.interrupted(connection_lost) => Err(Finished::Interrupted),
+        }
+    }
+
+    /// Makes one call once a call slot is free: `Ok` with its result, `Err`
+    /// with how the request ends when the start deadline passes first or
+    /// the request is interrupted. `left` is the time to the start deadline.
+    async fn call_once(
+        &self,
+        lane: &Lane,
+        received: &Received,
+        deadlines: &Deadlines,
+        left: Duration,
+        tries: &mut Tries,
+        connection_lost: &CancellationToken,
+    ) -> Result<CallResult, Finished> {
+        // Waiting for a call slot counts against the deadline too: a call
+        // must never start after start-by, when the supervisor may soon
+        // send the undo.
+        let permit = tokio::select! {
+            permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
+                Ok(permit) => permit.expect("the semaphore is never closed"),
+                Err(_) => return Err(tries.expired()),
+            },
+            () = self.interrupted(connection_lost) => return Err(Finished::Interrupted),
+        };
+        let (Some(_), Some(until_complete)) = (
+            self.time_left(deadlines.start_by),
+            self.time_left(deadlines.complete_by),
+        ) else {
+            return Err(tries.expired());
+        };
+        let timeout =
+            until_complete.min(Duration::from_millis(self.settings.agent.call_timeout_ms));
+        tries.tried = true;
+        // A call under way is not cut short by shutdown: the drain limit
+        // bounds it, and cutting it would only make the call repeat. A
+        // lost broker connection does cut it: the request is back in the
+        // queue for another agent, and this one must stop calling for it.
+        let result = tokio::select! {
+            result = lane.remote.call(&received.request, timeout, received.trace_id.as_deref()) => result,
+            () = connection_lost.cancelled() => {
+                metrics::counter!("sas_agent_calls_abandoned_total").increment(1);
+                tracing::warn!("broker connection lost: call abandoned; the request goes back to its queue");
+                return Err(Finished::Interrupted);
+            }
+        };
+        drop(permit);
+        Ok(result)
+    }
+
+    /// Completes when the agent shuts down or the delivery's broker
+    /// connection is lost: either way a waiting request is handed back.
+    async fn interrupted(&self, connection_lost: &CancellationToken) {
+        tokio::select! {
+            () = self.shutdown.cancelled() => {}
+            () = connection_lost.cancelled() => {}
         }
     }
 
@@ -390,6 +426,18 @@ struct Tries {
 }
 
 impl Tries {
+    /// Nothing learnt yet. A redelivery's earlier delivery may have called
+    /// (an agent killed mid-call): `redelivered` makes it never "not
+    /// started".
+    fn new(redelivered: bool) -> Self {
+        Self {
+            attempt: 0,
+            maybe_applied: false,
+            last_error: String::new(),
+            tried: redelivered,
+        }
+    }
+
     /// What one call's result settles: `Ok` with how the request ends (a
     /// success, a refusal), or `Err` with the error to retry after and
     /// whether it was logged already. Records the result on the circuit.
@@ -442,6 +490,27 @@ impl Tries {
                 Err((error, false))
             }
         }
+    }
+
+    /// Counts a retry after a call that did not settle and logs it (unless
+    /// `settle` did, `logged`): returns the pause before the next call.
+    fn count_retry(
+        &mut self,
+        retries: &sas_runtime::Backoff,
+        class: &'static str,
+        error: String,
+        logged: bool,
+    ) -> Duration {
+        metrics::counter!("sas_agent_retries_total").increment(1);
+        self.attempt = self.attempt.saturating_add(1);
+        // Retry n waits up to retry_base × 2^n: the first retry already
+        // twice the base.
+        let wait = retries.wait(self.attempt.saturating_add(1));
+        if !logged {
+            tracing::info!(class, error = %error, attempt = self.attempt, wait_ms = wait.as_millis() as u64, maybe_applied = self.maybe_applied, "call not settled; retrying the same key");
+        }
+        self.last_error = error;
+        wait
     }
 
     /// How the request ends at its start deadline: silently when no call
