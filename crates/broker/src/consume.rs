@@ -150,19 +150,9 @@ where
             () = shutdown.cancelled() => break Ok(()),
             next = consumer.next() => next,
         };
-        let delivery = match next {
-            Some(Ok(delivery)) => delivery,
-            Some(Err(source)) => {
-                break Err(BrokerError::Amqp {
-                    doing: "consuming",
-                    source,
-                })
-            }
-            None => {
-                break Err(BrokerError::ConsumerEnded {
-                    queue: queue.to_owned(),
-                })
-            }
+        let delivery = match delivered(next, queue) {
+            Ok(delivery) => delivery,
+            Err(error) => break Err(error),
         };
         let tag = delivery.delivery_tag;
         let message = Delivery {
@@ -174,38 +164,13 @@ where
         // Registered before the handler starts, so the settler knows every
         // delivery in flight before any later one can be acknowledged.
         let _ = settle.send(Settle::Delivered(tag));
-        let (publisher, settings, settle) = (publisher.clone(), settings.clone(), settle.clone());
-        match oversized(&settings, &message) {
-            // Refused before any handler sees (and parses, and copies) it.
-            Some(reason) => {
-                let unread = Delivery {
-                    queue: message.queue.clone(),
-                    body: Vec::new(),
-                    properties: message.properties.clone(),
-                    redelivered: message.redelivered,
-                };
-                let answer = refused(unread, reason.clone());
-                tracker.spawn(async move {
-                    answer.await;
-                    let requeue = decide(
-                        &settings,
-                        &publisher,
-                        &message,
-                        Consumed::DeadLetter(reason),
-                    )
-                    .await;
-                    let _ = settle.send(Settle::Finished { tag, requeue });
-                });
-            }
-            None => {
-                let work = handler(message.clone());
-                tracker.spawn(async move {
-                    let outcome = work.await;
-                    let requeue = decide(&settings, &publisher, &message, outcome).await;
-                    let _ = settle.send(Settle::Finished { tag, requeue });
-                });
-            }
-        }
+        let pending = Pending {
+            tag,
+            settings: settings.clone(),
+            publisher: publisher.clone(),
+            settle: settle.clone(),
+        };
+        spawn_handling(&tracker, &handler, &refused, message, pending);
     };
 
     if result.is_ok() {
@@ -218,6 +183,89 @@ where
     }
     drain_and_close(queue, &channel, timeout, drain, &tracker, &settle, settler).await;
     result
+}
+
+/// The delivery the consumer's stream yielded, or why the consumer stopped:
+/// an error on its channel, or the end of its stream.
+fn delivered(
+    next: Option<lapin::Result<lapin::message::Delivery>>,
+    queue: &str,
+) -> Result<lapin::message::Delivery, BrokerError> {
+    match next {
+        Some(Ok(delivery)) => Ok(delivery),
+        Some(Err(source)) => Err(BrokerError::Amqp {
+            doing: "consuming",
+            source,
+        }),
+        None => Err(BrokerError::ConsumerEnded {
+            queue: queue.to_owned(),
+        }),
+    }
+}
+
+/// Starts the task for one delivery: `handler`'s, or, for a message over
+/// the size limit, `refused`'s answer and its dead-lettering; either way
+/// the task settles the delivery when it is done.
+fn spawn_handling<H, Fut, R, RFut>(
+    tracker: &TaskTracker,
+    handler: &H,
+    refused: &R,
+    message: Delivery,
+    pending: Pending,
+) where
+    H: Fn(Delivery) -> Fut,
+    Fut: Future<Output = Consumed> + Send + 'static,
+    R: Fn(Delivery, String) -> RFut,
+    RFut: Future<Output = ()> + Send + 'static,
+{
+    match oversized(&pending.settings, &message) {
+        // Refused before any handler sees (and parses, and copies) it.
+        Some(reason) => {
+            let unread = Delivery {
+                queue: message.queue.clone(),
+                body: Vec::new(),
+                properties: message.properties.clone(),
+                redelivered: message.redelivered,
+            };
+            let answer = refused(unread, reason.clone());
+            tracker.spawn(async move {
+                answer.await;
+                pending.finish(&message, Consumed::DeadLetter(reason)).await;
+            });
+        }
+        None => {
+            let work = handler(message.clone());
+            tracker.spawn(async move {
+                let outcome = work.await;
+                pending.finish(&message, outcome).await;
+            });
+        }
+    }
+}
+
+/// A delivery handed out and not yet settled: what its task needs to turn
+/// the outcome into a settlement for the settler.
+struct Pending {
+    /// The delivery's tag on the consuming channel.
+    tag: u64,
+    /// Where a dead letter goes and how much of its body it keeps.
+    settings: AmqpSettings,
+    /// Publishes a dead letter.
+    publisher: Publisher,
+    /// To the settler.
+    settle: mpsc::UnboundedSender<Settle>,
+}
+
+impl Pending {
+    /// Carries out `outcome` for `message` (dead-lettering it first where
+    /// asked) and tells the settler to acknowledge or requeue it.
+    async fn finish(self, message: &Delivery, outcome: Consumed) {
+        let requeue = decide(&self.settings, &self.publisher, message, outcome).await;
+        let _ = self.settle.send(Settle::Finished {
+            tag: self.tag,
+            requeue,
+        });
+    }
 }
 
 /// Opens a channel on `connection` with the settings' prefetch, and starts
