@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the client examples' tests (tests/tests/contract.rs) need:
+# Installs what the client examples' tests (tests/tests/e2e/contract.rs) need:
 #   - Python's pika for examples/python: kept if python3 already imports it,
 #     else pip-installed (examples/python/requirements.txt) into
 #     target/client-deps/python, which the tests put on PYTHONPATH; without

@@ -25,16 +25,20 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-# The client examples' tests (tests/tests/contract.rs): pika, Node and amqplib.
+# The client examples' tests (tests/tests/e2e/contract.rs): pika, Node and amqplib.
 scripts/client-deps.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
 # Dependency policy (deny.toml): licenses, duplicate versions, sources, advisories.
 scripts/deny.sh
-# promtool checks and tests deploy/prometheus (tests/tests/deployment.rs).
+# promtool checks and tests deploy/prometheus (tests/tests/e2e/deployment.rs).
 SAS_PROMTOOL="${SAS_PROMTOOL:-$(scripts/promtool.sh || true)}"
 export SAS_PROMTOOL
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
+# The end-to-end tests are one binary (tests/tests/e2e); a test that disturbs
+# the shared servers or loads the machine holds them alone while it runs
+# (crates/lab/src/servers.rs). A filter selects tests by name: `disruptive::`
+# one file's, `chaos` the chaos test.
 cargo test --workspace -- --test-threads 2 "$@"
 # After the cargo tests, never beside them: both load the machine. The
 # highly available topology after the single-node one, whose Docker engine

@@ -1,5 +1,5 @@
 """Publishes orders with pika and prints the status messages that come back,
-for tests/tests/contract.rs: the test decides what to send and checks what
+for tests/tests/e2e/contract.rs: the test decides what to send and checks what
 was received; this program only speaks AMQP as a Python client does.
 
 Reads one JSON object on stdin:

@@ -12,6 +12,7 @@ use sas_store::{DatabaseSettings, ProcessState, Store};
 use sqlx::Connection as _;
 
 use crate::process::bin_dir;
+use crate::servers::ServerGuard;
 
 /// The built-in order workflow: (step, agent, action, compensation).
 const STEPS: [(&str, &str, &str, &str); 3] = [
@@ -23,7 +24,8 @@ const STEPS: [(&str, &str, &str, &str); 3] = [
 /// Agents of the built-in workflow.
 pub const AGENTS: [&str; 3] = ["inventory", "payment", "shipping"];
 
-/// A test's own database and queue prefix, dropped when the value is.
+/// A test's own database and queue prefix, dropped when the value is,
+/// and its hold on the servers they live on ([`crate::servers`]).
 pub struct TestEnv {
     /// Short unique id, part of every name.
     pub id: String,
@@ -41,6 +43,9 @@ pub struct TestEnv {
     pub dir: PathBuf,
     /// Deadline of each step attempt in the test workflow, in milliseconds.
     pub step_timeout_ms: u64,
+    /// The test's hold on the shared RabbitMQ and Postgres, shared or
+    /// exclusive, for the env's life (let go after the teardown).
+    servers: ServerGuard,
 }
 
 fn admin_url() -> String {
@@ -54,7 +59,8 @@ fn amqp_url() -> String {
 }
 
 impl TestEnv {
-    /// A new database (migrated) and prefix, with 3-second step deadlines.
+    /// A new database (migrated) and prefix, with 3-second step deadlines,
+    /// sharing the servers with other tests.
     ///
     /// # Panics
     /// When Postgres cannot be reached.
@@ -67,7 +73,23 @@ impl TestEnv {
     /// # Panics
     /// When Postgres cannot be reached.
     pub async fn with_step_timeout(step_timeout_ms: u64) -> Self {
-        let env = Self::unmigrated(step_timeout_ms).await;
+        Self::migrated(step_timeout_ms, ServerGuard::shared().await).await
+    }
+
+    /// As [`TestEnv::with_step_timeout`], holding the RabbitMQ and Postgres
+    /// servers alone for the env's life (waiting until the tests using them
+    /// are done, and keeping new ones out): for tests that restart them,
+    /// cut their connections, or load the whole machine. See
+    /// [`crate::servers`].
+    ///
+    /// # Panics
+    /// When Postgres cannot be reached.
+    pub async fn exclusive(step_timeout_ms: u64) -> Self {
+        Self::migrated(step_timeout_ms, ServerGuard::exclusive().await).await
+    }
+
+    async fn migrated(step_timeout_ms: u64, servers: ServerGuard) -> Self {
+        let env = Self::open(step_timeout_ms, servers).await;
         env.store
             .migrate()
             .await
@@ -81,6 +103,15 @@ impl TestEnv {
     /// # Panics
     /// When Postgres cannot be reached.
     pub async fn unmigrated(step_timeout_ms: u64) -> Self {
+        Self::open(step_timeout_ms, ServerGuard::shared().await).await
+    }
+
+    /// Whether this env holds the servers alone ([`TestEnv::exclusive`]).
+    pub fn is_exclusive(&self) -> bool {
+        self.servers.is_exclusive()
+    }
+
+    async fn open(step_timeout_ms: u64, servers: ServerGuard) -> Self {
         let id = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let database = format!("sas_{id}");
         let mut admin = sqlx::PgConnection::connect(&admin_url())
@@ -109,9 +140,19 @@ impl TestEnv {
             store,
             dir,
             step_timeout_ms,
+            servers,
         };
         std::fs::write(env.workflow_file(), env.workflow_text()).expect("write the workflow");
-        eprintln!("test env {}: logs in {}", env.id, env.dir.display());
+        eprintln!(
+            "test env {}{}: logs in {}",
+            env.id,
+            if env.is_exclusive() {
+                " (RabbitMQ and Postgres held alone)"
+            } else {
+                ""
+            },
+            env.dir.display()
+        );
         env
     }
 

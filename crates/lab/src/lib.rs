@@ -11,17 +11,21 @@
 //! - [`console`]: the operator console and its users.
 //! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
+//! - [`servers`]: [`ServerGuard`], the machine's RabbitMQ and Postgres shared
+//!   between the tests of one process, or held by one alone.
 //! - [`sim`]: reading remote-sim's record of side effects.
 //! - [`wait`]: polling for a condition with a deadline.
 
 pub mod console;
 pub mod env;
 pub mod process;
+pub mod servers;
 pub mod sim;
 pub mod wait;
 
 pub use env::{database_settings, TestEnv};
 pub use process::Service;
+pub use servers::ServerGuard;
 pub use wait::wait_until;
 
 /// Makes rustls on ring the process's crypto provider (reqwest is built

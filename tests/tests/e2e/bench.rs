@@ -1,10 +1,14 @@
 //! The benchmark's quick mode runs with the tests, so that it cannot rot.
 //! It asserts that it ran and that its figures are sane, not that they are fast.
+//! It loads the whole machine, so it holds the servers alone.
 
 use sas_tests::process::bin_dir;
+use sas_tests::ServerGuard;
 
 #[test]
 fn the_quick_benchmark_runs_and_reports_sane_figures() {
+    // sas-bench makes its own envs, in its own process.
+    let _alone = ServerGuard::exclusive_blocking();
     let out = std::env::temp_dir().join(format!("sas-bench-{}.json", std::process::id()));
     let status = std::process::Command::new(bin_dir().join("sas-bench"))
         .args(["--quick", "--out"])

@@ -1075,6 +1075,9 @@ async fn the_overview_and_an_order_page_are_sent_again_when_they_change() {
 /// that they are fast.
 #[test]
 fn the_quick_console_benchmark_runs_and_reports_sane_figures() {
+    // sas-console-bench makes its own env, in its own process, on the
+    // servers the other tests share.
+    let _servers = sas_tests::ServerGuard::shared_blocking();
     let out = std::env::temp_dir().join(format!("sas-console-bench-{}.json", std::process::id()));
     let status = std::process::Command::new(bin_dir().join("sas-console-bench"))
         .args(["--quick", "--out"])

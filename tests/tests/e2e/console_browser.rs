@@ -405,7 +405,7 @@ fn long_run_page() -> String {
     let timeline = Timeline::build(&lanes, &history, end, false);
     format!(
         "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><style>{}</style></head><body><main><h2>Timeline</h2><figure id=\"timeline\">{}<figcaption>{}</figcaption></figure></main></body></html>",
-        include_str!("../../crates/console/static/console.css"),
+        include_str!("../../../crates/console/static/console.css"),
         svg(&timeline).into_string(),
         legend().into_string(),
     )

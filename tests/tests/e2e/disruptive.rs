@@ -1,7 +1,7 @@
 //! Faults that hit the shared RabbitMQ and PostgreSQL servers themselves
-//! (restarts, killed connections) and the chaos test. The tests of this file
-//! run one at a time; cargo runs test files one after another, so no other
-//! test sees these outages.
+//! (restarts, killed connections) and the chaos test. Each test holds the
+//! servers alone (`TestEnv::exclusive`), so no other test sees these
+//! outages, and they run one at a time.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -11,10 +11,6 @@ use rand::{RngExt, SeedableRng};
 use sas_store::ProcessState;
 use sas_tests::process::Service;
 use sas_tests::{order, wait_until, TestEnv};
-use tokio::sync::Mutex;
-
-/// One outage at a time.
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 async fn run(program: &str, args: &[&str]) -> bool {
     match tokio::process::Command::new(program)
@@ -187,15 +183,13 @@ async fn outage_during_load<F: std::future::Future<Output = ()>>(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_restart_during_load_loses_no_order() {
-    let _serial = SERIAL.lock().await;
-    let env = TestEnv::with_step_timeout(5000).await;
+    let env = TestEnv::exclusive(5000).await;
     outage_during_load(&env, "broker-", restart_broker()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
-    let _serial = SERIAL.lock().await;
-    let env = TestEnv::with_step_timeout(5000).await;
+    let env = TestEnv::exclusive(5000).await;
     let outage = async {
         terminate_connections(&env).await;
         tokio::time::sleep(Duration::from_millis(700)).await;
@@ -213,7 +207,6 @@ async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     const MIN_KILLS: usize = 6;
-    let _serial = SERIAL.lock().await;
     let orders: usize = std::env::var("SAS_CHAOS_ORDERS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -224,9 +217,9 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         .unwrap_or_else(rand::random);
     eprintln!("chaos: {orders} orders, SAS_CHAOS_SEED={seed}");
     let mut rng = StdRng::seed_from_u64(seed);
-    let started = Instant::now();
 
-    let env = TestEnv::with_step_timeout(2000).await;
+    let env = TestEnv::exclusive(2000).await;
+    let started = Instant::now();
     // Faults come from settings, so that a restarted remote-sim keeps them.
     let (sim_process, sim) = env
         .remote_sim(&[

@@ -6,6 +6,12 @@
 //! finish in time. Each test pushes at least ten times that at once. Without
 //! admission control every request would wait in its agent queue past its
 //! deadline and the orders would be compensated.
+//!
+//! The tests that run a system hold the servers alone
+//! (`TestEnv::exclusive`): each sends a burst meant to saturate a slow
+//! remote, and two bursts on two cores at once, or one beside another
+//! test, measure their contention for the CPU (a reply waiting a second in
+//! a starved scheduler), not the system.
 
 use std::time::Duration;
 
@@ -19,12 +25,6 @@ use sas_tests::process::{free_port, System};
 use sas_tests::sim::SimClient;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::json;
-
-/// The tests of this file run one at a time: each sends a burst meant to
-/// saturate a slow remote, and two bursts on two cores at once measure
-/// their contention for the CPU (a reply waiting a second in a starved
-/// scheduler), not the system.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const STEP_TIMEOUT_MS: u64 = 1500;
 
@@ -114,8 +114,7 @@ async fn assert_all_processed_and_some_waited(env: &TestEnv, n: i64) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_failed() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     // A single missed deadline would compensate an order.
     let mut system = slow_system(&env, 1, 1, 0).await;
     // A second scheduler whose readiness is watched under the backlog.
@@ -190,8 +189,7 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
 
 #[tokio::test(flavor = "multi_thread")]
 async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     let (sim_process, sim) = env.remote_sim(&[]).await;
     set_latency(&sim, 100).await;
     // A limit as if learnt while the remote service was fast (or set too
@@ -265,8 +263,7 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_same_burst_survives_a_scheduler_and_an_agent_killed_in_the_middle() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     // Killed agents leave attempts to expire: those are retried, not compensated.
     let mut system = slow_system(&env, 2, 2, 5).await;
     let (_connection, publisher) = env.broker().await;
@@ -292,8 +289,7 @@ async fn the_same_burst_survives_a_scheduler_and_an_agent_killed_in_the_middle()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_supervisor_frozen_under_backlog_makes_no_order_fail() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     let system = slow_system(&env, 1, 1, 0).await;
     let (_connection, publisher) = env.broker().await;
     for order in orders("frozen", 160, None) {
@@ -319,8 +315,7 @@ async fn a_supervisor_frozen_under_backlog_makes_no_order_fail() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     let _system = slow_system(&env, 1, 1, 0).await;
     let (_connection, publisher) = env.broker().await;
     for order in orders("low", 100, Some(0)) {
@@ -373,10 +368,9 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sustained_overload_that_grows_the_orders_queue_loses_nothing_and_keeps_the_scheduler_small(
 ) {
-    let _turn = ONE_AT_A_TIME.lock().await;
     const HELD: usize = 1000;
     const MORE: usize = 500;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     let (sim_process, sim) = env.remote_sim(&[]).await;
     set_latency(&sim, 100).await;
     // Four calls at a time per agent queue: about 40 orders a second.
@@ -489,7 +483,6 @@ fn rss_kib(pid: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_doubles_a_lined_one_grows(
 ) {
-    let _turn = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let store = &env.store;
     store
@@ -545,8 +538,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
 
 #[tokio::test(flavor = "multi_thread")]
 async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let env = TestEnv::with_step_timeout(STEP_TIMEOUT_MS).await;
+    let env = TestEnv::exclusive(STEP_TIMEOUT_MS).await;
     let (sim_process, sim) = env.remote_sim(&[]).await;
     set_latency(&sim, 100).await;
     let ops = free_port();

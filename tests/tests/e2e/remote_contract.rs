@@ -765,7 +765,8 @@ async fn wait_until_all_ended(env: &TestEnv, n: i64) {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_for_it() {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let env = TestEnv::new().await;
+    // Alone on the broker: rabbitmqctl closes a connection of its own.
+    let env = TestEnv::exclusive(3000).await;
     // A remote that never answers, counting the calls open at once.
     let open = Arc::new(AtomicUsize::new(0));
     let (most, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));

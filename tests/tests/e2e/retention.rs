@@ -158,7 +158,8 @@ async fn retention_refuses_an_age_of_zero_in_the_database_itself() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_dead_letter_queue_is_bounded_in_length_bytes_and_age() {
-    let env = TestEnv::new().await;
+    // Alone on the broker while rabbitmqctl runs (a whole Erlang node each time).
+    let env = TestEnv::exclusive(3000).await;
     let (_connection, _publisher) = env.broker().await;
     let queue = env.amqp().names().dead_letters();
     let output = std::process::Command::new("rabbitmqctl")

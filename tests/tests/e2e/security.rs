@@ -204,7 +204,9 @@ async fn try_declare(connection: &Connection, queue: &str) -> Result<(), String>
 
 #[tokio::test]
 async fn rabbitmq_refuses_a_client_outside_its_documented_permissions() {
-    let env = TestEnv::new().await;
+    // Alone on the broker while setup-users.sh runs rabbitmqctl, a whole
+    // Erlang node each time.
+    let env = TestEnv::exclusive(3000).await;
     let (_guest, _) = env.broker().await;
     let users = BrokerUsers::create(&env, &["client", "other"]);
     let names = env.amqp().names();
@@ -407,7 +409,8 @@ async fn running_attempt(env: &TestEnv, order_id: &str, step: &str) -> Option<uu
 
 #[tokio::test]
 async fn under_role_users_a_forged_reply_and_forged_dead_letter_headers_change_nothing() {
-    let env = TestEnv::with_step_timeout(8000).await;
+    // Alone on the broker while setup-users.sh runs rabbitmqctl.
+    let env = TestEnv::exclusive(8000).await;
     let users = BrokerUsers::create(&env, &["client"]);
     let (_guest_connection, guest) = env.broker().await;
     let (_sim_process, sim) = env.remote_sim(&[]).await;

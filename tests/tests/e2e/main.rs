@@ -1,0 +1,64 @@
+//! Every end-to-end and fault-injection test, in one binary: one link of
+//! the harness instead of one per file, and one process whose tests share
+//! the machine's RabbitMQ and Postgres under one rule. Each test holds the
+//! servers shared through its `TestEnv` (`TestEnv::new` and the like); the
+//! few that restart them, cut connections with `rabbitmqctl`, or load the
+//! whole machine hold them alone (`TestEnv::exclusive`, or
+//! `ServerGuard::exclusive` without an env), so no other test runs beside
+//! them (see `sas_lab::servers`).
+//!
+//! - [`batching`]: group commit in the state store and coalesced
+//!   acknowledgements in the consumers.
+//! - [`bench`]: the benchmark's quick mode runs with the tests, so that it
+//!   cannot rot.
+//! - [`console`]: the operator console's HTTP API against a real state store
+//!   and broker.
+//! - [`console_browser`]: the console in a real headless browser against a
+//!   running system.
+//! - [`contract`]: the published contract, as clients in other languages
+//!   meet it.
+//! - [`deployment`]: the deployment files checked against the code, without
+//!   a Docker engine.
+//! - [`disruptive`]: faults that hit the shared RabbitMQ and PostgreSQL
+//!   servers themselves (restarts, killed connections) and the chaos test.
+//! - [`failover`]: reaching whichever broker node is alive, sending again
+//!   what a dying connection left unconfirmed, and waiting for a Postgres
+//!   primary rather than writing to a standby.
+//! - [`gateway`]: the HTTP gateway end to end, against a running system.
+//! - [`operations`]: what operators rely on: readiness, metrics, JSON logs
+//!   and trace context.
+//! - [`orders_flow`]: the end-to-end path: orders published to RabbitMQ run
+//!   through scheduler, agents and supervisor processes.
+//! - [`overload`]: overload slows orders down and never fails them.
+//! - [`remote_contract`]: the contract between agents and real remote
+//!   services.
+//! - [`resilience`]: every failure the pattern names, injected for real.
+//! - [`retention`]: finished orders and old dead letters are deleted, and
+//!   everything else kept.
+//! - [`sasctl_operate`]: `sasctl` does what the console does.
+//! - [`security`]: secure by default, proven against the local RabbitMQ and
+//!   Postgres.
+//! - [`state_machine`]: the store's SQL paths held to the pure state
+//!   machine.
+//! - [`traces`]: OpenTelemetry: one order's spans make one trace across the
+//!   services.
+
+mod batching;
+mod bench;
+mod console;
+mod console_browser;
+mod contract;
+mod deployment;
+mod disruptive;
+mod failover;
+mod gateway;
+mod operations;
+mod orders_flow;
+mod overload;
+mod remote_contract;
+mod resilience;
+mod retention;
+mod sasctl_operate;
+mod security;
+mod state_machine;
+mod traces;
