@@ -251,37 +251,7 @@ impl Builder {
         use HistoryEvent as E;
         let detail = entry.detail.clone();
         match (entry.event, lane) {
-            (E::Dispatched | E::CompensationDispatched, Some(lane)) => {
-                self.close(lane, entry.at, Outcome::Abandoned, None);
-                if let Some((kind, from)) = self.waiting.remove(&lane) {
-                    self.waits.push(Wait {
-                        lane,
-                        kind,
-                        start: from,
-                        end: entry.at,
-                    });
-                }
-                let direction = if entry.event == E::Dispatched {
-                    Direction::Action
-                } else {
-                    Direction::Undo
-                };
-                let number = 1 + self
-                    .bars
-                    .iter()
-                    .filter(|b| b.lane == lane && b.direction == direction)
-                    .count() as u32;
-                self.open.insert(lane, self.bars.len());
-                self.bars.push(Bar {
-                    lane,
-                    direction,
-                    number,
-                    start: entry.at,
-                    end: entry.at,
-                    outcome: Outcome::InFlight,
-                    detail: None,
-                });
-            }
+            (E::Dispatched | E::CompensationDispatched, Some(lane)) => self.dispatch(entry, lane),
             (E::StepCompleted | E::StepCompensated, Some(lane)) => {
                 self.close(lane, entry.at, Outcome::Succeeded, detail);
             }
@@ -306,32 +276,12 @@ impl Builder {
             }
             (E::StaleReply, lane) => self.mark(entry, MarkKind::Stale, lane),
             (E::CompensationStarted | E::Error, lane) => {
-                // A permanent refusal names the attempt it ends; a deadline
-                // given up on ends the lane's open attempt.
-                if let Some(lane) = lane {
-                    let outcome = if entry.attempt_id.is_some() {
-                        Outcome::Failed
-                    } else {
-                        Outcome::DeadlineMissed
-                    };
-                    self.close(lane, entry.at, outcome, detail);
-                    self.waiting.remove(&lane);
-                }
-                let kind = if entry.event == E::Error {
-                    MarkKind::End
-                } else {
-                    MarkKind::Compensation
-                };
-                self.mark(entry, kind, None);
+                self.stop_going_forward(entry, lane, detail)
             }
             (E::Received, _) => self.mark(entry, MarkKind::Received, None),
             (E::Processed | E::Compensated, _) => self.mark(entry, MarkKind::End, None),
             (E::Resubmitted | E::Cancelled, _) => {
-                // What was in flight is given up: its answer will be stale.
-                let open: Vec<usize> = self.open.keys().copied().collect();
-                for lane in open {
-                    self.close(lane, entry.at, Outcome::Abandoned, None);
-                }
+                self.abandon_in_flight(entry.at);
                 self.mark(entry, MarkKind::Operator, None);
             }
             (
@@ -343,6 +293,77 @@ impl Builder {
             ) => self.mark(entry, MarkKind::Operator, None),
             // Claims, and step events for a step the plan no longer names.
             _ => {}
+        }
+    }
+
+    /// A dispatch in `lane`: ends the attempt still open there (given up)
+    /// and the wait before it, and opens a bar for the new attempt.
+    fn dispatch(&mut self, entry: &HistoryEntry, lane: usize) {
+        self.close(lane, entry.at, Outcome::Abandoned, None);
+        if let Some((kind, from)) = self.waiting.remove(&lane) {
+            self.waits.push(Wait {
+                lane,
+                kind,
+                start: from,
+                end: entry.at,
+            });
+        }
+        let direction = if entry.event == HistoryEvent::Dispatched {
+            Direction::Action
+        } else {
+            Direction::Undo
+        };
+        let number = 1 + self
+            .bars
+            .iter()
+            .filter(|b| b.lane == lane && b.direction == direction)
+            .count() as u32;
+        self.open.insert(lane, self.bars.len());
+        self.bars.push(Bar {
+            lane,
+            direction,
+            number,
+            start: entry.at,
+            end: entry.at,
+            outcome: Outcome::InFlight,
+            detail: None,
+        });
+    }
+
+    /// The order stops going forward (its compensation starts, or it ends
+    /// in error): ends the step's open attempt and its wait, and marks the
+    /// moment across the lanes.
+    fn stop_going_forward(
+        &mut self,
+        entry: &HistoryEntry,
+        lane: Option<usize>,
+        detail: Option<String>,
+    ) {
+        // A permanent refusal names the attempt it ends; a deadline
+        // given up on ends the lane's open attempt.
+        if let Some(lane) = lane {
+            let outcome = if entry.attempt_id.is_some() {
+                Outcome::Failed
+            } else {
+                Outcome::DeadlineMissed
+            };
+            self.close(lane, entry.at, outcome, detail);
+            self.waiting.remove(&lane);
+        }
+        let kind = if entry.event == HistoryEvent::Error {
+            MarkKind::End
+        } else {
+            MarkKind::Compensation
+        };
+        self.mark(entry, kind, None);
+    }
+
+    /// An operator resubmitted or cancelled the order: what was in flight
+    /// is given up at `at`, and its answer will be stale.
+    fn abandon_in_flight(&mut self, at: DateTime<Utc>) {
+        let open: Vec<usize> = self.open.keys().copied().collect();
+        for lane in open {
+            self.close(lane, at, Outcome::Abandoned, None);
         }
     }
 
@@ -449,83 +470,116 @@ pub fn svg(timeline: &Timeline) -> Markup {
     let lanes = timeline.lanes.len().max(1);
     let bottom = TOP + LANE * lanes as f64;
     let height = bottom + AXIS + 24.0;
-    let tick = scale.tick_ms();
-    let rows = label_rows(timeline, &scale);
-    let ticks: Vec<i64> = (0..)
-        .map(|i| i * tick)
-        .take_while(|ms| (*ms as f64) <= span_ms)
-        .collect();
     html! {
         svg.timeline xmlns="http://www.w3.org/2000/svg" width=(WIDTH) height=(height)
             viewBox={ "0 0 " (WIDTH) " " (height) } role="img"
             aria-label={ "timeline of " (timeline.lanes.len()) " steps, " (timeline.bars.len()) " attempts" } {
-            // Lanes, shaded alternately, with the step's name.
-            @for (i, name) in timeline.lanes.iter().enumerate() {
-                @let y = TOP + LANE * i as f64;
-                rect.lane x="0" y=(y) width=(WIDTH) height=(LANE) fill=(if i % 2 == 0 { "#f4f6f9" } else { "#ffffff" }) {}
-                text x="6" y=(y + LANE / 2.0 + 4.0) font-size="12" fill="#1d232a" { (name) }
+            (draw_lanes(timeline))
+            (draw_time_axis(timeline, &scale, bottom))
+            (draw_waits(timeline, &scale))
+            (draw_attempts(timeline, &scale))
+            (draw_marks(timeline, &scale, bottom))
+        }
+    }
+}
+
+/// The lanes, shaded alternately, with the step's name.
+fn draw_lanes(timeline: &Timeline) -> Markup {
+    html! {
+        @for (i, name) in timeline.lanes.iter().enumerate() {
+            @let y = TOP + LANE * i as f64;
+            rect.lane x="0" y=(y) width=(WIDTH) height=(LANE) fill=(if i % 2 == 0 { "#f4f6f9" } else { "#ffffff" }) {}
+            text x="6" y=(y + LANE / 2.0 + 4.0) font-size="12" fill="#1d232a" { (name) }
+        }
+    }
+}
+
+/// The time axis under the lanes (at `bottom`): a gridline and an offset
+/// per tick, and the instant the offsets count from.
+fn draw_time_axis(timeline: &Timeline, scale: &Scale, bottom: f64) -> Markup {
+    let tick = scale.tick_ms();
+    let ticks: Vec<i64> = (0..)
+        .map(|i| i * tick)
+        .take_while(|ms| (*ms as f64) <= scale.span_ms)
+        .collect();
+    html! {
+        @for ms in &ticks {
+            @let x = scale.x(timeline.start + chrono::Duration::milliseconds(*ms));
+            line x1=(x) y1=(TOP) x2=(x) y2=(bottom) stroke="#d5d9de" stroke-width="1" {}
+            text x=(x) y=(bottom + 16.0) font-size="11" text-anchor="middle" fill="#66707a" { (offset_label(*ms)) }
+        }
+        line x1=(LABELS) y1=(bottom) x2=(WIDTH - RIGHT) y2=(bottom) stroke="#9aa5b1" {}
+        text x=(LABELS) y=(bottom + AXIS + 8.0) font-size="11" fill="#66707a" {
+            "time since received, " (timeline.start.format("%Y-%m-%d %H:%M:%S%.3f UTC"))
+        }
+    }
+}
+
+/// The waits: a thin line, dotted in a line, dashed in backoff.
+fn draw_waits(timeline: &Timeline, scale: &Scale) -> Markup {
+    html! {
+        @for wait in &timeline.waits {
+            @let y = TOP + LANE * wait.lane as f64 + LANE / 2.0;
+            line class={ "wait " @if wait.kind == WaitKind::Line { "line" } @else { "backoff" } }
+                x1=(scale.x(wait.start)) y1=(y) x2=(scale.x(wait.end)) y2=(y)
+                stroke="#7a8591" stroke-width="2"
+                stroke-dasharray=(if wait.kind == WaitKind::Line { "2 3" } else { "6 3" }) {
+                title { @if wait.kind == WaitKind::Line { "waiting in its agent's line" } @else { "backoff before the next attempt" }
+                    ", " (duration_label(wait.start, wait.end)) }
             }
-            // The time axis: a gridline and an offset per tick.
-            @for ms in &ticks {
-                @let x = scale.x(timeline.start + chrono::Duration::milliseconds(*ms));
-                line x1=(x) y1=(TOP) x2=(x) y2=(bottom) stroke="#d5d9de" stroke-width="1" {}
-                text x=(x) y=(bottom + 16.0) font-size="11" text-anchor="middle" fill="#66707a" { (offset_label(*ms)) }
-            }
-            line x1=(LABELS) y1=(bottom) x2=(WIDTH - RIGHT) y2=(bottom) stroke="#9aa5b1" {}
-            text x=(LABELS) y=(bottom + AXIS + 8.0) font-size="11" fill="#66707a" {
-                "time since received, " (timeline.start.format("%Y-%m-%d %H:%M:%S%.3f UTC"))
-            }
-            // Waits: a thin line, dotted in a line, dashed in backoff.
-            @for wait in &timeline.waits {
-                @let y = TOP + LANE * wait.lane as f64 + LANE / 2.0;
-                line class={ "wait " @if wait.kind == WaitKind::Line { "line" } @else { "backoff" } }
-                    x1=(scale.x(wait.start)) y1=(y) x2=(scale.x(wait.end)) y2=(y)
-                    stroke="#7a8591" stroke-width="2"
-                    stroke-dasharray=(if wait.kind == WaitKind::Line { "2 3" } else { "6 3" }) {
-                    title { @if wait.kind == WaitKind::Line { "waiting in its agent's line" } @else { "backoff before the next attempt" }
-                        ", " (duration_label(wait.start, wait.end)) }
+        }
+    }
+}
+
+/// The attempts: actions in the lane's upper half, undos in its lower
+/// half, outlined; each colored by its outcome.
+fn draw_attempts(timeline: &Timeline, scale: &Scale) -> Markup {
+    html! {
+        @for bar in &timeline.bars {
+            @let lane_y = TOP + LANE * bar.lane as f64;
+            @let (y, h) = if bar.direction == Direction::Action { (lane_y + 4.0, 12.0) } else { (lane_y + 16.0, 10.0) };
+            @let x = scale.x(bar.start);
+            @let w = (scale.x(bar.end) - x).max(3.0);
+            rect class={ "attempt " (bar.outcome.class()) @if bar.direction == Direction::Undo { " undo" } }
+                data-lane=(bar.lane) x=(x) y=(y) width=(w) height=(h) rx="2"
+                fill=(bar.outcome.color())
+                stroke=(if bar.direction == Direction::Undo { "#5b2a86" } else { "none" }) stroke-width="1.5" {
+                title {
+                    (timeline.lanes.get(bar.lane).map_or("", String::as_str))
+                    @if bar.direction == Direction::Undo { " undo" }
+                    " attempt " (bar.number) ": " (bar.outcome.as_str()) ", " (duration_label(bar.start, bar.end))
+                    @if let Some(detail) = &bar.detail { " (" (detail) ")" }
                 }
             }
-            // Attempts: actions in the lane's upper half, undos in its lower half, outlined.
-            @for bar in &timeline.bars {
-                @let lane_y = TOP + LANE * bar.lane as f64;
-                @let (y, h) = if bar.direction == Direction::Action { (lane_y + 4.0, 12.0) } else { (lane_y + 16.0, 10.0) };
-                @let x = scale.x(bar.start);
-                @let w = (scale.x(bar.end) - x).max(3.0);
-                rect class={ "attempt " (bar.outcome.class()) @if bar.direction == Direction::Undo { " undo" } }
-                    data-lane=(bar.lane) x=(x) y=(y) width=(w) height=(h) rx="2"
-                    fill=(bar.outcome.color())
-                    stroke=(if bar.direction == Direction::Undo { "#5b2a86" } else { "none" }) stroke-width="1.5" {
-                    title {
-                        (timeline.lanes.get(bar.lane).map_or("", String::as_str))
-                        @if bar.direction == Direction::Undo { " undo" }
-                        " attempt " (bar.number) ": " (bar.outcome.as_str()) ", " (duration_label(bar.start, bar.end))
-                        @if let Some(detail) = &bar.detail { " (" (detail) ")" }
-                    }
-                }
-                @if w >= 22.0 && bar.direction == Direction::Action {
-                    text x=(x + 3.0) y=(y + 10.0) font-size="9" fill="#fff" { "#" (bar.number) }
-                }
+            @if w >= 22.0 && bar.direction == Direction::Action {
+                text x=(x + 3.0) y=(y + 10.0) font-size="9" fill="#fff" { "#" (bar.number) }
             }
-            // Moments: in a lane, a small triangle; for the whole order, a
-            // line across the lanes with its label above, staggered when close.
-            @for (i, mark) in timeline.marks.iter().enumerate() {
-                @let x = scale.x(mark.at);
-                @let color = mark_color(mark.kind);
-                @if let Some(lane) = mark.lane {
-                    @let y = TOP + LANE * lane as f64 + 2.0;
-                    path class="mark in-lane" d={ "M" (x - 4.0) " " (y) " L" (x + 4.0) " " (y) " L" (x) " " (y + 6.0) " Z" } fill=(color) {
-                        title { (mark.label) " " (mark.detail) }
-                    }
-                } @else {
-                    @let row = rows[i];
-                    g class="mark order" data-event=(mark.label) {
-                        title { (mark.label) " " (mark.detail) }
-                        line x1=(x) y1=(row + 4.0) x2=(x) y2=(bottom) stroke=(color) stroke-width="1.5"
-                            stroke-dasharray=(if mark.kind == MarkKind::Operator { "4 2" } else { "none" }) {}
-                        text x=(x) y=(row) font-size="11" fill=(color)
-                            text-anchor=(if x > WIDTH - 120.0 { "end" } else { "middle" }) { (mark.label) }
-                    }
+        }
+    }
+}
+
+/// The moments: in a lane, a small triangle; for the whole order, a line
+/// across the lanes down to `bottom` with its label above, staggered when
+/// close.
+fn draw_marks(timeline: &Timeline, scale: &Scale, bottom: f64) -> Markup {
+    let rows = label_rows(timeline, scale);
+    html! {
+        @for (i, mark) in timeline.marks.iter().enumerate() {
+            @let x = scale.x(mark.at);
+            @let color = mark_color(mark.kind);
+            @if let Some(lane) = mark.lane {
+                @let y = TOP + LANE * lane as f64 + 2.0;
+                path class="mark in-lane" d={ "M" (x - 4.0) " " (y) " L" (x + 4.0) " " (y) " L" (x) " " (y + 6.0) " Z" } fill=(color) {
+                    title { (mark.label) " " (mark.detail) }
+                }
+            } @else {
+                @let row = rows[i];
+                g class="mark order" data-event=(mark.label) {
+                    title { (mark.label) " " (mark.detail) }
+                    line x1=(x) y1=(row + 4.0) x2=(x) y2=(bottom) stroke=(color) stroke-width="1.5"
+                        stroke-dasharray=(if mark.kind == MarkKind::Operator { "4 2" } else { "none" }) {}
+                    text x=(x) y=(row) font-size="11" fill=(color)
+                        text-anchor=(if x > WIDTH - 120.0 { "end" } else { "middle" }) { (mark.label) }
                 }
             }
         }

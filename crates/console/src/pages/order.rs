@@ -118,16 +118,22 @@ fn actions(view: &OrderView, console: &Console, who: &Principal) -> Markup {
 /// actions, so that they follow the order's state.
 pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup {
     let detail = &view.detail;
-    let s = &detail.summary;
-    let (what, remaining) = remaining(s.state, &detail.steps);
-    let lanes: Vec<String> = detail.steps.iter().map(|step| step.name.clone()).collect();
-    let running = matches!(
-        s.state,
-        ProcessState::Pending | ProcessState::Processing | ProcessState::Compensating
-    );
-    let picture = Timeline::build(&lanes, &detail.history, chrono::Utc::now(), running);
     html! {
         (actions(view, console, who))
+        (summary(view))
+        (what_remains(detail))
+        (steps_table(&detail.steps))
+        (timeline_figure(detail))
+        (history_table(detail))
+        (status_messages(view))
+    }
+}
+
+/// The order's summary table: its state, who holds it, its deadline,
+/// failures, priority, the agent it waits for, its last error and times.
+fn summary(view: &OrderView) -> Markup {
+    let s = &view.detail.summary;
+    html! {
         table #summary {
             tr { th { "state" } td #order-state data-state=(s.state.as_str()) { (super::state_badge(s.state.as_str())) } }
             tr { th { "held by" } td { (s.locked_by.as_deref().unwrap_or("-")) } }
@@ -139,6 +145,14 @@ pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup 
             tr { th { "submitted" } td { (super::when(s.created_at)) } }
             tr { th { "updated" } td { (super::when(s.updated_at)) } }
         }
+    }
+}
+
+/// "What remains": the steps still to run or to undo, in the order they
+/// will go.
+fn what_remains(detail: &OrderDetail) -> Markup {
+    let (what, remaining) = remaining(detail.summary.state, &detail.steps);
+    html! {
         h2 { "What remains " (what) }
         @if remaining.is_empty() {
             p.muted #remaining { "Nothing: the order has ended." }
@@ -149,11 +163,18 @@ pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup 
                     ", " (step.state) ")" }
             } }
         }
+    }
+}
+
+/// The steps table: each step with its attempts, deadline, idempotency
+/// key, error and results.
+fn steps_table(steps: &[StepView]) -> Markup {
+    html! {
         h2 { "Steps" }
         table #steps {
             tr { th { "#" } th { "step" } th { "agent" } th { "state" } th { "attempts" } th { "deadline" }
                  th { "idempotency key" } th { "error" } th { "result" } th { "undo result" } }
-            @for step in &detail.steps {
+            @for step in steps {
                 tr data-step=(step.name) {
                     td { (step.position) }
                     td { (step.name) br; span.muted { (step.action) " / " (step.compensation.as_deref().unwrap_or("no undo")) } }
@@ -168,11 +189,30 @@ pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup 
                 }
             }
         }
+    }
+}
+
+/// The order's run drawn from its history, one lane per step, up to now
+/// while it is still running.
+fn timeline_figure(detail: &OrderDetail) -> Markup {
+    let lanes: Vec<String> = detail.steps.iter().map(|step| step.name.clone()).collect();
+    let running = matches!(
+        detail.summary.state,
+        ProcessState::Pending | ProcessState::Processing | ProcessState::Compensating
+    );
+    let picture = Timeline::build(&lanes, &detail.history, chrono::Utc::now(), running);
+    html! {
         h2 { "Timeline" }
         figure #timeline {
             (timeline::svg(&picture))
             figcaption { (timeline::legend()) }
         }
+    }
+}
+
+/// The history table: every event, when, by whom, of which step.
+fn history_table(detail: &OrderDetail) -> Markup {
+    html! {
         h2 { "History" }
         table #history {
             tr { th { "at" } th { "by" } th { "event" } th { "step" } th { "detail" } }
@@ -186,9 +226,17 @@ pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup 
                 }
             }
         }
+    }
+}
+
+/// "Status messages sent": where they went, and each one, derived from the
+/// history.
+fn status_messages(view: &OrderView) -> Markup {
+    let detail = &view.detail;
+    html! {
         h2 { "Status messages sent" }
         p.muted {
-            "To the status exchange (routing key order." (s.order_id) ")"
+            "To the status exchange (routing key order." (detail.summary.order_id) ")"
             @if let Some(queue) = &view.delivery.reply_to {
                 " and to the client's queue " code { (queue) }
                 @if let Some(id) = &view.delivery.reply_correlation_id { " with correlation id " code { (id) } }

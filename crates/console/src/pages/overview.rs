@@ -138,8 +138,45 @@ fn chart(id: &str, title: &str, values: &[i64], bad: bool) -> Markup {
 
 /// The part of the overview that the live stream replaces.
 pub fn fragment(overview: &Overview) -> Markup {
+    html! {
+        p.muted { "As of " (super::when(overview.activity.now)) " (database clock)." }
+        div.grid {
+            (orders_by_state(overview))
+            (last_hour_counts(overview))
+            (last_hour_charts(overview))
+            (agents_lines(overview))
+            (queue_depths(overview))
+            (open_alerts(overview))
+        }
+    }
+}
+
+/// The "Orders by state" section: a count per state, each linking to the
+/// orders in it, and the total.
+fn orders_by_state(overview: &Overview) -> Markup {
     let activity = &overview.activity;
     let total: i64 = activity.by_state.iter().map(|(_, n)| n).sum();
+    html! {
+        section {
+            h2 { "Orders by state" }
+            table #by-state {
+                tr { th { "state" } th { "orders" } }
+                @for state in sas_store::ProcessState::ALL {
+                    @let n = activity.by_state.iter().find(|(s, _)| *s == state).map_or(0, |(_, n)| *n);
+                    tr {
+                        td { a href={ "/orders?state=" (state.as_str()) } { (super::state_badge(state.as_str())) } }
+                        td.num data-state=(state.as_str()) { (n) }
+                    }
+                }
+                tr { th { "total" } td.num { (total) } }
+            }
+        }
+    }
+}
+
+/// The "Last hour, per minute" section: each milestone's count in the last
+/// minute and in the last hour.
+fn last_hour_counts(overview: &Overview) -> Markup {
     let rows = [
         ("received", "Received"),
         ("processed", "Processed (throughput)"),
@@ -150,97 +187,109 @@ pub fn fragment(overview: &Overview) -> Markup {
         ("resubmitted", "Resubmitted by operators"),
     ];
     html! {
-        p.muted { "As of " (super::when(activity.now)) " (database clock)." }
-        div.grid {
-            section {
-                h2 { "Orders by state" }
-                table #by-state {
-                    tr { th { "state" } th { "orders" } }
-                    @for state in sas_store::ProcessState::ALL {
-                        @let n = activity.by_state.iter().find(|(s, _)| *s == state).map_or(0, |(_, n)| *n);
-                        tr {
-                            td { a href={ "/orders?state=" (state.as_str()) } { (super::state_badge(state.as_str())) } }
-                            td.num data-state=(state.as_str()) { (n) }
-                        }
-                    }
-                    tr { th { "total" } td.num { (total) } }
-                }
-            }
-            section {
-                h2 { "Last hour, per minute" }
-                table #per-minute {
-                    tr { th { "" } th { "last minute" } th { "last hour" } }
-                    @for (event, label) in rows {
-                        @let values = series(overview, event);
-                        tr {
-                            td { (label) }
-                            td.num { (values.last().copied().unwrap_or(0)) }
-                            td.num data-event=(event) { (values.iter().sum::<i64>()) }
-                        }
+        section {
+            h2 { "Last hour, per minute" }
+            table #per-minute {
+                tr { th { "" } th { "last minute" } th { "last hour" } }
+                @for (event, label) in rows {
+                    @let values = series(overview, event);
+                    tr {
+                        td { (label) }
+                        td.num { (values.last().copied().unwrap_or(0)) }
+                        td.num data-event=(event) { (values.iter().sum::<i64>()) }
                     }
                 }
             }
-            section #charts {
-                h2 { "Last hour, charted" }
-                (chart("chart-throughput", "Processed per minute (throughput)", &series(overview, "processed"), false))
-                (chart("chart-backlog", "Orders in progress at each minute's end (backlog)", &in_progress(overview), false))
-                (chart("chart-compensations", "Compensations started per minute", &series(overview, "compensation_started"), true))
-            }
-            section {
-                h2 { "Agents' lines" }
-                p.muted { "Orders wait here, in Postgres, for an agent's free slot; its queue holds only what was admitted." }
-                table #admission {
-                    tr { th { "agent" } th { "waiting" } th { "in flight" } th { "limit" } th { "oldest wait" } }
-                    @for line in &overview.admission {
-                        tr data-agent=(line.agent) {
-                            td { (line.agent) }
-                            td.num data-field="waiting" { (line.waiting) }
-                            td.num data-field="in_flight" { (line.in_flight) }
-                            td.num data-field="limit" title={ "ceiling " (line.ceiling) } { (line.admit_limit) }
-                            td.num data-field="oldest_wait" {
-                                @match line.oldest_wait_secs {
-                                    Some(secs) => { (format!("{secs:.1} s")) }
-                                    None => { "-" }
-                                }
+        }
+    }
+}
+
+/// The "Last hour, charted" section: throughput, backlog and compensations
+/// per minute.
+fn last_hour_charts(overview: &Overview) -> Markup {
+    html! {
+        section #charts {
+            h2 { "Last hour, charted" }
+            (chart("chart-throughput", "Processed per minute (throughput)", &series(overview, "processed"), false))
+            (chart("chart-backlog", "Orders in progress at each minute's end (backlog)", &in_progress(overview), false))
+            (chart("chart-compensations", "Compensations started per minute", &series(overview, "compensation_started"), true))
+        }
+    }
+}
+
+/// The "Agents' lines" section: each agent's orders waiting in Postgres
+/// for admission, in flight, its limit and its oldest wait.
+fn agents_lines(overview: &Overview) -> Markup {
+    html! {
+        section {
+            h2 { "Agents' lines" }
+            p.muted { "Orders wait here, in Postgres, for an agent's free slot; its queue holds only what was admitted." }
+            table #admission {
+                tr { th { "agent" } th { "waiting" } th { "in flight" } th { "limit" } th { "oldest wait" } }
+                @for line in &overview.admission {
+                    tr data-agent=(line.agent) {
+                        td { (line.agent) }
+                        td.num data-field="waiting" { (line.waiting) }
+                        td.num data-field="in_flight" { (line.in_flight) }
+                        td.num data-field="limit" title={ "ceiling " (line.ceiling) } { (line.admit_limit) }
+                        td.num data-field="oldest_wait" {
+                            @match line.oldest_wait_secs {
+                                Some(secs) => { (format!("{secs:.1} s")) }
+                                None => { "-" }
                             }
                         }
                     }
                 }
             }
-            section {
-                h2 { "Queues" }
-                table #queues {
-                    tr { th { "queue" } th { "ready" } th { "consumers" } }
-                    @for queue in &overview.queues {
-                        tr {
-                            td { (queue.queue) }
-                            @if let Some(error) = &queue.error {
-                                td colspan="2" .muted { (error) }
-                            } @else {
-                                td.num { (queue.messages.unwrap_or(0)) }
-                                td.num { (queue.consumers.unwrap_or(0)) }
-                            }
+        }
+    }
+}
+
+/// The "Queues" section: each queue's ready messages and consumers, or why
+/// the broker could not say.
+fn queue_depths(overview: &Overview) -> Markup {
+    html! {
+        section {
+            h2 { "Queues" }
+            table #queues {
+                tr { th { "queue" } th { "ready" } th { "consumers" } }
+                @for queue in &overview.queues {
+                    tr {
+                        td { (queue.queue) }
+                        @if let Some(error) = &queue.error {
+                            td colspan="2" .muted { (error) }
+                        } @else {
+                            td.num { (queue.messages.unwrap_or(0)) }
+                            td.num { (queue.consumers.unwrap_or(0)) }
                         }
                     }
                 }
             }
-            section {
-                h2 { a href="/alerts" { "Open alerts" } " (" (activity.open_alerts) ")" }
-                @if overview.alerts.is_empty() {
-                    p.muted { "None." }
-                } @else {
-                    ul #open-alerts {
-                        @for alert in &overview.alerts {
-                            li {
-                                "#" (alert.id) " " (alert.kind) " "
-                                @if let Some(order) = &alert.order_id { a href={ "/orders/" (order) } { (order) } }
-                                ": " (alert.message)
-                            }
+        }
+    }
+}
+
+/// The "Open alerts" section: the newest open alerts, and the dead letters
+/// waiting for an operator.
+fn open_alerts(overview: &Overview) -> Markup {
+    let activity = &overview.activity;
+    html! {
+        section {
+            h2 { a href="/alerts" { "Open alerts" } " (" (activity.open_alerts) ")" }
+            @if overview.alerts.is_empty() {
+                p.muted { "None." }
+            } @else {
+                ul #open-alerts {
+                    @for alert in &overview.alerts {
+                        li {
+                            "#" (alert.id) " " (alert.kind) " "
+                            @if let Some(order) = &alert.order_id { a href={ "/orders/" (order) } { (order) } }
+                            ": " (alert.message)
                         }
                     }
                 }
-                p { a href="/dead-letters" { "Dead letters to look at: " (activity.pending_dead_letters) } }
             }
+            p { a href="/dead-letters" { "Dead letters to look at: " (activity.pending_dead_letters) } }
         }
     }
 }
