@@ -40,3 +40,15 @@ pub async fn status_events(
     }
     events
 }
+
+/// The workspace's root folder, where the files the tests read against the
+/// code live (README.md, deploy/, examples/, contract/).
+///
+/// # Panics
+/// When the harness's folder has no parent.
+pub fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is inside the workspace")
+        .to_path_buf()
+}

@@ -15,7 +15,7 @@ use crate::process::bin_dir;
 use crate::servers::ServerGuard;
 
 /// The built-in order workflow: (step, agent, action, compensation).
-const STEPS: [(&str, &str, &str, &str); 3] = [
+pub(crate) const STEPS: [(&str, &str, &str, &str); 3] = [
     ("reserve_stock", "inventory", "reserve", "release"),
     ("charge_payment", "payment", "charge", "refund"),
     ("create_shipment", "shipping", "ship", "cancel"),

@@ -14,6 +14,8 @@
 //! - [`servers`]: [`ServerGuard`], the machine's RabbitMQ and Postgres shared
 //!   between the tests of one process, or held by one alone.
 //! - [`sim`]: reading remote-sim's record of side effects.
+//! - [`verbs`]: what a test does to a running system and asks of it (an
+//!   order's state, waiting for it, a client's queue).
 //! - [`wait`]: polling for a condition with a deadline.
 
 pub mod console;
@@ -21,11 +23,13 @@ pub mod env;
 pub mod process;
 pub mod servers;
 pub mod sim;
+pub mod verbs;
 pub mod wait;
 
 pub use env::{database_settings, TestEnv};
 pub use process::Service;
 pub use servers::ServerGuard;
+pub use verbs::{consume, wait_for_state_in};
 pub use wait::wait_until;
 
 /// Makes rustls on ring the process's crypto provider (reqwest is built

@@ -349,6 +349,28 @@ pub async fn metric(port: u16, sample: &str) -> Option<f64> {
         .and_then(|value| value.parse().ok())
 }
 
+/// Waits until one sample of a Prometheus metric on `port` (as [`metric`]
+/// reads it) has a value `accept` takes, and returns that value; a sample
+/// not (yet) exported never counts.
+///
+/// # Panics
+/// When none has by `timeout`, naming `what` and the last value seen.
+pub async fn wait_for_metric(
+    what: &str,
+    port: u16,
+    sample: &str,
+    timeout: Duration,
+    accept: impl Fn(f64) -> bool,
+) -> f64 {
+    crate::wait_until(what, timeout, || async {
+        match metric(port, sample).await {
+            Some(value) if accept(value) => Ok(value),
+            other => Err(format!("{sample}: {other:?}")),
+        }
+    })
+    .await
+}
+
 /// What `<binary> hash-secret` (the console's, the gateway's) prints for
 /// `secret` on its standard input, or its exit code and error.
 ///

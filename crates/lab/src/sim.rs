@@ -142,6 +142,26 @@ impl SimClient {
         by_order
     }
 
+    /// Applied side effects per order, as [`SimClient::effects_by_order`],
+    /// after asserting that every order applied each step of the workflow
+    /// once and undid none: what a run leaves where every order was
+    /// processed.
+    ///
+    /// # Panics
+    /// When remote-sim cannot be reached, a key was applied twice, or an
+    /// order applied other than every step once, or undid something.
+    pub async fn assert_every_order_done_once(&self) -> HashMap<String, (usize, usize)> {
+        let by_order = self.effects_by_order().await;
+        let steps = crate::env::STEPS.len();
+        assert!(
+            by_order
+                .values()
+                .all(|&(forward, undo)| forward == steps && undo == 0),
+            "{by_order:?}"
+        );
+        by_order
+    }
+
     /// The counters.
     ///
     /// # Errors

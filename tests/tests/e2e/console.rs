@@ -667,13 +667,7 @@ async fn actions_through_the_json_api_go_through_the_store_and_are_recorded_with
     assert_eq!(status, StatusCode::BAD_REQUEST, "no confirmation: {text}");
     for id in &bulk {
         assert_eq!(
-            env.store
-                .order_detail(id)
-                .await
-                .unwrap()
-                .unwrap()
-                .summary
-                .state,
+            env.detail(id).await.summary.state,
             ProcessState::Processing,
             "nothing was done without the confirmation"
         );

@@ -12,25 +12,6 @@ use sas_tests::browser::Browser;
 use sas_tests::console::OPERATOR;
 use sas_tests::{order, wait_until, TestEnv};
 
-async fn state_of(env: &TestEnv, order_id: &str) -> Option<ProcessState> {
-    env.store
-        .order_detail(order_id)
-        .await
-        .ok()
-        .flatten()
-        .map(|d| d.summary.state)
-}
-
-async fn wait_for_state(env: &TestEnv, order_id: &str, state: ProcessState, timeout: Duration) {
-    wait_until(&format!("{order_id} {state}"), timeout, || async {
-        match state_of(env, order_id).await {
-            Some(seen) if seen == state => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
     // Step deadlines long enough that orders wait at the payment step while
@@ -129,7 +110,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         .await;
     browser.screenshot("03-bulk-cancel-preview").await;
     assert_eq!(
-        state_of(&env, "ord-web-0").await,
+        env.state_of("ord-web-0").await,
         Some(ProcessState::Processing),
         "nothing happens before the confirmation"
     );
@@ -139,7 +120,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         .await;
     browser.screenshot("04-bulk-cancel-done").await;
     assert_eq!(
-        state_of(&env, "ord-other").await,
+        env.state_of("ord-other").await,
         Some(ProcessState::Processing),
         "an order the filter left out runs on"
     );
@@ -213,13 +194,8 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         .execute("document.getElementById('timeline').scrollIntoView();")
         .await;
     browser.screenshot("06b-order-timeline").await;
-    wait_for_state(
-        &env,
-        "ord-web-0",
-        ProcessState::Processed,
-        Duration::from_secs(5),
-    )
-    .await;
+    env.wait_for_state("ord-web-0", ProcessState::Processed, Duration::from_secs(5))
+        .await;
 
     // Replay a dead letter: an order that was dead-lettered on its way in.
     let mut lost = order("ord-web-replayed");
@@ -246,8 +222,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
         row.contains("replayed") && row.contains("console:ann"),
         "{row}"
     );
-    wait_for_state(
-        &env,
+    env.wait_for_state(
         "ord-web-replayed",
         ProcessState::Processed,
         Duration::from_secs(30),

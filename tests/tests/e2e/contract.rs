@@ -8,25 +8,20 @@
 //! The clients' packages come from `scripts/client-deps.sh` (run by
 //! `scripts/test.sh`); a test without them fails saying so.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
 use sas_broker::lapin::options::QueueDeclareOptions;
 use sas_broker::lapin::types::FieldTable;
 use sas_store::ProcessState;
-use sas_tests::process::{free_port, metric};
-use sas_tests::{order, wait_until, Service, TestEnv};
+use sas_tests::process::{free_port, metric, wait_for_metric};
+use sas_tests::{order, repo_root, Service, TestEnv};
 use serde_json::{json, Value};
-
-/// The workspace root.
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// `PYTHONPATH` with the folder `scripts/client-deps.sh` installs pika into.
 fn python_path() -> String {
-    let keep = root().join("target/client-deps/python");
+    let keep = repo_root().join("target/client-deps/python");
     match std::env::var("PYTHONPATH") {
         Ok(path) if !path.is_empty() => format!("{}:{path}", keep.display()),
         _ => keep.display().to_string(),
@@ -45,7 +40,9 @@ async fn require_clients() {
         "python3 cannot import pika: run scripts/client-deps.sh (scripts/test.sh does)"
     );
     assert!(
-        root().join("examples/node/node_modules/amqplib").is_dir(),
+        repo_root()
+            .join("examples/node/node_modules/amqplib")
+            .is_dir(),
         "examples/node has no node_modules: run scripts/client-deps.sh (scripts/test.sh does)"
     );
 }
@@ -112,13 +109,14 @@ fn assert_running(services: &mut [Service]) {
 
 #[test]
 fn the_readmes_python_program_is_the_tested_example() {
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
     let start = readme
         .find("```python\n")
         .expect("the README has a Python block")
         + 10;
     let length = readme[start..].find("```").expect("a closed block");
-    let example = std::fs::read_to_string(root().join("examples/python/first_order.py")).unwrap();
+    let example =
+        std::fs::read_to_string(repo_root().join("examples/python/first_order.py")).unwrap();
     assert_eq!(
         &readme[start..start + length],
         example,
@@ -133,8 +131,8 @@ async fn the_python_and_node_clients_read_their_order_to_processed() {
     let (mut services, _) = system(&env).await;
     // The topology, as the services declare it (they may not have yet).
     let (_connection, _publisher) = env.broker().await;
-    let python = root().join("examples/python/first_order.py");
-    let node = root().join("examples/node/first-order.js");
+    let python = repo_root().join("examples/python/first_order.py");
+    let node = repo_root().join("examples/node/first-order.js");
     let ((python_code, python_out), (node_code, node_out)) = tokio::join!(
         run_client(&env, "python3", &python, None),
         run_client(&env, "node", &node, None)
@@ -195,7 +193,7 @@ async fn every_kind_of_refused_order_is_answered_rejected_through_pika_and_dead_
     let (code, out) = run_client(
         &env,
         "python3",
-        &root().join("examples/python/rejected.py"),
+        &repo_root().join("examples/python/rejected.py"),
         None,
     )
     .await;
@@ -327,7 +325,7 @@ async fn every_kind_of_refused_order_is_answered_rejected_through_pika_and_dead_
     let (code, out) = run_client(
         &env,
         "python3",
-        &root().join("tests/clients/pika_driver.py"),
+        &repo_root().join("tests/clients/pika_driver.py"),
         Some(&spec.to_string()),
     )
     .await;
@@ -396,23 +394,8 @@ async fn every_kind_of_refused_order_is_answered_rejected_through_pika_and_dead_
 
     // Each refused message was dead-lettered as before, and recorded.
     let dead = refused.len() + 2; // with rejected.py's and c-missing
-    wait_until(
-        "the refused orders to be recorded as dead letters",
-        Duration::from_secs(20),
-        || async {
-            let letters = env
-                .store
-                .dead_letters(100)
-                .await
-                .map_err(|e| e.to_string())?;
-            if letters.len() >= dead {
-                Ok(())
-            } else {
-                Err(format!("{}", letters.len()))
-            }
-        },
-    )
-    .await;
+    env.wait_for_dead_letters(dead, Duration::from_secs(20))
+        .await;
     let counted = |outcome: &str| format!("sas_rejected_answers_total{{outcome=\"{outcome}\"}}");
     assert_eq!(
         metric(ops, &counted("sent")).await,
@@ -432,20 +415,12 @@ async fn a_refused_order_that_comes_back_is_answered_once() {
     let mut scheduler = env.scheduler(0, &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}"))]);
     let names = env.amqp().names();
     let channel = connection.create_channel().await.unwrap();
-    wait_until(
+    wait_for_metric(
         "the scheduler to consume orders",
+        ops,
+        &format!("sas_consumers{{queue=\"{}\"}}", names.orders()),
         Duration::from_secs(20),
-        || async {
-            match metric(
-                ops,
-                &format!("sas_consumers{{queue=\"{}\"}}", names.orders()),
-            )
-            .await
-            {
-                Some(n) if n >= 1.0 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
+        |n| n >= 1.0,
     )
     .await;
     // Dead-lettering now fails (nothing is bound to the dead-letter
@@ -486,15 +461,12 @@ async fn a_refused_order_that_comes_back_is_answered_once() {
         .unwrap();
     // Every delivery is refused (counted before any answer is decided);
     // the queue's delivery limit (3) gives the message four.
-    wait_until(
+    wait_for_metric(
         "the refused message to be delivered four times",
+        ops,
+        "sas_orders_rejected_total",
         Duration::from_secs(30),
-        || async {
-            match metric(ops, "sas_orders_rejected_total").await {
-                Some(n) if n >= 4.0 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
+        |n| n >= 4.0,
     )
     .await;
     let answers = channel
@@ -518,8 +490,8 @@ async fn a_refused_order_that_comes_back_is_answered_once() {
 
 #[test]
 fn the_asyncapi_document_is_valid_against_the_asyncapi_3_schema() {
-    let specs =
-        root().join("examples/node/node_modules/@asyncapi/specs/schemas/3.0.0-without-$id.json");
+    let specs = repo_root()
+        .join("examples/node/node_modules/@asyncapi/specs/schemas/3.0.0-without-$id.json");
     let schema: Value =
         serde_json::from_str(&std::fs::read_to_string(&specs).unwrap_or_else(|e| {
             panic!(
@@ -529,7 +501,7 @@ fn the_asyncapi_document_is_valid_against_the_asyncapi_3_schema() {
         }))
         .unwrap();
     let document: Value = serde_norway::from_str(
-        &std::fs::read_to_string(root().join("contract/asyncapi.yaml")).unwrap(),
+        &std::fs::read_to_string(repo_root().join("contract/asyncapi.yaml")).unwrap(),
     )
     .unwrap();
     let validator = jsonschema::validator_for(&schema).expect("the AsyncAPI schema compiles");

@@ -5,10 +5,11 @@
 //! `scripts/compose-test.sh` runs the compose file itself where Docker can run.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sas_messages::QueueNames;
 use sas_tests::process::bin_dir;
+use sas_tests::repo_root;
 use serde_norway::Value;
 
 const BINARIES: [&str; 7] = [
@@ -31,13 +32,6 @@ fn package_of(binary: &str) -> &str {
     }
 }
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
 fn load_yaml_documents(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_norway::Deserializer::from_str(&text)
@@ -58,7 +52,7 @@ use serde::Deserialize;
 /// such as `CONSOLE_USERS`, is checked as a user would start it), or a
 /// placeholder.
 fn interpolate(text: &str) -> String {
-    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    let example = std::fs::read_to_string(repo_root().join(".env.example")).unwrap();
     let development: HashMap<&str, &str> = example
         .lines()
         .filter(|l| !l.starts_with('#'))
@@ -149,8 +143,13 @@ fn check_config(context: &str, command: &[String], env: &BTreeMap<String, String
 
 /// The settings sections of `binary`, from its compiled-in defaults.
 fn sections_of(binary: &str) -> Vec<String> {
-    let defaults =
-        std::fs::read_to_string(root().join("crates").join(binary).join("defaults.toml")).unwrap();
+    let defaults = std::fs::read_to_string(
+        repo_root()
+            .join("crates")
+            .join(binary)
+            .join("defaults.toml"),
+    )
+    .unwrap();
     defaults
         .lines()
         .filter_map(|l| l.trim().strip_prefix('[').and_then(|l| l.strip_suffix(']')))
@@ -167,7 +166,7 @@ fn listen_port(context: &str, env: &BTreeMap<String, String>) -> u16 {
 
 #[test]
 fn docker_compose_runs_real_binaries_with_settings_they_accept() {
-    let compose = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
+    let compose = load_yaml_documents(&repo_root().join("docker-compose.yml")).remove(0);
     let services = compose["services"].as_mapping().expect("services");
     let names: Vec<String> = services.keys().map(as_str).collect();
     for expected in [
@@ -185,7 +184,7 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
             "no {expected} service: {names:?}"
         );
     }
-    let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
+    let text = std::fs::read_to_string(repo_root().join("docker-compose.yml")).unwrap();
     assert!(
         !text.contains("container_name"),
         "fixed container names prevent scaling"
@@ -296,7 +295,7 @@ const OVERLAY: &str = "deploy/k8s/overlays/example";
 /// without components), and otherwise with [`kustomize_fallback`]. Where
 /// both are available the two must agree, which keeps the fallback honest.
 fn render(dir: &str) -> Vec<Value> {
-    let own = kustomize_fallback(&root().join(dir));
+    let own = kustomize_fallback(&repo_root().join(dir));
     let Some(kubectl) = kubectl_with_kustomize() else {
         eprintln!(
             "kubectl with kustomize v4+ is not installed: {dir} rendered by the test's own reader of its kustomization files"
@@ -304,7 +303,7 @@ fn render(dir: &str) -> Vec<Value> {
         return own;
     };
     let output = std::process::Command::new(kubectl)
-        .args(["kustomize", &root().join(dir).to_string_lossy()])
+        .args(["kustomize", &repo_root().join(dir).to_string_lossy()])
         .output()
         .unwrap();
     assert!(
@@ -486,7 +485,7 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         !documents.iter().any(|d| kind(d) == "Secret"),
         "the overlay applies a Secret: it would overwrite the real one"
     );
-    let example = load_yaml_documents(&root().join("deploy/k8s/secret.yaml.example"));
+    let example = load_yaml_documents(&repo_root().join("deploy/k8s/secret.yaml.example"));
     for doc in &documents {
         assert_eq!(
             as_str(&doc["metadata"]["namespace"]),
@@ -528,7 +527,8 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         "a Job cannot be applied again with another image"
     );
     // The image is named once, in the overlay: every container runs it.
-    let overlay = load_yaml_documents(&root().join(OVERLAY).join("kustomization.yaml")).remove(0);
+    let overlay =
+        load_yaml_documents(&repo_root().join(OVERLAY).join("kustomization.yaml")).remove(0);
     let image = &overlay["images"][0];
     let expected_image = format!("{}:{}", as_str(&image["newName"]), as_str(&image["newTag"]));
     let mut agent_queues = Vec::new();
@@ -753,7 +753,7 @@ fn kubernetes_manifests_agree_with_the_binaries_probes_and_queues() {
         );
     }
     // The PrometheusRule carries the rules that promtool checks and tests.
-    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    let rules = load_yaml_documents(&repo_root().join("deploy/prometheus/rules.yml")).remove(0);
     assert_eq!(
         named("PrometheusRule", "sas")["spec"]["groups"],
         rules["groups"],
@@ -767,7 +767,7 @@ fn kubernetes_base_names_the_image_once_and_holds_no_secret() {
     // `images:` is the one place that says which.
     let mut files = Vec::new();
     for dir in ["deploy/k8s/base", "deploy/k8s/components"] {
-        let mut stack = vec![root().join(dir)];
+        let mut stack = vec![repo_root().join(dir)];
         while let Some(dir) = stack.pop() {
             for entry in std::fs::read_dir(&dir).unwrap() {
                 let path = entry.unwrap().path();
@@ -802,7 +802,7 @@ fn kubernetes_base_names_the_image_once_and_holds_no_secret() {
 
 #[test]
 fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
-    let dockerfile = std::fs::read_to_string(root().join("deploy/Dockerfile")).unwrap();
+    let dockerfile = std::fs::read_to_string(repo_root().join("deploy/Dockerfile")).unwrap();
     let stages = dockerfile
         .lines()
         .filter(|l| l.trim_start().starts_with("FROM "))
@@ -862,7 +862,7 @@ fn the_image_is_multi_stage_and_runs_every_binary_as_a_non_root_user() {
     for binary in BINARIES {
         let package = package_of(binary);
         let manifest =
-            std::fs::read_to_string(root().join("crates").join(binary).join("Cargo.toml"))
+            std::fs::read_to_string(repo_root().join("crates").join(binary).join("Cargo.toml"))
                 .unwrap_or_else(|e| panic!("package {package} is not crates/{binary}: {e}"));
         let manifest: toml::Table = manifest.parse().unwrap();
         assert_eq!(
@@ -930,10 +930,10 @@ fn compose_env(service: &Value) -> BTreeMap<String, String> {
 /// `.env.example`, and nothing is published beyond 127.0.0.1.
 #[test]
 fn the_highly_available_override_adds_settings_the_binaries_accept() {
-    let base = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
-    let ha = load_yaml_documents(&root().join("docker-compose.ha.yml")).remove(0);
-    let text = std::fs::read_to_string(root().join("docker-compose.ha.yml")).unwrap();
-    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    let base = load_yaml_documents(&repo_root().join("docker-compose.yml")).remove(0);
+    let ha = load_yaml_documents(&repo_root().join("docker-compose.ha.yml")).remove(0);
+    let text = std::fs::read_to_string(repo_root().join("docker-compose.ha.yml")).unwrap();
+    let example = std::fs::read_to_string(repo_root().join(".env.example")).unwrap();
     let defined: Vec<&str> = example
         .lines()
         .filter(|l| !l.starts_with('#'))
@@ -959,7 +959,7 @@ fn the_highly_available_override_adds_settings_the_binaries_accept() {
         })
         .collect();
     let cluster =
-        std::fs::read_to_string(root().join("deploy/ha/rabbitmq/30-cluster.conf")).unwrap();
+        std::fs::read_to_string(repo_root().join("deploy/ha/rabbitmq/30-cluster.conf")).unwrap();
     for node in ["rabbitmq", "rabbitmq-2", "rabbitmq-3"] {
         assert!(
             cluster.contains(&format!("= rabbit@{node}\n")),
@@ -990,13 +990,13 @@ fn the_highly_available_override_adds_settings_the_binaries_accept() {
 
 #[test]
 fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
-    let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
-    let compose = load_yaml_documents(&root().join("docker-compose.yml")).remove(0);
+    let text = std::fs::read_to_string(repo_root().join("docker-compose.yml")).unwrap();
+    let compose = load_yaml_documents(&repo_root().join("docker-compose.yml")).remove(0);
     let services = compose["services"].as_mapping().expect("services");
     // Nothing is published on all interfaces.
     published_on_loopback_only(services);
     // The override publishes them wider.
-    let public = load_yaml_documents(&root().join("docker-compose.public.yml")).remove(0);
+    let public = load_yaml_documents(&repo_root().join("docker-compose.public.yml")).remove(0);
     let mut widened = Vec::new();
     for (name, service) in public["services"].as_mapping().expect("services") {
         let ports = match &service["ports"] {
@@ -1012,7 +1012,7 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
         assert!(widened.iter().any(|n| n == name), "{name} is not widened");
     }
     // No password has a default: compose stops, naming the variable.
-    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    let example = std::fs::read_to_string(repo_root().join(".env.example")).unwrap();
     assert!(example.contains("DEVELOPMENT"), "the example is labelled");
     let defined: Vec<&str> = example
         .lines()
@@ -1095,12 +1095,13 @@ fn compose_is_closed_by_default_and_its_development_values_are_labelled() {
     ] {
         assert!(rabbitmq.contains(file), "rabbitmq does not mount {file}");
     }
-    let conf = std::fs::read_to_string(root().join("deploy/rabbitmq/20-sas.conf")).unwrap();
+    let conf = std::fs::read_to_string(repo_root().join("deploy/rabbitmq/20-sas.conf")).unwrap();
     assert!(
         conf.lines().any(|l| l.starts_with("max_message_size =")),
         "{conf}"
     );
-    let script = std::fs::read_to_string(root().join("deploy/rabbitmq/setup-users.sh")).unwrap();
+    let script =
+        std::fs::read_to_string(repo_root().join("deploy/rabbitmq/setup-users.sh")).unwrap();
     for user in [scheduler, supervisor, agent, console] {
         assert!(
             script.contains(&format!(":-{user}}}")),
@@ -1140,10 +1141,10 @@ fn every_published_host_port_is_a_variable_whose_default_is_unchanged() {
         // Empty: a random free port, as before.
         ("remote-sim", "${REMOTE_SIM_PORT:-}", "8080"),
     ];
-    let readme = std::fs::read_to_string(root().join("docs/deployment.md")).unwrap();
-    let example = std::fs::read_to_string(root().join(".env.example")).unwrap();
+    let readme = std::fs::read_to_string(repo_root().join("docs/deployment.md")).unwrap();
+    let example = std::fs::read_to_string(repo_root().join(".env.example")).unwrap();
     for file in ["docker-compose.yml", "docker-compose.public.yml"] {
-        let compose = load_yaml_documents(&root().join(file)).remove(0);
+        let compose = load_yaml_documents(&repo_root().join(file)).remove(0);
         let mut found: Vec<(String, String, String)> = Vec::new();
         for (name, _) in compose["services"].as_mapping().expect("services") {
             let name = as_str(name);
@@ -1226,7 +1227,7 @@ struct Exported {
 /// `counter!`, `gauge!` and `histogram!` call, its name and label names.
 fn exported_metrics() -> BTreeMap<String, Exported> {
     let mut files = Vec::new();
-    let mut stack = vec![root().join("crates")];
+    let mut stack = vec![repo_root().join("crates")];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -1506,7 +1507,7 @@ fn dashboard_panels(dashboard: &serde_json::Value) -> Vec<serde_json::Value> {
 }
 
 fn load_dashboard() -> serde_json::Value {
-    let path = root().join("deploy/grafana/sas-dashboard.json");
+    let path = repo_root().join("deploy/grafana/sas-dashboard.json");
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
         .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
 }
@@ -1576,7 +1577,7 @@ fn the_dashboard_and_the_alert_rules_read_only_metrics_the_services_export() {
         );
     }
 
-    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
+    let rules = load_yaml_documents(&repo_root().join("deploy/prometheus/rules.yml")).remove(0);
     for rule in alert_rules(&rules) {
         check_expression(
             &format!("alert {}", as_str(&rule["alert"])),
@@ -1614,7 +1615,7 @@ fn promtool() -> Option<String> {
 fn run_promtool(promtool: &str, args: &[&str]) {
     let output = std::process::Command::new(promtool)
         .args(args)
-        .current_dir(root().join("deploy/prometheus"))
+        .current_dir(repo_root().join("deploy/prometheus"))
         .output()
         .unwrap_or_else(|e| panic!("cannot run {promtool}: {e}"));
     assert!(
@@ -1628,8 +1629,9 @@ fn run_promtool(promtool: &str, args: &[&str]) {
 
 #[test]
 fn alert_rules_pass_promtool_and_every_alert_is_tested_firing_and_quiet() {
-    let rules = load_yaml_documents(&root().join("deploy/prometheus/rules.yml")).remove(0);
-    let tests = load_yaml_documents(&root().join("deploy/prometheus/rules.test.yml")).remove(0);
+    let rules = load_yaml_documents(&repo_root().join("deploy/prometheus/rules.yml")).remove(0);
+    let tests =
+        load_yaml_documents(&repo_root().join("deploy/prometheus/rules.test.yml")).remove(0);
     let mut cases: BTreeMap<String, (bool, bool)> = BTreeMap::new();
     for test in tests["tests"].as_sequence().unwrap() {
         for case in test["alert_rule_test"].as_sequence().unwrap() {
@@ -1689,7 +1691,7 @@ fn alert_rules_pass_promtool_and_every_alert_is_tested_firing_and_quiet() {
 /// two supervisors, to the sum KEDA divides by the threshold.
 #[test]
 fn agents_scale_on_the_admission_lines_and_promtool_evaluates_the_query() {
-    let keda = load_yaml_documents(&root().join("deploy/k8s/components/keda/keda.yaml"));
+    let keda = load_yaml_documents(&repo_root().join("deploy/k8s/components/keda/keda.yaml"));
     let scaled = keda
         .iter()
         .find(|d| as_str(&d["kind"]) == "ScaledObject")
@@ -1702,10 +1704,11 @@ fn agents_scale_on_the_admission_lines_and_promtool_evaluates_the_query() {
     for metric in ["sas_admission_waiting", "sas_admission_in_flight"] {
         assert!(query.contains(metric), "the query reads {metric}");
     }
-    let defaults: toml::Table = std::fs::read_to_string(root().join("crates/agent/defaults.toml"))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let defaults: toml::Table =
+        std::fs::read_to_string(repo_root().join("crates/agent/defaults.toml"))
+            .unwrap()
+            .parse()
+            .unwrap();
     let concurrency = defaults["agent"]["concurrency"]
         .as_integer()
         .expect("agent.concurrency");
@@ -1774,7 +1777,7 @@ fn the_ledger_check_catches_an_undo_before_its_action_and_a_duplicate() {
         .unwrap();
         std::fs::write(dir.join("states.txt"), states).unwrap();
         let output = std::process::Command::new("python3")
-            .arg(root().join("scripts/lib/check-ledger.py"))
+            .arg(repo_root().join("scripts/lib/check-ledger.py"))
             .arg(dir.join("ledger.json"))
             .arg(dir.join("states.txt"))
             .output()

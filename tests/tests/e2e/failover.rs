@@ -10,24 +10,8 @@ use sas_tests::env::database_settings;
 use sas_tests::postgres_pair::PostgresPair;
 use sas_tests::process::{free_port, metric};
 use sas_tests::proxy::{url_at, AmqpProxy};
-use sas_tests::{order, wait_until, TestEnv};
+use sas_tests::{order, wait_for_state_in, wait_until, TestEnv};
 use sqlx::Connection as _;
-
-async fn wait_processed(env: &TestEnv, order_id: &str, timeout: Duration) {
-    wait_processed_in(&env.store, order_id, timeout).await;
-}
-
-async fn wait_processed_in(store: &Store, order_id: &str, timeout: Duration) {
-    wait_until(&format!("{order_id} to be processed"), timeout, || async {
-        match store.order_detail(order_id).await {
-            Ok(Some(detail)) if detail.summary.state == ProcessState::Processed => Ok(detail),
-            Ok(Some(detail)) => Err(format!("{}", detail.summary.state)),
-            Ok(None) => Err("not stored".into()),
-            Err(error) => Err(error.to_string()),
-        }
-    })
-    .await;
-}
 
 /// Waits until the scheduler, with metrics on `metrics_port`, consumes its
 /// replies through `proxy`.
@@ -134,7 +118,12 @@ async fn a_request_left_unconfirmed_by_a_lost_connection_is_sent_again_and_done_
     proxy.cut();
 
     let started = std::time::Instant::now();
-    wait_processed(&env, "unconfirmed-1", Duration::from_secs(20)).await;
+    env.wait_for_state(
+        "unconfirmed-1",
+        ProcessState::Processed,
+        Duration::from_secs(20),
+    )
+    .await;
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "not the supervisor's retry after the 30 s deadline"
@@ -162,7 +151,7 @@ async fn no_deadline_missed_and_each_effect_once(
     sim: &sas_tests::sim::SimClient,
     order_id: &str,
 ) {
-    let detail = env.store.order_detail(order_id).await.unwrap().unwrap();
+    let detail = env.detail(order_id).await;
     assert_eq!(detail.summary.failure_count, 0, "no deadline was missed");
     for (key, count) in sim.applied_per_key().await.unwrap() {
         assert_eq!(count, 1, "{key} applied {count} times");
@@ -199,20 +188,16 @@ async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
     proxy.drop_from_clients(true);
     env.publish_order(&publisher, &order("lost-request-1"))
         .await;
-    wait_until(
-        "the order to be stored",
-        Duration::from_secs(20),
-        || async {
-            match env.store.order_detail("lost-request-1").await {
-                Ok(Some(_)) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    env.wait_stored("lost-request-1", Duration::from_secs(20))
+        .await;
     proxy.drop_from_clients(false);
     proxy.cut();
-    wait_processed(&env, "lost-request-1", Duration::from_secs(20)).await;
+    env.wait_for_state(
+        "lost-request-1",
+        ProcessState::Processed,
+        Duration::from_secs(20),
+    )
+    .await;
     no_deadline_missed_and_each_effect_once(&env, &sim, "lost-request-1").await;
 }
 
@@ -236,7 +221,12 @@ async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
     let (_connection, publisher) = env.broker().await;
     env.publish_order(&publisher, &order("skip-dead-node-1"))
         .await;
-    wait_processed(&env, "skip-dead-node-1", Duration::from_secs(30)).await;
+    env.wait_for_state(
+        "skip-dead-node-1",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
 }
 
 /// A scheduler whose database URL reaches only a standby (as after a
@@ -331,7 +321,13 @@ async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
     .await;
     let promoted = Store::connect_lazy(&database_settings(&pair.standby_url("sas")), "sas-tests")
         .expect("store settings");
-    wait_processed_in(&promoted, "on-standby-1", Duration::from_secs(30)).await;
+    wait_for_state_in(
+        &promoted,
+        "on-standby-1",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
     for (key, count) in sim.applied_per_key().await.unwrap() {
         assert_eq!(count, 1, "{key} applied {count} times");
     }
@@ -386,7 +382,12 @@ async fn an_agent_sends_a_nacked_reply_again_without_handing_its_request_back() 
     })
     .await;
     proxy.nack_confirms(false);
-    wait_processed(&env, "nacked-reply-1", Duration::from_secs(20)).await;
+    env.wait_for_state(
+        "nacked-reply-1",
+        ProcessState::Processed,
+        Duration::from_secs(20),
+    )
+    .await;
     let log = payment.log_text();
     assert!(
         !log.contains("redelivered request"),

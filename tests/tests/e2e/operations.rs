@@ -9,7 +9,7 @@ use sas_broker::lapin::BasicProperties;
 use sas_broker::publish::string_headers;
 use sas_messages::headers;
 use sas_store::ProcessState;
-use sas_tests::process::{bin_dir, free_port, metric};
+use sas_tests::process::{bin_dir, free_port, metric, wait_for_metric};
 use sas_tests::{order, wait_until, TestEnv};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -185,12 +185,13 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
         .await,
         Some(1.0)
     );
-    wait_until("the open orders gauge", Duration::from_secs(10), || async {
-        match metric(supervisor_port, r#"sas_orders{state="processing"}"#).await {
-            Some(0.0) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    wait_for_metric(
+        "the open orders gauge",
+        supervisor_port,
+        r#"sas_orders{state="processing"}"#,
+        Duration::from_secs(10),
+        |n| n == 0.0,
+    )
     .await;
     assert_eq!(
         metric(supervisor_port, r#"sas_orders{state="processed"}"#).await,
@@ -223,12 +224,13 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
         Some(1.0)
     );
     for gauge in ["sas_orders_overdue", "sas_alerts_open"] {
-        wait_until(gauge, Duration::from_secs(10), || async {
-            match metric(supervisor_port, gauge).await {
-                Some(0.0) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        })
+        wait_for_metric(
+            gauge,
+            supervisor_port,
+            gauge,
+            Duration::from_secs(10),
+            |n| n == 0.0,
+        )
         .await;
     }
 }
@@ -277,15 +279,12 @@ async fn the_supervisor_exports_orders_stuck_past_their_deadline_and_open_alerts
         ],
     );
     let gauge_reads = |gauge: &'static str, expected: f64| async move {
-        wait_until(
+        wait_for_metric(
             &format!("{gauge} = {expected}"),
+            port,
+            gauge,
             Duration::from_secs(20),
-            || async move {
-                match metric(port, gauge).await {
-                    Some(value) if value == expected => Ok(()),
-                    other => Err(format!("{other:?}")),
-                }
-            },
+            |value| value == expected,
         )
         .await;
     };
@@ -460,39 +459,12 @@ async fn a_migration_the_database_refuses_stops_scheduler_migrate_at_once_naming
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_s_reply_to_and_correlation_id_properties_are_honoured() {
     use futures_util::StreamExt;
-    use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
-    use sas_broker::lapin::types::FieldTable;
 
     let env = TestEnv::new().await;
     let _system = env.system(1).await;
     let (connection, publisher) = env.broker().await;
-    let channel = connection.create_channel().await.unwrap();
-    // Exclusive: gone with the test's connection (the harness deletes only
-    // the topology it knows).
-    let client_queue = format!("{}rpc-client", env.prefix);
-    channel
-        .queue_declare(
-            client_queue.as_str().into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            client_queue.as_str().into(),
-            "rpc".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (client_queue, channel) = env.client_queue(&connection, "rpc-client").await;
+    let mut consumer = sas_tests::consume(&channel, &client_queue, "rpc").await;
     let body = serde_json::to_vec(&order("rpc-1")).unwrap();
     assert!(!String::from_utf8_lossy(&body).contains("reply_to"));
     publisher

@@ -83,7 +83,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
 
     // Replay a request the agent already answered, as a redelivery would:
     // same attempt id, same idempotency key.
-    let detail = env.store.order_detail("twice-1").await.unwrap().unwrap();
+    let detail = env.detail("twice-1").await;
     let step = &detail.steps[0];
     let request = sas_messages::StepRequest {
         schema_version: sas_messages::SCHEMA_VERSION,
@@ -153,13 +153,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         "the replayed call was answered from the first decision"
     );
     assert_eq!(
-        env.store
-            .order_detail("twice-1")
-            .await
-            .unwrap()
-            .unwrap()
-            .summary
-            .state,
+        env.detail("twice-1").await.summary.state,
         ProcessState::Processed
     );
 
@@ -272,23 +266,7 @@ async fn malformed_json_a_wrong_schema_version_and_an_unknown_field_are_dead_let
     );
 
     // The supervisor recorded them in the state store, with the order when known.
-    wait_until(
-        "five recorded dead letters",
-        Duration::from_secs(20),
-        || async {
-            let letters = env
-                .store
-                .dead_letters(100)
-                .await
-                .map_err(|e| e.to_string())?;
-            if letters.len() >= 5 {
-                Ok(())
-            } else {
-                Err(format!("{}", letters.len()))
-            }
-        },
-    )
-    .await;
+    env.wait_for_dead_letters(5, Duration::from_secs(20)).await;
     let letters = env.store.dead_letters(100).await.unwrap();
     assert!(
         letters

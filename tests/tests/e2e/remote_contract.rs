@@ -11,13 +11,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
-use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
-use sas_broker::lapin::types::FieldTable;
 use sas_broker::lapin::{Connection, Consumer};
 use sas_broker::Publisher;
 use sas_messages::{StepKind, StepOutcome, StepReply, StepRequest};
 use sas_store::ProcessState;
-use sas_tests::process::free_port;
+use sas_tests::process::{free_port, wait_for_metric};
 use sas_tests::sim::SimClient;
 use sas_tests::{order, wait_until, Service, TestEnv};
 
@@ -109,31 +107,8 @@ fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[(&str, String)]) 
 /// The test's reply queue (exclusive: it goes with the connection) and a
 /// consumer of it.
 async fn reply_queue(env: &TestEnv, connection: &Connection) -> (String, Consumer) {
-    let channel = connection.create_channel().await.unwrap();
-    let queue = format!("{}test-replies", env.prefix);
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            "test".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (queue, channel) = env.client_queue(connection, "test-replies").await;
+    let consumer = sas_tests::consume(&channel, &queue, "test").await;
     (queue, consumer)
 }
 
@@ -142,12 +117,13 @@ async fn reply_queue(env: &TestEnv, connection: &Connection) -> (String, Consume
 /// Waits until the agent serving metrics on `ops` has let a request's
 /// deadline pass without an answer (`sas_agent_deadline_expired_total`).
 async fn wait_expired(ops: u16, what: &str) {
-    wait_until(what, Duration::from_secs(20), || async {
-        match sas_tests::process::metric(ops, "sas_agent_deadline_expired_total").await {
-            Some(n) if n >= 1.0 => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    wait_for_metric(
+        what,
+        ops,
+        "sas_agent_deadline_expired_total",
+        Duration::from_secs(20),
+        |n| n >= 1.0,
+    )
     .await;
 }
 
@@ -298,20 +274,12 @@ async fn with_the_wrong_ca_the_agent_says_certificate_stays_up_and_applies_nothi
         .unwrap();
     assert!(line.contains(&url), "the line names the URL: {line}");
     assert!(line.contains("certificate"), "{line}");
-    wait_until(
+    wait_for_metric(
         "the failure to be counted",
+        ops,
+        "sas_agent_certificate_failures_total{agent=\"payment\"}",
         Duration::from_secs(10),
-        || async {
-            match sas_tests::process::metric(
-                ops,
-                "sas_agent_certificate_failures_total{agent=\"payment\"}",
-            )
-            .await
-            {
-                Some(n) if n >= 1.0 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
+        |n| n >= 1.0,
     )
     .await;
     // The request ends at its start deadline without any call having reached
@@ -637,10 +605,7 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
     let _scheduler = env.scheduler(0, &[]);
     let _supervisor = env.supervisor(0, &[]);
     let (_connection, publisher) = env.broker().await;
-    for n in 0..40 {
-        env.publish_order(&publisher, &order(&format!("dup-{n}")))
-            .await;
-    }
+    env.publish_orders(&publisher, "dup", 40).await;
     wait_until_all_ended(&env, 40).await;
     assert_eq!(env.count(ProcessState::Compensated).await, 40);
     // The sequence happened: some charges' outcome was unknown for a while.
@@ -731,10 +696,7 @@ async fn an_agent_clock_two_seconds_behind_never_lets_an_undo_land_before_its_ac
     let _scheduler = env.scheduler(0, &[]);
     let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "3".to_owned())]);
     let (_connection, publisher) = env.broker().await;
-    for n in 0..40 {
-        env.publish_order(&publisher, &order(&format!("skew-{n}")))
-            .await;
-    }
+    env.publish_orders(&publisher, "skew", 40).await;
     wait_until_all_ended(&env, 40).await;
     let compensated = assert_every_effect_undone_after_it(&env, &sim).await;
     assert_eq!(compensated, 40, "every order was undone");

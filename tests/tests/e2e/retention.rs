@@ -76,10 +76,7 @@ async fn finished_orders_and_old_dead_letters_go_and_everything_else_stays() {
     .await
     .unwrap();
     // And 20 orders that finish now.
-    for n in 0..20 {
-        env.publish_order(&publisher, &order(&format!("gone-{n}")))
-            .await;
-    }
+    env.publish_orders(&publisher, "gone", 20).await;
     wait_until(
         "finished orders deleted",
         Duration::from_secs(60),

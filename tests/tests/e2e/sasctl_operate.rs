@@ -153,17 +153,8 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
             .0,
         0
     );
-    wait_until(
-        "the replayed order stored",
-        Duration::from_secs(20),
-        || async {
-            match env.store.order_detail("ord-s-replayed").await {
-                Ok(Some(_)) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    env.wait_stored("ord-s-replayed", Duration::from_secs(20))
+        .await;
     assert_eq!(
         env.sasctl(&["dead-letters", "replay", &replay.to_string()])
             .await

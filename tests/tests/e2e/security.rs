@@ -13,7 +13,6 @@
 //! removed at the end, also when a test fails.
 
 use sqlx::AssertSqlSafe;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -26,15 +25,8 @@ use sas_broker::{topology, AmqpSettings};
 use sas_messages::{headers, StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, Service};
-use sas_tests::{order, wait_until, TestEnv};
+use sas_tests::{order, repo_root, wait_until, TestEnv};
 use sqlx::Connection as _;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 /// The role users of one test, made by deploy/rabbitmq/setup-users.sh with
 /// the test's prefix; deleted on drop (also after a panic).
@@ -75,7 +67,7 @@ impl BrokerUsers {
     fn script(&self, client: &str, delete: bool) -> std::process::Output {
         let mut command = Command::new("sh");
         command
-            .arg(root().join("deploy/rabbitmq/setup-users.sh"))
+            .arg(repo_root().join("deploy/rabbitmq/setup-users.sh"))
             .env("SAS_AMQP_PREFIX", &self.prefix)
             .env("SAS_RABBITMQ_SCHEDULER_USER", &self.users[0])
             .env("SAS_RABBITMQ_SUPERVISOR_USER", &self.users[1])
@@ -683,7 +675,7 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
         .args(["-v", &format!("app_role={}", role.0)])
         .args(["-v", "app_password=unused"])
         .arg("-f")
-        .arg(root().join("deploy/postgres/roles.sql"))
+        .arg(repo_root().join("deploy/postgres/roles.sql"))
         .output()
         .expect("run psql");
     assert!(

@@ -119,17 +119,7 @@ async fn each_order_is_one_trace_across_every_service_and_reaches_the_remote() {
         ("ord-trace-ok", ProcessState::Processed),
         ("ord-trace-declined", ProcessState::Compensated),
     ] {
-        wait_until(
-            &format!("{id} {state}"),
-            Duration::from_secs(30),
-            || async {
-                match env.store.order_detail(id).await {
-                    Ok(Some(detail)) if detail.summary.state == state => Ok(()),
-                    other => Err(format!("{:?}", other.map(|d| d.map(|d| d.summary.state)))),
-                }
-            },
-        )
-        .await;
+        env.wait_for_state(id, state, Duration::from_secs(30)).await;
     }
     let trace_of = |id: &'static str| {
         let pool = env.store.pool().clone();
@@ -255,10 +245,8 @@ async fn a_collector_that_never_answers_holds_up_no_order() {
     let env = TestEnv::new().await;
     let system = Traced::start(&env, port).await;
     let publisher = &system.publisher;
-    for i in 0..20 {
-        env.publish_order(publisher, &order(&format!("ord-hung-collector-{i}")))
-            .await;
-    }
+    env.publish_orders(publisher, "ord-hung-collector", 20)
+        .await;
     env.wait_for_count(ProcessState::Processed, 20, Duration::from_secs(30))
         .await;
     assert_eq!(env.count(ProcessState::Compensated).await, 0);

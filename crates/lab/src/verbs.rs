@@ -1,0 +1,164 @@
+//! What a test (or the benchmark) does to a running system and asks of it,
+//! in the system's words: a burst of orders, an order's state and detail,
+//! waiting for an order to reach a state or to be stored, waiting for dead
+//! letters, and a client's own reply queue. One version each, instead of a
+//! copy per test file.
+
+use std::time::Duration;
+
+use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+use sas_broker::lapin::types::FieldTable;
+use sas_broker::lapin::{Channel, Connection, Consumer};
+use sas_broker::Publisher;
+use sas_store::queries::OrderDetail;
+use sas_store::{ProcessState, Store};
+
+use crate::{wait_until, TestEnv};
+
+impl TestEnv {
+    /// Publishes `n` valid orders ([`crate::order`]) with ids `<prefix>-0`
+    /// to `<prefix>-<n - 1>`, one after another, each confirmed.
+    ///
+    /// # Panics
+    /// When the broker does not confirm one.
+    pub async fn publish_orders(&self, publisher: &Publisher, prefix: &str, n: usize) {
+        for i in 0..n {
+            self.publish_order(publisher, &crate::order(&format!("{prefix}-{i}")))
+                .await;
+        }
+    }
+
+    /// The order's detail (process record, steps, the order as submitted).
+    ///
+    /// # Panics
+    /// When the database cannot be read or the order is not stored.
+    pub async fn detail(&self, order_id: &str) -> OrderDetail {
+        self.store
+            .order_detail(order_id)
+            .await
+            .expect("read the order")
+            .unwrap_or_else(|| panic!("{order_id} is not stored"))
+    }
+
+    /// The order's state, or `None` while it is not stored.
+    ///
+    /// # Panics
+    /// When the database cannot be read.
+    pub async fn state_of(&self, order_id: &str) -> Option<ProcessState> {
+        self.store
+            .order_detail(order_id)
+            .await
+            .expect("read the order")
+            .map(|detail| detail.summary.state)
+    }
+
+    /// Waits until the order is in `state`.
+    ///
+    /// # Panics
+    /// When it is not by `timeout`, naming the state it is in (and its last
+    /// error) or that it is not stored.
+    pub async fn wait_for_state(&self, order_id: &str, state: ProcessState, timeout: Duration) {
+        wait_for_state_in(&self.store, order_id, state, timeout).await;
+    }
+
+    /// Waits until the order is stored, in whatever state.
+    ///
+    /// # Panics
+    /// When it is not by `timeout`.
+    pub async fn wait_stored(&self, order_id: &str, timeout: Duration) {
+        wait_until(&format!("{order_id} to be stored"), timeout, || async {
+            match self.store.order_detail(order_id).await {
+                Ok(Some(_)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await;
+    }
+
+    /// Waits until at least `n` dead letters are recorded.
+    ///
+    /// # Panics
+    /// When they are not by `timeout`.
+    pub async fn wait_for_dead_letters(&self, n: usize, timeout: Duration) {
+        wait_until(&format!("{n} recorded dead letters"), timeout, || async {
+            let letters = self
+                .store
+                .dead_letters(100)
+                .await
+                .map_err(|e| e.to_string())?;
+            if letters.len() >= n {
+                Ok(())
+            } else {
+                Err(format!("{}", letters.len()))
+            }
+        })
+        .await;
+    }
+
+    /// A client's own queue `<prefix><name>` on a new channel of
+    /// `connection`, declared exclusive: it goes with the connection (the
+    /// teardown deletes only the topology it knows). Returns its name and
+    /// the channel.
+    ///
+    /// # Panics
+    /// When RabbitMQ refuses.
+    pub async fn client_queue(&self, connection: &Connection, name: &str) -> (String, Channel) {
+        let channel = connection.create_channel().await.expect("a channel");
+        let queue = format!("{}{name}", self.prefix);
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare the client's queue");
+        (queue, channel)
+    }
+}
+
+/// Waits until the order is in `state` in `store` (a store other than the
+/// env's: a promoted standby's), as [`TestEnv::wait_for_state`].
+///
+/// # Panics
+/// When it is not by `timeout`.
+pub async fn wait_for_state_in(
+    store: &Store,
+    order_id: &str,
+    state: ProcessState,
+    timeout: Duration,
+) {
+    wait_until(&format!("{order_id} to be {state}"), timeout, || async {
+        match store.order_detail(order_id).await {
+            Ok(Some(d)) if d.summary.state == state => Ok(()),
+            Ok(Some(d)) => Err(format!("{} ({:?})", d.summary.state, d.summary.last_error)),
+            Ok(None) => Err("not stored".into()),
+            Err(error) => Err(error.to_string()),
+        }
+    })
+    .await;
+}
+
+/// A consumer of `queue` on `channel` that acknowledges nothing (the
+/// broker counts a delivery as done when sent): how a client reads its
+/// status messages or a test its replies.
+///
+/// # Panics
+/// When RabbitMQ refuses.
+pub async fn consume(channel: &Channel, queue: &str, tag: &str) -> Consumer {
+    channel
+        .basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume")
+}
