@@ -149,80 +149,21 @@ pub async fn submit(
     Extension(caller): Extension<Caller>,
     body: Bytes,
 ) -> Response {
-    let limit = gateway.settings.amqp.max_message_bytes;
-    let order: SubmitOrder = match sas_messages::decode::decode(&body, limit) {
+    let order = match parse_submission(&body, gateway.settings.amqp.max_message_bytes) {
         Ok(order) => order,
-        Err(error @ sas_messages::decode::DecodeError::TooLarge { .. }) => {
+        Err((status, error)) => {
             counted("invalid");
-            return problem(StatusCode::PAYLOAD_TOO_LARGE, error.to_string());
-        }
-        Err(error) => {
-            counted("invalid");
-            return problem(StatusCode::BAD_REQUEST, error.to_string());
+            return problem(status, error);
         }
     };
-    if let Err(error) = order.validate() {
-        counted("invalid");
-        return problem(StatusCode::BAD_REQUEST, error.to_string());
+    if let Some(answer) = answer_if_stored(&gateway, &order).await {
+        return answer;
     }
-    let status_url = format!("/v1/orders/{}", order.order_id);
-    let answer = |code: StatusCode, status: Taken| {
-        let mut response = (
-            code,
-            Json(Submitted {
-                order_id: order.order_id.to_string(),
-                status,
-                status_url: status_url.clone(),
-            }),
-        )
-            .into_response();
-        if let Ok(location) = HeaderValue::from_str(&status_url) {
-            response.headers_mut().insert(header::LOCATION, location);
-        }
-        response
-    };
-    let content = serde_json::to_value(&order).expect("wire types always serialize");
-    match gateway.store.order_body(&order.order_id).await {
-        Ok(Some(existing)) if existing == content => {
-            counted("duplicate");
-            return answer(StatusCode::OK, Taken::AlreadyAccepted);
-        }
-        Ok(Some(_)) => {
-            counted("conflict");
-            return problem(
-                StatusCode::CONFLICT,
-                format!(
-                    "order {} was already submitted with other content: an order id names one order; choose a new id",
-                    order.order_id
-                ),
-            );
-        }
-        Ok(None) => {}
-        Err(error) => return store_unavailable(&error),
-    }
-    let properties = json_properties(&format!("gateway-{}", order.order_id))
-        .with_correlation_id(order.order_id.to_string().into())
-        .with_headers(order_headers(&order.order_id, None));
-    // To the orders exchange, as every client publishes (a client's broker
-    // user may publish there and nowhere else).
-    let message = Outgoing {
-        exchange: gateway.names.orders(),
-        routing_key: String::new(),
-        body: serde_json::to_vec(&order).expect("wire types always serialize"),
-        properties,
-        mandatory: true,
-    };
-    let give_up = tokio::time::Instant::now()
-        + Duration::from_millis(gateway.settings.gateway.publish_timeout_ms);
-    match gateway
-        .publisher
-        .deliver(None, &[message], give_up, &gateway.shutdown)
-        .await
-    {
+    match publish_order(&gateway, &order).await {
         Ok(()) => {
             counted("accepted");
             tracing::info!(order_id = %order.order_id, client = %caller.0, "order accepted over HTTP");
-            answer(StatusCode::ACCEPTED, Taken::Accepted)
+            submitted(&order, StatusCode::ACCEPTED, Taken::Accepted)
         }
         Err(error) => {
             counted("unavailable");
@@ -237,6 +178,96 @@ pub async fn submit(
             response
         }
     }
+}
+
+/// Decodes and validates a submission's body as intake would (at most
+/// `limit` bytes), or the status and reason to refuse it with: 413 over
+/// the size limit, 400 otherwise.
+fn parse_submission(body: &[u8], limit: usize) -> Result<SubmitOrder, (StatusCode, String)> {
+    let order: SubmitOrder = match sas_messages::decode::decode(body, limit) {
+        Ok(order) => order,
+        Err(error @ sas_messages::decode::DecodeError::TooLarge { .. }) => {
+            return Err((StatusCode::PAYLOAD_TOO_LARGE, error.to_string()));
+        }
+        Err(error) => return Err((StatusCode::BAD_REQUEST, error.to_string())),
+    };
+    if let Err(error) = order.validate() {
+        return Err((StatusCode::BAD_REQUEST, error.to_string()));
+    }
+    Ok(order)
+}
+
+/// The answer for an order id the store already holds: 200 for the same
+/// content, 409 for other content; 503 when the store cannot say. `None`
+/// for a new id, which is published.
+async fn answer_if_stored(gateway: &Gateway, order: &SubmitOrder) -> Option<Response> {
+    let content = serde_json::to_value(order).expect("wire types always serialize");
+    match gateway.store.order_body(&order.order_id).await {
+        Ok(Some(existing)) if existing == content => {
+            counted("duplicate");
+            Some(submitted(order, StatusCode::OK, Taken::AlreadyAccepted))
+        }
+        Ok(Some(_)) => {
+            counted("conflict");
+            Some(problem(
+                StatusCode::CONFLICT,
+                format!(
+                    "order {} was already submitted with other content: an order id names one order; choose a new id",
+                    order.order_id
+                ),
+            ))
+        }
+        Ok(None) => None,
+        Err(error) => Some(store_unavailable(&error)),
+    }
+}
+
+/// Publishes the order to the orders exchange, persistent, and waits for
+/// the broker's confirm (up to `gateway.publish_timeout_ms`).
+///
+/// # Errors
+/// When the broker has not confirmed it by then.
+async fn publish_order(
+    gateway: &Gateway,
+    order: &SubmitOrder,
+) -> Result<(), sas_broker::BrokerError> {
+    let properties = json_properties(&format!("gateway-{}", order.order_id))
+        .with_correlation_id(order.order_id.to_string().into())
+        .with_headers(order_headers(&order.order_id, None));
+    // To the orders exchange, as every client publishes (a client's broker
+    // user may publish there and nowhere else).
+    let message = Outgoing {
+        exchange: gateway.names.orders(),
+        routing_key: String::new(),
+        body: serde_json::to_vec(order).expect("wire types always serialize"),
+        properties,
+        mandatory: true,
+    };
+    let give_up = tokio::time::Instant::now()
+        + Duration::from_millis(gateway.settings.gateway.publish_timeout_ms);
+    gateway
+        .publisher
+        .deliver(None, &[message], give_up, &gateway.shutdown)
+        .await
+}
+
+/// The answer to a submission taken (`status`): where to look next, in the
+/// body and the `Location` header.
+fn submitted(order: &SubmitOrder, code: StatusCode, status: Taken) -> Response {
+    let status_url = format!("/v1/orders/{}", order.order_id);
+    let mut response = (
+        code,
+        Json(Submitted {
+            order_id: order.order_id.to_string(),
+            status,
+            status_url: status_url.clone(),
+        }),
+    )
+        .into_response();
+    if let Ok(location) = HeaderValue::from_str(&status_url) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    response
 }
 
 /// `?wait=SECONDS`.
