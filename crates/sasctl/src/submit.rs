@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use futures_util::{stream, StreamExt};
 use sas_broker::publish::json_properties;
-use sas_broker::{topology, Publisher};
+use sas_broker::{topology, AmqpSettings, Publisher};
 use sas_messages::{OrderId, OrderLine, SubmitOrder, SCHEMA_VERSION};
 
 use crate::Target;
@@ -103,21 +103,7 @@ fn from_file(path: &PathBuf) -> anyhow::Result<Vec<SubmitOrder>> {
 /// # Errors
 /// When an order is invalid or the broker does not confirm it.
 pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> {
-    let orders = match &args.file {
-        Some(path) => from_file(path)?,
-        None => (0..args.count)
-            .map(|index| generated(&args, index))
-            .collect(),
-    };
-    for order in &orders {
-        order
-            .validate()
-            .with_context(|| format!("order {}", order.order_id))?;
-    }
-    anyhow::ensure!(
-        !(args.watch && orders.len() != 1),
-        "--watch follows a single order"
-    );
+    let orders = orders_to_submit(&args)?;
 
     let settings = target.amqp();
     let connection = sas_broker::connect(&settings, "sasctl")
@@ -133,24 +119,61 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
     } else {
         None
     };
+    publish_all(&publisher, &settings, orders, &args).await?;
+    match watcher {
+        Some(watcher) => watcher.follow(Duration::from_secs(300)).await,
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
 
+/// The orders the arguments ask for (read from `--file`, or generated),
+/// each valid, and one only when it is to be watched.
+///
+/// # Errors
+/// When the file cannot be read, an order is invalid, or `--watch` is
+/// given with other than one order.
+fn orders_to_submit(args: &SubmitArgs) -> anyhow::Result<Vec<SubmitOrder>> {
+    let orders = match &args.file {
+        Some(path) => from_file(path)?,
+        None => (0..args.count)
+            .map(|index| generated(args, index))
+            .collect(),
+    };
+    for order in &orders {
+        order
+            .validate()
+            .with_context(|| format!("order {}", order.order_id))?;
+    }
+    anyhow::ensure!(
+        !(args.watch && orders.len() != 1),
+        "--watch follows a single order"
+    );
+    Ok(orders)
+}
+
+/// Publishes `orders` at `--rate`, `--concurrency` awaiting confirmation at
+/// once, printing each id as the broker confirms its order, then how many
+/// went and how fast.
+///
+/// # Errors
+/// The first order the broker did not confirm (the rest are not awaited).
+async fn publish_all(
+    publisher: &Publisher,
+    settings: &AmqpSettings,
+    orders: Vec<SubmitOrder>,
+    args: &SubmitArgs,
+) -> anyhow::Result<()> {
     // Through the orders exchange: a client's broker user may write there
     // and nowhere else (see deploy/README.md, broker users).
     let (exchange, queue) = (
-        topology::orders_exchange(&settings),
+        topology::orders_exchange(settings),
         settings.names().orders(),
     );
     let started = Instant::now();
     let pace = (args.rate > 0).then(|| Duration::from_secs_f64(1.0 / args.rate as f64));
     // Each id is printed as soon as the broker confirms its order; the bar
     // (on stderr, drawn only on a terminal) counts them.
-    let bar = indicatif::ProgressBar::new(orders.len() as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} confirmed, {per_sec}, {eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(orders.len());
     let mut confirmed = stream::iter(orders.into_iter().enumerate())
         .map(|(index, order)| {
             let (publisher, exchange, queue) = (publisher.clone(), exchange.clone(), queue.clone());
@@ -191,8 +214,17 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
         "submitted {submitted} order(s) to {queue} in {elapsed:.2}s ({:.0}/s)",
         submitted as f64 / elapsed.max(1e-9)
     );
-    match watcher {
-        Some(watcher) => watcher.follow(Duration::from_secs(300)).await,
-        None => Ok(ExitCode::SUCCESS),
-    }
+    Ok(())
+}
+
+/// The bar counting confirmed orders out of `len`, on stderr.
+fn progress_bar(len: usize) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} confirmed, {per_sec}, {eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
 }
