@@ -33,47 +33,18 @@ impl Scheduler {
         }
         // RabbitMQ's request/reply convention: reply_to and correlation_id as
         // message properties (the body's reply_to wins when both are set).
-        let reply_to_property = delivery.reply_to().map(str::to_owned);
-        let correlation_id = delivery.correlation_id().map(str::to_owned);
-        if let Some(queue) = &reply_to_property {
-            if !sas_messages::order::is_queue_name(queue) {
-                let reason = "the reply_to property must be a queue name of 1 to 255 bytes without control characters";
-                return self.refuse(&delivery, publisher, reason.into()).await;
-            }
-        }
-        if let Some(queue) = order.reply_to.as_ref().or(reply_to_property.as_ref()) {
-            if self.names.is_own_queue(queue) {
-                let reason = format!("reply_to {queue:?} is one of the system's own queues: name a queue of your own for status messages");
-                return self.refuse(&delivery, publisher, reason).await;
-            }
+        let reply_to_property = delivery.reply_to();
+        let correlation_id = delivery.correlation_id();
+        if let Some(reason) = self.reply_to_refusal(&order, reply_to_property) {
+            return self.refuse(&delivery, publisher, reason).await;
         }
         tracing::Span::current().record("order_id", order.order_id.as_str());
-        let trace_id = trace_id.to_owned();
-        let stored = sas_runtime::retry_transient(
-            &self.shutdown,
-            "storing an order",
-            |e: &sas_store::StoreError| e.is_transient(),
-            || async {
-                let submission = Submission {
-                    order: order.clone(),
-                    trace_id: trace_id.clone(),
-                    reply_to_property: reply_to_property.clone(),
-                    correlation_id: correlation_id.clone(),
-                };
-                self.intake
-                    .submit(submission)
-                    .await
-                    .unwrap_or_else(|| Err(stopping()))
-            },
-        )
-        .await;
-        let intake = match stored {
-            None => return Consumed::Requeue,
-            Some(Ok(intake)) => intake,
-            Some(Err(error)) => {
-                tracing::error!(order_id = %order.order_id, error = %error, "cannot store order");
-                return Consumed::Requeue;
-            }
+        let intake = match self
+            .store_order(&order, trace_id, reply_to_property, correlation_id)
+            .await
+        {
+            Ok(intake) => intake,
+            Err(consumed) => return consumed,
         };
         match intake {
             Intake::Accepted(progress) => {
@@ -103,6 +74,67 @@ impl Scheduler {
                     order.order_id.as_str()
                 );
                 self.refuse(&delivery, publisher, reason).await
+            }
+        }
+    }
+
+    /// Why the order is refused for where its status messages would go, if
+    /// it is: a `reply_to` property that is no queue name, or a reply queue
+    /// (the body's, else the property's) that is one of the system's own.
+    fn reply_to_refusal(
+        &self,
+        order: &SubmitOrder,
+        reply_to_property: Option<&str>,
+    ) -> Option<String> {
+        if let Some(queue) = reply_to_property {
+            if !sas_messages::order::is_queue_name(queue) {
+                let reason = "the reply_to property must be a queue name of 1 to 255 bytes without control characters";
+                return Some(reason.into());
+            }
+        }
+        if let Some(queue) = order.reply_to.as_deref().or(reply_to_property) {
+            if self.names.is_own_queue(queue) {
+                return Some(format!("reply_to {queue:?} is one of the system's own queues: name a queue of your own for status messages"));
+            }
+        }
+        None
+    }
+
+    /// Stores the order with its process record (through the intake batch),
+    /// retrying while the store's failures are transient: `Err` with
+    /// [`Consumed::Requeue`] when the scheduler stops first or the store
+    /// fails for good (logged).
+    async fn store_order(
+        &self,
+        order: &SubmitOrder,
+        trace_id: &str,
+        reply_to_property: Option<&str>,
+        correlation_id: Option<&str>,
+    ) -> Result<Intake, Consumed> {
+        let stored = sas_runtime::retry_transient(
+            &self.shutdown,
+            "storing an order",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || async {
+                let submission = Submission {
+                    order: order.clone(),
+                    trace_id: trace_id.to_owned(),
+                    reply_to_property: reply_to_property.map(str::to_owned),
+                    correlation_id: correlation_id.map(str::to_owned),
+                };
+                self.intake
+                    .submit(submission)
+                    .await
+                    .unwrap_or_else(|| Err(stopping()))
+            },
+        )
+        .await;
+        match stored {
+            None => Err(Consumed::Requeue),
+            Some(Ok(intake)) => Ok(intake),
+            Some(Err(error)) => {
+                tracing::error!(order_id = %order.order_id, error = %error, "cannot store order");
+                Err(Consumed::Requeue)
             }
         }
     }

@@ -223,83 +223,101 @@ impl Scheduler {
     ) -> Result<(), BrokerError> {
         self.declare(&connection).await?;
         let drain = Duration::from_millis(self.settings.scheduler.drain_ms);
-        let amqp = &self.settings.amqp;
-        let (orders_queue, replies_queue) = (self.names.orders(), self.names.scheduler_replies());
+        let orders = self.clone().consume_orders(&connection, &publisher, drain);
+        let replies = self.clone().consume_replies(&connection, &publisher, drain);
+        let claims = self.clone().claim_loop(publisher.clone());
+        tokio::try_join!(orders, replies, claims)?;
+        Ok(())
+    }
+
+    /// Consumes the orders queue: each order handled by intake in its
+    /// trace's `intake` span, and one refused unread (over the size limit)
+    /// answered on its `reply_to` property. Until shutdown (Ok) or a failure
+    /// of the connection (Err).
+    async fn consume_orders(
+        self: Arc<Self>,
+        connection: &Connection,
+        publisher: &Publisher,
+        drain: Duration,
+    ) -> Result<(), BrokerError> {
+        let orders_queue = self.names.orders();
         // New orders are admitted through a narrower window than replies:
         // what is admitted competes with the orders already running.
         let intake_amqp = sas_broker::AmqpSettings {
             prefetch: self.settings.scheduler.intake_prefetch,
-            ..amqp.broker.clone()
+            ..self.settings.amqp.broker.clone()
         };
-        let orders = {
-            let (me, answering) = (self.clone(), self.clone());
-            let (publisher, answer_with) = (publisher.clone(), publisher.clone());
-            sas_broker::consume::consume_answering(
-                &connection,
-                &intake_amqp,
-                &orders_queue,
-                publisher.clone(),
-                self.shutdown.clone(),
-                drain,
-                move |delivery| {
-                    let me = me.clone();
-                    let publisher = publisher.clone();
-                    async move {
-                        // The order's trace: the client's, or a new one.
-                        let parent = sas_broker::publish::traceparent_of(&delivery.properties)
-                            .unwrap_or_else(sas_messages::TraceParent::new_root);
-                        let span = tracing::info_span!("intake", trace_id = %parent.trace_id, order_id = tracing::field::Empty);
+        let (me, answering) = (self.clone(), self.clone());
+        let (publisher, answer_with) = (publisher.clone(), publisher.clone());
+        sas_broker::consume::consume_answering(
+            connection,
+            &intake_amqp,
+            &orders_queue,
+            publisher.clone(),
+            self.shutdown.clone(),
+            drain,
+            move |delivery| {
+                let me = me.clone();
+                let publisher = publisher.clone();
+                async move {
+                    // The order's trace: the client's, or a new one.
+                    let parent = sas_broker::publish::traceparent_of(&delivery.properties)
+                        .unwrap_or_else(sas_messages::TraceParent::new_root);
+                    let span = tracing::info_span!("intake", trace_id = %parent.trace_id, order_id = tracing::field::Empty);
+                    sas_runtime::telemetry::join_trace(&span, &parent.trace_id, &parent.span_id);
+                    me.handle_order(delivery, &publisher, &parent.trace_id)
+                        .instrument(span)
+                        .await
+                }
+            },
+            // A body over the size limit is refused unread: its client
+            // still hears, on the reply_to property.
+            move |delivery, reason| {
+                let (me, publisher) = (answering.clone(), answer_with.clone());
+                async move { me.answer_refusal(&delivery, &publisher, &reason).await }
+            },
+        )
+        .await
+    }
+
+    /// Consumes the shared reply queue: each reply handled in a `reply`
+    /// span, a child of the agent's in the order's trace. Until shutdown
+    /// (Ok) or a failure of the connection (Err).
+    async fn consume_replies(
+        self: Arc<Self>,
+        connection: &Connection,
+        publisher: &Publisher,
+        drain: Duration,
+    ) -> Result<(), BrokerError> {
+        let replies_queue = self.names.scheduler_replies();
+        let me = self.clone();
+        let publisher = publisher.clone();
+        sas_broker::consume::consume(
+            connection,
+            &self.settings.amqp,
+            &replies_queue,
+            publisher.clone(),
+            self.shutdown.clone(),
+            drain,
+            move |delivery| {
+                let me = me.clone();
+                let publisher = publisher.clone();
+                async move {
+                    // In the order's trace, a child of the agent's span.
+                    let span = tracing::info_span!("reply");
+                    if let Some(parent) = sas_broker::publish::traceparent_of(&delivery.properties)
+                    {
                         sas_runtime::telemetry::join_trace(
                             &span,
                             &parent.trace_id,
                             &parent.span_id,
                         );
-                        me.handle_order(delivery, &publisher, &parent.trace_id)
-                            .instrument(span)
-                            .await
                     }
-                },
-                // A body over the size limit is refused unread: its client
-                // still hears, on the reply_to property.
-                move |delivery, reason| {
-                    let (me, publisher) = (answering.clone(), answer_with.clone());
-                    async move { me.answer_refusal(&delivery, &publisher, &reason).await }
-                },
-            )
-        };
-        let replies = {
-            let me = self.clone();
-            let publisher = publisher.clone();
-            sas_broker::consume::consume(
-                &connection,
-                amqp,
-                &replies_queue,
-                publisher.clone(),
-                self.shutdown.clone(),
-                drain,
-                move |delivery| {
-                    let me = me.clone();
-                    let publisher = publisher.clone();
-                    async move {
-                        // In the order's trace, a child of the agent's span.
-                        let span = tracing::info_span!("reply");
-                        if let Some(parent) =
-                            sas_broker::publish::traceparent_of(&delivery.properties)
-                        {
-                            sas_runtime::telemetry::join_trace(
-                                &span,
-                                &parent.trace_id,
-                                &parent.span_id,
-                            );
-                        }
-                        me.handle_reply(delivery, &publisher).instrument(span).await
-                    }
-                },
-            )
-        };
-        let claims = self.clone().claim_loop(publisher.clone());
-        tokio::try_join!(orders, replies, claims)?;
-        Ok(())
+                    me.handle_reply(delivery, &publisher).instrument(span).await
+                }
+            },
+        )
+        .await
     }
 
     /// Publishes what a committed transition asks for (see

@@ -25,23 +25,8 @@ impl Scheduler {
     /// reply is counted in `sas_forged_replies_total`, logged, and
     /// dead-lettered with the reason; it changes nothing.
     pub async fn handle_reply(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
-        let user_id = delivery
-            .properties
-            .user_id()
-            .as_ref()
-            .map(|user| user.as_str().to_owned());
-        if !self.settings.amqp.accepts_reply_from(user_id.as_deref()) {
-            metrics::counter!("sas_forged_replies_total").increment(1);
-            let publisher_name = user_id.as_deref().unwrap_or("(no user_id)");
-            tracing::warn!(
-                user_id = publisher_name,
-                correlation_id = delivery.correlation_id().unwrap_or(""),
-                "reply refused: not published by an agent identity (amqp.agent_users)"
-            );
-            return Consumed::DeadLetter(format!(
-                "forged reply refused: published by broker user {publisher_name:?}, \
-                 which is not one of amqp.agent_users"
-            ));
+        if let Some(refused) = self.refuse_forged(&delivery) {
+            return refused;
         }
         let reply: StepReply = match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
             Ok(reply) => reply,
@@ -54,25 +39,9 @@ impl Scheduler {
                 delivery.correlation_id()
             ));
         }
-        let outcome = match sas_runtime::retry_transient(
-            &self.shutdown,
-            "recording a reply",
-            |e: &sas_store::StoreError| e.is_transient(),
-            || async {
-                self.replies
-                    .submit(reply.clone())
-                    .await
-                    .unwrap_or_else(|| Err(stopping()))
-            },
-        )
-        .await
-        {
-            None => return Consumed::Requeue,
-            Some(Ok(outcome)) => outcome,
-            Some(Err(error)) => {
-                tracing::error!(order_id = %reply.order_id, correlation_id = %attempt_id, error = %error, "cannot record reply");
-                return Consumed::Requeue;
-            }
+        let outcome = match self.record_reply(&reply, &attempt_id).await {
+            Ok(outcome) => outcome,
+            Err(consumed) => return consumed,
         };
         match outcome {
             ReplyOutcome::Stale { reason } => {
@@ -90,14 +59,7 @@ impl Scheduler {
                     metrics::histogram!("sas_step_latency_seconds", "step" => step)
                         .record(latency_secs);
                 }
-                let label = match &reply.outcome {
-                    StepOutcome::Succeeded { .. } => "succeeded",
-                    StepOutcome::NotStarted { .. } => "not_started",
-                    StepOutcome::Failed {
-                        permanent: true, ..
-                    } => "failed_permanent",
-                    StepOutcome::Failed { .. } => "failed_transient",
-                };
+                let label = outcome_label(&reply.outcome);
                 metrics::counter!("sas_replies_total", "outcome" => label).increment(1);
                 tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, trace_id = progress.trace_id.as_deref().unwrap_or(""), "reply applied");
                 match self.announce(Some(publisher), &progress).await {
@@ -109,5 +71,72 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// The dead-lettering of a reply not published by an agent identity
+    /// (its `user_id` is not one of `amqp.agent_users`), counted and
+    /// logged; `None` for a reply from an agent.
+    fn refuse_forged(&self, delivery: &Delivery) -> Option<Consumed> {
+        let user_id = delivery
+            .properties
+            .user_id()
+            .as_ref()
+            .map(|user| user.as_str().to_owned());
+        if self.settings.amqp.accepts_reply_from(user_id.as_deref()) {
+            return None;
+        }
+        metrics::counter!("sas_forged_replies_total").increment(1);
+        let publisher_name = user_id.as_deref().unwrap_or("(no user_id)");
+        tracing::warn!(
+            user_id = publisher_name,
+            correlation_id = delivery.correlation_id().unwrap_or(""),
+            "reply refused: not published by an agent identity (amqp.agent_users)"
+        );
+        Some(Consumed::DeadLetter(format!(
+            "forged reply refused: published by broker user {publisher_name:?}, \
+             which is not one of amqp.agent_users"
+        )))
+    }
+
+    /// Records the reply (through the reply batch), retrying while the
+    /// store's failures are transient: `Err` with [`Consumed::Requeue`] when
+    /// the scheduler stops first or the store fails for good (logged).
+    async fn record_reply(
+        &self,
+        reply: &StepReply,
+        attempt_id: &str,
+    ) -> Result<ReplyOutcome, Consumed> {
+        match sas_runtime::retry_transient(
+            &self.shutdown,
+            "recording a reply",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || async {
+                self.replies
+                    .submit(reply.clone())
+                    .await
+                    .unwrap_or_else(|| Err(stopping()))
+            },
+        )
+        .await
+        {
+            None => Err(Consumed::Requeue),
+            Some(Ok(outcome)) => Ok(outcome),
+            Some(Err(error)) => {
+                tracing::error!(order_id = %reply.order_id, correlation_id = %attempt_id, error = %error, "cannot record reply");
+                Err(Consumed::Requeue)
+            }
+        }
+    }
+}
+
+/// The label of a reply's outcome in `sas_replies_total` and the log.
+fn outcome_label(outcome: &StepOutcome) -> &'static str {
+    match outcome {
+        StepOutcome::Succeeded { .. } => "succeeded",
+        StepOutcome::NotStarted { .. } => "not_started",
+        StepOutcome::Failed {
+            permanent: true, ..
+        } => "failed_permanent",
+        StepOutcome::Failed { .. } => "failed_transient",
     }
 }
