@@ -381,21 +381,7 @@ fn decide(
     ledger.stats.calls += 1;
     metrics::counter!("sas_sim_calls_total", "service" => call.service.clone()).increment(1);
     let mut in_flight = state.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-    if strict && in_flight.contains(&call.key) {
-        ledger.stats.in_progress += 1;
-        return Err(refuse(
-            StatusCode::CONFLICT,
-            format!(
-                "a request with key {:?} is in progress; retry later",
-                call.key
-            ),
-        ));
-    }
-    if let Some(decision) = ledger.decided(&call.key) {
-        let decision = decision.clone();
-        ledger.stats.deduplicated += 1;
-        return Err(Box::new(answer(&decision)));
-    }
+    met_before(&mut ledger, &in_flight, call, strict)?;
     if strict && !call.is_action() {
         nothing_to_undo(&mut ledger, &in_flight, call, provider)?;
     }
@@ -412,31 +398,8 @@ fn decide(
     if !applied {
         ledger.stats.permanent_faults += 1;
     }
-    let late = strict
-        && call.is_action()
-        && applied
-        && !hang
-        && provider.late_answer_rate > 0.0
-        && state
-            .rng
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .random::<f64>()
-            < provider.late_answer_rate;
-    let at = now_micros();
-    let entry = Entry {
-        key: call.key.clone(),
-        service: call.service.clone(),
-        operation: call.operation.clone(),
-        order_id: call.order_id.clone(),
-        decision: decision.clone(),
-        at,
-        applied_at: applied.then_some(at),
-        trace_id: call.trace_id.clone(),
-    };
-    if let Err(e) = ledger.decide(entry) {
-        return Err(refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")));
-    }
+    let late = strict && call.is_action() && applied && !hang && rolls_late(state, provider);
+    record(&mut ledger, call, &decision, applied)?;
     ledger.stats.hangs += u64::from(hang);
     ledger.stats.late_answers += u64::from(late);
     // Strict mode: the key is in flight until its answer leaves (or the
@@ -454,6 +417,70 @@ fn decide(
         late,
         in_flight,
     })
+}
+
+/// The answer for a key met before, which records nothing new: strict
+/// mode's 409 while its first call is still being answered, else the
+/// decision made then (counted as deduplicated). `Ok` for a new key.
+fn met_before(
+    ledger: &mut Ledger,
+    in_flight: &HashSet<String>,
+    call: &Call,
+    strict: bool,
+) -> Result<(), Refusal> {
+    if strict && in_flight.contains(&call.key) {
+        ledger.stats.in_progress += 1;
+        return Err(refuse(
+            StatusCode::CONFLICT,
+            format!(
+                "a request with key {:?} is in progress; retry later",
+                call.key
+            ),
+        ));
+    }
+    if let Some(decision) = ledger.decided(&call.key) {
+        let decision = decision.clone();
+        ledger.stats.deduplicated += 1;
+        return Err(Box::new(answer(&decision)));
+    }
+    Ok(())
+}
+
+/// Whether an applied action is answered late: a draw under the provider's
+/// `late_answer_rate` (no draw when that is 0).
+fn rolls_late(state: &SimState, provider: &Provider) -> bool {
+    provider.late_answer_rate > 0.0
+        && state
+            .rng
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .random::<f64>()
+            < provider.late_answer_rate
+}
+
+/// Records the call's decision in the ledger (an applied one as applied
+/// now), or the 500 answer when the ledger cannot keep it.
+fn record(
+    ledger: &mut Ledger,
+    call: &Call,
+    decision: &Decision,
+    applied: bool,
+) -> Result<(), Refusal> {
+    let at = now_micros();
+    let entry = Entry {
+        key: call.key.clone(),
+        service: call.service.clone(),
+        operation: call.operation.clone(),
+        order_id: call.order_id.clone(),
+        decision: decision.clone(),
+        at,
+        applied_at: applied.then_some(at),
+        trace_id: call.trace_id.clone(),
+    };
+    if let Err(e) = ledger.decide(entry) {
+        return Err(refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")));
+    }
+    Ok(())
 }
 
 /// Strict mode, an undo: `Err(404)` when its action was never applied,
