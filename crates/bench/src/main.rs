@@ -134,8 +134,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             key.starts_with("SAS_"),
             "--set names a SAS_* variable, got {key:?}"
         );
-        extra.push((
-            &*Box::leak(key.to_owned().into_boxed_str()),
+        extra.push(sas_lab::Setting::Raw(
+            Box::leak(key.to_owned().into_boxed_str()),
             value.to_owned(),
         ));
     }

@@ -12,11 +12,12 @@ use serde_json::json;
 use crate::drive::{publish_with_priority, StatusListener};
 use crate::report::{percentiles, OverloadPoint};
 use crate::system::{start_agent, BenchSystem};
+use sas_lab::Setting;
 
 /// Latency of every remote call in this phase.
 const LATENCY_MS: u64 = 100;
 /// Calls at once per agent process and queue.
-const CONCURRENCY: u64 = 4;
+const CONCURRENCY: u32 = 4;
 
 /// Runs the phase with `agents` fresh agent processes, offering each factor
 /// for `offer_secs`.
@@ -34,11 +35,11 @@ pub async fn run(
         .sim
         .set_faults(None, json!({"latency_ms": LATENCY_MS, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0}))
         .await?;
-    let limited = [("SAS_AGENT__CONCURRENCY", CONCURRENCY.to_string())];
+    let limited = [Setting::AgentConcurrency(CONCURRENCY)];
     let mut agents = vec![start_agent(env, &system.sim, 300, &limited)];
     // Every step of an order goes through a queue of its own, each served at
     // CONCURRENCY calls per LATENCY_MS: the pipeline finishes that many orders.
-    let capacity = (CONCURRENCY * 1000) as f64 / LATENCY_MS as f64;
+    let capacity = f64::from(CONCURRENCY * 1000) / LATENCY_MS as f64;
     let mut points = Vec::new();
     for (round, &factor) in factors.iter().enumerate() {
         let rate = capacity * factor;

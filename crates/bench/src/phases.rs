@@ -12,6 +12,7 @@ use crate::drive::{counter_sum, publish, wait_processed, StatusListener};
 use crate::report::{percentiles, Report, ScalingPoint};
 use crate::system::{cpu_secs_by_program, memory_mib, start_agent, BenchSystem};
 use crate::{calibrate, Sizes};
+use sas_lab::Setting;
 
 /// Deadline of each step attempt in the benchmark's workflow.
 const STEP_TIMEOUT_MS: u64 = 10_000;
@@ -206,10 +207,7 @@ pub async fn run_all(
     system.sim.set_faults(None, json!({"latency_ms": 50, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0})).await?;
     for &agents in sizes.scaling_agents {
         progress.set_message(format!("scaling: {agents} agent process(es)"));
-        let one_at_a_time = [
-            ("SAS_AGENT__CONCURRENCY", "1".to_owned()),
-            ("SAS_AMQP__PREFETCH", "2".to_owned()),
-        ];
+        let one_at_a_time = [Setting::AgentConcurrency(1), Setting::AmqpPrefetch(2)];
         let mut running: Vec<_> = (0..agents)
             .map(|i| start_agent(&env, &system.sim, 100 + agents * 10 + i, &one_at_a_time))
             .collect();

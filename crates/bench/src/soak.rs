@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use crate::drive::{counter_sum, publish};
 use crate::system::{memory_mib, BenchSystem};
+use sas_lab::Setting;
 use sas_lab::TestEnv;
 
 /// Tables sampled, in the order printed.
@@ -45,12 +46,12 @@ pub struct SoakSample {
 /// decided them, so that the simulator's memory levels off like the
 /// services'. The soak's remote is lenient and never fails, so no call is
 /// retried that long after its first one.
-pub fn settings(secs: u64) -> [(&'static str, String); 4] {
+pub fn settings(secs: u64) -> [Setting; 4] {
     [
-        ("SAS_RETENTION__FINISHED_SECS", secs.to_string()),
-        ("SAS_RETENTION__DEAD_LETTERS_SECS", secs.to_string()),
-        ("SAS_RETENTION__INTERVAL_MS", "1000".to_owned()),
-        ("SAS_SIM__KEYS_KEPT_SECS", (secs * 4).to_string()),
+        Setting::RetentionFinishedSecs(secs),
+        Setting::RetentionDeadLettersSecs(secs),
+        Setting::RetentionIntervalMs(1000),
+        Setting::SimKeysKeptSecs(secs * 4),
     ]
 }
 

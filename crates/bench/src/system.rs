@@ -4,19 +4,20 @@ use std::collections::BTreeMap;
 
 use sas_lab::process::{free_port, Service};
 use sas_lab::sim::SimClient;
+use sas_lab::Setting;
 use sas_lab::TestEnv;
 
 /// Settings every benchmarked service gets: quiet logs (an info line per
 /// message costs throughput), fast supervisor.
-pub fn quiet() -> Vec<(&'static str, String)> {
-    let mut vars = vec![("SAS_LOG__FILTER", "warn".to_owned())];
+pub fn quiet() -> Vec<Setting> {
+    let mut vars = vec![Setting::LogFilter("warn".to_owned())];
     vars.extend(EXTRA.get().cloned().unwrap_or_default());
     vars
 }
 
 /// Settings given with `--set`, passed to every service (each reads the
 /// sections it has): for tuning experiments.
-pub static EXTRA: std::sync::OnceLock<Vec<(&'static str, String)>> = std::sync::OnceLock::new();
+pub static EXTRA: std::sync::OnceLock<Vec<Setting>> = std::sync::OnceLock::new();
 
 /// The running system.
 pub struct BenchSystem {
@@ -44,7 +45,7 @@ impl BenchSystem {
             .collect();
         let scheduler_port = free_port();
         let mut vars = quiet();
-        vars.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{scheduler_port}")));
+        vars.push(Setting::Listen(scheduler_port));
         let scheduler = env.scheduler(0, &vars);
         let supervisor = env.supervisor(0, &quiet());
         Self {
@@ -70,19 +71,14 @@ impl BenchSystem {
 }
 
 /// Starts agent process `index` serving all three queues.
-pub fn start_agent(
-    env: &TestEnv,
-    sim: &SimClient,
-    index: usize,
-    extra: &[(&'static str, String)],
-) -> Service {
+pub fn start_agent(env: &TestEnv, sim: &SimClient, index: usize, extra: &[Setting]) -> Service {
     let mut vars = quiet();
-    vars.push(("SAS_AGENT__NAME", "inventory,payment,shipping".to_owned()));
-    vars.push(("SAS_AGENT__ID", format!("agent-{index}")));
-    vars.push((
-        "SAS_AGENT__REMOTE_URL",
-        format!("{}/{{agent}}", sim.base_url()),
-    ));
+    vars.push(Setting::AgentName("inventory,payment,shipping".to_owned()));
+    vars.push(Setting::AgentId(format!("agent-{index}")));
+    vars.push(Setting::AgentRemoteUrl(format!(
+        "{}/{{agent}}",
+        sim.base_url()
+    )));
     vars.extend(extra.iter().cloned());
     env.spawn("agent", &format!("agent-{index}"), &vars)
 }

@@ -5,6 +5,7 @@
 use reqwest::{Method, RequestBuilder, Response};
 
 use crate::process::{free_port, Service};
+use crate::settings::Setting;
 use crate::TestEnv;
 
 /// The operator of the test console: (name, secret).
@@ -106,18 +107,18 @@ impl ConsoleClient {
 
 impl TestEnv {
     /// Starts the console for this deployment with the test's users
-    /// ([`OPERATOR`], [`VIEWER`]) plus `vars`, and waits until it answers.
+    /// ([`OPERATOR`], [`VIEWER`]) plus `settings`, and waits until it answers.
     ///
     /// # Panics
     /// When it does not answer within 20 seconds.
-    pub async fn console(&self, vars: &[(&str, String)]) -> (Service, ConsoleClient) {
+    pub async fn console(&self, settings: &[Setting]) -> (Service, ConsoleClient) {
         let port = free_port();
         let mut all = vec![
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-            ("SAS_CONSOLE__USERS", users()),
-            ("SAS_CONSOLE__LIVE_INTERVAL_MS", "300".to_owned()),
+            Setting::Listen(port),
+            Setting::ConsoleUsers(users()),
+            Setting::ConsoleLiveIntervalMs(300),
         ];
-        all.extend(vars.iter().cloned());
+        all.extend_from_slice(settings);
         let service = self.spawn("console", "console", &all);
         crate::install_crypto_provider();
         let client = ConsoleClient {

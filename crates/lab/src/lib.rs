@@ -13,6 +13,7 @@
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
 //! - [`servers`]: [`ServerGuard`], the machine's RabbitMQ and Postgres shared
 //!   between the tests of one process, or held by one alone.
+//! - [`settings`]: [`Setting`], the services' settings, typed.
 //! - [`sim`]: reading remote-sim's record of side effects.
 //! - [`verbs`]: what a test does to a running system and asks of it (an
 //!   order's state, waiting for it, a client's queue).
@@ -22,6 +23,7 @@ pub mod console;
 pub mod env;
 pub mod process;
 pub mod servers;
+pub mod settings;
 pub mod sim;
 pub mod verbs;
 pub mod wait;
@@ -29,6 +31,7 @@ pub mod wait;
 pub use env::{database_settings, TestEnv};
 pub use process::Service;
 pub use servers::ServerGuard;
+pub use settings::Setting;
 pub use verbs::{consume, wait_for_state_in};
 pub use wait::wait_until;
 

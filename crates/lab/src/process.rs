@@ -9,6 +9,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 
+use crate::settings::Setting;
 use crate::sim::SimClient;
 use crate::TestEnv;
 
@@ -37,7 +38,7 @@ pub struct Service {
     /// Log file (stdout and stderr).
     pub log: PathBuf,
     binary: String,
-    vars: Vec<(String, String)>,
+    settings: Vec<Setting>,
     child: Child,
 }
 
@@ -93,12 +94,38 @@ pub fn free_port() -> u16 {
 }
 
 impl TestEnv {
-    /// Starts `binary` with this test's database, prefix and fast timings,
-    /// plus `vars`; logs go to `<dir>/<name>.log`.
+    /// What every service of this deployment gets: the test's database and
+    /// prefix, fast reconnects and scans, and deadline margins in proportion
+    /// to the test's step deadline (the defaults suit deadlines of seconds).
+    pub fn base_settings(&self) -> Vec<Setting> {
+        vec![
+            Setting::AmqpUrl(self.amqp_url.clone()),
+            Setting::AmqpPrefix(self.prefix.clone()),
+            Setting::AmqpReconnectBaseMs(100),
+            Setting::AmqpReconnectMaxMs(1000),
+            Setting::AmqpOperationTimeoutMs(5000),
+            Setting::DatabaseUrl(self.database_url.clone()),
+            Setting::DatabaseAcquireTimeoutMs(2000),
+            Setting::Listen(0),
+            Setting::LogFilter("info".into()),
+            Setting::SchedulerWorkflowFile(self.workflow_file().display().to_string()),
+            Setting::SchedulerClaimIntervalMs(100),
+            Setting::SupervisorIntervalMs(200),
+            Setting::SupervisorBackoffBaseMs(100),
+            Setting::SupervisorBackoffMaxMs(1000),
+            Setting::DeadlinesStartMarginMs(self.step_timeout_ms / 10),
+            Setting::DeadlinesGraceMs(self.step_timeout_ms / 5),
+            Setting::DeadlinesMaxClockSkewMs(self.step_timeout_ms / 20),
+        ]
+    }
+
+    /// Starts `binary` with this test's [`TestEnv::base_settings`], then
+    /// `settings` (a later setting of the same variable wins); logs go to
+    /// `<dir>/<name>.log`.
     ///
     /// # Panics
     /// When the binary is not built or cannot start.
-    pub fn spawn(&self, binary: &str, name: &str, vars: &[(&str, String)]) -> Service {
+    pub fn spawn(&self, binary: &str, name: &str, settings: &[Setting]) -> Service {
         let path = bin_dir().join(binary);
         assert!(
             path.exists(),
@@ -117,43 +144,20 @@ impl TestEnv {
                 command.env_remove(key);
             }
         }
+        for (key, value) in self
+            .base_settings()
+            .iter()
+            .chain(settings)
+            .map(Setting::var)
+        {
+            command.env(key, value);
+        }
         command
-            .env("SAS_AMQP__URL", &self.amqp_url)
-            .env("SAS_AMQP__PREFIX", &self.prefix)
-            .env("SAS_AMQP__RECONNECT_BASE_MS", "100")
-            .env("SAS_AMQP__RECONNECT_MAX_MS", "1000")
-            .env("SAS_AMQP__OPERATION_TIMEOUT_MS", "5000")
-            .env("SAS_DATABASE__URL", &self.database_url)
-            .env("SAS_DATABASE__ACQUIRE_TIMEOUT_MS", "2000")
-            .env("SAS_HTTP__LISTEN", "127.0.0.1:0")
-            .env("SAS_LOG__FILTER", "info")
-            .env("SAS_SCHEDULER__WORKFLOW_FILE", self.workflow_file())
-            .env("SAS_SCHEDULER__CLAIM_INTERVAL_MS", "100")
-            .env("SAS_SUPERVISOR__INTERVAL_MS", "200")
-            .env("SAS_SUPERVISOR__BACKOFF_BASE_MS", "100")
-            .env("SAS_SUPERVISOR__BACKOFF_MAX_MS", "1000")
-            // Margins in proportion to the test's step deadline (the defaults
-            // suit deadlines of seconds).
-            .env(
-                "SAS_DEADLINES__START_MARGIN_MS",
-                (self.step_timeout_ms / 10).to_string(),
-            )
-            .env(
-                "SAS_DEADLINES__GRACE_MS",
-                (self.step_timeout_ms / 5).to_string(),
-            )
-            .env(
-                "SAS_DEADLINES__MAX_CLOCK_SKEW_MS",
-                (self.step_timeout_ms / 20).to_string(),
-            )
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log file"))
             .stderr(file)
             .kill_on_drop(true);
-        for (key, value) in vars {
-            command.env(key, value);
-        }
         let child = command
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", path.display()));
@@ -161,10 +165,7 @@ impl TestEnv {
             name: name.to_owned(),
             log,
             binary: binary.to_owned(),
-            vars: vars
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), v.clone()))
-                .collect(),
+            settings: settings.to_vec(),
             child,
         }
     }
@@ -173,12 +174,8 @@ impl TestEnv {
     /// killing it if it still runs), as an orchestrator restarts a crashed pod.
     pub async fn restart(&self, service: &mut Service) {
         service.kill9().await;
-        let vars: Vec<(&str, String)> = service
-            .vars
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.clone()))
-            .collect();
-        *service = self.spawn(&service.binary, &service.name, &vars);
+        let settings = std::mem::take(&mut service.settings);
+        *service = self.spawn(&service.binary, &service.name, &settings);
     }
 
     /// Starts remote-sim on a free port (journaled in the test folder) and
@@ -186,16 +183,13 @@ impl TestEnv {
     ///
     /// # Panics
     /// When it does not answer within 10 seconds.
-    pub async fn remote_sim(&self, vars: &[(&str, String)]) -> (Service, SimClient) {
+    pub async fn remote_sim(&self, settings: &[Setting]) -> (Service, SimClient) {
         let port = free_port();
         let mut all = vec![
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-            (
-                "SAS_SIM__JOURNAL_FILE",
-                self.dir.join("sim-journal.jsonl").display().to_string(),
-            ),
+            Setting::Listen(port),
+            Setting::SimJournalFile(self.dir.join("sim-journal.jsonl").display().to_string()),
         ];
-        all.extend(vars.iter().cloned());
+        all.extend_from_slice(settings);
         let service = self.spawn("remote-sim", "remote-sim", &all);
         let sim = SimClient::new(port);
         crate::wait_until("remote-sim to answer", Duration::from_secs(10), || async {
@@ -211,31 +205,28 @@ impl TestEnv {
         agent: &str,
         index: usize,
         sim: &SimClient,
-        vars: &[(&str, String)],
+        settings: &[Setting],
     ) -> Service {
         let mut all = vec![
-            ("SAS_AGENT__NAME", agent.to_owned()),
-            ("SAS_AGENT__ID", format!("{agent}-{index}")),
-            (
-                "SAS_AGENT__REMOTE_URL",
-                format!("{}/{agent}", sim.base_url()),
-            ),
+            Setting::AgentName(agent.to_owned()),
+            Setting::AgentId(format!("{agent}-{index}")),
+            Setting::AgentRemoteUrl(format!("{}/{agent}", sim.base_url())),
         ];
-        all.extend(vars.iter().cloned());
+        all.extend_from_slice(settings);
         self.spawn("agent", &format!("agent-{agent}-{index}"), &all)
     }
 
     /// Starts scheduler `index` (id `scheduler-<index>`).
-    pub fn scheduler(&self, index: usize, vars: &[(&str, String)]) -> Service {
-        let mut all = vec![("SAS_SCHEDULER__ID", format!("scheduler-{index}"))];
-        all.extend(vars.iter().cloned());
+    pub fn scheduler(&self, index: usize, settings: &[Setting]) -> Service {
+        let mut all = vec![Setting::SchedulerId(format!("scheduler-{index}"))];
+        all.extend_from_slice(settings);
         self.spawn("scheduler", &format!("scheduler-{index}"), &all)
     }
 
     /// Starts supervisor `index` (id `supervisor-<index>`).
-    pub fn supervisor(&self, index: usize, vars: &[(&str, String)]) -> Service {
-        let mut all = vec![("SAS_SUPERVISOR__ID", format!("supervisor-{index}"))];
-        all.extend(vars.iter().cloned());
+    pub fn supervisor(&self, index: usize, settings: &[Setting]) -> Service {
+        let mut all = vec![Setting::SupervisorId(format!("supervisor-{index}"))];
+        all.extend_from_slice(settings);
         self.spawn("supervisor", &format!("supervisor-{index}"), &all)
     }
 
@@ -296,17 +287,12 @@ impl System {
 }
 
 impl TestEnv {
-    /// Starts `replicas` agents for each agent queue, calling `sim`, with `vars`.
-    pub fn agents(
-        &self,
-        replicas: usize,
-        sim: &SimClient,
-        vars: &[(&str, String)],
-    ) -> Vec<Service> {
+    /// Starts `replicas` agents for each agent queue, calling `sim`, with `settings`.
+    pub fn agents(&self, replicas: usize, sim: &SimClient, settings: &[Setting]) -> Vec<Service> {
         crate::env::AGENTS
             .iter()
             .flat_map(|agent| (0..replicas).map(move |index| (agent, index)))
-            .map(|(agent, index)| self.agent(agent, index, sim, vars))
+            .map(|(agent, index)| self.agent(agent, index, sim, settings))
             .collect()
     }
 
@@ -318,9 +304,15 @@ impl TestEnv {
     pub async fn sasctl(&self, args: &[&str]) -> (i32, String) {
         let output = Command::new(bin_dir().join("sasctl"))
             .args(args)
-            .env("SAS_AMQP__URL", &self.amqp_url)
-            .env("SAS_AMQP__PREFIX", &self.prefix)
-            .env("SAS_DATABASE__URL", &self.database_url)
+            .envs(
+                [
+                    Setting::AmqpUrl(self.amqp_url.clone()),
+                    Setting::AmqpPrefix(self.prefix.clone()),
+                    Setting::DatabaseUrl(self.database_url.clone()),
+                ]
+                .iter()
+                .map(Setting::var),
+            )
             .stdin(Stdio::null())
             .output()
             .await

@@ -11,6 +11,7 @@ use reqwest::{Method, StatusCode};
 use sas_store::ProcessState;
 use sas_tests::console::{As, ConsoleClient};
 use sas_tests::process::bin_dir;
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::{json, Value};
 
@@ -214,7 +215,7 @@ async fn reading_needs_credentials_and_acting_needs_an_operator_with_the_csrf_to
 
     // Anonymous viewers only when configured; never anonymous operators.
     let (_open, open) = env
-        .console(&[("SAS_CONSOLE__ANONYMOUS", "viewer".to_owned())])
+        .console(&[Setting::ConsoleAnonymous("viewer".to_owned())])
         .await;
     assert_eq!(
         open.get("/api/orders", As::Nobody).await.status(),
@@ -260,12 +261,12 @@ async fn hashed_secrets_slowed_guessing_security_headers_and_a_request_timeout()
     let env = TestEnv::new().await;
     let (_console, console) = env
         .console(&[
-            (
-                "SAS_CONSOLE__USERS",
-                format!("{}:operator:{ann},{}:viewer:{bob}", OPERATOR.0, VIEWER.0),
-            ),
-            ("SAS_CONSOLE__LOGIN_FAILURES_PER_MINUTE", "3".to_owned()),
-            ("SAS_CONSOLE__REQUEST_TIMEOUT_MS", "1000".to_owned()),
+            Setting::ConsoleUsers(format!(
+                "{}:operator:{ann},{}:viewer:{bob}",
+                OPERATOR.0, VIEWER.0
+            )),
+            Setting::ConsoleLoginFailuresPerMinute(3),
+            Setting::ConsoleRequestTimeoutMs(1000),
         ])
         .await;
     for who in [As::Operator, As::Viewer, As::OperatorToken, As::ViewerToken] {

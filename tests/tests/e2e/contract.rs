@@ -16,6 +16,7 @@ use sas_broker::lapin::options::QueueDeclareOptions;
 use sas_broker::lapin::types::FieldTable;
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, wait_for_metric};
+use sas_tests::Setting;
 use sas_tests::{order, repo_root, Service, TestEnv};
 use serde_json::{json, Value};
 
@@ -92,7 +93,7 @@ async fn system(env: &TestEnv) -> (Vec<Service>, u16) {
     services.push(sim_process);
     services.push(env.supervisor(0, &[]));
     let ops = free_port();
-    services.push(env.scheduler(0, &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}"))]));
+    services.push(env.scheduler(0, &[Setting::Listen(ops)]));
     (services, ops)
 }
 
@@ -412,7 +413,7 @@ async fn a_refused_order_that_comes_back_is_answered_once() {
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let _agents = env.agents(1, &sim, &[]);
     let ops = free_port();
-    let mut scheduler = env.scheduler(0, &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}"))]);
+    let mut scheduler = env.scheduler(0, &[Setting::Listen(ops)]);
     let names = env.amqp().names();
     let channel = connection.create_channel().await.unwrap();
     wait_for_metric(

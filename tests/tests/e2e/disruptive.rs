@@ -10,6 +10,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sas_store::ProcessState;
 use sas_tests::process::Service;
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 
 async fn run(program: &str, args: &[&str]) -> bool {
@@ -220,20 +221,20 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     // Faults come from settings, so that a restarted remote-sim keeps them.
     let (sim_process, sim) = env
         .remote_sim(&[
-            ("SAS_SIM__SEED", seed.to_string()),
-            ("SAS_SIM__FAULTS__LATENCY_MS", "10".to_owned()),
-            ("SAS_SIM__FAULTS__TRANSIENT_FAULT_RATE", "0.03".to_owned()),
-            ("SAS_SIM__FAULTS__HANG_RATE", "0.005".to_owned()),
+            Setting::SimSeed(seed),
+            Setting::SimFaultsLatencyMs(10),
+            Setting::SimFaultsTransientFaultRate(0.03),
+            Setting::SimFaultsHangRate(0.005),
             // A provider as real ones behave: 409 while a key is in flight,
             // 404 for the undo of what was never applied, a late action
             // after its undo refused, and some answers after the caller's
             // timeout.
-            ("SAS_SIM__MODE", "strict".to_owned()),
-            ("SAS_SIM__LATE_ANSWER_RATE", "0.01".to_owned()),
-            ("SAS_SIM__LATE_ANSWER_MS", "3000".to_owned()),
+            Setting::SimMode("strict".to_owned()),
+            Setting::SimLateAnswerRate(0.01),
+            Setting::SimLateAnswerMs(3000),
         ])
         .await;
-    let supervisor_vars = [("SAS_SUPERVISOR__MAX_FAILURES", "8".to_owned())];
+    let supervisor_vars = [Setting::SupervisorMaxFailures(8)];
     let mut processes: Vec<Service> = vec![sim_process];
     processes.extend(env.agents(2, &sim, &[]));
     processes.extend((0..2).map(|i| env.scheduler(i, &[])));

@@ -10,6 +10,7 @@ use sas_tests::env::database_settings;
 use sas_tests::postgres_pair::PostgresPair;
 use sas_tests::process::{free_port, metric};
 use sas_tests::proxy::{url_at, AmqpProxy};
+use sas_tests::Setting;
 use sas_tests::{order, wait_for_state_in, wait_until, TestEnv};
 use sqlx::Connection as _;
 
@@ -60,8 +61,8 @@ impl ProxiedScheduler {
         processes.push(env.scheduler(
             0,
             &[
-                ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
-                ("SAS_HTTP__LISTEN", format!("127.0.0.1:{metrics_port}")),
+                Setting::AmqpUrl(proxy.url(&env.amqp_url)),
+                Setting::Listen(metrics_port),
             ],
         ));
         let (connection, publisher) = env.broker().await;
@@ -208,11 +209,8 @@ async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
     let env = TestEnv::new().await;
     let uri: sas_broker::lapin::uri::AMQPUri = env.amqp_url.parse().unwrap();
     let cluster = [
-        ("SAS_AMQP__URL", url_at(&env.amqp_url, free_port())),
-        (
-            "SAS_AMQP__NODES",
-            format!("{}:{}", uri.authority.host, uri.authority.port),
-        ),
+        Setting::AmqpUrl(url_at(&env.amqp_url, free_port())),
+        Setting::AmqpNodes(format!("{}:{}", uri.authority.host, uri.authority.port)),
     ];
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let _agents = env.agents(1, &sim, &cluster);
@@ -265,8 +263,8 @@ async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
     let scheduler = env.scheduler(
         0,
         &[
-            ("SAS_DATABASE__URL", pair.standby_url("sas")),
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
+            Setting::DatabaseUrl(pair.standby_url("sas")),
+            Setting::Listen(port),
         ],
     );
     // Not ready, and saying why in its log (the broker waits for the
@@ -350,8 +348,8 @@ async fn an_agent_sends_a_nacked_reply_again_without_handing_its_request_back() 
         0,
         &sim,
         &[
-            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{payment_port}")),
+            Setting::AmqpUrl(proxy.url(&env.amqp_url)),
+            Setting::Listen(payment_port),
         ],
     );
     let _others = [

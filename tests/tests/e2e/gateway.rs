@@ -10,6 +10,7 @@
 use reqwest::StatusCode;
 use sas_tests::process::{bin_dir, free_port, hash_secret, Service};
 use sas_tests::proxy::AmqpProxy;
+use sas_tests::Setting;
 use sas_tests::{order, TestEnv};
 use serde_json::{json, Value};
 
@@ -17,14 +18,11 @@ const SECRET: &str = "shop-client-secret-0123456789";
 
 /// Starts the gateway with the client `shop` (its secret hashed) plus
 /// `vars`; returns it and its base URL once it is ready.
-async fn gateway(env: &TestEnv, vars: &[(&str, String)]) -> (Service, String) {
+async fn gateway(env: &TestEnv, vars: &[Setting]) -> (Service, String) {
     let port = free_port();
     let mut all = vec![
-        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-        (
-            "SAS_GATEWAY__CLIENTS",
-            format!("shop:{}", hash_secret("gateway", SECRET).unwrap()),
-        ),
+        Setting::Listen(port),
+        Setting::GatewayClients(format!("shop:{}", hash_secret("gateway", SECRET).unwrap())),
     ];
     all.extend(vars.iter().cloned());
     let service = env.spawn("gateway", "gateway", &all);
@@ -77,11 +75,7 @@ async fn an_order_submitted_over_http_runs_once_and_its_outcome_is_read_back() {
     let _agents = env.agents(1, &sim, &[]);
     let _scheduler = env.scheduler(0, &[]);
     let _supervisor = env.supervisor(0, &[]);
-    let (_gateway, base) = gateway(
-        &env,
-        &[("SAS_GATEWAY__LOGIN_FAILURES_PER_MINUTE", "3".into())],
-    )
-    .await;
+    let (_gateway, base) = gateway(&env, &[Setting::GatewayLoginFailuresPerMinute(3)]).await;
     let submitted = serde_json::to_value(order("ord-http-1")).unwrap();
 
     // Accepted, with where to look.
@@ -201,8 +195,8 @@ async fn a_submission_the_broker_does_not_confirm_is_a_503_and_safe_to_send_agai
     let (_gateway, base) = gateway(
         &env,
         &[
-            ("SAS_AMQP__URL", proxy.url(&env.amqp_url)),
-            ("SAS_GATEWAY__PUBLISH_TIMEOUT_MS", "1500".into()),
+            Setting::AmqpUrl(proxy.url(&env.amqp_url)),
+            Setting::GatewayPublishTimeoutMs(1500),
         ],
     )
     .await;

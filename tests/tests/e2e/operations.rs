@@ -10,6 +10,7 @@ use sas_broker::publish::string_headers;
 use sas_messages::headers;
 use sas_store::ProcessState;
 use sas_tests::process::{bin_dir, free_port, metric, wait_for_metric};
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -17,26 +18,20 @@ async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not()
     let env = TestEnv::new().await;
     let closed = free_port();
     let (good, no_broker, no_database) = (free_port(), free_port(), free_port());
-    let _ready = env.scheduler(0, &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{good}"))]);
+    let _ready = env.scheduler(0, &[Setting::Listen(good)]);
     let _without_broker = env.scheduler(
         1,
         &[
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{no_broker}")),
-            (
-                "SAS_AMQP__URL",
-                format!("amqp://guest:guest@127.0.0.1:{closed}/%2f"),
-            ),
+            Setting::Listen(no_broker),
+            Setting::AmqpUrl(format!("amqp://guest:guest@127.0.0.1:{closed}/%2f")),
         ],
     );
     let _without_database = env.supervisor(
         0,
         &[
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{no_database}")),
-            (
-                "SAS_DATABASE__URL",
-                format!("postgres://postgres@127.0.0.1:{closed}/nothing"),
-            ),
-            ("SAS_DATABASE__MIGRATE", "false".to_owned()),
+            Setting::Listen(no_database),
+            Setting::DatabaseUrl(format!("postgres://postgres@127.0.0.1:{closed}/nothing")),
+            Setting::DatabaseMigrate(false),
         ],
     );
     wait_until(
@@ -77,35 +72,23 @@ async fn readiness_follows_the_broker_and_the_database_while_liveness_does_not()
 async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_metrics_are_exported()
 {
     let env = TestEnv::new().await;
-    let json = [("SAS_LOG__FORMAT", "json".to_owned())];
+    let json = [Setting::LogFormat("json".to_owned())];
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let agent_port = free_port();
     let agent = env.agent(
         "payment",
         0,
         &sim,
-        &[
-            json[0].clone(),
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{agent_port}")),
-        ],
+        &[json[0].clone(), Setting::Listen(agent_port)],
     );
     let _others = [
         env.agent("inventory", 0, &sim, &json),
         env.agent("shipping", 0, &sim, &json),
     ];
     let scheduler_port = free_port();
-    let scheduler = env.scheduler(
-        0,
-        &[
-            json[0].clone(),
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{scheduler_port}")),
-        ],
-    );
+    let scheduler = env.scheduler(0, &[json[0].clone(), Setting::Listen(scheduler_port)]);
     let supervisor_port = free_port();
-    let _supervisor = env.supervisor(
-        0,
-        &[("SAS_HTTP__LISTEN", format!("127.0.0.1:{supervisor_port}"))],
-    );
+    let _supervisor = env.supervisor(0, &[Setting::Listen(supervisor_port)]);
     let (_connection, publisher) = env.broker().await;
 
     // A client that traces publishes the order with its traceparent.
@@ -273,10 +256,7 @@ async fn the_supervisor_exports_orders_stuck_past_their_deadline_and_open_alerts
     let port = free_port();
     let _supervisor = env.supervisor(
         0,
-        &[
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-            ("SAS_SUPERVISOR__INTERVAL_MS", "100".to_owned()),
-        ],
+        &[Setting::Listen(port), Setting::SupervisorIntervalMs(100)],
     );
     let gauge_reads = |gauge: &'static str, expected: f64| async move {
         wait_for_metric(
@@ -362,7 +342,7 @@ async fn sasctl_submits_and_watches_an_order_and_shows_it_from_the_state_store()
 #[tokio::test(flavor = "multi_thread")]
 async fn with_the_status_exchange_off_status_messages_still_reach_the_order_s_reply_to() {
     let env = TestEnv::new().await;
-    let off = [("SAS_AMQP__STATUS_EXCHANGE", "false".to_owned())];
+    let off = [Setting::AmqpStatusExchange(false)];
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let _agents = env.agents(1, &sim, &[]);
     let _scheduler = env.scheduler(0, &off);

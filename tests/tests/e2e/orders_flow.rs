@@ -9,6 +9,7 @@ use sas_broker::lapin::options::BasicGetOptions;
 use sas_broker::publish::header_str;
 use sas_messages::headers;
 use sas_store::ProcessState;
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 
 const STEPS: [&str; 3] = ["reserve_stock", "charge_payment", "create_shipment"];
@@ -316,8 +317,8 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
         .collect();
     // Three schedulers racing on the same pending orders, claiming small batches.
     let batch = [
-        ("SAS_SCHEDULER__CLAIM_BATCH", "4".to_owned()),
-        ("SAS_SCHEDULER__CLAIM_INTERVAL_MS", "10".to_owned()),
+        Setting::SchedulerClaimBatch(4),
+        Setting::SchedulerClaimIntervalMs(10),
     ];
     let _schedulers: Vec<_> = (0..3).map(|i| env.scheduler(i, &batch)).collect();
     env.wait_for_count(ProcessState::Processed, 150, Duration::from_secs(90))

@@ -23,6 +23,7 @@ use sas_store::machine::HistoryEvent;
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, System};
 use sas_tests::sim::SimClient;
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::json;
 
@@ -30,21 +31,21 @@ const STEP_TIMEOUT_MS: u64 = 1500;
 
 /// Agents of one call at a time, and a small starting limit that the
 /// supervisors adapt every second.
-fn agent_vars() -> Vec<(&'static str, String)> {
-    vec![("SAS_AGENT__CONCURRENCY", "1".to_owned())]
+fn agent_vars() -> Vec<Setting> {
+    vec![Setting::AgentConcurrency(1)]
 }
 
-fn scheduler_vars() -> Vec<(&'static str, String)> {
+fn scheduler_vars() -> Vec<Setting> {
     vec![
-        ("SAS_SCHEDULER__ADMISSION_INITIAL", "4".to_owned()),
-        ("SAS_SCHEDULER__CLAIM_INTERVAL_MS", "50".to_owned()),
+        Setting::SchedulerAdmissionInitial(4),
+        Setting::SchedulerClaimIntervalMs(50),
     ]
 }
 
-fn supervisor_vars(max_failures: u32) -> Vec<(&'static str, String)> {
+fn supervisor_vars(max_failures: u32) -> Vec<Setting> {
     vec![
-        ("SAS_SUPERVISOR__ADMISSION_WINDOW_MS", "1000".to_owned()),
-        ("SAS_SUPERVISOR__MAX_FAILURES", max_failures.to_string()),
+        Setting::SupervisorAdmissionWindowMs(1000),
+        Setting::SupervisorMaxFailures(max_failures),
     ]
 }
 
@@ -120,7 +121,7 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
     // A second scheduler whose readiness is watched under the backlog.
     let ops = free_port();
     let mut vars = scheduler_vars();
-    vars.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")));
+    vars.push(Setting::Listen(ops));
     system.schedulers.push(env.scheduler(1, &vars));
     let (_connection, publisher) = env.broker().await;
     for order in orders("burst", 160, None) {
@@ -191,18 +192,18 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
     // burst is admitted, and most requests wait in the agent queue past
     // their start-by. A single failure would compensate an order.
     let mut scheduler = scheduler_vars();
-    scheduler.retain(|(name, _)| *name != "SAS_SCHEDULER__ADMISSION_INITIAL");
-    scheduler.push(("SAS_SCHEDULER__ADMISSION_INITIAL", "500".to_owned()));
+    scheduler.retain(|setting| !matches!(setting, Setting::SchedulerAdmissionInitial(_)));
+    scheduler.push(Setting::SchedulerAdmissionInitial(500));
     let mut supervisor = supervisor_vars(0);
-    supervisor.retain(|(name, _)| *name != "SAS_SUPERVISOR__ADMISSION_WINDOW_MS");
-    supervisor.push(("SAS_SUPERVISOR__ADMISSION_WINDOW_MS", "600000".to_owned()));
+    supervisor.retain(|setting| !matches!(setting, Setting::SupervisorAdmissionWindowMs(_)));
+    supervisor.push(Setting::SupervisorAdmissionWindowMs(600000));
     // The agent answers not_started just before the deadline; under this
     // burst the answer waited up to 0.85 s in the reply queue of a debug
     // build, past the harness's 300 ms grace, and the supervisor's scan
     // compensated the order first (twice in this session's full runs). A
     // grace of a second lets the answer that was sent arrive: what is
     // tested is that an unstarted attempt is no failure, not that race.
-    supervisor.push(("SAS_DEADLINES__GRACE_MS", "1000".to_owned()));
+    supervisor.push(Setting::DeadlinesGraceMs(1000));
     let mut system = System {
         agents: env.agents(1, &sim, &agent_vars()),
         schedulers: vec![env.scheduler(0, &scheduler)],
@@ -356,7 +357,7 @@ async fn a_sustained_overload_that_grows_the_orders_queue_loses_nothing_and_keep
     let (sim_process, sim) = env.remote_sim(&[]).await;
     set_latency(&sim, 100).await;
     // Four calls at a time per agent queue: about 40 orders a second.
-    let agents = vec![("SAS_AGENT__CONCURRENCY", "4".to_owned())];
+    let agents = vec![Setting::AgentConcurrency(4)];
     let mut system = System {
         agents: env.agents(1, &sim, &agents),
         schedulers: vec![env.scheduler(0, &scheduler_vars())],
@@ -519,8 +520,8 @@ async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
     set_latency(&sim, 100).await;
     let ops = free_port();
     let mut supervisor = supervisor_vars(5);
-    supervisor.push(("SAS_SUPERVISOR__ADMISSION_RECONCILE_MS", "500".to_owned()));
-    supervisor.push(("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")));
+    supervisor.push(Setting::SupervisorAdmissionReconcileMs(500));
+    supervisor.push(Setting::Listen(ops));
     let mut system = System {
         agents: env.agents(1, &sim, &agent_vars()),
         schedulers: vec![env.scheduler(0, &scheduler_vars())],

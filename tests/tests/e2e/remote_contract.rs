@@ -17,6 +17,7 @@ use sas_messages::{StepKind, StepOutcome, StepReply, StepRequest};
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, wait_for_metric};
 use sas_tests::sim::SimClient;
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, Service, TestEnv};
 
 /// A CA and a certificate it signed for 127.0.0.1, as PEM files in the
@@ -62,14 +63,14 @@ fn pki(env: &TestEnv) -> Pki {
 
 /// Starts remote-sim over HTTPS with `pki`, requiring the bearer tokens, and
 /// waits until it answers.
-async fn https_sim(env: &TestEnv, pki: &Pki, vars: &[(&str, String)]) -> (Service, SimClient, u16) {
+async fn https_sim(env: &TestEnv, pki: &Pki, vars: &[Setting]) -> (Service, SimClient, u16) {
     let port = free_port();
     let mut all = vec![
-        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-        ("SAS_SIM__TLS_CERT_FILE", pki.cert.display().to_string()),
-        ("SAS_SIM__TLS_KEY_FILE", pki.key.display().to_string()),
-        ("SAS_SIM__AUTH_TOKEN", "service-secret".to_owned()),
-        ("SAS_SIM__ADMIN_TOKEN", "admin-secret".to_owned()),
+        Setting::Listen(port),
+        Setting::SimTlsCertFile(pki.cert.display().to_string()),
+        Setting::SimTlsKeyFile(pki.key.display().to_string()),
+        Setting::SimAuthToken("service-secret".to_owned()),
+        Setting::SimAdminToken("admin-secret".to_owned()),
     ];
     all.extend(vars.iter().cloned());
     let service = env.spawn("remote-sim", "remote-sim", &all);
@@ -92,13 +93,13 @@ fn auth_file(env: &TestEnv, name: &str, value: &str) -> String {
 
 /// Starts one agent process serving `names`, with its ops endpoint on a
 /// known port.
-fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[(&str, String)]) -> (Service, u16) {
+fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[Setting]) -> (Service, u16) {
     let ops = free_port();
     let mut all = vec![
-        ("SAS_AGENT__NAME", names.to_owned()),
-        ("SAS_AGENT__ID", "agent-0".to_owned()),
-        ("SAS_AGENT__REMOTE_URL", remote_url.to_owned()),
-        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")),
+        Setting::AgentName(names.to_owned()),
+        Setting::AgentId("agent-0".to_owned()),
+        Setting::AgentRemoteUrl(remote_url.to_owned()),
+        Setting::Listen(ops),
     ];
     all.extend(vars.iter().cloned());
     (env.spawn("agent", "agent-0", &all), ops)
@@ -212,11 +213,8 @@ async fn an_agent_calls_remote_sim_over_https_with_a_ca_made_in_the_test_and_the
         "inventory,payment,shipping",
         &format!("https://127.0.0.1:{port}/{{agent}}"),
         &[
-            ("SAS_AGENT__REMOTE_CA_FILE", pki.ca.display().to_string()),
-            (
-                "SAS_AGENT__REMOTE_AUTH_HEADER_FILE",
-                auth_file(&env, "auth", "Bearer service-secret"),
-            ),
+            Setting::AgentRemoteCaFile(pki.ca.display().to_string()),
+            Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer service-secret")),
         ],
     );
     let _scheduler = env.scheduler(0, &[]);
@@ -251,11 +249,8 @@ async fn with_the_wrong_ca_the_agent_says_certificate_stays_up_and_applies_nothi
         "payment",
         &url,
         &[
-            ("SAS_AGENT__REMOTE_CA_FILE", wrong_ca.display().to_string()),
-            (
-                "SAS_AGENT__REMOTE_AUTH_HEADER_FILE",
-                auth_file(&env, "auth", "Bearer service-secret"),
-            ),
+            Setting::AgentRemoteCaFile(wrong_ca.display().to_string()),
+            Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer service-secret")),
         ],
     );
 
@@ -309,11 +304,8 @@ async fn a_wrong_bearer_token_is_refused_clearly_and_nothing_is_applied() {
         "payment",
         &format!("https://127.0.0.1:{port}/payment"),
         &[
-            ("SAS_AGENT__REMOTE_CA_FILE", pki.ca.display().to_string()),
-            (
-                "SAS_AGENT__REMOTE_AUTH_HEADER_FILE",
-                auth_file(&env, "auth", "Bearer not-the-token"),
-            ),
+            Setting::AgentRemoteCaFile(pki.ca.display().to_string()),
+            Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer not-the-token")),
         ],
     );
     let request = request(
@@ -429,7 +421,7 @@ async fn bad_answers_each_get_a_clear_decision_and_nothing_crashes() {
         &env,
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
-        &[("SAS_AGENT__RETRY_BASE_MS", "100".to_owned())],
+        &[Setting::AgentRetryBaseMs(100)],
     );
 
     let mut sent = std::collections::HashMap::new();
@@ -507,11 +499,11 @@ async fn an_agent_whose_clock_runs_two_seconds_behind_never_starts_a_call_after_
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
         &[
-            ("SAS_AGENT__CLOCK_OFFSET_MS", "-2000".to_owned()),
-            ("SAS_AGENT__RETRY_BASE_MS", "20".to_owned()),
-            ("SAS_AGENT__RETRY_MAX_MS", "100".to_owned()),
+            Setting::AgentClockOffsetMs(-2000),
+            Setting::AgentRetryBaseMs(20),
+            Setting::AgentRetryMaxMs(100),
             // Keep calling through the 429s: the breaker is not under test.
-            ("SAS_CIRCUIT__FAILURE_THRESHOLD", "1000".to_owned()),
+            Setting::CircuitFailureThreshold(1000),
         ],
     );
     // The service keeps answering 429 (nothing applied), so the agent
@@ -553,17 +545,17 @@ async fn check_config_refuses_a_url_it_cannot_serve_and_unreadable_tls_files() {
     let missing = env.dir.join("missing.pem").display().to_string();
     for (vars, key) in [
         (
-            vec![("SAS_AGENT__REMOTE_URL", "ftp://127.0.0.1/x".to_owned())],
+            vec![Setting::AgentRemoteUrl("ftp://127.0.0.1/x".to_owned())],
             "agent.remote_url",
         ),
         (
-            vec![("SAS_AGENT__REMOTE_CA_FILE", missing.clone())],
+            vec![Setting::AgentRemoteCaFile(missing.clone())],
             "agent.remote_ca_file",
         ),
         (
             vec![
-                ("SAS_AGENT__REMOTE_CLIENT_CERT_FILE", missing.clone()),
-                ("SAS_AGENT__REMOTE_CLIENT_KEY_FILE", missing.clone()),
+                Setting::AgentRemoteClientCertFile(missing.clone()),
+                Setting::AgentRemoteClientKeyFile(missing.clone()),
             ],
             "agent.remote_client_cert_file",
         ),
@@ -571,7 +563,7 @@ async fn check_config_refuses_a_url_it_cannot_serve_and_unreadable_tls_files() {
         let output = tokio::process::Command::new(sas_tests::process::bin_dir().join("agent"))
             .arg("--check-config")
             .env_clear()
-            .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+            .envs(vars.iter().map(Setting::var))
             .env_remove("SAS_AGENT__NAME")
             .output()
             .await
@@ -594,14 +586,14 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
     // than a step's whole deadline.
     let (_sim_process, sim) = env
         .remote_sim(&[
-            ("SAS_SIM__MODE", "strict".to_owned()),
-            ("SAS_SIM__LATE_ANSWER_RATE", "0.3".to_owned()),
-            ("SAS_SIM__LATE_ANSWER_MS", "3000".to_owned()),
+            Setting::SimMode("strict".to_owned()),
+            Setting::SimLateAnswerRate(0.3),
+            Setting::SimLateAnswerMs(3000),
         ])
         .await;
     let refuse = serde_json::json!({ "latency_ms": 0, "transient_fault_rate": 0.0, "permanent_fault_rate": 1.0, "hang_rate": 0.0 });
     sim.set_faults(Some("shipping"), refuse).await.unwrap();
-    let _agents = env.agents(1, &sim, &[("SAS_AGENT__CALL_TIMEOUT_MS", "500".to_owned())]);
+    let _agents = env.agents(1, &sim, &[Setting::AgentCallTimeoutMs(500)]);
     let _scheduler = env.scheduler(0, &[]);
     let _supervisor = env.supervisor(0, &[]);
     let (_connection, publisher) = env.broker().await;
@@ -670,9 +662,9 @@ async fn an_agent_clock_two_seconds_behind_never_lets_an_undo_land_before_its_ac
     let env = TestEnv::with_step_timeout(2000).await;
     let (_sim_process, sim) = env
         .remote_sim(&[
-            ("SAS_SIM__MODE", "strict".to_owned()),
-            ("SAS_SIM__LATE_ANSWER_RATE", "0.2".to_owned()),
-            ("SAS_SIM__LATE_ANSWER_MS", "1500".to_owned()),
+            Setting::SimMode("strict".to_owned()),
+            Setting::SimLateAnswerRate(0.2),
+            Setting::SimLateAnswerMs(1500),
         ])
         .await;
     let hangs = serde_json::json!({ "latency_ms": 0, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.1 });
@@ -683,18 +675,18 @@ async fn an_agent_clock_two_seconds_behind_never_lets_an_undo_land_before_its_ac
     // answered late it would open, and an order whose refunds all meet an
     // open circuit ends in error (rightly), not compensated.
     let quick = [
-        ("SAS_AGENT__CALL_TIMEOUT_MS", "500".to_owned()),
-        ("SAS_CIRCUIT__FAILURE_THRESHOLD", "1000".to_owned()),
+        Setting::AgentCallTimeoutMs(500),
+        Setting::CircuitFailureThreshold(1000),
     ];
     let mut skewed = quick.to_vec();
-    skewed.push(("SAS_AGENT__CLOCK_OFFSET_MS", "-2000".to_owned()));
+    skewed.push(Setting::AgentClockOffsetMs(-2000));
     let _agents = [
         env.agent("inventory", 0, &sim, &quick),
         env.agent("payment", 0, &sim, &skewed),
         env.agent("shipping", 0, &sim, &quick),
     ];
     let _scheduler = env.scheduler(0, &[]);
-    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "3".to_owned())]);
+    let _supervisor = env.supervisor(0, &[Setting::SupervisorMaxFailures(3)]);
     let (_connection, publisher) = env.broker().await;
     env.publish_orders(&publisher, "skew", 40).await;
     wait_until_all_ended(&env, 40).await;
@@ -765,8 +757,8 @@ async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_fo
         "payment",
         &format!("http://127.0.0.1:{port}/hang"),
         &[
-            ("SAS_AGENT__ID", agent_id.clone()),
-            ("SAS_AGENT__CALL_TIMEOUT_MS", "30000".to_owned()),
+            Setting::AgentId(agent_id.clone()),
+            Setting::AgentCallTimeoutMs(30000),
         ],
     );
     let (connection, publisher) = env.broker().await;

@@ -13,6 +13,7 @@ use sas_broker::lapin::options::{
 use sas_broker::lapin::types::FieldTable;
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, wait_for_metric};
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::json;
 
@@ -101,12 +102,12 @@ async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compens
     sim.set_faults(Some("payment"), faults(0, 1.0, 0.0))
         .await
         .unwrap();
-    let _agents = env.agents(1, &sim, &[("SAS_CIRCUIT__COOL_DOWN_MS", "300".to_owned())]);
+    let _agents = env.agents(1, &sim, &[Setting::CircuitCoolDownMs(300)]);
     let _scheduler = env.scheduler(0, &[]);
     let supervisor_vars = [
-        ("SAS_SUPERVISOR__MAX_FAILURES", "3".to_owned()),
-        ("SAS_SUPERVISOR__BACKOFF_BASE_MS", "200".to_owned()),
-        ("SAS_SUPERVISOR__BACKOFF_MAX_MS", "600".to_owned()),
+        Setting::SupervisorMaxFailures(3),
+        Setting::SupervisorBackoffBaseMs(200),
+        Setting::SupervisorBackoffMaxMs(600),
     ];
     let _supervisor = env.supervisor(0, &supervisor_vars);
     let (_connection, publisher) = env.broker().await;
@@ -189,9 +190,9 @@ async fn a_compensation_that_keeps_failing_ends_in_error_with_an_alert_until_an_
 {
     let env = TestEnv::with_step_timeout(600).await;
     let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &[("SAS_CIRCUIT__COOL_DOWN_MS", "300".to_owned())]);
+    let _agents = env.agents(1, &sim, &[Setting::CircuitCoolDownMs(300)]);
     let _scheduler = env.scheduler(0, &[]);
-    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "2".to_owned())]);
+    let _supervisor = env.supervisor(0, &[Setting::SupervisorMaxFailures(2)]);
     let (_connection, publisher) = env.broker().await;
 
     // The payment is declined (slowly, so the test can break inventory in
@@ -266,10 +267,10 @@ async fn several_supervisors_never_recover_the_same_step_twice() {
     // No agents at all: every attempt times out, forward and backward.
     let _scheduler = env.scheduler(0, &[]);
     let vars = [
-        ("SAS_SUPERVISOR__MAX_FAILURES", "2".to_owned()),
-        ("SAS_SUPERVISOR__INTERVAL_MS", "50".to_owned()),
-        ("SAS_SUPERVISOR__BACKOFF_BASE_MS", "50".to_owned()),
-        ("SAS_SUPERVISOR__BACKOFF_MAX_MS", "100".to_owned()),
+        Setting::SupervisorMaxFailures(2),
+        Setting::SupervisorIntervalMs(50),
+        Setting::SupervisorBackoffBaseMs(50),
+        Setting::SupervisorBackoffMaxMs(100),
     ];
     let _supervisors: Vec<_> = (0..3).map(|i| env.supervisor(i, &vars)).collect();
     let (_connection, publisher) = env.broker().await;
@@ -569,9 +570,9 @@ async fn the_agent_circuit_opens_after_repeated_faults_and_closes_after_a_probe(
         0,
         &sim,
         &[
-            ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}")),
-            ("SAS_CIRCUIT__FAILURE_THRESHOLD", "3".to_owned()),
-            ("SAS_CIRCUIT__COOL_DOWN_MS", "1000".to_owned()),
+            Setting::Listen(port),
+            Setting::CircuitFailureThreshold(3),
+            Setting::CircuitCoolDownMs(1000),
         ],
     );
     let _others = [
@@ -579,7 +580,7 @@ async fn the_agent_circuit_opens_after_repeated_faults_and_closes_after_a_probe(
         env.agent("shipping", 0, &sim, &[]),
     ];
     let _scheduler = env.scheduler(0, &[]);
-    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "50".to_owned())]);
+    let _supervisor = env.supervisor(0, &[Setting::SupervisorMaxFailures(50)]);
     let (_connection, publisher) = env.broker().await;
     env.publish_orders(&publisher, "circuit", 5).await;
     let gauge = r#"sas_circuit_state{agent="payment"}"#;
@@ -629,9 +630,9 @@ async fn the_agent_circuit_opens_after_repeated_faults_and_closes_after_a_probe(
 async fn every_binary_exits_zero_on_sigterm_and_hands_back_what_it_had_in_flight() {
     let env = TestEnv::with_step_timeout(3000).await;
     let drain = [
-        ("SAS_SCHEDULER__DRAIN_MS", "2000".to_owned()),
-        ("SAS_AGENT__DRAIN_MS", "2000".to_owned()),
-        ("SAS_SUPERVISOR__DRAIN_MS", "2000".to_owned()),
+        Setting::SchedulerDrainMs(2000),
+        Setting::AgentDrainMs(2000),
+        Setting::SupervisorDrainMs(2000),
     ];
     let (mut sim_process, sim) = env.remote_sim(&[]).await;
     sim.set_faults(None, faults(300, 0.0, 0.0)).await.unwrap();
@@ -733,17 +734,14 @@ async fn an_agent_never_calls_the_remote_service_after_the_attempt_s_deadline() 
     sim.set_faults(Some("inventory"), faults(1500, 0.0, 0.0))
         .await
         .unwrap();
-    let one_at_a_time = [
-        ("SAS_AGENT__CONCURRENCY", "1".to_owned()),
-        ("SAS_AMQP__PREFETCH", "10".to_owned()),
-    ];
+    let one_at_a_time = [Setting::AgentConcurrency(1), Setting::AmqpPrefetch(10)];
     let _inventory = env.agent("inventory", 0, &sim, &one_at_a_time);
     let _others = [
         env.agent("payment", 0, &sim, &[]),
         env.agent("shipping", 0, &sim, &[]),
     ];
     let _scheduler = env.scheduler(0, &[]);
-    let _supervisor = env.supervisor(0, &[("SAS_SUPERVISOR__MAX_FAILURES", "0".to_owned())]);
+    let _supervisor = env.supervisor(0, &[Setting::SupervisorMaxFailures(0)]);
     let (_connection, publisher) = env.broker().await;
     env.publish_orders(&publisher, "late-call", 5).await;
     // Every attempt, forward and backward, times out: the orders end in error.

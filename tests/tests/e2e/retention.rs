@@ -7,16 +7,17 @@ use std::time::Duration;
 
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, System};
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 
 /// Retention every 100 ms, in batches of 3 so that a pass takes several.
-fn retention_vars(ops: u16) -> Vec<(&'static str, String)> {
+fn retention_vars(ops: u16) -> Vec<Setting> {
     vec![
-        ("SAS_RETENTION__FINISHED_SECS", "1".to_owned()),
-        ("SAS_RETENTION__DEAD_LETTERS_SECS", "3600".to_owned()),
-        ("SAS_RETENTION__INTERVAL_MS", "100".to_owned()),
-        ("SAS_RETENTION__BATCH", "3".to_owned()),
-        ("SAS_HTTP__LISTEN", format!("127.0.0.1:{ops}")),
+        Setting::RetentionFinishedSecs(1),
+        Setting::RetentionDeadLettersSecs(3600),
+        Setting::RetentionIntervalMs(100),
+        Setting::RetentionBatch(3),
+        Setting::Listen(ops),
     ]
 }
 

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use sas_store::ProcessState;
+use sas_tests::Setting;
 use sas_tests::{wait_until, TestEnv};
 use serde_json::Value;
 
@@ -200,8 +201,8 @@ async fn sasctl_stats_shows_each_agent_s_line() {
     let _scheduler = env.scheduler(
         0,
         &[
-            ("SAS_SCHEDULER__ADMISSION_INITIAL", "1".to_owned()),
-            ("SAS_SCHEDULER__ADMISSION_CEILING", "1".to_owned()),
+            Setting::SchedulerAdmissionInitial(1),
+            Setting::SchedulerAdmissionCeiling(1),
         ],
     );
     let submitted = std::time::Instant::now();

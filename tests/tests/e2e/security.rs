@@ -25,6 +25,7 @@ use sas_broker::{topology, AmqpSettings};
 use sas_messages::{headers, StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, Service};
+use sas_tests::Setting;
 use sas_tests::{order, repo_root, wait_until, TestEnv};
 use sqlx::Connection as _;
 
@@ -348,16 +349,16 @@ fn start(
     env: &TestEnv,
     sim: &sas_tests::sim::SimClient,
     urls: [String; 3],
-    vars: &[(&str, String)],
+    vars: &[Setting],
 ) -> Running {
     let mut services = Vec::new();
-    let listen = |port: u16| ("SAS_HTTP__LISTEN", format!("127.0.0.1:{port}"));
+    let listen = |port: u16| Setting::Listen(port);
     let port = free_port();
-    let mut all = vec![listen(port), ("SAS_AMQP__URL", urls[0].clone())];
+    let mut all = vec![listen(port), Setting::AmqpUrl(urls[0].clone())];
     all.extend(vars.iter().cloned());
     services.push((env.scheduler(0, &all), port));
     let port = free_port();
-    let mut all = vec![listen(port), ("SAS_AMQP__URL", urls[1].clone())];
+    let mut all = vec![listen(port), Setting::AmqpUrl(urls[1].clone())];
     all.extend(vars.iter().cloned());
     services.push((env.supervisor(0, &all), port));
     for agent in sas_tests::env::AGENTS {
@@ -367,7 +368,7 @@ fn start(
                 agent,
                 0,
                 sim,
-                &[listen(port), ("SAS_AMQP__URL", urls[2].clone())],
+                &[listen(port), Setting::AmqpUrl(urls[2].clone())],
             ),
             port,
         ));
@@ -415,11 +416,8 @@ async fn under_role_users_a_forged_reply_and_forged_dead_letter_headers_change_n
     .expect("slow payments");
     let [scheduler_user, supervisor_user, agent_user, _] = users.users.clone();
     let identities = [
-        ("SAS_AMQP__AGENT_USERS", agent_user.clone()),
-        (
-            "SAS_AMQP__SERVICE_USERS",
-            format!("{scheduler_user},{supervisor_user}"),
-        ),
+        Setting::AmqpAgentUsers(agent_user.clone()),
+        Setting::AmqpServiceUsers(format!("{scheduler_user},{supervisor_user}")),
     ];
     let mut system = start(
         &env,
@@ -722,8 +720,8 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
     let (_connection, publisher) = env.broker().await;
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let app_vars = [
-        ("SAS_DATABASE__URL", app_url.clone()),
-        ("SAS_DATABASE__MIGRATE", "false".to_owned()),
+        Setting::DatabaseUrl(app_url.clone()),
+        Setting::DatabaseMigrate(false),
     ];
     let url = env.amqp_url.clone();
     let mut system = start(&env, &sim, [url.clone(), url.clone(), url], &app_vars);
@@ -736,10 +734,10 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
     let mut retiring = env.supervisor(
         1,
         &[
-            ("SAS_DATABASE__URL", app_url.clone()),
-            ("SAS_DATABASE__MIGRATE", "false".to_owned()),
-            ("SAS_RETENTION__FINISHED_SECS", "1".to_owned()),
-            ("SAS_RETENTION__INTERVAL_MS", "100".to_owned()),
+            Setting::DatabaseUrl(app_url.clone()),
+            Setting::DatabaseMigrate(false),
+            Setting::RetentionFinishedSecs(1),
+            Setting::RetentionIntervalMs(100),
         ],
     );
     wait_until(

@@ -14,6 +14,7 @@ use axum::routing::post;
 use axum::Router;
 use sas_store::ProcessState;
 use sas_tests::process::free_port;
+use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::Value;
 
@@ -89,7 +90,7 @@ struct Traced {
 
 impl Traced {
     async fn start(env: &TestEnv, port: u16) -> Self {
-        let otlp = [("SAS_LOG__OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))];
+        let otlp = [Setting::LogOtlpEndpoint(format!("http://127.0.0.1:{port}"))];
         let (connection, publisher) = env.broker().await;
         let (sim_process, sim) = env.remote_sim(&[]).await;
         let mut processes = env.agents(1, &sim, &otlp);
