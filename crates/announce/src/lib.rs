@@ -15,6 +15,8 @@
 //! - [`request_message`]: one step request for its agent's queue.
 //! - [`replay::replay_dead_letter`]: a dead letter published again, for
 //!   the console and `sasctl` alike.
+//! - [`bulk::run_bulk`]: resubmitting or cancelling every order a filter
+//!   selects, for the console and `sasctl` alike.
 //!
 //! Metrics, under the names operators and the benchmark read:
 //! `sas_orders_finished_total{event}` (processed, compensated, failed),
@@ -23,6 +25,7 @@
 //! The broker crate below stays generic (channels, confirms, properties);
 //! what a status message or a step request is belongs here.
 
+pub mod bulk;
 pub mod replay;
 
 use std::time::Duration;

@@ -3,7 +3,8 @@
 
 use sas_broker::{BrokerError, Publisher};
 use sas_messages::QueueNames;
-use sas_store::dead_letters::{Disposition, NotReplayable};
+use sas_store::reads::dead_letters::NotReplayable;
+use sas_store::writes::dead_letters::Disposition;
 use sas_store::{Store, StoreError};
 
 /// Why a dead letter was not replayed.
@@ -45,7 +46,7 @@ pub async fn replay_dead_letter(
     id: i64,
     actor: &str,
 ) -> Result<String, ReplayError> {
-    let replay = store.replay_of(id, names).await??;
+    let replay = store.reads().replay_of(id, names).await??;
     let properties = sas_broker::publish::json_properties(&format!(
         "replay-{id}-{}",
         uuid::Uuid::new_v4().simple()
@@ -61,6 +62,7 @@ pub async fn replay_dead_letter(
         });
     }
     store
+        .writes()
         .dispose_dead_letter(id, Disposition::Replayed, actor)
         .await?;
     Ok(replay.queue)

@@ -4,11 +4,13 @@
 //! through the state store's transitions, the ones `sasctl` uses, and every
 //! action is recorded in the order's history as `console:<user>`.
 
-use futures_util::StreamExt as _;
+pub use sas_announce::bulk::BulkOutcome;
+use sas_announce::bulk::{run_bulk, Bulk, BulkError};
 use sas_announce::replay::{replay_dead_letter, ReplayError};
-use sas_store::dead_letters::{Disposition, NotReplayable};
-use sas_store::operator::{Cancel, Resubmit};
-use sas_store::search::OrderFilter;
+use sas_store::reads::dead_letters::NotReplayable;
+use sas_store::reads::search::OrderFilter;
+use sas_store::writes::dead_letters::Disposition;
+use sas_store::writes::operator::{Cancel, Resubmit};
 use sas_store::Progress;
 use serde::Serialize;
 
@@ -16,13 +18,10 @@ use crate::auth::Principal;
 use crate::error::Failure;
 use crate::Console;
 
-/// Orders changed at once by a bulk action (each in its own transaction).
-const BULK_CONCURRENCY: usize = 4;
+pub use sas_store::writes::operator::OrderAction;
 
-pub use sas_store::operator::OrderAction;
-
-impl From<sas_store::operator::UnknownAction> for Failure {
-    fn from(error: sas_store::operator::UnknownAction) -> Self {
+impl From<sas_store::writes::operator::UnknownAction> for Failure {
+    fn from(error: sas_store::writes::operator::UnknownAction) -> Self {
         Failure::bad_request(error.to_string())
     }
 }
@@ -36,16 +35,6 @@ pub struct Preview {
     pub count: i64,
     /// Most orders one bulk action goes through (the oldest first).
     pub limit: i64,
-}
-
-/// What a bulk action did.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct BulkOutcome {
-    /// Orders the action was applied to.
-    pub applied: Vec<String>,
-    /// Orders it no longer applied to when their turn came (they moved on
-    /// meanwhile), with why.
-    pub skipped: Vec<(String, String)>,
 }
 
 /// The outcome of one action, said for the operator.
@@ -71,7 +60,7 @@ impl Console {
     /// # Errors
     /// 404 for no such order, 409 when it has not failed, 503 when the store fails.
     pub async fn resubmit(&self, order_id: &str, who: &Principal) -> Result<Done, Failure> {
-        let outcome = self.store.resubmit(order_id, &who.actor()).await?;
+        let outcome = self.store.writes().resubmit(order_id, &who.actor()).await?;
         metrics::counter!("sas_console_actions_total", "action" => "resubmit").increment(1);
         match outcome {
             Resubmit::Resubmitted { what, fresh_keys } => {
@@ -107,7 +96,11 @@ impl Console {
         } else {
             reason.trim().chars().take(500).collect()
         };
-        let outcome = self.store.cancel(order_id, &reason, &who.actor()).await?;
+        let outcome = self
+            .store
+            .writes()
+            .cancel(order_id, &reason, &who.actor())
+            .await?;
         metrics::counter!("sas_console_actions_total", "action" => "cancel").increment(1);
         match outcome {
             Cancel::Cancelled(progress) => {
@@ -135,15 +128,14 @@ impl Console {
     ) -> Result<Preview, Failure> {
         Ok(Preview {
             action,
-            count: self.store.count_orders(filter, action.eligible()).await?,
+            count: sas_announce::bulk::preview(&self.store, action, filter).await?,
             limit: self.settings.console.bulk_limit,
         })
     }
 
     /// Applies `action` to every order `filter` selects among those it
     /// applies to (at most `console.bulk_limit`, oldest first), once the
-    /// operator confirmed the previewed count: when more orders match now
-    /// than were previewed, nothing is done (the operator did not see them).
+    /// operator confirmed the previewed count (see [`sas_announce::bulk`]).
     ///
     /// # Errors
     /// 409 when more orders match than were confirmed, 503 when the store fails.
@@ -154,17 +146,6 @@ impl Console {
         confirmed: i64,
         who: &Principal,
     ) -> Result<BulkOutcome, Failure> {
-        let now = self.store.count_orders(filter, action.eligible()).await?;
-        if now > confirmed {
-            return Err(Failure::conflict(format!(
-                "{now} orders match now, {confirmed} were previewed and confirmed: preview again"
-            )));
-        }
-        let limit = confirmed.min(self.settings.console.bulk_limit);
-        let ids = self
-            .store
-            .select_order_ids(filter, action.eligible(), limit)
-            .await?;
         let query = filter
             .to_pairs()
             .iter()
@@ -172,31 +153,25 @@ impl Console {
             .collect::<Vec<_>>()
             .join("&");
         let reason = format!("bulk cancel by {} (filter: {query})", who.name);
-        let results: Vec<(String, Result<Done, Failure>)> = futures_util::stream::iter(ids)
-            .map(|order_id| {
-                let reason = reason.clone();
-                async move {
-                    let result = match action {
-                        OrderAction::Resubmit => self.resubmit(&order_id, who).await,
-                        OrderAction::Cancel => self.cancel(&order_id, &reason, who).await,
-                    };
-                    (order_id, result)
-                }
-            })
-            .buffer_unordered(BULK_CONCURRENCY)
-            .collect()
-            .await;
-        let mut outcome = BulkOutcome::default();
-        for (order_id, result) in results {
-            match result {
-                Ok(_) => outcome.applied.push(order_id),
-                Err(failure) if failure.status.is_client_error() => {
-                    outcome.skipped.push((order_id, failure.message))
-                }
-                Err(failure) => return Err(failure),
+        let publisher = self.session.publisher().get().ok();
+        let bulk = Bulk {
+            action,
+            filter,
+            confirmed,
+            limit: self.settings.console.bulk_limit,
+            reason: &reason,
+            actor: &who.actor(),
+        };
+        let outcome = match run_bulk(&self.store, &self.announcer, publisher.as_ref(), bulk).await {
+            Ok(outcome) => outcome,
+            Err(refused @ BulkError::Unconfirmed { .. }) => {
+                return Err(Failure::conflict(refused.to_string()))
             }
-        }
-        outcome.applied.sort();
+            Err(BulkError::Store(error)) => return Err(error.into()),
+        };
+        let done = outcome.applied.len() + outcome.skipped.len();
+        metrics::counter!("sas_console_actions_total", "action" => action.as_str())
+            .increment(done as u64);
         tracing::info!(user = %who.name, action = action.as_str(), applied = outcome.applied.len(), skipped = outcome.skipped.len(), filter = %query, "bulk action");
         Ok(outcome)
     }
@@ -206,8 +181,13 @@ impl Console {
     /// # Errors
     /// 404, 409 when it is resolved, 503.
     pub async fn acknowledge_alert(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
-        use sas_store::alerts::AlertAction;
-        match self.store.acknowledge_alert(id, &who.actor()).await? {
+        use sas_store::writes::alerts::AlertAction;
+        match self
+            .store
+            .writes()
+            .acknowledge_alert(id, &who.actor())
+            .await?
+        {
             AlertAction::Done => Ok(Done {
                 message: format!("alert #{id} acknowledged by {}", who.name),
             }),
@@ -228,14 +208,19 @@ impl Console {
         note: &str,
         who: &Principal,
     ) -> Result<Done, Failure> {
-        use sas_store::alerts::AlertAction;
+        use sas_store::writes::alerts::AlertAction;
         let note = note.trim();
         if note.is_empty() || note.chars().count() > 2000 {
             return Err(Failure::bad_request(
                 "a resolution needs a note of 1 to 2000 characters: what was found or done",
             ));
         }
-        match self.store.resolve_alert(id, note, &who.actor()).await? {
+        match self
+            .store
+            .writes()
+            .resolve_alert(id, note, &who.actor())
+            .await?
+        {
             AlertAction::Done => Ok(Done {
                 message: format!("alert #{id} resolved by {}", who.name),
             }),
@@ -291,11 +276,13 @@ impl Console {
     pub async fn discard_dead_letter(&self, id: i64, who: &Principal) -> Result<Done, Failure> {
         let letter = self
             .store
+            .reads()
             .dead_letter(id)
             .await?
             .ok_or_else(|| Failure::not_found(format!("dead letter #{id}")))?;
         if !self
             .store
+            .writes()
             .dispose_dead_letter(id, Disposition::Discarded, &who.actor())
             .await?
         {

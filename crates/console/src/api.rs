@@ -9,7 +9,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, RawQuery, State};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use sas_store::search::{OrderFilter, Page};
+use sas_store::reads::search::{OrderFilter, Page};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -78,11 +78,13 @@ async fn overview(State(console): State<Arc<Console>>) -> ApiResult<Value> {
 async fn orders(
     State(console): State<Arc<Console>>,
     RawQuery(raw): RawQuery,
-) -> ApiResult<sas_store::search::OrderPage> {
+) -> ApiResult<sas_store::reads::search::OrderPage> {
     let pairs = query_pairs(raw.as_deref());
     let filter = OrderFilter::from_pairs(borrowed(&pairs), &crate::pages::orders::PAGE_PARAMETERS)?;
     let page = Page::from_pairs(borrowed(&pairs), console.settings.console.page_size)?;
-    Ok(Json(console.store.search_orders(&filter, &page).await?))
+    Ok(Json(
+        console.store.reads().search_orders(&filter, &page).await?,
+    ))
 }
 
 async fn order(
@@ -177,8 +179,8 @@ struct AlertsQuery {
 async fn alerts(
     State(console): State<Arc<Console>>,
     Query(query): Query<AlertsQuery>,
-) -> ApiResult<Vec<sas_store::queries::Alert>> {
-    Ok(Json(console.store.alerts(query.all, 1000).await?))
+) -> ApiResult<Vec<sas_store::reads::queries::Alert>> {
+    Ok(Json(console.store.reads().alerts(query.all, 1000).await?))
 }
 
 async fn acknowledge(
@@ -209,8 +211,8 @@ async fn resolve(
 
 async fn dead_letters(
     State(console): State<Arc<Console>>,
-) -> ApiResult<Vec<sas_store::queries::DeadLetter>> {
-    Ok(Json(console.store.dead_letters(1000).await?))
+) -> ApiResult<Vec<sas_store::reads::queries::DeadLetter>> {
+    Ok(Json(console.store.reads().dead_letters(1000).await?))
 }
 
 async fn replay(

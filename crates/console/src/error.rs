@@ -4,7 +4,7 @@
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use sas_store::search::FilterError;
+use sas_store::reads::search::FilterError;
 use sas_store::StoreError;
 
 /// A failed request: its status and what to tell the caller.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sas_store::admission::AdmissionLine;
-use sas_store::overview::Activity;
-use sas_store::queries::Alert;
+use sas_store::reads::overview::Activity;
+use sas_store::reads::queries::Alert;
 use serde::Serialize;
 
 use crate::broker::QueueDepth;
@@ -50,9 +50,9 @@ impl Console {
                 return Ok(overview.clone());
             }
         }
-        let activity = self.store.activity().await?;
-        let admission = self.store.admission_lines().await?;
-        let mut agents = self.store.known_agents().await?;
+        let activity = self.store.reads().activity().await?;
+        let admission = self.store.admission().lines().await?;
+        let mut agents = self.store.reads().known_agents().await?;
         if agents.is_empty() {
             agents = DEFAULT_AGENTS.iter().map(|a| (*a).to_owned()).collect();
         }
@@ -66,7 +66,7 @@ impl Console {
             self.settings.amqp.operation_timeout(),
         )
         .await;
-        let alerts = self.store.alerts(false, 10).await?;
+        let alerts = self.store.reads().alerts(false, 10).await?;
         let overview = Arc::new(Overview {
             activity,
             admission,

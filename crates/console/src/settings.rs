@@ -95,10 +95,10 @@ impl Validate for Settings {
                         set SAS_CONSOLE__USERS_FILE to a file of name:role:secret lines"
                 .into());
         }
-        if !(1..=sas_store::search::MAX_PAGE).contains(&c.page_size) {
+        if !(1..=sas_store::reads::search::MAX_PAGE).contains(&c.page_size) {
             return Err(format!(
                 "console.page_size must be between 1 and {}",
-                sas_store::search::MAX_PAGE
+                sas_store::reads::search::MAX_PAGE
             ));
         }
         if !(1..=1_000_000).contains(&c.bulk_limit) {

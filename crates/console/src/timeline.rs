@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use chrono::{DateTime, Utc};
 use maud::{html, Markup};
 use sas_store::machine::HistoryEvent;
-use sas_store::queries::HistoryEntry;
+use sas_store::reads::queries::HistoryEntry;
 
 /// What became of one attempt: the bar's color.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

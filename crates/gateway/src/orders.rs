@@ -20,7 +20,7 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use sas_broker::publish::{json_properties, order_headers, Outgoing};
 use sas_messages::SubmitOrder;
-use sas_store::queries::{OrderSummary, StepView};
+use sas_store::reads::queries::{OrderSummary, StepView};
 use sas_store::ProcessState;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -202,7 +202,7 @@ fn parse_submission(body: &[u8], limit: usize) -> Result<SubmitOrder, (StatusCod
 /// for a new id, which is published.
 async fn answer_if_stored(gateway: &Gateway, order: &SubmitOrder) -> Option<Response> {
     let content = serde_json::to_value(order).expect("wire types always serialize");
-    match gateway.store.order_body(&order.order_id).await {
+    match gateway.store.reads().order_body(&order.order_id).await {
         Ok(Some(existing)) if existing == content => {
             counted("duplicate");
             Some(submitted(order, StatusCode::OK, Taken::AlreadyAccepted))
@@ -298,7 +298,7 @@ pub async fn status(
     loop {
         // The process record and steps only: a waiting request reads them
         // every quarter second, and needs neither the body nor the history.
-        let status = match gateway.store.order_status(&order_id).await {
+        let status = match gateway.store.reads().order_status(&order_id).await {
             Ok(status) => status,
             Err(error) => return store_unavailable(&error),
         };

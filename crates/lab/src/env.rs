@@ -265,6 +265,7 @@ impl TestEnv {
     /// When the database cannot be read.
     pub async fn count(&self, state: ProcessState) -> i64 {
         self.store
+            .reads()
             .count_by_state()
             .await
             .expect("count orders")
@@ -281,6 +282,7 @@ impl TestEnv {
         crate::wait_until(&format!("{n} orders {state}"), timeout, || async {
             let counts = self
                 .store
+                .reads()
                 .count_by_state()
                 .await
                 .map_err(|e| e.to_string())?;

@@ -10,7 +10,7 @@ use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use sas_broker::lapin::types::FieldTable;
 use sas_broker::lapin::{Channel, Connection, Consumer};
 use sas_broker::Publisher;
-use sas_store::queries::OrderDetail;
+use sas_store::reads::queries::OrderDetail;
 use sas_store::{ProcessState, Store};
 
 use crate::{wait_until, TestEnv};
@@ -34,6 +34,7 @@ impl TestEnv {
     /// When the database cannot be read or the order is not stored.
     pub async fn detail(&self, order_id: &str) -> OrderDetail {
         self.store
+            .reads()
             .order_detail(order_id)
             .await
             .expect("read the order")
@@ -46,6 +47,7 @@ impl TestEnv {
     /// When the database cannot be read.
     pub async fn state_of(&self, order_id: &str) -> Option<ProcessState> {
         self.store
+            .reads()
             .order_detail(order_id)
             .await
             .expect("read the order")
@@ -67,7 +69,7 @@ impl TestEnv {
     /// When it is not by `timeout`.
     pub async fn wait_stored(&self, order_id: &str, timeout: Duration) {
         wait_until(&format!("{order_id} to be stored"), timeout, || async {
-            match self.store.order_detail(order_id).await {
+            match self.store.reads().order_detail(order_id).await {
                 Ok(Some(_)) => Ok(()),
                 other => Err(format!("{other:?}")),
             }
@@ -83,6 +85,7 @@ impl TestEnv {
         wait_until(&format!("{n} recorded dead letters"), timeout, || async {
             let letters = self
                 .store
+                .reads()
                 .dead_letters(100)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -132,7 +135,7 @@ pub async fn wait_for_state_in(
     timeout: Duration,
 ) {
     wait_until(&format!("{order_id} to be {state}"), timeout, || async {
-        match store.order_detail(order_id).await {
+        match store.reads().order_detail(order_id).await {
             Ok(Some(d)) if d.summary.state == state => Ok(()),
             Ok(Some(d)) => Err(format!("{} ({:?})", d.summary.state, d.summary.last_error)),
             Ok(None) => Err("not stored".into()),

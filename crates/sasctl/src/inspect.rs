@@ -15,11 +15,11 @@ fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
 /// When the database cannot be reached.
 pub async fn list(
     store: &Store,
-    filter: &sas_store::search::OrderFilter,
-    page: &sas_store::search::Page,
+    filter: &sas_store::reads::search::OrderFilter,
+    page: &sas_store::reads::search::Page,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let found = store.search_orders(filter, page).await?;
+    let found = store.reads().search_orders(filter, page).await?;
     if json {
         print_json(&found)?;
         return Ok(ExitCode::SUCCESS);
@@ -51,7 +51,7 @@ pub async fn list(
 /// # Errors
 /// When the database cannot be reached.
 pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let Some(detail) = store.order_detail(order_id).await? else {
+    let Some(detail) = store.reads().order_detail(order_id).await? else {
         eprintln!("no order {order_id}");
         return Ok(ExitCode::FAILURE);
     };
@@ -104,7 +104,7 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
 /// # Errors
 /// When the database cannot be reached.
 pub async fn alerts(store: &Store, all: bool, json: bool) -> anyhow::Result<ExitCode> {
-    let alerts = store.alerts(all, 1000).await?;
+    let alerts = store.reads().alerts(all, 1000).await?;
     if json {
         print_json(&alerts)?;
     } else if alerts.is_empty() {
@@ -129,7 +129,7 @@ pub async fn alerts(store: &Store, all: bool, json: bool) -> anyhow::Result<Exit
 /// # Errors
 /// When the database cannot be reached.
 pub async fn dead_letters(store: &Store, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
-    let letters = store.dead_letters(limit).await?;
+    let letters = store.reads().dead_letters(limit).await?;
     if json {
         print_json(&letters)?;
     } else {
@@ -153,8 +153,8 @@ pub async fn dead_letters(store: &Store, limit: i64, json: bool) -> anyhow::Resu
 /// # Errors
 /// When the database cannot be reached.
 pub async fn resubmit(store: &Store, order_id: &str, actor: &str) -> anyhow::Result<ExitCode> {
-    match store.resubmit(order_id, actor).await? {
-        sas_store::operator::Resubmit::Resubmitted { what, fresh_keys } => {
+    match store.writes().resubmit(order_id, actor).await? {
+        sas_store::writes::operator::Resubmit::Resubmitted { what, fresh_keys } => {
             let keys = match (what, fresh_keys.is_empty()) {
                 (_, true) => String::new(),
                 (sas_store::machine::ResubmitAction::CompensationResumed, false) => {
@@ -167,11 +167,11 @@ pub async fn resubmit(store: &Store, order_id: &str, actor: &str) -> anyhow::Res
             println!("order {order_id} resubmitted: {what}{keys}");
             Ok(ExitCode::SUCCESS)
         }
-        sas_store::operator::Resubmit::NotFound => {
+        sas_store::writes::operator::Resubmit::NotFound => {
             eprintln!("no order {order_id}");
             Ok(ExitCode::FAILURE)
         }
-        sas_store::operator::Resubmit::NotFailed(state) => {
+        sas_store::writes::operator::Resubmit::NotFailed(state) => {
             eprintln!("order {order_id} is {state}: only orders that ended error or compensated can be resubmitted");
             Ok(ExitCode::FAILURE)
         }
@@ -191,21 +191,22 @@ pub async fn cancel(
 ) -> anyhow::Result<ExitCode> {
     match target
         .store()?
+        .writes()
         .cancel(order_id, reason, &target.actor()?)
         .await?
     {
-        sas_store::operator::Cancel::Cancelled(progress) => {
+        sas_store::writes::operator::Cancel::Cancelled(progress) => {
             println!("order {order_id} cancelled: its completed steps are being undone");
             if let Err(error) = announce(target, &progress).await {
                 eprintln!("the client's status message was not sent: {error:#}");
             }
             Ok(ExitCode::SUCCESS)
         }
-        sas_store::operator::Cancel::NotFound => {
+        sas_store::writes::operator::Cancel::NotFound => {
             eprintln!("no order {order_id}");
             Ok(ExitCode::FAILURE)
         }
-        sas_store::operator::Cancel::NotRunning(state) => {
+        sas_store::writes::operator::Cancel::NotRunning(state) => {
             eprintln!(
                 "order {order_id} is {state}: only pending or processing orders can be cancelled"
             );
@@ -250,6 +251,11 @@ impl Announce {
                 }
             }
         }
+    }
+
+    /// The publisher of the connection, if it opened.
+    pub fn publisher(&self) -> Option<&sas_broker::Publisher> {
+        self.publisher.as_ref()
     }
 
     /// Sends what one transition asks for.

@@ -299,7 +299,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             limit,
             json: as_json,
         }) => {
-            let page = sas_store::search::Page::from_pairs(
+            let page = sas_store::reads::search::Page::from_pairs(
                 [
                     ("after", after.as_deref().unwrap_or("")),
                     ("limit", &limit.to_string()),

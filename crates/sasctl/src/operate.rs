@@ -6,12 +6,14 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand, ValueEnum};
+use sas_announce::bulk::{run_bulk, Bulk, BulkError};
 use sas_announce::replay::{replay_dead_letter, ReplayError};
-use sas_store::dead_letters::Disposition;
-use sas_store::operator::{Cancel, Resubmit};
-use sas_store::search::OrderFilter;
+use sas_announce::Announcer;
+use sas_store::reads::search::OrderFilter;
+use sas_store::writes::dead_letters::Disposition;
 use sas_store::{ProcessState, Store};
 
+use crate::inspect::Announce;
 use crate::Target;
 
 /// How tables are printed.
@@ -90,11 +92,11 @@ pub enum BulkAction {
 
 impl BulkAction {
     fn eligible(self) -> &'static [ProcessState] {
-        sas_store::operator::OrderAction::from(self).eligible()
+        sas_store::writes::operator::OrderAction::from(self).eligible()
     }
 }
 
-impl From<BulkAction> for sas_store::operator::OrderAction {
+impl From<BulkAction> for sas_store::writes::operator::OrderAction {
     fn from(action: BulkAction) -> Self {
         match action {
             BulkAction::Resubmit => Self::Resubmit,
@@ -136,7 +138,7 @@ pub async fn bulk(target: &Target, args: BulkArgs, output: Output) -> anyhow::Re
     let filter = args.filter.filter()?;
     let store = target.store()?;
     let eligible = args.action.eligible();
-    let count = store.count_orders(&filter, eligible).await?;
+    let count = sas_announce::bulk::preview(&store, args.action.into(), &filter).await?;
     let action = format!("{:?}", args.action).to_lowercase();
     let Some(confirmed) = args.confirm else {
         if output == Output::Json {
@@ -153,60 +155,51 @@ pub async fn bulk(target: &Target, args: BulkArgs, output: Output) -> anyhow::Re
         }
         return Ok(ExitCode::SUCCESS);
     };
-    if count > confirmed {
-        eprintln!("{count} orders match now, {confirmed} were confirmed: nothing done; run without --confirm to see the count again");
-        return Ok(ExitCode::FAILURE);
-    }
-    let ids = store.select_order_ids(&filter, eligible, confirmed).await?;
-    let publisher = match args.action {
-        BulkAction::Cancel => Some(crate::inspect::Announce::open(target).await),
+    let announce = match args.action {
+        BulkAction::Cancel => Some(Announce::open(target).await),
         BulkAction::Resubmit => None,
     };
-    let (mut applied, mut skipped) = (Vec::new(), Vec::new());
-    for order_id in ids {
-        let outcome = match args.action {
-            BulkAction::Resubmit => match store.resubmit(&order_id, &actor).await? {
-                Resubmit::Resubmitted { .. } => Ok(()),
-                Resubmit::NotFound => Err("gone".to_owned()),
-                Resubmit::NotFailed(state) => Err(format!("now {state}")),
-            },
-            BulkAction::Cancel => match store.cancel(&order_id, &args.reason, &actor).await? {
-                Cancel::Cancelled(progress) => {
-                    if let Some(announce) = &publisher {
-                        announce.send(&progress).await;
-                    }
-                    Ok(())
-                }
-                Cancel::NotFound => Err("gone".to_owned()),
-                Cancel::NotRunning(state) => Err(format!("now {state}")),
-            },
-        };
-        match outcome {
-            Ok(()) => {
-                if output == Output::Table {
-                    println!("{order_id}");
-                }
-                applied.push(order_id);
-            }
-            Err(why) => {
-                if output == Output::Table {
-                    eprintln!("{order_id}: skipped ({why})");
-                }
-                skipped.push((order_id, why));
-            }
+    let bulk = Bulk {
+        action: args.action.into(),
+        filter: &filter,
+        confirmed,
+        limit: confirmed,
+        reason: &args.reason,
+        actor: &actor,
+    };
+    let announcer = Announcer::new(&target.amqp());
+    let publisher = announce.as_ref().and_then(Announce::publisher);
+    let outcome = match run_bulk(&store, &announcer, publisher, bulk).await {
+        Ok(outcome) => outcome,
+        Err(refused @ BulkError::Unconfirmed { .. }) => {
+            eprintln!("{refused}");
+            return Ok(ExitCode::FAILURE);
         }
-    }
+        Err(BulkError::Store(error)) => return Err(error.into()),
+    };
     if output == Output::Json {
-        print_json(
-            &serde_json::json!({ "action": action, "applied": applied, "skipped": skipped }),
-        )?;
-    } else {
-        eprintln!(
-            "{action}: {} applied, {} skipped",
-            applied.len(),
-            skipped.len()
-        );
+        print_json(&serde_json::json!({
+            "action": action,
+            "applied": outcome.applied,
+            "skipped": outcome.skipped,
+            "unannounced": outcome.unannounced,
+        }))?;
+        return Ok(ExitCode::SUCCESS);
     }
+    for order_id in &outcome.applied {
+        println!("{order_id}");
+    }
+    for (order_id, why) in &outcome.skipped {
+        eprintln!("{order_id}: skipped ({why})");
+    }
+    if !outcome.unannounced.is_empty() {
+        eprintln!("the messages of {} cancelled orders were not sent: their compensation starts when the supervisor finds their deadline passed", outcome.unannounced.len());
+    }
+    eprintln!(
+        "{action}: {} applied, {} skipped",
+        outcome.applied.len(),
+        outcome.skipped.len()
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -234,11 +227,11 @@ pub enum AlertsCommand {
 /// # Errors
 /// When the database cannot be reached.
 pub async fn alert(store: &Store, command: AlertsCommand, actor: &str) -> anyhow::Result<ExitCode> {
-    use sas_store::alerts::AlertAction;
+    use sas_store::writes::alerts::AlertAction;
     let (id, outcome, done) = match command {
         AlertsCommand::Acknowledge { id } => (
             id,
-            store.acknowledge_alert(id, actor).await?,
+            store.writes().acknowledge_alert(id, actor).await?,
             "acknowledged",
         ),
         AlertsCommand::Resolve { id, note } => {
@@ -248,7 +241,7 @@ pub async fn alert(store: &Store, command: AlertsCommand, actor: &str) -> anyhow
             );
             (
                 id,
-                store.resolve_alert(id, note.trim(), actor).await?,
+                store.writes().resolve_alert(id, note.trim(), actor).await?,
                 "resolved",
             )
         }
@@ -296,7 +289,7 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
         DeadLettersCommand::Replay { id } => {
             let settings = target.amqp();
             // A letter that cannot be replayed is refused without the broker.
-            if let Err(refusal) = store.replay_of(id, &settings.names()).await? {
+            if let Err(refusal) = store.reads().replay_of(id, &settings.names()).await? {
                 eprintln!("{refusal}");
                 return Ok(ExitCode::FAILURE);
             }
@@ -324,6 +317,7 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
         }
         DeadLettersCommand::Discard { id } => {
             if store
+                .writes()
                 .dispose_dead_letter(id, Disposition::Discarded, &actor)
                 .await?
             {
@@ -345,8 +339,8 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
 /// # Errors
 /// When the database cannot be reached.
 pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
-    let activity = store.activity().await?;
-    let lines = store.admission_lines().await?;
+    let activity = store.reads().activity().await?;
+    let lines = store.admission().lines().await?;
     if output == Output::Json {
         // The activity's keys, and the lines beside them under `admission`.
         let mut json = serde_json::to_value(&activity)?;
@@ -364,7 +358,7 @@ pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
         println!("{:<14} {n:>10}", state.as_str());
     }
     println!("\n{:<22} {:>10}", "LAST HOUR", "COUNT");
-    for event in sas_store::overview::MILESTONES {
+    for event in sas_store::reads::overview::MILESTONES {
         let n: i64 = activity
             .per_minute
             .iter()

@@ -96,7 +96,7 @@ pub async fn run(target: &Target, order_id: &str, timeout: Duration) -> anyhow::
     let watcher = Watcher::start(&connection, &settings, order_id).await?;
     // Bound first, then read the record: an event in between is not lost.
     if let Ok(store) = target.store() {
-        match store.order_detail(order_id).await {
+        match store.reads().order_detail(order_id).await {
             Ok(Some(detail)) => {
                 for entry in &detail.history {
                     println!(

@@ -50,7 +50,7 @@ impl Scheduler {
         // it claimed and could not publish waits for the supervisor.
         let claim = {
             let (store, id) = (self.store.clone(), self.id.clone());
-            tokio::spawn(async move { store.claim_ready(&id, batch).await })
+            tokio::spawn(async move { store.writes().claim_ready(&id, batch).await })
         };
         let claimed = match claim.await {
             Ok(Ok(claimed)) => claimed,

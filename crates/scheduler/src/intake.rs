@@ -3,7 +3,7 @@
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::Publisher;
 use sas_messages::{decode, SubmitOrder};
-use sas_store::intake::{Intake, Submission};
+use sas_store::writes::intake::{Intake, Submission};
 
 use crate::{stopping, Scheduler};
 

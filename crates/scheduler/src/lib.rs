@@ -29,8 +29,8 @@ use sas_broker::{topology, BrokerError, Publisher, Session, SharedPublisher};
 use sas_messages::QueueNames;
 use sas_messages::StepReply;
 use sas_runtime::Batcher;
-use sas_store::intake::{Intake, Submission};
-use sas_store::progress::ReplyOutcome;
+use sas_store::writes::intake::{Intake, Submission};
+use sas_store::writes::progress::ReplyOutcome;
 use sas_store::{Store, StoreError};
 use tokio_util::sync::CancellationToken;
 
@@ -155,6 +155,7 @@ fn batchers(
                 );
                 async move {
                     store
+                        .writes()
                         .insert_orders(&submissions, &workflow_name, &steps, &actor)
                         .await
                 }
@@ -169,7 +170,7 @@ fn batchers(
             batch_workers,
             move |replies: Vec<StepReply>| {
                 let (store, actor) = (store.clone(), actor.clone());
-                async move { store.record_replies(&replies, &actor).await }
+                async move { store.writes().record_replies(&replies, &actor).await }
             },
         )
     };
@@ -398,7 +399,7 @@ async fn register_agents(
         "registering the agents for admission control",
         |e: &sas_store::StoreError| e.is_transient(),
         || {
-            store.register_agents(
+            store.admission().register(
                 &agents,
                 settings.admission_initial,
                 settings.admission_ceiling,

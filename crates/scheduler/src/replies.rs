@@ -4,7 +4,7 @@
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::Publisher;
 use sas_messages::{decode, StepOutcome, StepReply};
-use sas_store::progress::ReplyOutcome;
+use sas_store::writes::progress::ReplyOutcome;
 
 use crate::{stopping, Scheduler};
 

@@ -12,6 +12,24 @@ use sqlx::AssertSqlSafe;
 use crate::machine::admission::{adapted_limit, Window};
 use crate::{Store, StoreError};
 
+/// The agents' admission rows of a [`Store`] (see [`Store::admission`]):
+/// registered by schedulers, read by every scheduler's claim through the
+/// write kernel, adapted and reconciled by the supervisors.
+#[derive(Debug, Clone, Copy)]
+pub struct Admission<'a> {
+    store: &'a Store,
+}
+
+impl<'a> Admission<'a> {
+    pub(crate) fn new(store: &'a Store) -> Self {
+        Self { store }
+    }
+
+    fn pool(&self) -> &'a sqlx::PgPool {
+        self.store.pool()
+    }
+}
+
 /// An agent's row whose window is due, as the control law reads it.
 #[derive(sqlx::FromRow)]
 struct DueWindow {
@@ -84,15 +102,15 @@ pub struct Adaptation {
     pub deadline_share: f64,
 }
 
-impl Store {
+impl Admission<'_> {
     /// Makes sure every agent in `agents` (name, shortest step deadline) has
     /// an admission row, starting at `initial` under `ceiling`; an existing
     /// row takes the new ceiling and deadline and keeps its counters.
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn register_agents(
-        &self,
+    pub async fn register(
+        self,
         agents: &[(String, Duration)],
         initial: i32,
         ceiling: i32,
@@ -129,10 +147,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn adapt_admission(
-        &self,
-        adaptation: &Adaptation,
-    ) -> Result<Vec<AgentAdmission>, StoreError> {
+    pub async fn adapt(self, adaptation: &Adaptation) -> Result<Vec<AgentAdmission>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let due: Vec<DueWindow> = sqlx::query_as(
             "SELECT agent, admit_limit, initial_limit, ceiling, waiting, peak_in_flight,
@@ -184,7 +199,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn admission_lines(&self) -> Result<Vec<AdmissionLine>, StoreError> {
+    pub async fn lines(self) -> Result<Vec<AdmissionLine>, StoreError> {
         let rows = sqlx::query_as(
             "SELECT a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling,
                     (SELECT EXTRACT(EPOCH FROM now() - min(p.admit_key
@@ -209,7 +224,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn recount_admission(&self) -> Result<Vec<(String, i32, i32)>, StoreError> {
+    pub async fn recount(self) -> Result<Vec<(String, i32, i32)>, StoreError> {
         Ok(
             sqlx::query_as(AssertSqlSafe(format!("{RECOUNT} ORDER BY agent")))
                 .fetch_all(self.pool())
@@ -230,7 +245,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails, or the rows stay locked for 200 ms.
-    pub async fn reconcile_admission(&self) -> Result<Vec<Correction>, StoreError> {
+    pub async fn reconcile(self) -> Result<Vec<Correction>, StoreError> {
         let mut tx = self.pool().begin().await?;
         // Never a long wait for live traffic, nor a deadlock: a supervisor
         // that cannot lock every row at once tries again later.
@@ -266,7 +281,7 @@ impl Store {
 /// forward, or compensating) is the agent's (the machine's
 /// [`crate::machine::slot_held`]), a place in line for each order waiting
 /// for it. Agents with neither are left out. Pinned to the machine by the
-/// property test (`tests/tests/state_machine.rs`).
+/// property test (`tests/tests/e2e/state_machine.rs`).
 const RECOUNT: &str = "
     SELECT agent, sum(in_flight)::int4 AS in_flight, sum(waiting)::int4 AS waiting
       FROM (SELECT s.agent, 1 AS in_flight, 0 AS waiting

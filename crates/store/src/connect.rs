@@ -250,6 +250,21 @@ impl Store {
         self
     }
 
+    /// The writes: transitions of orders and operators' records.
+    pub fn writes(&self) -> crate::Writes<'_> {
+        crate::Writes::new(self)
+    }
+
+    /// The reads: what operators, clients and metrics are shown.
+    pub fn reads(&self) -> crate::Reads<'_> {
+        crate::Reads::new(self)
+    }
+
+    /// The agents' admission rows.
+    pub fn admission(&self) -> crate::Admission<'_> {
+        crate::Admission::new(self)
+    }
+
     /// The inputs of a decision taken now (database clock) by `actor`.
     pub(crate) fn context<'a>(
         &self,

@@ -154,7 +154,7 @@ impl Supervisor {
             "recording a dead letter",
             |e: &sas_store::StoreError| e.is_transient(),
             || {
-                self.store.record_dead_letter(
+                self.store.writes().record_dead_letter(
                     judged.source.as_deref(),
                     &judged.reason,
                     judged.order_id.as_deref(),
@@ -210,6 +210,7 @@ impl Supervisor {
             |e: &sas_store::StoreError| e.is_transient(),
             || {
                 self.store
+                    .writes()
                     .settle_dead_letter(order_id, attempt_id, reason, &self.id)
             },
         )

@@ -8,7 +8,7 @@
 //!
 //! Several supervisors may run: they share the work through
 //! `FOR UPDATE SKIP LOCKED`, so no step is ever recovered twice (see
-//! `sas_store::recovery`). This was chosen over a leader lease because it
+//! `sas_store::writes::recovery`). This was chosen over a leader lease because it
 //! needs no failover at all: every instance is always working, and one dying
 //! leaves nothing to expire.
 

@@ -1,5 +1,5 @@
 //! The retention loop: deletes finished orders and old dead letters (see
-//! [`sas_store::retention`]), so that a deployment running for years keeps
+//! [`sas_store::writes::retention`]), so that a deployment running for years keeps
 //! a bounded database.
 
 use std::convert::Infallible;
@@ -23,7 +23,7 @@ impl Supervisor {
         }
         let interval = Duration::from_millis(settings.interval_ms);
         let tick = || async {
-            let next = match self.store.retire(&retention).await {
+            let next = match self.store.writes().retire(&retention).await {
                 Ok(retired) => {
                     metrics::counter!("sas_retired_total", "what" => "orders")
                         .increment(retired.orders);

@@ -52,6 +52,7 @@ impl Supervisor {
         let policy = settings.policy(&self.settings.deadlines);
         match self
             .store
+            .writes()
             .recover_expired(&self.id, &policy, settings.batch)
             .await
         {
@@ -94,7 +95,7 @@ impl Supervisor {
     /// flight, and the current limit.
     async fn adapt_admission(&self) {
         let adaptation = self.settings.supervisor.adaptation();
-        match self.store.adapt_admission(&adaptation).await {
+        match self.store.admission().adapt(&adaptation).await {
             Ok(agents) => {
                 for agent in agents {
                     let name = agent.agent.clone();
@@ -114,7 +115,7 @@ impl Supervisor {
     /// [`sas_store::Store::reconcile_admission`]), loudly: a correction
     /// means something changed orders behind the state machine's back.
     async fn reconcile_admission(&self) {
-        match self.store.reconcile_admission().await {
+        match self.store.admission().reconcile().await {
             Ok(corrections) => {
                 for c in corrections {
                     metrics::counter!("sas_admission_corrections_total", "agent" => c.agent.clone())
@@ -133,7 +134,7 @@ impl Supervisor {
     /// interval (`sas_orders_overdue`), and unresolved operator alerts
     /// (`sas_alerts_open`). Every supervisor exports the same counts.
     async fn refresh_gauges(&self) {
-        match self.store.count_open_by_state().await {
+        match self.store.reads().count_open_by_state().await {
             Ok(counts) => {
                 // Finished orders are counted by sas_orders_finished_total.
                 let open = ProcessState::ALL.into_iter().filter(|s| !s.is_finished());
@@ -155,6 +156,7 @@ impl Supervisor {
             settings.deadlines.grace() + Duration::from_millis(settings.supervisor.interval_ms);
         match self
             .store
+            .reads()
             .count_overdue_and_open_alerts(overdue_after)
             .await
         {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use sas_broker::ServiceAmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
-use sas_store::recovery::RecoveryPolicy;
+use sas_store::writes::recovery::RecoveryPolicy;
 use sas_store::{DatabaseSettings, DeadlineSettings};
 use serde::Deserialize;
 
@@ -52,9 +52,9 @@ pub struct RetentionSettings {
 
 impl RetentionSettings {
     /// The policy for the store, with 0 meaning "keep".
-    pub fn retention(&self) -> sas_store::retention::Retention {
+    pub fn retention(&self) -> sas_store::writes::retention::Retention {
         let age = |secs: u64| (secs > 0).then(|| Duration::from_secs(secs));
-        sas_store::retention::Retention {
+        sas_store::writes::retention::Retention {
             finished: age(self.finished_secs),
             dead_letters: age(self.dead_letters_secs),
             batch: self.batch,

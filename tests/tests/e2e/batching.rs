@@ -13,8 +13,8 @@ use sas_broker::lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use sas_broker::lapin::types::FieldTable;
 use sas_broker::lapin::BasicProperties;
 use sas_messages::{StepOutcome, StepReply, SCHEMA_VERSION};
-use sas_store::intake::{Intake, Submission};
-use sas_store::progress::ReplyOutcome;
+use sas_store::writes::intake::{Intake, Submission};
+use sas_store::writes::progress::ReplyOutcome;
 use sas_store::{Dispatch, ProcessState};
 use sas_tests::{database_settings, order, wait_until, TestEnv};
 
@@ -64,6 +64,7 @@ async fn run_every_step(
     let steps = env.steps();
     let batch: Vec<Submission> = orders.iter().map(|id| submission(id)).collect();
     let mut dispatches: Vec<Dispatch> = store
+        .writes()
         .insert_orders(&batch, "order", &steps, "test")
         .await
         .iter()
@@ -72,6 +73,7 @@ async fn run_every_step(
     for _ in 0..steps.len() {
         let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
         dispatches = store
+            .writes()
             .record_replies(&replies, "test")
             .await
             .into_iter()
@@ -89,6 +91,7 @@ async fn a_batch_of_orders_stores_each_once_and_one_the_database_refuses_fails_a
     let env = TestEnv::new().await;
     let steps = env.steps();
     env.store
+        .writes()
         .insert_order(&order("old"), "order", &steps, "trace", "test")
         .await
         .expect("an order stored earlier");
@@ -108,6 +111,7 @@ async fn a_batch_of_orders_stores_each_once_and_one_the_database_refuses_fails_a
     ];
     let outcomes = env
         .store
+        .writes()
         .insert_orders(&batch, "order", &steps, "test")
         .await;
 
@@ -167,6 +171,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
     let batch: Vec<Submission> = names.iter().map(|n| submission(n)).collect();
     let dispatches: Vec<Dispatch> = env
         .store
+        .writes()
         .insert_orders(&batch, "order", &steps, "test")
         .await
         .iter()
@@ -189,7 +194,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
         stale,
         declined,
     ];
-    let outcomes = env.store.record_replies(&replies, "test").await;
+    let outcomes = env.store.writes().record_replies(&replies, "test").await;
 
     assert_eq!(outcomes.len(), replies.len());
     for (index, order) in [(0, "order-0"), (1, "order-1")] {
@@ -510,6 +515,7 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
     }
     let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("open-{n}"))).collect();
     let waiting: Vec<Dispatch> = services
+        .writes()
         .insert_orders(&batch, "order", &steps, "test")
         .await
         .iter()
@@ -529,7 +535,7 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
     flush().await;
     let before = open_index_reads(&env).await;
     let replies: Vec<StepReply> = waiting.iter().map(success).collect();
-    for outcome in services.record_replies(&replies, "test").await {
+    for outcome in services.writes().record_replies(&replies, "test").await {
         assert!(
             matches!(outcome, Ok(ReplyOutcome::Applied { .. })),
             "{outcome:?}"
@@ -557,6 +563,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     let batch: Vec<Submission> = ids.iter().map(|id| submission(id)).collect();
     for outcome in env
         .store
+        .writes()
         .insert_orders(&batch, "order", &steps, "test")
         .await
     {
@@ -566,7 +573,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
         .execute(env.store.pool())
         .await
         .expect("deadlines passed");
-    let policy = sas_store::recovery::RecoveryPolicy {
+    let policy = sas_store::writes::recovery::RecoveryPolicy {
         max_failures: 3,
         backoff: sas_runtime::Backoff::new(
             Duration::from_millis(1),
@@ -577,6 +584,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     };
     let recovered = env
         .store
+        .writes()
         .recover_expired_with("test", &policy, 10, || 0.0)
         .await
         .expect("recover");
@@ -594,7 +602,12 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     .await
     .expect("an admission row");
 
-    let claimed = env.store.claim_ready("test", 10).await.expect("claim");
+    let claimed = env
+        .store
+        .writes()
+        .claim_ready("test", 10)
+        .await
+        .expect("claim");
     let started = claimed
         .iter()
         .filter(|claim| claim.progress.dispatch.is_some())

@@ -22,6 +22,7 @@ async fn status_and_text(response: reqwest::Response) -> (StatusCode, String) {
 
 async fn history(env: &TestEnv, order_id: &str) -> Vec<(String, String, Option<String>)> {
     env.store
+        .reads()
         .history(order_id)
         .await
         .expect("history")
@@ -38,6 +39,7 @@ async fn store_orders(env: &TestEnv, prefix: &str, customer: &str, n: usize, pri
         submitted.customer_id = customer.into();
         submitted.priority = Some(priority);
         env.store
+            .writes()
             .insert_order(
                 &submitted,
                 "order",
@@ -534,6 +536,7 @@ async fn wait_for_states(env: &TestEnv, ids: &[String], state: ProcessState, tim
             for id in ids {
                 let detail = env
                     .store
+                    .reads()
                     .order_detail(id)
                     .await
                     .map_err(|e| e.to_string())?;
@@ -1108,10 +1111,16 @@ async fn a_dead_lettered_reply_is_not_replayed_because_only_agents_may_send_repl
     .fetch_one(env.store.pool())
     .await
     .unwrap();
-    let refusal = env.store.replay_of(id, &names).await.unwrap().unwrap_err();
+    let refusal = env
+        .store
+        .reads()
+        .replay_of(id, &names)
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(
         refusal,
-        sas_store::dead_letters::NotReplayable::AgentReply(id)
+        sas_store::reads::dead_letters::NotReplayable::AgentReply(id)
     );
     assert!(refusal.to_string().contains("discard it"), "{refusal}");
 }

@@ -43,6 +43,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
             || async {
                 let detail = env
                     .store
+                    .reads()
                     .order_detail(id)
                     .await
                     .map_err(|e| e.to_string())?
@@ -284,7 +285,7 @@ fn long_run_page() -> String {
     use chrono::{DateTime, Utc};
     use sas_console::timeline::{legend, svg, Timeline};
     use sas_store::machine::HistoryEvent as E;
-    use sas_store::queries::HistoryEntry;
+    use sas_store::reads::queries::HistoryEntry;
 
     let start = Utc::now() - chrono::Duration::seconds(90);
     let mut history = Vec::new();

@@ -274,6 +274,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     let terminal = wait_until("every order to end", Duration::from_secs(240), || async {
         let counts = env
             .store
+            .reads()
             .count_by_state()
             .await
             .map_err(|e| e.to_string())?;

@@ -227,6 +227,7 @@ async fn the_supervisor_exports_orders_stuck_past_their_deadline_and_open_alerts
     let env = TestEnv::new().await;
     let pool = env.store.pool();
     env.store
+        .writes()
         .insert_order(
             &order("stuck-1"),
             "order",

@@ -122,6 +122,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         || async {
             let history = env
                 .store
+                .reads()
                 .history("twice-1")
                 .await
                 .map_err(|e| e.to_string())?;
@@ -137,7 +138,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
     )
     .await;
 
-    let history = env.store.history("twice-1").await.unwrap();
+    let history = env.store.reads().history("twice-1").await.unwrap();
     let count = |event: HistoryEvent| history.iter().filter(|h| h.event == event).count();
     assert_eq!(
         count(HistoryEvent::Received),
@@ -268,7 +269,7 @@ async fn malformed_json_a_wrong_schema_version_and_an_unknown_field_are_dead_let
 
     // The supervisor recorded them in the state store, with the order when known.
     env.wait_for_dead_letters(5, Duration::from_secs(20)).await;
-    let letters = env.store.dead_letters(100).await.unwrap();
+    let letters = env.store.reads().dead_letters(100).await.unwrap();
     assert!(
         letters
             .iter()
@@ -291,6 +292,7 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
     let steps = env.steps();
     for n in 0..150 {
         env.store
+            .writes()
             .insert_order(
                 &order(&format!("claim-{n}")),
                 "order",

@@ -463,7 +463,8 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
     let env = TestEnv::new().await;
     let store = &env.store;
     store
-        .register_agents(&[("fast".to_owned(), Duration::from_secs(10))], 16, 1000)
+        .admission()
+        .register(&[("fast".to_owned(), Duration::from_secs(10))], 16, 1000)
         .await
         .unwrap();
     // The agent finished 1,000 attempts a second during the last window:
@@ -488,21 +489,27 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
     let limit = |rows: Vec<AgentAdmission>| rows[0].admit_limit;
     // Learnt while busy, now barely used: it falls to twice the use.
     window(1000, 30, 0).await.unwrap();
-    assert_eq!(limit(store.adapt_admission(&adaptation).await.unwrap()), 60);
+    assert_eq!(
+        limit(store.admission().adapt(&adaptation).await.unwrap()),
+        60
+    );
     // Quiet: back to the initial limit, never below it for lack of use.
     window(1000, 0, 0).await.unwrap();
-    assert_eq!(limit(store.adapt_admission(&adaptation).await.unwrap()), 16);
+    assert_eq!(
+        limit(store.admission().adapt(&adaptation).await.unwrap()),
+        16
+    );
     // Orders wait in line: the limit is in full use, it goes to the target
     // at once (here the ceiling).
     window(60, 60, 5).await.unwrap();
     assert_eq!(
-        limit(store.adapt_admission(&adaptation).await.unwrap()),
+        limit(store.admission().adapt(&adaptation).await.unwrap()),
         1000
     );
     // Fully used, nobody waiting: it may double, towards the target.
     window(60, 60, 0).await.unwrap();
     assert_eq!(
-        limit(store.adapt_admission(&adaptation).await.unwrap()),
+        limit(store.admission().adapt(&adaptation).await.unwrap()),
         120
     );
     // The next window starts from what is in flight now.

@@ -28,6 +28,7 @@ async fn wait_for_event(env: &TestEnv, order_id: &str, event: HistoryEvent, time
         || async {
             let history = env
                 .store
+                .reads()
                 .history(order_id)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -131,7 +132,7 @@ async fn a_step_that_keeps_timing_out_is_retried_with_growing_waits_then_compens
     )
     .await;
 
-    let history = env.store.history("fails-1").await.unwrap();
+    let history = env.store.reads().history("fails-1").await.unwrap();
     let retries: Vec<_> = history
         .iter()
         .filter(|h| h.event == HistoryEvent::RetryScheduled)
@@ -318,7 +319,7 @@ async fn several_supervisors_never_recover_the_same_step_twice() {
         actors.len() >= 2,
         "the supervisors shared the work: {actors:?}"
     );
-    let alerts = env.store.alerts(false, 1000).await.unwrap();
+    let alerts = env.store.reads().alerts(false, 1000).await.unwrap();
     assert_eq!(alerts.len(), 40, "one alert per order that ended in error");
 }
 
@@ -362,7 +363,7 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
     );
 
     // Now the first attempt's reply arrives, late.
-    let history = env.store.history("late-1").await.unwrap();
+    let history = env.store.reads().history("late-1").await.unwrap();
     let first = history
         .iter()
         .find(|h| {
@@ -540,7 +541,7 @@ async fn a_poison_request_is_dead_lettered_recorded_and_its_order_undone() {
         Duration::from_secs(30),
     )
     .await;
-    let letters = env.store.dead_letters(10).await.unwrap();
+    let letters = env.store.reads().dead_letters(10).await.unwrap();
     assert!(
         letters
             .iter()
@@ -682,6 +683,7 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     let env = TestEnv::new().await;
     let trace = sas_messages::TraceParent::new_root().trace_id;
     env.store
+        .writes()
         .insert_order(&order("dead-twice"), "order", &env.steps(), &trace, "test")
         .await
         .unwrap();
@@ -689,6 +691,7 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
 
     let first = env
         .store
+        .writes()
         .settle_dead_letter(
             "dead-twice",
             attempt.into(),
@@ -706,6 +709,7 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     // before its ack): the step is not the one the compensation awaits.
     let second = env
         .store
+        .writes()
         .settle_dead_letter(
             "dead-twice",
             attempt.into(),
@@ -720,7 +724,7 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
         ProcessState::Compensating
     );
     assert!(
-        env.store.alerts(true, 10).await.unwrap().is_empty(),
+        env.store.reads().alerts(true, 10).await.unwrap().is_empty(),
         "no alert: the compensation goes on"
     );
 }
@@ -757,6 +761,7 @@ async fn an_agent_never_calls_the_remote_service_after_the_attempt_s_deadline() 
         let order_id = entry.order_id.clone().unwrap();
         let windows: Vec<_> = env
             .store
+            .reads()
             .history(&order_id)
             .await
             .unwrap()
@@ -807,7 +812,7 @@ async fn an_operator_cancels_a_running_order_and_everything_it_did_is_undone_aft
         Duration::from_secs(30),
     )
     .await;
-    let history = env.store.history("cancel-1").await.unwrap();
+    let history = env.store.reads().history("cancel-1").await.unwrap();
     let cancelled = history
         .iter()
         .find(|h| h.event == HistoryEvent::Cancelled)

@@ -80,7 +80,7 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
     assert_eq!(code, 0);
     let outcome: Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(outcome["applied"].as_array().unwrap().len(), 3, "{outcome}");
-    let history = env.store.history("ord-s-0").await.unwrap();
+    let history = env.store.reads().history("ord-s-0").await.unwrap();
     assert!(
         history
             .iter()

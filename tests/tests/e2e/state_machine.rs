@@ -23,13 +23,13 @@ use chrono::{DateTime, Utc};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sas_messages::{AttemptId, OrderId, StepKind, StepOutcome, StepReply, SCHEMA_VERSION};
-use sas_store::intake::{Intake, Submission};
 use sas_store::machine::{
     decide, slot_held, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
     RecoveryPolicy, Snapshot, StepRow, Verdict,
 };
-use sas_store::operator::{Cancel, Resubmit};
-use sas_store::progress::ReplyOutcome;
+use sas_store::writes::intake::{Intake, Submission};
+use sas_store::writes::operator::{Cancel, Resubmit};
+use sas_store::writes::progress::ReplyOutcome;
 use sas_store::{DeadlineSettings, NewStep, Progress, StepState, Store};
 use sas_tests::TestEnv;
 use sqlx::Row;
@@ -487,6 +487,7 @@ async fn run_case(
         correlation_id: by_property.then(|| format!("corr-{case}")),
     };
     let accepted = store
+        .writes()
         .insert_orders(std::slice::from_ref(&submission), "order", workflow, INTAKE)
         .await
         .pop()
@@ -632,22 +633,25 @@ async fn run_case(
             (Step::Reply { path, .. } | Step::Repeat { path }, Some(reply)) => {
                 let outcome = match path {
                     Path::Batched => store
+                        .writes()
                         .record_replies(std::slice::from_ref(reply), SCHEDULER)
                         .await
                         .pop()
                         .expect("one outcome"),
-                    Path::General => store.record_reply(reply, SCHEDULER).await,
+                    Path::General => store.writes().record_reply(reply, SCHEDULER).await,
                 };
                 reply_returned(outcome.map_err(|e| e.to_string())?)
             }
             (Step::DeadlineMissed, _) => {
                 let recovered = store
+                    .writes()
                     .recover_expired_with(SUPERVISOR, &policy, 10, || 0.5)
                     .await
                     .map_err(|e| e.to_string())?;
                 one_or_none(recovered.into_iter().map(|r| r.progress).collect())
             }
             (Step::DeadLettered { .. }, _) => store
+                .writes()
                 .settle_dead_letter(
                     &order_id,
                     dead_letter.unwrap_or_default(),
@@ -659,6 +663,7 @@ async fn run_case(
                 .map_or(Returned::NotApplied, Returned::Applied),
             (Step::Claimed { .. }, _) => one_or_none(
                 store
+                    .writes()
                     .claim_ready(CLAIMER, 10)
                     .await
                     .map_err(|e| e.to_string())?
@@ -667,6 +672,7 @@ async fn run_case(
                     .collect(),
             ),
             (Step::Resubmitted, _) => match store
+                .writes()
                 .resubmit(&order_id, OPERATOR)
                 .await
                 .map_err(|e| e.to_string())?
@@ -676,6 +682,7 @@ async fn run_case(
                 Resubmit::NotFound => return Err("resubmit: order not found".into()),
             },
             (Step::Cancelled, _) => match store
+                .writes()
                 .cancel(&order_id, "customer asked", OPERATOR)
                 .await
                 .map_err(|e| e.to_string())?
@@ -793,7 +800,8 @@ async fn recount_agrees(label: &str, store: &Store, model: &Model) -> Result<(),
         expected.entry(agent.clone()).or_default().1 += 1;
     }
     let recounted: BTreeMap<String, (i32, i32)> = store
-        .recount_admission()
+        .admission()
+        .recount()
         .await
         .map_err(|e| e.to_string())?
         .into_iter()

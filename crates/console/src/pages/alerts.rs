@@ -28,7 +28,7 @@ pub async fn page(
     Extension(who): Extension<Principal>,
     Query(query): Query<AlertsQuery>,
 ) -> Result<Html<String>, PageFailure> {
-    let alerts = console.store.alerts(query.all, 500).await?;
+    let alerts = console.store.reads().alerts(query.all, 500).await?;
     let act = super::may_act(&who);
     Ok(super::layout(
         "Alerts",

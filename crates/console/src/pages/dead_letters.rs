@@ -25,7 +25,7 @@ pub async fn page(
     Extension(who): Extension<Principal>,
     Query(query): Query<DeadLettersQuery>,
 ) -> Result<Html<String>, PageFailure> {
-    let letters = console.store.dead_letters(200).await?;
+    let letters = console.store.reads().dead_letters(200).await?;
     let act = super::may_act(&who);
     Ok(super::layout(
         "Dead letters",

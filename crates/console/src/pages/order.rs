@@ -8,7 +8,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use maud::{html, Markup};
-use sas_store::queries::{Delivery, OrderDetail, StepView};
+use sas_store::reads::queries::{Delivery, OrderDetail, StepView};
 use sas_store::{ProcessState, StepState};
 use serde::Deserialize;
 
@@ -32,11 +32,13 @@ pub struct OrderView {
 pub async fn load(console: &Console, order_id: &str) -> Result<OrderView, Failure> {
     let detail = console
         .store
+        .reads()
         .order_detail(order_id)
         .await?
         .ok_or_else(|| Failure::not_found(format!("order {order_id}")))?;
     let delivery = console
         .store
+        .reads()
         .order_delivery(order_id)
         .await?
         .unwrap_or_default();

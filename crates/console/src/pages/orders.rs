@@ -7,7 +7,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::response::Html;
 use axum::Extension;
 use maud::{html, Markup};
-use sas_store::search::{OrderFilter, Page};
+use sas_store::reads::search::{OrderFilter, Page};
 use sas_store::ProcessState;
 
 use super::{borrowed, query_pairs};
@@ -65,7 +65,7 @@ pub async fn list(
     let pairs = query_pairs(raw.as_deref());
     let filter = OrderFilter::from_pairs(borrowed(&pairs), &PAGE_PARAMETERS)?;
     let page = Page::from_pairs(borrowed(&pairs), console.settings.console.page_size)?;
-    let found = console.store.search_orders(&filter, &page).await?;
+    let found = console.store.reads().search_orders(&filter, &page).await?;
     let query = filter_query(&filter);
     Ok(super::layout(
         "Orders",

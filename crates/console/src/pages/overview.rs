@@ -300,7 +300,7 @@ mod tests {
 
     #[test]
     fn the_backlog_is_worked_back_from_now() {
-        use sas_store::overview::{Activity, MinuteCount};
+        use sas_store::reads::overview::{Activity, MinuteCount};
         use sas_store::ProcessState;
         let now = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
         let minute =

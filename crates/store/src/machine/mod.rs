@@ -11,9 +11,9 @@
 //! without Postgres, and [`Snapshot::apply`] replays a decision in memory.
 //!
 //! The store loads snapshots and applies decisions
-//! ([`crate::apply`]). Two hot paths, the intake and a forward step's
+//! (`crate::writes::apply`). Two hot paths, the intake and a forward step's
 //! success, are single SQL statements for speed; the property test in
-//! `tests/tests/state_machine.rs` holds them to what this module decides.
+//! `tests/tests/e2e/state_machine.rs` holds them to what this module decides.
 //!
 //! - [`names`]: history events and alert kinds.
 //! - [`dispatch`]: the one constructor of a step request, with its key,

@@ -5,8 +5,9 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
+use super::Reads;
 use crate::model::ProcessState;
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// The history events counted per minute (those the `history_milestones_v2`
 /// index of migration 0011 holds; the query spells them out, and a test
@@ -47,14 +48,14 @@ pub struct Activity {
     pub pending_dead_letters: i64,
 }
 
-impl Store {
+impl Reads<'_> {
     /// The overview's numbers (see [`Activity`]). Counting orders by state
     /// reads every order's process record: callers cache it for a few
     /// seconds rather than ask once per viewer.
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn activity(&self) -> Result<Activity, StoreError> {
+    pub async fn activity(self) -> Result<Activity, StoreError> {
         let by_state = self.count_by_state().await?;
         // The events are written out, not bound: Postgres uses a partial
         // index only when it can prove the query's condition implies the
@@ -90,7 +91,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn known_agents(&self) -> Result<Vec<String>, StoreError> {
+    pub async fn known_agents(self) -> Result<Vec<String>, StoreError> {
         Ok(
             sqlx::query_scalar("SELECT agent FROM admission ORDER BY agent")
                 .fetch_all(self.pool())
@@ -105,7 +106,7 @@ mod tests {
 
     #[test]
     fn the_milestones_are_those_the_index_and_the_query_name() {
-        let migration = include_str!("../migrations/0011_milestones_with_resubmissions.sql");
+        let migration = include_str!("../../migrations/0011_milestones_with_resubmissions.sql");
         let source = include_str!("overview.rs");
         for event in MILESTONES {
             assert!(

@@ -15,10 +15,11 @@ use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 use sqlx::Row;
 use uuid::Uuid;
 
+use super::Writes;
 use crate::machine::dispatch::payload;
 use crate::machine::{status, storable, StepRow};
 use crate::model::{Dispatch, Progress};
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// What the fast path did for one reply.
 pub(crate) struct Completed {
@@ -30,12 +31,12 @@ pub(crate) struct Completed {
     pub latency_secs: f64,
 }
 
-impl Store {
+impl Writes<'_> {
     /// Applies successful replies to forward steps, at most one per order,
     /// in one statement. Returns what was done, by order id; a reply whose
     /// order is missing from the map changed nothing.
     pub(crate) async fn complete_steps_fast(
-        &self,
+        self,
         replies: &[(&StepReply, &serde_json::Value)],
         actor: &str,
     ) -> Result<HashMap<String, Completed>, StoreError> {

@@ -4,11 +4,12 @@ use chrono::{DateTime, Utc};
 use sas_messages::storable::storable_text;
 use sas_messages::OrderId;
 
-use crate::apply::{transition, Decided, Slots};
+use super::apply::{transition, Decided, Slots};
+use super::Writes;
 pub use crate::machine::RecoveryPolicy;
 use crate::machine::{Event, Verdict};
 use crate::model::{ProcessState, Progress};
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// One decision of the supervisor about one order.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,7 +28,7 @@ pub struct Recovery {
     pub progress: Progress,
 }
 
-impl Store {
+impl Writes<'_> {
     /// Finds up to `limit` held orders whose deadline has passed and has the
     /// state machine decide for each (see [`Event::DeadlineMissed`]): back to
     /// a scheduler after a growing, jittered wait; or, past `max_failures`,
@@ -42,7 +43,7 @@ impl Store {
     /// # Errors
     /// When the database fails; nothing was changed then.
     pub async fn recover_expired(
-        &self,
+        self,
         actor: &str,
         policy: &RecoveryPolicy,
         limit: i64,
@@ -57,7 +58,7 @@ impl Store {
     /// # Errors
     /// When the database fails; nothing was changed then.
     pub async fn recover_expired_with(
-        &self,
+        self,
         actor: &str,
         policy: &RecoveryPolicy,
         limit: i64,
@@ -81,7 +82,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let due: Vec<&str> = due.iter().map(String::as_str).collect();
-        let decided = transition(&mut tx, self, &due, actor, Slots::Check, |_| {
+        let decided = transition(&mut tx, self.store, &due, actor, Slots::Check, |_| {
             Event::DeadlineMissed {
                 policy,
                 jitter: jitter(),
@@ -125,7 +126,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn record_dead_letter(
-        &self,
+        self,
         source_queue: Option<&str>,
         reason: &str,
         order_id: Option<&str>,

@@ -4,10 +4,11 @@
 use sas_messages::AttemptId;
 use serde::Serialize;
 
-use crate::apply::Decided;
+use super::apply::Decided;
+use super::Writes;
 use crate::machine::{Event, ResubmitAction, Verdict};
 use crate::model::{ProcessState, Progress};
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// An operator's action on orders one by one, as the console and `sasctl`
 /// both offer it (on one order, or in bulk by filter).
@@ -87,7 +88,7 @@ pub enum Cancel {
     NotRunning(ProcessState),
 }
 
-impl Store {
+impl Writes<'_> {
     /// Settles the order a dead-lettered step request or reply belonged to
     /// (see [`Event::DeadLettered`]): a message that kept failing its
     /// consumer will fail again, so a forward run is compensated and a
@@ -98,7 +99,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn settle_dead_letter(
-        &self,
+        self,
         order_id: &str,
         attempt_id: AttemptId,
         reason: &str,
@@ -118,7 +119,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn resubmit(&self, order_id: &str, actor: &str) -> Result<Resubmit, StoreError> {
+    pub async fn resubmit(self, order_id: &str, actor: &str) -> Result<Resubmit, StoreError> {
         let earlier: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM history WHERE order_id = $1 AND event = 'resubmitted'",
         )
@@ -153,7 +154,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn cancel(
-        &self,
+        self,
         order_id: &str,
         reason: &str,
         actor: &str,

@@ -2,8 +2,9 @@
 //! resolve it with a note. Each is recorded in the order's history with who
 //! did it, beside the transitions the state machine decides.
 
+use super::Writes;
 use crate::machine::HistoryEvent;
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// What became of an operator's action on an alert.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,13 +17,13 @@ pub enum AlertAction {
     AlreadyResolved,
 }
 
-impl Store {
+impl Writes<'_> {
     /// Marks an open alert acknowledged by `actor`. Acknowledging it again
     /// keeps the first acknowledgement.
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn acknowledge_alert(&self, id: i64, actor: &str) -> Result<AlertAction, StoreError> {
+    pub async fn acknowledge_alert(self, id: i64, actor: &str) -> Result<AlertAction, StoreError> {
         self.act_on_alert(
             id,
             actor,
@@ -40,7 +41,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn resolve_alert(
-        &self,
+        self,
         id: i64,
         note: &str,
         actor: &str,
@@ -57,7 +58,7 @@ impl Store {
     }
 
     async fn act_on_alert(
-        &self,
+        self,
         id: i64,
         actor: &str,
         statement: &'static str,

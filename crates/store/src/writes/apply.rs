@@ -22,6 +22,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use super::Writes;
 use crate::machine::admission::has_room;
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot, StepRow};
 use crate::{Store, StoreError};
@@ -139,21 +140,28 @@ impl Room {
     }
 }
 
-impl Store {
+impl Writes<'_> {
     /// [`transition`] for one order and one event, in a transaction of its
     /// own. `None` when the order does not exist.
     ///
     /// # Errors
     /// When the database fails; nothing changed then.
     pub(crate) async fn transition_one(
-        &self,
+        self,
         order_id: &str,
         event: &Event<'_>,
         actor: &str,
     ) -> Result<Option<Decided>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let decided =
-            transition(&mut tx, self, &[order_id], actor, Slots::Check, |_| *event).await?;
+        let decided = transition(
+            &mut tx,
+            self.store,
+            &[order_id],
+            actor,
+            Slots::Check,
+            |_| *event,
+        )
+        .await?;
         tx.commit().await?;
         Ok(decided.into_iter().next())
     }

@@ -8,9 +8,10 @@ use sas_messages::SubmitOrder;
 use sqlx::Row;
 use uuid::Uuid;
 
+use super::Writes;
 use crate::machine::{decide, Context, Event, Snapshot};
 use crate::model::{NewStep, Progress};
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// What became of a submitted order.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,13 +110,13 @@ impl Batch<'_> {
     }
 }
 
-impl Store {
+impl Writes<'_> {
     /// Stores `order` (of trace `trace_id`); see [`Store::insert_orders`].
     ///
     /// # Errors
     /// When the database fails; the submission should then be redelivered.
     pub async fn insert_order(
-        &self,
+        self,
         order: &SubmitOrder,
         workflow: &str,
         steps: &[NewStep],
@@ -144,7 +145,7 @@ impl Store {
     /// An order id already stored (or seen earlier in the same batch) is a
     /// duplicate when the content is the same, and a conflict otherwise.
     pub async fn insert_orders(
-        &self,
+        self,
         submissions: &[Submission],
         workflow: &str,
         steps: &[NewStep],
@@ -222,7 +223,7 @@ impl Store {
     /// # Errors
     /// When the database is away, or the batch held a single order.
     async fn store_distinct(
-        &self,
+        self,
         batch: &Batch<'_>,
         distinct: &[usize],
         attempt_ids: &[Uuid],
@@ -260,7 +261,7 @@ impl Store {
     /// statement; returns, per order inserted, when it was received (the
     /// statement's `now()`). Orders already stored are left out.
     async fn insert_batch(
-        &self,
+        self,
         batch: &Batch<'_>,
         indices: &[usize],
         attempt_ids: &[Uuid],
@@ -399,7 +400,7 @@ impl Store {
     /// An order id that was already stored: a duplicate if `body` is what
     /// was stored, a conflict otherwise.
     async fn existing(
-        &self,
+        self,
         order_id: &str,
         body: &serde_json::Value,
     ) -> Result<Intake, StoreError> {

@@ -1,15 +1,17 @@
-//! Read models: what `sasctl` shows and what metrics count.
+//! Read models: what operators and clients are shown of one order, of
+//! alerts and dead letters, and what metrics count.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
+use super::Reads;
 use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
-use crate::{Store, StoreError};
+use crate::StoreError;
 
-/// One line of `sasctl orders list`.
+/// An order's process record, as its detail shows it.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct OrderSummary {
     /// The client's order id.
@@ -163,32 +165,12 @@ pub struct DeadLetter {
 
 const SUMMARY_COLUMNS: &str = "order_id, state, locked_by, complete_by, failure_count, not_before, last_error, created_at, updated_at";
 
-impl Store {
-    /// The most recently changed orders, optionally in one state.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn list_orders(
-        &self,
-        state: Option<ProcessState>,
-        limit: i64,
-    ) -> Result<Vec<OrderSummary>, StoreError> {
-        Ok(sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT {SUMMARY_COLUMNS} FROM order_process
-              WHERE $1::process_state IS NULL OR state = $1
-              ORDER BY updated_at DESC LIMIT $2"
-        )))
-        .bind(state)
-        .bind(limit)
-        .fetch_all(self.pool())
-        .await?)
-    }
-
+impl Reads<'_> {
     /// Everything about one order, or `None` if no such order exists.
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn order_detail(&self, order_id: &str) -> Result<Option<OrderDetail>, StoreError> {
+    pub async fn order_detail(self, order_id: &str) -> Result<Option<OrderDetail>, StoreError> {
         let Some((summary, steps)) = self.order_status(order_id).await? else {
             return Ok(None);
         };
@@ -208,7 +190,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn order_status(
-        &self,
+        self,
         order_id: &str,
     ) -> Result<Option<(OrderSummary, Vec<StepView>)>, StoreError> {
         let summary: Option<OrderSummary> = sqlx::query_as(AssertSqlSafe(format!(
@@ -237,7 +219,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn order_delivery(&self, order_id: &str) -> Result<Option<Delivery>, StoreError> {
+    pub async fn order_delivery(self, order_id: &str) -> Result<Option<Delivery>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT reply_to, reply_correlation_id, priority, waiting_for
                FROM order_process WHERE order_id = $1",
@@ -252,10 +234,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn order_body(
-        &self,
-        order_id: &str,
-    ) -> Result<Option<serde_json::Value>, StoreError> {
+    pub async fn order_body(self, order_id: &str) -> Result<Option<serde_json::Value>, StoreError> {
         Ok(
             sqlx::query_scalar("SELECT body FROM orders WHERE order_id = $1")
                 .bind(order_id)
@@ -268,7 +247,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn history(&self, order_id: &str) -> Result<Vec<HistoryEntry>, StoreError> {
+    pub async fn history(self, order_id: &str) -> Result<Vec<HistoryEntry>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT at, actor, event, step, attempt_id, detail
                FROM history WHERE order_id = $1 ORDER BY id",
@@ -283,7 +262,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn alerts(
-        &self,
+        self,
         include_resolved: bool,
         limit: i64,
     ) -> Result<Vec<Alert>, StoreError> {
@@ -302,7 +281,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>, StoreError> {
+    pub async fn dead_letters(self, limit: i64) -> Result<Vec<DeadLetter>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT id, at, source_queue, reason, order_id, body, disposition, disposed_at,
                     disposed_by FROM dead_letters
@@ -320,7 +299,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn count_open_by_state(&self) -> Result<Vec<(ProcessState, i64)>, StoreError> {
+    pub async fn count_open_by_state(self) -> Result<Vec<(ProcessState, i64)>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT state, count(*) FROM order_process
               WHERE state NOT IN ('processed', 'compensated') GROUP BY state",
@@ -338,7 +317,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn count_overdue_and_open_alerts(
-        &self,
+        self,
         overdue_after: std::time::Duration,
     ) -> Result<(i64, i64), StoreError> {
         Ok(sqlx::query_as(
@@ -357,7 +336,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn count_by_state(&self) -> Result<Vec<(ProcessState, i64)>, StoreError> {
+    pub async fn count_by_state(self) -> Result<Vec<(ProcessState, i64)>, StoreError> {
         Ok(
             sqlx::query_as("SELECT state, count(*) FROM order_process GROUP BY state")
                 .fetch_all(self.pool())

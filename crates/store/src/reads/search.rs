@@ -17,8 +17,9 @@ use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 use sqlx::{Postgres, QueryBuilder};
 
+use super::Reads;
 use crate::model::ProcessState;
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// Longest page a caller may ask for.
 pub const MAX_PAGE: i64 = 500;
@@ -409,13 +410,13 @@ pub struct OrderPage {
     pub next: Option<String>,
 }
 
-impl Store {
+impl Reads<'_> {
     /// One page of the orders `filter` selects, newest first.
     ///
     /// # Errors
     /// When the database fails.
     pub async fn search_orders(
-        &self,
+        self,
         filter: &OrderFilter,
         page: &Page,
     ) -> Result<OrderPage, StoreError> {
@@ -454,7 +455,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn count_orders(
-        &self,
+        self,
         filter: &OrderFilter,
         eligible: &[ProcessState],
     ) -> Result<i64, StoreError> {
@@ -474,7 +475,7 @@ impl Store {
     /// # Errors
     /// When the database fails.
     pub async fn select_order_ids(
-        &self,
+        self,
         filter: &OrderFilter,
         eligible: &[ProcessState],
         limit: i64,

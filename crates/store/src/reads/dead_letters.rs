@@ -1,16 +1,11 @@
-//! What operators do with recorded dead letters: replay one to the queue it
-//! came from, or discard it. The record keeps what was done, when and by
-//! whom, and the order's history says it too.
-//!
-//! The store only records the disposition; publishing the replayed message
-//! is the caller's (it holds the broker connection). A replay is recorded
-//! only after the broker confirmed the message, so a record never says
-//! "replayed" for a message that was not.
+//! Recorded dead letters as operators see them, and whether one may be
+//! replayed (to where, and what). Recording what was done with one is a
+//! write: [`crate::writes::dead_letters`].
 
 use sas_messages::QueueNames;
 
-use crate::machine::HistoryEvent;
-use crate::{Store, StoreError};
+use super::Reads;
+use crate::StoreError;
 
 /// Why a dead letter cannot be replayed: what to tell the operator.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -47,25 +42,6 @@ pub struct Replay {
     pub body: String,
 }
 
-/// What an operator did with a dead letter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
-    /// Published again to its source queue.
-    Replayed,
-    /// Dropped: nothing will be done with it.
-    Discarded,
-}
-
-impl Disposition {
-    /// The name stored in `dead_letters.disposition`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Replayed => "replayed",
-            Self::Discarded => "discarded",
-        }
-    }
-}
-
 /// A dead letter an operator may act on: what a replay needs.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct DeadLetterRecord {
@@ -83,12 +59,12 @@ pub struct DeadLetterRecord {
     pub disposition: Option<String>,
 }
 
-impl Store {
+impl Reads<'_> {
     /// One recorded dead letter, or `None`.
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn dead_letter(&self, id: i64) -> Result<Option<DeadLetterRecord>, StoreError> {
+    pub async fn dead_letter(self, id: i64) -> Result<Option<DeadLetterRecord>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT id, source_queue, reason, order_id, body, disposition
                FROM dead_letters WHERE id = $1",
@@ -106,7 +82,7 @@ impl Store {
     /// # Errors
     /// [`NotReplayable`] saying why not (the outer error when the database fails).
     pub async fn replay_of(
-        &self,
+        self,
         id: i64,
         names: &QueueNames,
     ) -> Result<Result<Replay, NotReplayable>, StoreError> {
@@ -135,53 +111,5 @@ impl Store {
             queue,
             body: letter.body,
         }))
-    }
-
-    /// Records that `actor` replayed or discarded dead letter `id`, unless
-    /// something was done with it already; returns whether this call
-    /// recorded it. The order's history says it too.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn dispose_dead_letter(
-        &self,
-        id: i64,
-        disposition: Disposition,
-        actor: &str,
-    ) -> Result<bool, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        let updated: Option<(Option<String>, Option<String>)> = sqlx::query_as(
-            "UPDATE dead_letters SET disposition = $2, disposed_at = now(), disposed_by = $3
-              WHERE id = $1 AND disposition IS NULL RETURNING order_id, source_queue",
-        )
-        .bind(id)
-        .bind(disposition.as_str())
-        .bind(actor)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((order_id, source)) = updated else {
-            tx.commit().await?;
-            return Ok(false);
-        };
-        if let Some(order_id) = order_id {
-            let event = match disposition {
-                Disposition::Replayed => HistoryEvent::DeadLetterReplayed,
-                Disposition::Discarded => HistoryEvent::DeadLetterDiscarded,
-            };
-            sqlx::query(
-                "INSERT INTO history (order_id, actor, event, detail) VALUES ($1, $2, $3, $4)",
-            )
-            .bind(order_id)
-            .bind(actor)
-            .bind(event.as_str())
-            .bind(format!(
-                "dead letter #{id} from {}",
-                source.as_deref().unwrap_or("an unknown queue")
-            ))
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
     }
 }

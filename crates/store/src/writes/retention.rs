@@ -8,7 +8,8 @@
 
 use std::time::Duration;
 
-use crate::{Store, StoreError};
+use super::Writes;
+use crate::StoreError;
 
 /// What one retention pass may delete.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +31,7 @@ pub struct Retired {
     pub dead_letters: u64,
 }
 
-impl Store {
+impl Writes<'_> {
     /// Deletes at most one batch of finished orders and one of dead letters
     /// past their age. Orders held by someone else are skipped, not waited
     /// for, so several supervisors share the work and live traffic is not
@@ -38,7 +39,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn retire(&self, retention: &Retention) -> Result<Retired, StoreError> {
+    pub async fn retire(self, retention: &Retention) -> Result<Retired, StoreError> {
         let mut retired = Retired::default();
         if let Some(age) = retention.finished {
             retired.orders = self
@@ -62,7 +63,7 @@ impl Store {
     }
 
     async fn retire_with(
-        &self,
+        self,
         sql: &'static str,
         age: Duration,
         batch: i32,

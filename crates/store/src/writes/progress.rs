@@ -5,17 +5,18 @@
 //! reads its snapshot, asks the state machine ([`crate::machine`]) what to
 //! do, and writes the decision; the caller publishes the returned
 //! [`Progress`] only after the commit. Successes of forward steps, nearly
-//! every reply, take the batched statement of [`crate::fast`] instead.
+//! every reply, take the batched statement of [`super::fast`] instead.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use sas_messages::{StepOutcome, StepReply};
 
-use crate::apply::{transition, Decided, Slots};
+use super::apply::{transition, Decided, Slots};
+use super::Writes;
 use crate::machine::{Event, Verdict};
 use crate::model::Progress;
-use crate::{Store, StoreError};
+use crate::StoreError;
 
 /// What became of an agent's reply.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,7 +47,7 @@ pub struct Claimed {
     pub waited: Option<(String, std::time::Duration)>,
 }
 
-impl Store {
+impl Writes<'_> {
     /// Claims up to `limit` orders that are ready to run for `actor`, and
     /// starts each one's next attempt, in one transaction: first the heads of
     /// the agents' lines, as many as each agent has free slots (in
@@ -61,7 +62,7 @@ impl Store {
     ///
     /// # Errors
     /// When the database fails; nothing is claimed then.
-    pub async fn claim_ready(&self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+    pub async fn claim_ready(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut claimed = self.claim_heads(actor, limit).await?;
         let left = limit - claimed.len() as i64;
         if left > 0 {
@@ -72,7 +73,7 @@ impl Store {
 
     /// The heads of the agents' lines, as many as each has free slots, in
     /// one transaction that holds each served agent's admission row.
-    async fn claim_heads(&self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+    async fn claim_heads(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let lines: Vec<(String, i64)> = sqlx::query_as(
             "SELECT agent, (admit_limit - in_flight)::int8 FROM admission
@@ -108,7 +109,7 @@ impl Store {
     /// Orders back from the supervisor's backoff and compensations nobody
     /// holds, oldest first: each takes a slot if one is free, or joins its
     /// agent's line.
-    async fn claim_due(&self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+    async fn claim_due(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let due: Vec<String> = sqlx::query_scalar(
             "SELECT order_id FROM order_process
@@ -128,7 +129,7 @@ impl Store {
     /// `admitted`: each already has a slot of its agent; otherwise each is
     /// checked for one, and joins its agent's line without.
     async fn start_claimed(
-        &self,
+        self,
         mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
         ids: &[String],
         actor: &str,
@@ -142,7 +143,8 @@ impl Store {
         }
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
         let slots = if admitted { Slots::Held } else { Slots::Check };
-        let decided = transition(&mut tx, self, &ids, actor, slots, |_| Event::Claimed).await?;
+        let decided =
+            transition(&mut tx, self.store, &ids, actor, slots, |_| Event::Claimed).await?;
         let claimed = decided
             .into_iter()
             .filter(|d| d.decision.verdict == Verdict::Applied)
@@ -174,7 +176,7 @@ impl Store {
     /// other reply, and any the statement left alone, takes
     /// [`Store::record_reply`], a transaction of its own.
     pub async fn record_replies(
-        &self,
+        self,
         replies: &[StepReply],
         actor: &str,
     ) -> Vec<Result<ReplyOutcome, StoreError>> {
@@ -240,7 +242,7 @@ impl Store {
     /// # Errors
     /// When the database fails; the reply should then be redelivered.
     pub async fn record_reply(
-        &self,
+        self,
         reply: &StepReply,
         actor: &str,
     ) -> Result<ReplyOutcome, StoreError> {
