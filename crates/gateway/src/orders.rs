@@ -20,7 +20,8 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use sas_broker::publish::{json_properties, order_headers, Outgoing};
 use sas_messages::SubmitOrder;
-use sas_store::reads::queries::{OrderSummary, StepView};
+use sas_store::machine::StepRow;
+use sas_store::reads::queries::OrderSummary;
 use sas_store::ProcessState;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -85,7 +86,7 @@ pub struct OrderStatusView {
 }
 
 impl OrderStatusView {
-    fn new(summary: &OrderSummary, steps: &[StepView]) -> Self {
+    fn new(summary: &OrderSummary, steps: &[StepRow]) -> Self {
         let outcome = match summary.state {
             ProcessState::Processed => Some("processed"),
             ProcessState::Compensated => Some("compensated"),

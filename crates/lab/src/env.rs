@@ -11,7 +11,6 @@ use sas_store::connect::SslMode;
 use sas_store::{DatabaseSettings, ProcessState, Store};
 use sqlx::Connection as _;
 
-use crate::process::bin_dir;
 use crate::servers::ServerGuard;
 
 /// The built-in order workflow: (step, agent, action, compensation).
@@ -23,6 +22,24 @@ pub(crate) const STEPS: [(&str, &str, &str, &str); 3] = [
 
 /// Agents of the built-in workflow.
 pub const AGENTS: [&str; 3] = ["inventory", "payment", "shipping"];
+
+/// The folder holding the workspace's binaries (`target/debug` or
+/// `target/release`), found from the running executable.
+///
+/// # Panics
+/// When the test executable's path is unusual.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().expect("the executable has a folder");
+    // A binary of the workspace (the benchmark) lives beside the services;
+    // a test executable one level down, in deps/.
+    if dir.join("scheduler").exists() {
+        return dir.to_path_buf();
+    }
+    dir.parent()
+        .expect("test binary lives in target/<profile>/deps")
+        .to_path_buf()
+}
 
 /// A test's own database and queue prefix, dropped when the value is,
 /// and its hold on the servers they live on ([`crate::servers`]).

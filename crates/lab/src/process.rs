@@ -13,23 +13,7 @@ use crate::settings::Setting;
 use crate::sim::SimClient;
 use crate::TestEnv;
 
-/// The folder holding the workspace's binaries (`target/debug` or
-/// `target/release`), found from the running executable.
-///
-/// # Panics
-/// When the test executable's path is unusual.
-pub fn bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe.parent().expect("the executable has a folder");
-    // A binary of the workspace (the benchmark) lives beside the services;
-    // a test executable one level down, in deps/.
-    if dir.join("scheduler").exists() {
-        return dir.to_path_buf();
-    }
-    dir.parent()
-        .expect("test binary lives in target/<profile>/deps")
-        .to_path_buf()
-}
+pub use crate::env::bin_dir;
 
 /// One running service process; killed (SIGKILL) if dropped while running.
 pub struct Service {

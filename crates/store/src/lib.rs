@@ -33,6 +33,7 @@ mod error;
 pub mod machine;
 pub mod model;
 pub mod reads;
+mod step_columns;
 pub mod timing;
 pub mod writes;
 

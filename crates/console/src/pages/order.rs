@@ -8,7 +8,8 @@ use axum::extract::{Path, Query, State};
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use maud::{html, Markup};
-use sas_store::reads::queries::{Delivery, OrderDetail, StepView};
+use sas_store::machine::StepRow;
+use sas_store::reads::queries::{Delivery, OrderDetail};
 use sas_store::{ProcessState, StepState};
 use serde::Deserialize;
 
@@ -47,7 +48,7 @@ pub async fn load(console: &Console, order_id: &str) -> Result<OrderView, Failur
 
 /// The steps still to run (forward) or to undo (compensating), in the
 /// order they will go; empty once the order has ended.
-pub fn remaining(state: ProcessState, steps: &[StepView]) -> (&'static str, Vec<&StepView>) {
+pub fn remaining(state: ProcessState, steps: &[StepRow]) -> (&'static str, Vec<&StepRow>) {
     match state {
         ProcessState::Pending | ProcessState::Processing => (
             "to run",
@@ -170,7 +171,7 @@ fn what_remains(detail: &OrderDetail) -> Markup {
 
 /// The steps table: each step with its attempts, deadline, idempotency
 /// key, error and results.
-fn steps_table(steps: &[StepView]) -> Markup {
+fn steps_table(steps: &[StepRow]) -> Markup {
     html! {
         h2 { "Steps" }
         table #steps {

@@ -7,8 +7,9 @@ use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use super::Reads;
-use crate::machine::{AlertKind, HistoryEvent};
-use crate::model::{ProcessState, StepState};
+use crate::machine::{AlertKind, HistoryEvent, StepRow};
+use crate::model::ProcessState;
+use crate::step_columns::{step_select, BESIDE_ORDER};
 use crate::StoreError;
 
 /// An order's process record, as its detail shows it.
@@ -32,42 +33,6 @@ pub struct OrderSummary {
     pub created_at: DateTime<Utc>,
     /// Last change.
     pub updated_at: DateTime<Utc>,
-}
-
-/// One step of an order, for `sasctl orders show`.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct StepView {
-    /// Position in the workflow, from 0.
-    pub position: i32,
-    /// Step name.
-    pub name: String,
-    /// Agent that runs it.
-    pub agent: String,
-    /// Remote operation of the step.
-    pub action: String,
-    /// Remote operation that undoes it, if any.
-    pub compensation: Option<String>,
-    /// Deadline of one attempt, in milliseconds.
-    pub timeout_ms: i32,
-    /// Step state.
-    pub state: StepState,
-    /// Attempts so far.
-    pub attempt: i32,
-    /// Current attempt id (the correlation id of the request in flight).
-    pub attempt_id: Option<Uuid>,
-    /// Deadline of the current attempt.
-    pub complete_by: Option<DateTime<Utc>>,
-    /// Key the remote service deduplicates on.
-    pub idempotency_key: String,
-    /// What the remote service answered.
-    pub result: Option<serde_json::Value>,
-    /// Last error seen.
-    pub last_error: Option<String>,
-    /// Some attempt may have reached the remote without a known outcome:
-    /// compensation undoes the step even if it never completed.
-    pub maybe_applied: bool,
-    /// What the undo's remote answered.
-    pub undo_result: Option<serde_json::Value>,
 }
 
 /// One history row.
@@ -109,7 +74,7 @@ pub struct OrderDetail {
     /// The order as submitted.
     pub body: serde_json::Value,
     /// Its steps.
-    pub steps: Vec<StepView>,
+    pub steps: Vec<StepRow>,
     /// Its history, oldest first.
     pub history: Vec<HistoryEntry>,
 }
@@ -192,7 +157,7 @@ impl Reads<'_> {
     pub async fn order_status(
         self,
         order_id: &str,
-    ) -> Result<Option<(OrderSummary, Vec<StepView>)>, StoreError> {
+    ) -> Result<Option<(OrderSummary, Vec<StepRow>)>, StoreError> {
         let summary: Option<OrderSummary> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT {SUMMARY_COLUMNS} FROM order_process WHERE order_id = $1"
         )))
@@ -202,15 +167,17 @@ impl Reads<'_> {
         let Some(summary) = summary else {
             return Ok(None);
         };
-        let steps = sqlx::query_as(
-            "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
-                    attempt_id, complete_by, idempotency_key, result, last_error,
-                    maybe_applied, undo_result
-               FROM steps WHERE order_id = $1 ORDER BY position",
-        )
+        let steps = sqlx::query(concat!(
+            "SELECT ",
+            step_select!(),
+            " FROM steps s WHERE s.order_id = $1 ORDER BY s.position"
+        ))
         .bind(order_id)
         .fetch_all(self.pool())
-        .await?;
+        .await?
+        .iter()
+        .map(|row| BESIDE_ORDER.read(row))
+        .collect::<Result<_, _>>()?;
         Ok(Some((summary, steps)))
     }
 

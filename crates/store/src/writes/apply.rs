@@ -24,7 +24,8 @@ use uuid::Uuid;
 
 use super::Writes;
 use crate::machine::admission::has_room;
-use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot, StepRow};
+use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
+use crate::step_columns::{step_select, BESIDE_ORDER};
 use crate::{Store, StoreError};
 
 /// What one transition decided about one order, with what it decided on.
@@ -178,21 +179,19 @@ async fn load_snapshots(
     conn: &mut PgConnection,
     order_ids: &[&str],
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
-    let rows = sqlx::query(
+    let rows = sqlx::query(concat!(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
-                o.body, now() AS now,
-                s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
-                s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
-                s.idempotency_key, s.result, s.last_error AS step_last_error,
-                s.maybe_applied, s.undo_generation, s.undo_refused, s.undo_result
+                o.body, now() AS now, ",
+        step_select!(),
+        "
            FROM order_process p
            JOIN orders o ON o.order_id = p.order_id
            JOIN steps s ON s.order_id = p.order_id
           WHERE p.order_id = ANY($1)
           ORDER BY p.order_id, s.position
-            FOR UPDATE OF p",
-    )
+            FOR UPDATE OF p"
+    ))
     .bind(order_ids)
     .fetch_all(&mut *conn)
     .await?;
@@ -208,7 +207,7 @@ async fn load_snapshots(
     // Rows come ordered by order id, then position.
     for row in &rows {
         let order_id: String = row.try_get("order_id")?;
-        let step = step_from_row(row)?;
+        let step = BESIDE_ORDER.read(row)?;
         match snapshots.get_mut(&order_id) {
             Some(snapshot) => snapshot.steps.push(step),
             None => {
@@ -240,30 +239,6 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
             admit_key: row.try_get("admit_key")?,
         },
         steps: Vec::new(),
-    })
-}
-
-fn step_from_row(row: &PgRow) -> Result<StepRow, StoreError> {
-    Ok(StepRow {
-        position: row.try_get("position")?,
-        name: row.try_get("name")?,
-        agent: row.try_get("agent")?,
-        action: row.try_get("action")?,
-        compensation: row.try_get("compensation")?,
-        timeout_ms: row.try_get("timeout_ms")?,
-        state: row.try_get("step_state")?,
-        attempt: row.try_get("attempt")?,
-        attempt_id: row
-            .try_get::<Option<Uuid>, _>("attempt_id")?
-            .map(AttemptId::from),
-        complete_by: row.try_get("step_complete_by")?,
-        idempotency_key: row.try_get("idempotency_key")?,
-        result: row.try_get("result")?,
-        last_error: row.try_get("step_last_error")?,
-        maybe_applied: row.try_get("maybe_applied")?,
-        undo_generation: row.try_get("undo_generation")?,
-        undo_refused: row.try_get("undo_refused")?,
-        undo_result: row.try_get("undo_result")?,
     })
 }
 

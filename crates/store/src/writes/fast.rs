@@ -11,14 +11,15 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
+use sas_messages::{StatusEvent, StepKind, StepReply};
 use sqlx::Row;
 use uuid::Uuid;
 
 use super::Writes;
 use crate::machine::dispatch::payload;
-use crate::machine::{status, storable, StepRow};
+use crate::machine::{status, storable};
 use crate::model::{Dispatch, Progress};
+use crate::step_columns::NEXT;
 use crate::StoreError;
 
 /// What the fast path did for one reply.
@@ -195,28 +196,8 @@ fn completed_from_row(
         at,
     ));
     match row.try_get::<Option<String>, _>("next_step")? {
-        Some(name) => {
-            let next = StepRow {
-                position: row.try_get("next_position")?,
-                name,
-                agent: row.try_get("next_agent")?,
-                action: row.try_get("next_action")?,
-                compensation: row.try_get("next_compensation")?,
-                timeout_ms: row.try_get("next_timeout_ms")?,
-                state: row.try_get("next_state")?,
-                attempt: row.try_get("next_attempt")?,
-                attempt_id: row
-                    .try_get::<Option<Uuid>, _>("next_attempt_id")?
-                    .map(AttemptId::from),
-                complete_by: row.try_get("next_complete_by")?,
-                idempotency_key: row.try_get("next_key")?,
-                result: row.try_get("next_result")?,
-                last_error: row.try_get("next_last_error")?,
-                maybe_applied: row.try_get("next_maybe_applied")?,
-                undo_generation: row.try_get("next_undo_generation")?,
-                undo_refused: row.try_get("next_undo_refused")?,
-                undo_result: row.try_get("next_undo_result")?,
-            };
+        Some(_) => {
+            let next = NEXT.read(row)?;
             let body: serde_json::Value = row.try_get("body")?;
             let results: serde_json::Value = row.try_get("results")?;
             let results = results.as_object().into_iter().flatten();
