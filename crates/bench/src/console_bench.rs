@@ -9,10 +9,11 @@
 //! Sizes grow in place (100,000, then 900,000 more for 1,000,000), with
 //! `ANALYZE` after each fill, as autovacuum would.
 
+use std::path::Path;
 use std::time::Instant;
 
 use clap::Parser;
-use sas_lab::console::As;
+use sas_lab::console::{As, ConsoleClient};
 use sas_lab::TestEnv;
 use serde::Serialize;
 
@@ -138,6 +139,25 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let (sizes, requests) = sizes_and_requests(&cli)?;
+    let env = TestEnv::new().await;
+    let (_process, console) = env.console(&[]).await;
+    let mut measured = Vec::new();
+    let mut filled = 0u64;
+    for &size in &sizes {
+        fill_to(&env, filled, size).await?;
+        filled = size;
+        for (name, path) in page_paths(&env, &console, size).await? {
+            measured.push(measure(&console, size, name, path, requests).await?);
+        }
+    }
+    print_table(&measured);
+    write_report(&cli.out, &measured)
+}
+
+/// The sizes and the requests per page of this run (`--quick` overrides
+/// both), checked.
+fn sizes_and_requests(cli: &Cli) -> anyhow::Result<(Vec<u64>, usize)> {
     let (sizes, requests) = if cli.quick {
         (vec![2_000], 10)
     } else {
@@ -148,83 +168,119 @@ async fn main() -> anyhow::Result<()> {
         "--orders must be ascending"
     );
     anyhow::ensure!(requests > 0, "--requests must be positive");
-    let env = TestEnv::new().await;
-    let (_process, console) = env.console(&[]).await;
-    let mut measured = Vec::new();
-    let mut filled = 0u64;
-    for &size in &sizes {
-        let started = Instant::now();
-        for from in (filled..size).step_by(100_000) {
-            fill(&env, from, (from + 100_000).min(size)).await?;
-        }
-        filled = size;
-        eprintln!(
-            "{size} orders stored in {:.1}s",
-            started.elapsed().as_secs_f64()
-        );
-        // The cursor 20 pages down, and a 10-minute range in the middle of the day.
-        let mut deep = String::new();
-        for _ in 0..20 {
-            let page: serde_json::Value = console
-                .get(&format!("/api/orders?after={deep}"), As::Viewer)
-                .await
-                .json()
-                .await?;
-            deep = page["next"].as_str().unwrap_or_default().to_owned();
-        }
-        let middle: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
-            "SELECT created_at FROM order_process ORDER BY created_at OFFSET $1 LIMIT 1",
-        )
-        .bind((size / 2) as i64)
-        .fetch_one(env.store.pool())
-        .await?;
-        let encode = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%dT%H:%M:%SZ").to_string();
-        for (name, template) in PAGES {
+    Ok((sizes, requests))
+}
+
+/// Grows the store from `filled` to `size` orders, 100,000 at a time, and
+/// says how long it took.
+async fn fill_to(env: &TestEnv, filled: u64, size: u64) -> anyhow::Result<()> {
+    let started = Instant::now();
+    for from in (filled..size).step_by(100_000) {
+        fill(env, from, (from + 100_000).min(size)).await?;
+    }
+    eprintln!(
+        "{size} orders stored in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Each of [`PAGES`] with its path at this size: the cursor 20 pages down,
+/// and a 10-minute range in the middle of the day, filled in.
+async fn page_paths(
+    env: &TestEnv,
+    console: &ConsoleClient,
+    size: u64,
+) -> anyhow::Result<Vec<(&'static str, String)>> {
+    let mut deep = String::new();
+    for _ in 0..20 {
+        let page: serde_json::Value = console
+            .get(&format!("/api/orders?after={deep}"), As::Viewer)
+            .await
+            .json()
+            .await?;
+        deep = page["next"].as_str().unwrap_or_default().to_owned();
+    }
+    let middle: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "SELECT created_at FROM order_process ORDER BY created_at OFFSET $1 LIMIT 1",
+    )
+    .bind((size / 2) as i64)
+    .fetch_one(env.store.pool())
+    .await?;
+    let encode = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%dT%H:%M:%SZ").to_string();
+    Ok(PAGES
+        .into_iter()
+        .map(|(name, template)| {
             let path = template
                 .replace("{deep}", &deep)
                 .replace("{from}", &encode(middle))
                 .replace("{to}", &encode(middle + chrono::Duration::minutes(10)));
-            let mut times = Vec::with_capacity(requests);
-            let mut rows = 0;
-            for _ in 0..requests {
-                let started = Instant::now();
-                let response = console.get(&path, As::Viewer).await;
-                anyhow::ensure!(
-                    response.status().is_success(),
-                    "{path}: {}",
-                    response.status()
-                );
-                let body = response.text().await?;
-                times.push(started.elapsed().as_secs_f64() * 1000.0);
-                rows = if path.starts_with("/api/") {
-                    serde_json::from_str::<serde_json::Value>(&body)?["orders"]
-                        .as_array()
-                        .map_or(0, Vec::len)
-                } else {
-                    body.matches("data-order=").count()
-                };
-            }
-            times.sort_by(f64::total_cmp);
-            measured.push(Measured {
-                orders: size,
-                page: name,
-                path,
-                rows,
-                p50_ms: percentile(&times, 0.5),
-                p99_ms: percentile(&times, 0.99),
-            });
-        }
+            (name, path)
+        })
+        .collect())
+}
+
+/// Asks the page at `path` `requests` times, one request at a time: its
+/// p50 and p99, and the rows it shows.
+async fn measure(
+    console: &ConsoleClient,
+    orders: u64,
+    page: &'static str,
+    path: String,
+    requests: usize,
+) -> anyhow::Result<Measured> {
+    let mut times = Vec::with_capacity(requests);
+    let mut rows = 0;
+    for _ in 0..requests {
+        let started = Instant::now();
+        let response = console.get(&path, As::Viewer).await;
+        anyhow::ensure!(
+            response.status().is_success(),
+            "{path}: {}",
+            response.status()
+        );
+        let body = response.text().await?;
+        times.push(started.elapsed().as_secs_f64() * 1000.0);
+        rows = rows_shown(&path, &body)?;
     }
+    times.sort_by(f64::total_cmp);
+    Ok(Measured {
+        orders,
+        page,
+        path,
+        rows,
+        p50_ms: percentile(&times, 0.5),
+        p99_ms: percentile(&times, 0.99),
+    })
+}
+
+/// The orders a page shows: the JSON's `orders`, or the HTML's order rows.
+fn rows_shown(path: &str, body: &str) -> anyhow::Result<usize> {
+    Ok(if path.starts_with("/api/") {
+        serde_json::from_str::<serde_json::Value>(body)?["orders"]
+            .as_array()
+            .map_or(0, Vec::len)
+    } else {
+        body.matches("data-order=").count()
+    })
+}
+
+/// Prints the measurements as a Markdown table.
+fn print_table(measured: &[Measured]) {
     println!("| orders | page | rows | p50 ms | p99 ms |\n|---|---|---|---|---|");
-    for m in &measured {
+    for m in measured {
         println!(
             "| {} | {} | {} | {:.1} | {:.1} |",
             m.orders, m.page, m.rows, m.p50_ms, m.p99_ms
         );
     }
-    if let Some(folder) = cli.out.parent() {
+}
+
+/// Writes the measurements as JSON to `out`, making its folder first.
+fn write_report(out: &Path, measured: &[Measured]) -> anyhow::Result<()> {
+    if let Some(folder) = out.parent() {
         std::fs::create_dir_all(folder)?;
     }
-    std::fs::write(&cli.out, serde_json::to_string_pretty(&measured)?)?;
+    std::fs::write(out, serde_json::to_string_pretty(measured)?)?;
     Ok(())
 }

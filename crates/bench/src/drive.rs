@@ -163,6 +163,15 @@ impl StatusListener {
             _task: task,
         })
     }
+
+    /// Waits until `n` orders' `processed` statuses have arrived, or
+    /// `within` has passed: a status may trail the state store a little.
+    pub async fn wait_for_processed(&self, n: usize, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.processed.lock().expect("lock").len() < n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 /// Sums every sample of a counter (all label sets) on a `/metrics` page.

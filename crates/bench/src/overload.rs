@@ -3,6 +3,7 @@
 //! failures: goodput near the remote's capacity, no order failed or
 //! compensated, and urgent orders (priority 9) well ahead of the rest.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use sas_broker::Publisher;
@@ -42,77 +43,103 @@ pub async fn run(
     let capacity = f64::from(CONCURRENCY * 1000) / LATENCY_MS as f64;
     let mut points = Vec::new();
     for (round, &factor) in factors.iter().enumerate() {
-        let rate = capacity * factor;
-        let n = (rate * offer_secs) as usize;
         let prefix = format!("over-{round}-");
-        let ids: Vec<String> = (0..n).map(|i| format!("{prefix}{i}")).collect();
-        let listener = StatusListener::start(env).await?;
-        let urgent = |index: usize| (index % 10 == 9).then_some(9);
-        let started = Instant::now();
-        let sent =
-            publish_with_priority(env, publisher, &ids, rate, Some(&listener.queue), urgent).await;
-        // Every order ends, processed or not.
-        let ended = async {
-            loop {
-                let open: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM order_process
-                      WHERE order_id LIKE $1 || '%' AND state NOT IN ('processed', 'compensated', 'error')",
-                )
-                .bind(&prefix)
-                .fetch_one(env.store.pool())
-                .await
-                .unwrap_or(i64::MAX);
-                if open == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(600), ended)
-            .await
-            .map_err(|_| {
-                anyhow::anyhow!("overload {factor}x: orders still open after 10 minutes")
-            })?;
-        let finished = Instant::now();
-        let failed: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM order_process WHERE order_id LIKE $1 || '%' AND state IN ('compensated', 'error')",
-        )
-        .bind(&prefix)
-        .fetch_one(env.store.pool())
-        .await?;
-        let processed = n as i64 - failed;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while (listener.processed.lock().expect("lock").len() as i64) < processed
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let (mut urgent_ms, mut normal_ms) = (Vec::new(), Vec::new());
-        {
-            let done = listener.processed.lock().expect("lock");
-            for (index, id) in ids.iter().enumerate() {
-                if let (Some(at), Some(end)) = (sent.get(id), done.get(id)) {
-                    let ms = (*end - *at).as_secs_f64() * 1000.0;
-                    if urgent(index).is_some() {
-                        urgent_ms.push(ms);
-                    } else {
-                        normal_ms.push(ms);
-                    }
-                }
-            }
-        }
-        points.push(OverloadPoint {
-            offered_factor: factor,
-            orders: n,
-            capacity_orders_per_sec: capacity,
-            goodput_fraction: processed as f64 / (finished - started).as_secs_f64() / capacity,
-            failed_or_compensated: failed,
-            latency_urgent_ms: percentiles(urgent_ms),
-            latency_normal_ms: percentiles(normal_ms),
-        });
+        points.push(offer(env, publisher, &prefix, factor, capacity, offer_secs).await?);
     }
     for agent in &mut agents {
         agent.kill9().await;
     }
     Ok(points)
+}
+
+/// One offered load: `factor` times the `capacity` for `offer_secs`, as
+/// orders `<prefix>0`, `<prefix>1`..., measured once every one has ended.
+async fn offer(
+    env: &TestEnv,
+    publisher: &Publisher,
+    prefix: &str,
+    factor: f64,
+    capacity: f64,
+    offer_secs: f64,
+) -> anyhow::Result<OverloadPoint> {
+    let rate = capacity * factor;
+    let n = (rate * offer_secs) as usize;
+    let ids: Vec<String> = (0..n).map(|i| format!("{prefix}{i}")).collect();
+    let listener = StatusListener::start(env).await?;
+    let started = Instant::now();
+    let sent =
+        publish_with_priority(env, publisher, &ids, rate, Some(&listener.queue), urgent).await;
+    tokio::time::timeout(Duration::from_secs(600), all_ended(env, prefix))
+        .await
+        .map_err(|_| anyhow::anyhow!("overload {factor}x: orders still open after 10 minutes"))?;
+    let finished = Instant::now();
+    let failed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_process WHERE order_id LIKE $1 || '%' AND state IN ('compensated', 'error')",
+    )
+    .bind(prefix)
+    .fetch_one(env.store.pool())
+    .await?;
+    let processed = n as i64 - failed;
+    // Never negative: the failed are some of the `n`.
+    let arrived = usize::try_from(processed).unwrap_or(0);
+    listener
+        .wait_for_processed(arrived, Duration::from_secs(10))
+        .await;
+    let (urgent_ms, normal_ms) = latencies_by_priority(&listener, &ids, &sent);
+    Ok(OverloadPoint {
+        offered_factor: factor,
+        orders: n,
+        capacity_orders_per_sec: capacity,
+        goodput_fraction: processed as f64 / (finished - started).as_secs_f64() / capacity,
+        failed_or_compensated: failed,
+        latency_urgent_ms: percentiles(urgent_ms),
+        latency_normal_ms: percentiles(normal_ms),
+    })
+}
+
+/// The priority of the order at `index`: one in ten is urgent (9), the
+/// rest have none.
+fn urgent(index: usize) -> Option<u8> {
+    (index % 10 == 9).then_some(9)
+}
+
+/// Returns once every order whose id starts with `prefix` has ended,
+/// processed or not (the caller bounds the wait).
+async fn all_ended(env: &TestEnv, prefix: &str) {
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM order_process
+              WHERE order_id LIKE $1 || '%' AND state NOT IN ('processed', 'compensated', 'error')",
+        )
+        .bind(prefix)
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap_or(i64::MAX);
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Submit-to-processed milliseconds of each order whose `processed` status
+/// arrived, urgent and normal apart.
+fn latencies_by_priority(
+    listener: &StatusListener,
+    ids: &[String],
+    sent: &HashMap<String, Instant>,
+) -> (Vec<f64>, Vec<f64>) {
+    let (mut urgent_ms, mut normal_ms) = (Vec::new(), Vec::new());
+    let done = listener.processed.lock().expect("lock");
+    for (index, id) in ids.iter().enumerate() {
+        if let (Some(at), Some(end)) = (sent.get(id), done.get(id)) {
+            let ms = (*end - *at).as_secs_f64() * 1000.0;
+            if urgent(index).is_some() {
+                urgent_ms.push(ms);
+            } else {
+                normal_ms.push(ms);
+            }
+        }
+    }
+    (urgent_ms, normal_ms)
 }

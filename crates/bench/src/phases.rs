@@ -12,6 +12,7 @@ use crate::drive::{counter_sum, publish, wait_processed, StatusListener};
 use crate::report::{percentiles, Report, ScalingPoint};
 use crate::system::{cpu_secs_by_program, memory_mib, start_agent, BenchSystem};
 use crate::{calibrate, Sizes};
+use sas_lab::sim::SimClient;
 use sas_lab::Setting;
 
 /// Deadline of each step attempt in the benchmark's workflow.
@@ -97,23 +98,11 @@ pub async fn run_all(
         quick: sizes.saturation_orders < 1000,
         ..Report::default()
     };
-
-    progress.set_message("calibrating the broker");
-    report.broker_limit_msgs_per_sec =
-        calibrate::broker_limit(&env, sizes.calibration_messages).await?;
-    progress.inc(1);
-    progress.set_message("calibrating Postgres");
-    report.postgres_limit_commits_per_sec =
-        calibrate::postgres_limit(&env, sizes.calibration_secs).await?;
-    progress.inc(1);
+    calibrate_limits(&env, sizes, &mut report, progress).await?;
 
     progress.set_message("starting the system");
     let (_connection, publisher) = env.broker().await;
-    let mut system = BenchSystem::start(&env, 2).await;
-    publish(&env, &publisher, &ids("warmup-", 20), 0.0, None).await;
-    wait_processed(&env, "warmup-", 20, Duration::from_secs(60)).await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    record_memory(&system, &mut report.rss_idle_mib, false);
+    let mut system = start_warm(&env, &publisher, &mut report).await?;
     if options.overload_only {
         for agent in &mut system.agents {
             agent.kill9().await;
@@ -121,25 +110,80 @@ pub async fn run_all(
         return overload(&env, &publisher, &system, sizes, report, progress).await;
     }
 
+    saturation(&env, &publisher, &system, sizes, &mut report, progress).await?;
+    latency(&env, &publisher, sizes, options, &mut report, progress).await?;
+    if options.throughput_only {
+        return Ok(report);
+    }
+    scaling(&env, &publisher, &mut system, sizes, &mut report, progress).await?;
+    recovery(&env, &publisher, &system, sizes, &mut report, progress).await?;
+    overload(&env, &publisher, &system, sizes, report, progress).await
+}
+
+/// The calibrations: the broker's and Postgres's own limits, against which
+/// the system's figures are read.
+async fn calibrate_limits(
+    env: &TestEnv,
+    sizes: Sizes,
+    report: &mut Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
+    progress.set_message("calibrating the broker");
+    report.broker_limit_msgs_per_sec =
+        calibrate::broker_limit(env, sizes.calibration_messages).await?;
+    progress.inc(1);
+    progress.set_message("calibrating Postgres");
+    report.postgres_limit_commits_per_sec =
+        calibrate::postgres_limit(env, sizes.calibration_secs).await?;
+    progress.inc(1);
+    Ok(())
+}
+
+/// Starts the system with two agent processes and puts a few orders
+/// through it, so that no phase measures a cold start; records the memory
+/// at idle.
+async fn start_warm(
+    env: &TestEnv,
+    publisher: &Publisher,
+    report: &mut Report,
+) -> anyhow::Result<BenchSystem> {
+    let system = BenchSystem::start(env, 2).await;
+    publish(env, publisher, &ids("warmup-", 20), 0.0, None).await;
+    wait_processed(env, "warmup-", 20, Duration::from_secs(60)).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    record_memory(&system, &mut report.rss_idle_mib, false);
+    Ok(system)
+}
+
+/// Saturation: orders published as fast as the broker confirms; the
+/// throughput, and what each order costs in messages, commits, CPU and memory.
+async fn saturation(
+    env: &TestEnv,
+    publisher: &Publisher,
+    system: &BenchSystem,
+    sizes: Sizes,
+    report: &mut Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
     // Every phase's orders name a reply_to queue, as clients that want their
     // outcome do: saturation and latency measure the same work per order.
-    let listener = StatusListener::start(&env).await?;
+    let listener = StatusListener::start(env).await?;
     progress.set_message(format!("saturation: {} orders", sizes.saturation_orders));
     let port = system.scheduler_port;
     let (queued_before, statuses_before) = message_counts(port).await;
-    let commits_before = pg_commits(&env).await;
+    let commits_before = pg_commits(env).await;
     let cpu_before = cpu_secs_by_program();
     let started = Instant::now();
     publish(
-        &env,
-        &publisher,
+        env,
+        publisher,
         &ids("sat-", sizes.saturation_orders),
         0.0,
         Some(&listener.queue),
     )
     .await;
     let finished = wait_processed(
-        &env,
+        env,
         "sat-",
         sizes.saturation_orders,
         Duration::from_secs(600),
@@ -147,40 +191,51 @@ pub async fn run_all(
     .await?;
     report.orders_per_sec = sizes.saturation_orders as f64 / (finished - started).as_secs_f64();
     report.cpu_ms_per_order = cpu_per_order(&cpu_before, sizes.saturation_orders);
-    record_memory(&system, &mut report.rss_mib, true);
+    record_memory(system, &mut report.rss_mib, true);
     // Postgres publishes its statistics about once a second.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (queued_after, statuses_after) = message_counts(port).await;
     let orders = sizes.saturation_orders as f64;
     report.msgs_per_order = (queued_after - queued_before) / orders;
     report.status_msgs_per_order = (statuses_after - statuses_before) / orders;
-    report.pg_commits_per_order = (pg_commits(&env).await - commits_before) / orders;
+    report.pg_commits_per_order = (pg_commits(env).await - commits_before) / orders;
     if report.msgs_per_order > 0.0 {
         report.efficiency =
             report.orders_per_sec / (report.broker_limit_msgs_per_sec / report.msgs_per_order);
     }
     progress.inc(1);
+    Ok(())
+}
 
+/// Latency: orders at a steady rate (half the saturation rate unless told),
+/// each timed from its publish to its `processed` status.
+async fn latency(
+    env: &TestEnv,
+    publisher: &Publisher,
+    sizes: Sizes,
+    options: Options,
+    report: &mut Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
     let rate = options
         .latency_rate
         .unwrap_or((report.orders_per_sec / 2.0).max(1.0));
     let count = ((rate * sizes.latency_secs) as usize).max(30);
     progress.set_message(format!("latency: {count} orders at {rate:.0}/s"));
     // A queue of its own, so no status left from saturation is ahead in line.
-    let listener = StatusListener::start(&env).await?;
+    let listener = StatusListener::start(env).await?;
     let sent = publish(
-        &env,
-        &publisher,
+        env,
+        publisher,
         &ids("lat-", count),
         rate,
         Some(&listener.queue),
     )
     .await;
-    wait_processed(&env, "lat-", count, Duration::from_secs(300)).await?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while listener.processed.lock().expect("lock").len() < count && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_processed(env, "lat-", count, Duration::from_secs(300)).await?;
+    listener
+        .wait_for_processed(count, Duration::from_secs(10))
+        .await;
     let samples: Vec<f64> = {
         let processed = listener.processed.lock().expect("lock");
         sent.iter()
@@ -194,78 +249,118 @@ pub async fn run_all(
     report.latency_ms = percentiles(samples);
     report.latency_rate_orders_per_sec = rate;
     progress.inc(1);
-    if options.throughput_only {
-        return Ok(report);
-    }
+    Ok(())
+}
 
-    // Scaling: the remote service answers in 50 ms and takes one call at a
-    // time from each agent process (agent.concurrency = 1), so the remote
-    // service is the bottleneck; prefetch 2 keeps the next request at hand.
+/// Scaling: the throughput with each number of agent processes while the
+/// remote service is the bottleneck, and how near linear it grows.
+async fn scaling(
+    env: &TestEnv,
+    publisher: &Publisher,
+    system: &mut BenchSystem,
+    sizes: Sizes,
+    report: &mut Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
+    // The remote service answers in 50 ms and takes one call at a time from
+    // each agent process (agent.concurrency = 1), so the remote service is
+    // the bottleneck; prefetch 2 keeps the next request at hand.
     for agent in &mut system.agents {
         agent.kill9().await;
     }
     system.sim.set_faults(None, json!({"latency_ms": 50, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0})).await?;
     for &agents in sizes.scaling_agents {
         progress.set_message(format!("scaling: {agents} agent process(es)"));
-        let one_at_a_time = [Setting::AgentConcurrency(1), Setting::AmqpPrefetch(2)];
-        let mut running: Vec<_> = (0..agents)
-            .map(|i| start_agent(&env, &system.sim, 100 + agents * 10 + i, &one_at_a_time))
-            .collect();
-        let warm = format!("scale-{agents}-warm-");
-        publish(&env, &publisher, &ids(&warm, agents), 0.0, None).await;
-        wait_processed(&env, &warm, agents, Duration::from_secs(60)).await?;
-        let prefix = format!("scale-{agents}-run-");
-        let n = sizes.scaling_orders_per_agent * agents;
-        let started = Instant::now();
-        publish(&env, &publisher, &ids(&prefix, n), 0.0, None).await;
-        let finished = wait_processed(&env, &prefix, n, Duration::from_secs(600)).await?;
+        let orders_per_sec = throughput_with_agents(
+            env,
+            publisher,
+            &system.sim,
+            agents,
+            sizes.scaling_orders_per_agent,
+        )
+        .await?;
         report.scaling.push(ScalingPoint {
             agents,
-            orders_per_sec: n as f64 / (finished - started).as_secs_f64(),
+            orders_per_sec,
         });
-        for agent in &mut running {
-            agent.kill9().await;
-        }
     }
     if let (Some(first), Some(last)) = (report.scaling.first(), report.scaling.last()) {
         report.scaling_efficiency = (last.orders_per_sec / first.orders_per_sec)
             / (last.agents as f64 / first.agents as f64);
     }
     progress.inc(1);
+    Ok(())
+}
 
+/// One point of the scaling curve: orders/s through `agents` fresh agent
+/// processes, each taking one call at a time, stopped again afterwards.
+async fn throughput_with_agents(
+    env: &TestEnv,
+    publisher: &Publisher,
+    sim: &SimClient,
+    agents: usize,
+    orders_per_agent: usize,
+) -> anyhow::Result<f64> {
+    let one_at_a_time = [Setting::AgentConcurrency(1), Setting::AmqpPrefetch(2)];
+    let mut running: Vec<_> = (0..agents)
+        .map(|i| start_agent(env, sim, 100 + agents * 10 + i, &one_at_a_time))
+        .collect();
+    let warm = format!("scale-{agents}-warm-");
+    publish(env, publisher, &ids(&warm, agents), 0.0, None).await;
+    wait_processed(env, &warm, agents, Duration::from_secs(60)).await?;
+    let prefix = format!("scale-{agents}-run-");
+    let n = orders_per_agent * agents;
+    let started = Instant::now();
+    publish(env, publisher, &ids(&prefix, n), 0.0, None).await;
+    let finished = wait_processed(env, &prefix, n, Duration::from_secs(600)).await?;
+    for agent in &mut running {
+        agent.kill9().await;
+    }
+    Ok(n as f64 / (finished - started).as_secs_f64())
+}
+
+/// Recovery: an agent killed with -9 while orders are in flight, timed
+/// until every order is processed, against the bound the design promises.
+async fn recovery(
+    env: &TestEnv,
+    publisher: &Publisher,
+    system: &BenchSystem,
+    sizes: Sizes,
+    report: &mut Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
     progress.set_message("recovery: kill -9 of an agent under load");
     let mut agents: Vec<_> = (0..2)
-        .map(|i| start_agent(&env, &system.sim, 200 + i, &[]))
+        .map(|i| start_agent(env, &system.sim, 200 + i, &[]))
         .collect();
-    publish(&env, &publisher, &ids("rec-warm-", 2), 0.0, None).await;
-    wait_processed(&env, "rec-warm-", 2, Duration::from_secs(60)).await?;
+    publish(env, publisher, &ids("rec-warm-", 2), 0.0, None).await;
+    wait_processed(env, "rec-warm-", 2, Duration::from_secs(60)).await?;
     let n = sizes.recovery_orders;
     let recovery_ids = ids("rec-", n);
     let publishing = publish(
-        &env,
-        &publisher,
+        env,
+        publisher,
         &recovery_ids,
         (n as f64 / 2.0).max(20.0),
         None,
     );
     let killing = async {
-        while crate::drive::processed(&env, "rec-").await < (n / 4) as i64 {
+        while crate::drive::processed(env, "rec-").await < (n / 4) as i64 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         agents[0].kill9().await;
         Instant::now()
     };
     let (_, killed_at) = tokio::join!(publishing, killing);
-    let recovered = wait_processed(&env, "rec-", n, Duration::from_secs(120)).await?;
+    let recovered = wait_processed(env, "rec-", n, Duration::from_secs(120)).await?;
     report.recovery_secs = (recovered - killed_at).as_secs_f64();
     // complete-by + the supervisor's grace (a fifth of it, as the harness
     // sets) + one scan interval.
     report.recovery_bound_secs = STEP_TIMEOUT_MS as f64 * 1.2 / 1000.0 + SUPERVISOR_INTERVAL_SECS;
-    record_memory(&system, &mut report.rss_mib, true);
+    record_memory(system, &mut report.rss_mib, true);
     progress.inc(1);
     drop(agents);
-
-    overload(&env, &publisher, &system, sizes, report, progress).await
+    Ok(())
 }
 
 /// The last phase: a slow remote service offered more than it can take.

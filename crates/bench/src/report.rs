@@ -99,41 +99,54 @@ impl Report {
             "\nsas benchmark{}",
             if self.quick { " (quick)" } else { "" }
         );
-        let row = |out: &mut String, name: &str, value: String| {
-            let _ = writeln!(out, "  {name:<44} {value}");
-        };
+        self.limit_rows(&mut out);
+        self.saturation_rows(&mut out);
+        self.latency_row(&mut out);
+        self.scaling_rows(&mut out);
+        self.recovery_row(&mut out);
+        self.overload_rows(&mut out);
+        self.memory_rows(&mut out);
+        out
+    }
+
+    /// The calibrations: the limits the system's figures are read against.
+    fn limit_rows(&self, out: &mut String) {
         row(
-            &mut out,
+            out,
             "broker limit (msgs/s, quorum, confirmed)",
             format!("{:.0}", self.broker_limit_msgs_per_sec),
         );
         row(
-            &mut out,
+            out,
             "postgres limit (single-row commits/s)",
             format!("{:.0}", self.postgres_limit_commits_per_sec),
         );
+    }
+
+    /// Saturation: the throughput and what each order costs.
+    fn saturation_rows(&self, out: &mut String) {
         row(
-            &mut out,
+            out,
             "saturation (orders/s, 3 steps)",
             format!("{:.0}", self.orders_per_sec),
         );
         row(
-            &mut out,
+            out,
             "quorum-queue messages per order",
             format!("{:.1}", self.msgs_per_order),
         );
         row(
-            &mut out,
+            out,
             "status messages per order (not quorum)",
             format!("{:.1}", self.status_msgs_per_order),
         );
         row(
-            &mut out,
+            out,
             "postgres commits per order",
             format!("{:.1}", self.pg_commits_per_order),
         );
         row(
-            &mut out,
+            out,
             "efficiency vs broker limit",
             format!("{:.2}", self.efficiency),
         );
@@ -145,13 +158,17 @@ impl Report {
                 .map(|(program, ms)| format!("{program} {ms:.2}"))
                 .collect();
             row(
-                &mut out,
+                out,
                 "cpu ms per order (saturation)",
                 format!("{total:.2}: {}", parts.join(", ")),
             );
         }
+    }
+
+    /// Latency: the percentiles at the rate the phase used.
+    fn latency_row(&self, out: &mut String) {
         row(
-            &mut out,
+            out,
             &format!(
                 "latency at {:.0} orders/s (ms)",
                 self.latency_rate_orders_per_sec
@@ -161,29 +178,42 @@ impl Report {
                 self.latency_ms.p50, self.latency_ms.p95, self.latency_ms.p99
             ),
         );
+    }
+
+    /// Scaling: the throughput at each number of agent processes, and how
+    /// near linear it grew.
+    fn scaling_rows(&self, out: &mut String) {
         for point in &self.scaling {
             row(
-                &mut out,
+                out,
                 &format!("scaling: {} agent process(es), 50 ms remote", point.agents),
                 format!("{:.1} orders/s", point.orders_per_sec),
             );
         }
         row(
-            &mut out,
+            out,
             "scaling efficiency (vs linear)",
             format!("{:.2}", self.scaling_efficiency),
         );
+    }
+
+    /// Recovery: the time after an agent's kill -9, next to its bound.
+    fn recovery_row(&self, out: &mut String) {
         row(
-            &mut out,
+            out,
             "recovery after agent kill -9 (s)",
             format!(
                 "{:.2} (bound {:.1})",
                 self.recovery_secs, self.recovery_bound_secs
             ),
         );
+    }
+
+    /// Overload: goodput, failures and latency by priority at each offered load.
+    fn overload_rows(&self, out: &mut String) {
         for point in &self.overload {
             row(
-                &mut out,
+                out,
                 &format!(
                     "overload {:.0}x ({} orders, capacity {:.0}/s)",
                     point.offered_factor, point.orders, point.capacity_orders_per_sec
@@ -199,16 +229,25 @@ impl Report {
                 ),
             );
         }
+    }
+
+    /// Memory: each binary's resident memory at idle and at its peak.
+    fn memory_rows(&self, out: &mut String) {
         for (binary, peak) in &self.rss_mib {
             let idle = self.rss_idle_mib.get(binary).copied().unwrap_or_default();
             row(
-                &mut out,
+                out,
                 &format!("rss {binary} (MiB)"),
                 format!("idle {idle:.1}  peak {peak:.1}"),
             );
         }
-        out
     }
+}
+
+/// One line of the table: the name in a column wide enough for the
+/// longest, then the value.
+fn row(out: &mut String, name: &str, value: String) {
+    let _ = writeln!(out, "  {name:<44} {value}");
 }
 
 /// Percentiles of `samples` (milliseconds).
