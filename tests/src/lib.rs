@@ -13,6 +13,31 @@
 
 pub use sas_lab::*;
 
+/// The status events a client reads for an order of the built-in workflow
+/// that runs through: what the examples and `sasctl watch` print.
+pub const PROCESSED_EVENTS: [&str; 5] = [
+    "received",
+    "step_completed",
+    "step_completed",
+    "step_completed",
+    "processed",
+];
+
+/// The `disposition` of dead letter `id` in a JSON list of dead letters
+/// (the console's API and `sasctl dead-letters -o json` alike).
+///
+/// # Panics
+/// When `letters` is not a list or holds no dead letter `id`.
+pub fn disposition_of(letters: &serde_json::Value, id: i64) -> serde_json::Value {
+    letters
+        .as_array()
+        .expect("a list of dead letters")
+        .iter()
+        .find(|letter| letter["id"] == id)
+        .unwrap_or_else(|| panic!("dead letter #{id} is listed"))["disposition"]
+        .clone()
+}
+
 pub mod browser;
 pub mod postgres_pair;
 pub mod proxy;

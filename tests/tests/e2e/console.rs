@@ -926,15 +926,7 @@ async fn actions_through_the_json_api_go_through_the_store_and_are_recorded_with
         .json()
         .await
         .unwrap();
-    let disposition = |id: i64| {
-        letters
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|l| l["id"] == id)
-            .unwrap()["disposition"]
-            .clone()
-    };
+    let disposition = |id: i64| sas_tests::disposition_of(&letters, id);
     assert_eq!(disposition(replay_id), "replayed");
     assert_eq!(disposition(unknown_id), "discarded");
     let lines = history(&env, "ord-replayed").await;

@@ -148,13 +148,7 @@ async fn the_python_and_node_clients_read_their_order_to_processed() {
             .collect();
         assert_eq!(
             events,
-            [
-                "received",
-                "step_completed",
-                "step_completed",
-                "step_completed",
-                "processed"
-            ],
+            sas_tests::PROCESSED_EVENTS,
             "{client} client's output"
         );
         assert_eq!(code, 0, "{client} client's exit code");
@@ -382,16 +376,7 @@ async fn every_kind_of_refused_order_is_answered_rejected_through_pika_and_dead_
         .filter(|m| m["correlation_id"] == "c-after")
         .map(|m| m["status"]["event"].as_str().unwrap())
         .collect();
-    assert_eq!(
-        after,
-        [
-            "received",
-            "step_completed",
-            "step_completed",
-            "step_completed",
-            "processed"
-        ]
-    );
+    assert_eq!(after, sas_tests::PROCESSED_EVENTS);
 
     // Each refused message was dead-lettered as before, and recorded.
     let dead = refused.len() + 2; // with rejected.py's and c-missing

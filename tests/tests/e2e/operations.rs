@@ -293,17 +293,7 @@ async fn sasctl_submits_and_watches_an_order_and_shows_it_from_the_state_store()
         .lines()
         .filter_map(|line| line.split_whitespace().nth(2))
         .collect();
-    assert_eq!(
-        events,
-        [
-            "received",
-            "step_completed",
-            "step_completed",
-            "step_completed",
-            "processed"
-        ],
-        "{out}"
-    );
+    assert_eq!(events, sas_tests::PROCESSED_EVENTS, "{out}");
 
     let (code, out) = env
         .sasctl(&[

@@ -92,7 +92,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         step: step.name.clone(),
         kind: sas_messages::StepKind::Action,
         action: "reserve".into(),
-        attempt_id: step.attempt_id.unwrap().into(),
+        attempt_id: step.attempt_id.unwrap(),
         attempt: 1,
         idempotency_key: step.idempotency_key.clone(),
         complete_by: chrono::Utc::now() + chrono::Duration::seconds(30),

@@ -692,12 +692,7 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     let first = env
         .store
         .writes()
-        .settle_dead_letter(
-            "dead-twice",
-            attempt.into(),
-            "delivery_limit",
-            "supervisor-0",
-        )
+        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-0")
         .await
         .unwrap();
     assert!(first.is_some(), "the order is undone");
@@ -710,12 +705,7 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     let second = env
         .store
         .writes()
-        .settle_dead_letter(
-            "dead-twice",
-            attempt.into(),
-            "delivery_limit",
-            "supervisor-1",
-        )
+        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-1")
         .await
         .unwrap();
     assert!(second.is_none(), "nothing changes twice");

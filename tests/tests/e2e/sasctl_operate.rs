@@ -178,15 +178,7 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
     );
     let (_, out) = env.sasctl(&["dead-letters", "-o", "json"]).await;
     let letters: Value = serde_json::from_str(&out).expect("JSON");
-    let disposition = |id: i64| {
-        letters
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|l| l["id"] == id)
-            .unwrap()["disposition"]
-            .clone()
-    };
+    let disposition = |id: i64| sas_tests::disposition_of(&letters, id);
     assert_eq!(disposition(replay), "replayed");
     assert_eq!(disposition(foreign), "discarded");
 }
