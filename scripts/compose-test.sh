@@ -307,6 +307,27 @@ code=$(gateway_call GET "/v1/orders/http-compose-1?wait=60")
   || fail "the gateway's order did not end processed ($code): $(cat "$tmp/gateway.json")"
 say "gateway: an order submitted over HTTP (202) and its outcome read back: processed"
 
+# --- A step that waits: a large order approved by a webhook -------------------------
+# The schedulers run the mounted workflows/ folder; the gateway's client user may
+# publish to the events exchange.
+large_order='{"schema_version": 1, "order_id": "large-compose-1", "customer_id": "cust-http",
+  "items": [{"sku": "SKU-1", "quantity": 1}], "amount_cents": 1300, "currency": "EUR",
+  "workflow": "large_order"}'
+code=$(gateway_call POST /v1/orders "$large_order")
+[ "$code" = 202 ] || fail "the gateway answered $code to a large order (expected 202): $(cat "$tmp/gateway.json")"
+waits_for_approval() {
+  [ "$(sql "SELECT p.state || '/' || s.state FROM order_process p JOIN steps s USING (order_id)
+            WHERE order_id = 'large-compose-1' AND s.name = 'approval'")" = pending/running ]
+}
+wait_for "the large order to wait for its approval" 60 waits_for_approval
+code=$(gateway_call POST /v1/orders/large-compose-1/events \
+  '{"schema_version": 1, "name": "approved", "event_id": "compose-approval-1", "data": {"by": "compose-test"}}')
+[ "$code" = 202 ] || fail "the gateway answered $code to the approval (expected 202): $(cat "$tmp/gateway.json")"
+code=$(gateway_call GET "/v1/orders/large-compose-1?wait=60")
+{ [ "$code" = 200 ] && grep -q '"outcome":"processed"' "$tmp/gateway.json"; } \
+  || fail "the approved large order did not end processed ($code): $(cat "$tmp/gateway.json")"
+say "a large order waited for its approval, approved by a webhook through the gateway: processed"
+
 say "orders: $orders ($states); throughput $burst_rate orders/s ($burst at once, $burst_seconds s);" \
   "$((orders - burst)) at $rate/s through kills, scaling and a broker restart ended $load_seconds s after the first"
 say "ledger: ${ledger% duplicates=*}, duplicates found: $duplicates"

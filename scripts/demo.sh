@@ -3,7 +3,9 @@
 # started, or installed, first) and runs a demo you can watch:
 #   1. one order followed live, step by step;
 #   2. an order whose payment is declined, undone by compensation;
-#   3. 200 orders through flaky remote services (transient faults and hangs);
+#   3. a large order (workflows/large_order.toml) waiting for a person's
+#      approval, approved through the console's API as its button does;
+#   4. 200 orders through flaky remote services (transient faults and hangs);
 # then leaves the system running, with the console on 127.0.0.1:9104, until Ctrl-C.
 #
 #   DEMO_EXIT=1   stop after the demo instead of waiting for Ctrl-C
@@ -52,7 +54,9 @@ for agent in inventory payment shipping; do
   done
 done
 for replica in 1 2; do
-  start "scheduler-$replica" scheduler SAS_HTTP__LISTEN=127.0.0.1:910$replica SAS_SCHEDULER__ID=scheduler-$replica
+  # The shipped workflows (order, the built-in one; return; large_order).
+  start "scheduler-$replica" scheduler SAS_HTTP__LISTEN=127.0.0.1:910$replica SAS_SCHEDULER__ID=scheduler-$replica \
+    SAS_SCHEDULER__WORKFLOW_DIR="$PWD/workflows"
   start "supervisor-$replica" supervisor SAS_HTTP__LISTEN=127.0.0.1:911$replica SAS_SUPERVISOR__ID=supervisor-$replica \
     SAS_SUPERVISOR__BACKOFF_BASE_MS=200
 done
@@ -78,7 +82,34 @@ echo; echo "== 1. one order, followed live"
 sasctl submit --watch || true
 echo; echo "== 2. an order whose payment is declined: the stock reservation is released"
 sasctl submit --amount-cents 5000000 --watch || true
-echo; echo "== 3. 200 orders through remote services with 5% transient faults and 0.5% hangs"
+echo; echo "== 3. a large order waits for a person's approval; the demo operator gives it in the console"
+# What the console's "Send approved" button does, through its JSON API:
+# basic auth as the demo operator, the CSRF token from /api/session.
+console_api() { # method path [curl options...]
+  curl -sS --fail-with-body -K <(printf 'user = "demo:%s"\n' "$console_secret") \
+    -X "$1" "http://127.0.0.1:9104$2" "${@:3}"
+}
+sql() { psql "$SAS_DATABASE__URL" -qtAc "$1"; }
+large=$(sasctl submit --workflow large_order)
+for _ in $(seq 1 150); do
+  [ "$(sql "SELECT p.state || '/' || s.state FROM order_process p JOIN steps s USING (order_id)
+            WHERE order_id = '$large' AND s.name = 'approval'")" = pending/running ] && break
+  sleep 0.2
+done
+sasctl orders show "$large" | sed '/^HISTORY/,$d'
+csrf=$(console_api GET /api/session | sed -n 's/.*"csrf_token":"\([^"]*\)".*/\1/p')
+if answer=$(console_api POST "/api/orders/$large/signal" -H "X-CSRF-Token: $csrf" \
+     -H 'Content-Type: application/json' -d '{"event": "approved"}'); then
+  echo "console: $(printf '%s' "$answer" | sed -n 's/.*"message":"\([^"]*\)".*/\1/p')"
+  for _ in $(seq 1 150); do
+    [ "$(sql "SELECT state FROM order_process WHERE order_id = '$large'")" = processed ] && break
+    sleep 0.2
+  done
+  sasctl orders show "$large" | grep -E '^state|wait|processed' || true
+else
+  echo "the console refused the approval: $answer"
+fi
+echo; echo "== 4. 200 orders through remote services with 5% transient faults and 0.5% hangs"
 sasctl submit --count 200 >/dev/null
 for _ in $(seq 1 300); do
   busy=$(psql "$SAS_DATABASE__URL" -qtAc "SELECT count(*) FROM order_process WHERE state NOT IN ('processed','compensated','error')")

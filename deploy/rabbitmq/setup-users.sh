@@ -25,7 +25,7 @@
 #              compensation requests (default exchange) and dead letters.
 #   agent      declares and consumes P sas.agent.*; publishes replies (default
 #              exchange) and dead letters.
-#   client     publishes to the exchange P sas.orders only (not the default
+#   client     publishes to the exchanges P sas.orders and P sas.events only (not the default
 #              exchange, which reaches every queue); declares and reads only
 #              queues named P sas.client.<its user>.<anything>, its reply_to
 #              queues. Client user names: letters, digits, - and _.
@@ -33,8 +33,9 @@
 #              with passive declares, which RabbitMQ checks against no
 #              permission (access-control guide: queue.declare with
 #              passive=true needs none); publishes replayed dead letters,
-#              step requests and client statuses (default exchange) and
-#              statuses (P sas.status).
+#              step requests and client statuses (default exchange),
+#              statuses (P sas.status) and an operator's events for wait
+#              steps (P sas.events).
 set -eu
 
 prefix=$(printf '%s' "${SAS_AMQP_PREFIX:-}" | sed 's/[].[^$*+?(){}|\\]/\\&/g')
@@ -59,7 +60,7 @@ esac
 # Names of the topology, as regex alternatives (see crates/messages names.rs).
 common="sas\.dead-letter|sas\.dead-letters|sas\.dead-letters\.record|sas\.status"
 agents="sas\.agent\..+"
-work="sas\.orders|sas\.scheduler\.replies|$agents"
+work="sas\.orders|sas\.events|sas\.scheduler\.replies|$agents"
 
 ensure_user() { # user password-variable
   eval "password=\${$2:?$2 must be set: the broker password of $1}"
@@ -96,13 +97,13 @@ grant "$agent" \
 ensure_user "$client" SAS_RABBITMQ_CLIENT_PASSWORD
 grant "$client" \
   "^${prefix}sas\.client\.$client\..+\$" \
-  "^${prefix}sas\.orders\$" \
+  "^${prefix}sas\.(orders|events)\$" \
   "^${prefix}sas\.client\.$client\..+\$"
 
 ensure_user "$console" SAS_RABBITMQ_CONSOLE_PASSWORD
 grant "$console" \
   "^\$" \
-  "^(amq\.default|${prefix}sas\.status)\$" \
+  "^(amq\.default|${prefix}sas\.(status|events))\$" \
   "^\$"
 
 echo "broker users ready: $scheduler $supervisor $agent $client $console (vhost $vhost, prefix '${SAS_AMQP_PREFIX:-}')"

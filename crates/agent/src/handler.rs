@@ -11,7 +11,7 @@ use tracing::Instrument;
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 
-use crate::remote::{bounded_text, is_operation_name, CallResult};
+use crate::remote::{bounded_text, check_request, CallResult};
 use crate::{Agent, Lane};
 
 /// How long a reply the broker did not confirm is sent again before the
@@ -54,12 +54,11 @@ impl Agent {
                 Ok(request) => request,
                 Err(error) => return Consumed::DeadLetter(error.to_string()),
             };
-        if !is_operation_name(&request.action) {
-            tracing::warn!(order_id = %request.order_id, action = %bounded_text(&request.action), "request names no operation this agent may call");
-            return Consumed::DeadLetter(format!(
-                "action {:?} is not an operation name (1 to 64 letters, digits, '_' or '-'); no call made",
-                bounded_text(&request.action)
-            ));
+        // A request naming an action, method or path the agent may not
+        // call is dead-lettered unanswered: no call made.
+        if let Err(reason) = check_request(&request) {
+            tracing::warn!(order_id = %request.order_id, reason = %reason, "request names no call this agent may make");
+            return Consumed::DeadLetter(reason);
         }
         if let Some(dispatched_at) = request.dispatched_at {
             self.clock.observe(dispatched_at, received);
@@ -345,8 +344,13 @@ impl Agent {
         // bounds it, and cutting it would only make the call repeat. A
         // lost broker connection does cut it: the request is back in the
         // queue for another agent, and this one must stop calling for it.
+        let calling = Instant::now();
         let result = tokio::select! {
-            result = lane.remote.call(&received.request, timeout, received.trace_id.as_deref()) => result,
+            result = lane.remote.call(&received.request, timeout, received.trace_id.as_deref()) => {
+                // A line of the latency budget: the remote's share of the agent's time.
+                metrics::histogram!("sas_agent_remote_seconds").record(calling.elapsed().as_secs_f64());
+                result
+            }
             () = connection_lost.cancelled() => {
                 metrics::counter!("sas_agent_calls_abandoned_total").increment(1);
                 tracing::warn!("broker connection lost: call abandoned; the request goes back to its queue");

@@ -91,6 +91,8 @@ pub struct RemoteClient {
     http: reqwest::Client,
     base_url: String,
     auth: Option<reqwest::header::HeaderValue>,
+    /// `agent.remote_headers`, added to every call.
+    headers: reqwest::header::HeaderMap,
     max_answer_bytes: usize,
     agent: String,
 }
@@ -100,8 +102,8 @@ impl RemoteClient {
     /// roots, client identity and credentials of `settings`.
     ///
     /// # Errors
-    /// When a TLS file or the credentials are unusable, or the HTTP client
-    /// cannot be built.
+    /// When a TLS file, the credentials or `agent.remote_headers` are
+    /// unusable, or the HTTP client cannot be built.
     pub fn new(agent: &str, base_url: &str, settings: &AgentSettings) -> anyhow::Result<Self> {
         let tls = settings.tls_files().map_err(anyhow::Error::msg)?;
         sas_runtime::install_crypto_provider();
@@ -129,10 +131,12 @@ impl RemoteClient {
             value.set_sensitive(true);
             Some(value)
         };
+        let headers = settings.remote_header_map().map_err(anyhow::Error::msg)?;
         Ok(Self {
             http: builder.build()?,
             base_url: base_url.trim_end_matches('/').to_owned(),
             auth,
+            headers,
             max_answer_bytes: settings.max_answer_bytes,
             agent: agent.to_owned(),
         })
@@ -143,26 +147,32 @@ impl RemoteClient {
         &self.base_url
     }
 
-    /// POSTs the request's payload to `<base_url>/<action>` with its
-    /// idempotency key and the order's trace context (`traceparent`: a
-    /// child of the current span when spans are exported, else of the
-    /// order's trace `trace_id`), waiting at most `timeout`. The action
-    /// must have been checked with [`is_operation_name`].
+    /// Sends the request's payload as JSON with its method ([`call_method`])
+    /// to its URL ([`RemoteClient::url_of`]), with its idempotency key, the
+    /// order's trace context (`traceparent`: a child of the current span
+    /// when spans are exported, else of the order's trace `trace_id`),
+    /// `agent.remote_auth_header` and `agent.remote_headers`, waiting at
+    /// most `timeout`. The request must have passed [`check_request`]; one
+    /// that does not is refused here without a call.
     pub async fn call(
         &self,
         request: &StepRequest,
         timeout: Duration,
         trace_id: Option<&str>,
     ) -> CallResult {
-        let url = format!("{}/{}", self.base_url, request.action);
-        let span =
-            tracing::info_span!("call", url = %url, idempotency_key = %request.idempotency_key);
+        if let Err(reason) = check_request(request) {
+            return CallResult::Refused(reason);
+        }
+        let url = self.url_of(request);
+        let method = call_method(request);
+        let span = tracing::info_span!("call", method = %method, url = %url, idempotency_key = %request.idempotency_key);
         let traceparent = span
             .in_scope(sas_runtime::telemetry::current_traceparent)
             .or_else(|| trace_id.map(|id| sas_messages::TraceParent::child_of(id).to_string()));
         let mut builder = self
             .http
-            .post(&url)
+            .request(method, &url)
+            .headers(self.headers.clone())
             .header(IDEMPOTENCY_KEY_HEADER, &request.idempotency_key)
             .timeout(timeout)
             .json(&request.payload);
@@ -179,6 +189,15 @@ impl RemoteClient {
         let status = response.status().as_u16();
         let body = read_bounded(&mut response, self.max_answer_bytes).await;
         classify(&url, status, request.kind, body, self.max_answer_bytes)
+    }
+
+    /// The URL a request calls: `<base_url><path>` when it names a path,
+    /// else `<base_url>/<action>`.
+    pub fn url_of(&self, request: &StepRequest) -> String {
+        match &request.path {
+            Some(path) => format!("{}{path}", self.base_url),
+            None => format!("{}/{}", self.base_url, request.action),
+        }
     }
 
     fn transport_error(&self, url: &str, error: &reqwest::Error, timeout: Duration) -> CallResult {
@@ -212,6 +231,93 @@ impl RemoteClient {
             service_failed: true,
         }
     }
+}
+
+/// The HTTP methods a call may use ([`StepRequest::method`], written as
+/// here: methods are case-sensitive); `POST` when the request names none.
+pub const CALL_METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
+
+/// Longest call path ([`StepRequest::path`]), in bytes.
+pub const MAX_CALL_PATH_BYTES: usize = 512;
+
+/// Why `request` must not be called, or `Ok` when it may be: its action is
+/// an operation name ([`is_operation_name`]), its method, if any, one of
+/// [`CALL_METHODS`], and its path, if any, a call path ([`is_call_path`]).
+/// The reason names the field and its value and ends in "no call made".
+///
+/// # Errors
+/// The first field that is wrong, as above.
+pub fn check_request(request: &StepRequest) -> Result<(), String> {
+    if !is_operation_name(&request.action) {
+        return Err(format!(
+            "action {:?} is not an operation name (1 to 64 letters, digits, '_' or '-'); no call made",
+            bounded_text(&request.action)
+        ));
+    }
+    if let Some(method) = &request.method {
+        if !CALL_METHODS.contains(&method.as_str()) {
+            return Err(format!(
+                "method {:?} is not a call method (POST, PUT, PATCH or DELETE, in capitals); no call made",
+                bounded_text(method)
+            ));
+        }
+    }
+    if let Some(path) = &request.path {
+        if !is_call_path(path) {
+            return Err(format!(
+                "path {:?} is not a call path ('/' and non-empty segments of letters, digits, -._~!$&'()*+,;=:@ or %XX escapes, at most {MAX_CALL_PATH_BYTES} bytes, no '.' or '..' segment, no '?' or '#'); no call made",
+                bounded_text(path)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The method of a request's call: its own, `POST` when it names none. A
+/// method outside [`CALL_METHODS`] (which [`check_request`] refuses) is
+/// read as `POST`.
+pub fn call_method(request: &StepRequest) -> reqwest::Method {
+    match request.method.as_deref() {
+        Some("PUT") => reqwest::Method::PUT,
+        Some("PATCH") => reqwest::Method::PATCH,
+        Some("DELETE") => reqwest::Method::DELETE,
+        _ => reqwest::Method::POST,
+    }
+}
+
+/// Whether `path` may be appended to the service's base URL: `/` then
+/// segments separated by `/`, at most [`MAX_CALL_PATH_BYTES`] bytes in all,
+/// each segment non-empty and made of RFC 3986 unreserved characters
+/// (letters, digits, `-._~`), `%` and two hex digits, sub-delims
+/// (`!$&'()*+,;=`), `:` and `@`. No segment is `.` or `..`, written plainly
+/// or percent-encoded (`%2e`: URL parsers resolve it as a dot), so the
+/// call cannot leave the base URL; no `?` or `#`.
+pub fn is_call_path(path: &str) -> bool {
+    path.len() <= MAX_CALL_PATH_BYTES
+        && path
+            .strip_prefix('/')
+            .is_some_and(|segments| segments.split('/').all(is_path_segment))
+}
+
+/// One segment of a call path (see [`is_call_path`]).
+fn is_path_segment(segment: &str) -> bool {
+    let bytes = segment.as_bytes();
+    let mut at = 0;
+    while at < bytes.len() {
+        match bytes[at] {
+            b'%' => {
+                let escape = bytes.get(at + 1..at + 3);
+                if !escape.is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit)) {
+                    return false;
+                }
+                at += 3;
+            }
+            b if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b) => at += 1,
+            _ => return false,
+        }
+    }
+    let dots = segment.replace("%2e", ".").replace("%2E", ".");
+    !segment.is_empty() && dots != "." && dots != ".."
 }
 
 /// Whether `action` may be called: letters, digits, `_` and `-` only, so
@@ -447,5 +553,254 @@ mod tests {
         for bad in ["", "a/b", "..", "%2e%2e", "charge?x=1", "a b", "../admin"] {
             assert!(!is_operation_name(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn call_paths_are_plain_segments_under_the_base_url() {
+        for good in [
+            "/charge",
+            "/v2/orders/o-1/refunds",
+            "/a.b/c~d/_e-f",
+            "/items/sku%2F1",
+            "/%C3%A9t%C3%A9",
+            "/x/!$&'()*+,;=:@",
+            "/...",
+            "/.hidden",
+        ] {
+            assert!(is_call_path(good), "{good}");
+        }
+        let long_enough = format!("/{}", "a".repeat(MAX_CALL_PATH_BYTES - 1));
+        assert!(is_call_path(&long_enough));
+        let too_long = format!("/{}", "a".repeat(MAX_CALL_PATH_BYTES));
+        for bad in [
+            "",
+            "/",
+            "charge",
+            "//charge",
+            "/a//b",
+            "/a/",
+            "/.",
+            "/a/./b",
+            "/../admin",
+            "/a/..",
+            "/%2e%2e/admin",
+            "/%2E./admin",
+            "/.%2e",
+            "/%2e",
+            "/a?b=1",
+            "/a#top",
+            "/a b",
+            "/a%",
+            "/a%2",
+            "/a%zz",
+            "/a\\b",
+            "/é",
+            "/a\"b",
+            "/<x>",
+            "/a\nb",
+            too_long.as_str(),
+        ] {
+            assert!(!is_call_path(bad), "{bad:?}");
+        }
+    }
+
+    fn request(method: Option<&str>, path: Option<&str>) -> StepRequest {
+        StepRequest {
+            schema_version: sas_messages::SCHEMA_VERSION,
+            order_id: "o-1".into(),
+            step: "refund".into(),
+            kind: StepKind::Action,
+            action: "credit".into(),
+            attempt_id: sas_messages::AttemptId::new(),
+            attempt: 1,
+            idempotency_key: "o-1:refund".into(),
+            complete_by: chrono::Utc::now() + chrono::Duration::seconds(30),
+            start_by: None,
+            dispatched_at: None,
+            payload: serde_json::json!({"amount_cents": 250}),
+            method: method.map(str::to_owned),
+            path: path.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn a_request_with_a_bad_action_method_or_path_is_refused_naming_the_field() {
+        for method in [
+            None,
+            Some("POST"),
+            Some("PUT"),
+            Some("PATCH"),
+            Some("DELETE"),
+        ] {
+            assert_eq!(check_request(&request(method, Some("/v1/credits"))), Ok(()));
+        }
+        assert_eq!(check_request(&request(None, None)), Ok(()));
+        for method in [
+            "GET", "post", "Put", "HEAD", "OPTIONS", "CONNECT", "", "POST ",
+        ] {
+            let reason = check_request(&request(Some(method), None)).unwrap_err();
+            assert!(
+                reason.starts_with(&format!("method {method:?} is not a call method")),
+                "{reason}"
+            );
+            assert!(reason.ends_with("no call made"), "{reason}");
+        }
+        for path in ["credits", "/a/../b", "/a?x=1", "/"] {
+            let reason = check_request(&request(None, Some(path))).unwrap_err();
+            assert!(
+                reason.starts_with(&format!("path {path:?} is not a call path")),
+                "{reason}"
+            );
+            assert!(reason.ends_with("no call made"), "{reason}");
+        }
+        let mut bad_action = request(Some("PUT"), Some("/v1/credits"));
+        bad_action.action = "../admin".into();
+        let reason = check_request(&bad_action).unwrap_err();
+        assert!(reason.starts_with("action \"../admin\""), "{reason}");
+    }
+
+    #[test]
+    fn the_method_is_the_requests_own_or_post() {
+        assert_eq!(call_method(&request(None, None)), reqwest::Method::POST);
+        for (method, expected) in [
+            ("POST", reqwest::Method::POST),
+            ("PUT", reqwest::Method::PUT),
+            ("PATCH", reqwest::Method::PATCH),
+            ("DELETE", reqwest::Method::DELETE),
+        ] {
+            assert_eq!(call_method(&request(Some(method), None)), expected);
+        }
+    }
+
+    fn settings(remote_headers: &str) -> AgentSettings {
+        AgentSettings {
+            name: "payment".into(),
+            id: String::new(),
+            remote_url: "http://127.0.0.1:1/payment".into(),
+            remote_ca_file: String::new(),
+            remote_client_cert_file: String::new(),
+            remote_client_key_file: String::new(),
+            remote_auth_header: crate::settings::Secret::new("Bearer s3cret"),
+            remote_headers: remote_headers.into(),
+            max_answer_bytes: 65536,
+            start_margin_ms: 1000,
+            clock_offset_ms: 0,
+            call_timeout_ms: 5000,
+            concurrency: 1,
+            retry_base_ms: 50,
+            retry_max_ms: 2000,
+            drain_ms: 1000,
+        }
+    }
+
+    #[test]
+    fn the_url_is_the_base_and_the_path_or_the_action() {
+        let client = RemoteClient::new("payment", "http://remote/payment/", &settings("")).unwrap();
+        assert_eq!(
+            client.url_of(&request(None, None)),
+            "http://remote/payment/credit"
+        );
+        assert_eq!(
+            client.url_of(&request(Some("PUT"), Some("/v1/accounts/a%2F1/credits"))),
+            "http://remote/payment/v1/accounts/a%2F1/credits"
+        );
+    }
+
+    #[test]
+    fn unusable_remote_headers_stop_the_client_from_being_built() {
+        let error = RemoteClient::new("payment", "http://remote", &settings("Host: evil"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("agent.remote_headers"), "{error}");
+    }
+
+    /// Serves one HTTP/1.1 call on a free port and answers `{}`; returns
+    /// its base URL and the request as received (head and body).
+    async fn one_call_server() -> (String, tokio::task::JoinHandle<String>) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut received = Vec::new();
+            let mut buffer = [0u8; 4096];
+            loop {
+                let read = stream.read(&mut buffer).await.unwrap();
+                assert!(read > 0, "the call ended early");
+                received.extend_from_slice(&buffer[..read]);
+                let text = String::from_utf8_lossy(&received).into_owned();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|line| {
+                            let (name, value) = line.split_once(':')?;
+                            name.eq_ignore_ascii_case("content-length")
+                                .then(|| value.trim().parse::<usize>().ok())?
+                        })
+                        .unwrap_or(0);
+                    if received.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+            }
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+                .await
+                .unwrap();
+            String::from_utf8(received).unwrap()
+        });
+        (base, server)
+    }
+
+    #[tokio::test]
+    async fn a_call_uses_the_requests_method_and_path_and_adds_the_configured_headers() {
+        let (base, server) = one_call_server().await;
+        let client = RemoteClient::new(
+            "payment",
+            &format!("{base}/payment"),
+            &settings("X-Api-Version: 2; X-Tenant: acme"),
+        )
+        .unwrap();
+        let request = request(Some("PUT"), Some("/v1/accounts/a%2F1/credits"));
+        let result = client.call(&request, Duration::from_secs(5), None).await;
+        assert_eq!(result, CallResult::Succeeded(serde_json::json!({})));
+        let received = server.await.unwrap();
+        let (head, body) = received.split_once("\r\n\r\n").unwrap();
+        let mut lines = head.lines();
+        assert_eq!(
+            lines.next(),
+            Some("PUT /payment/v1/accounts/a%2F1/credits HTTP/1.1")
+        );
+        let headers: Vec<String> = lines.map(str::to_ascii_lowercase).collect();
+        for expected in [
+            "x-api-version: 2",
+            "x-tenant: acme",
+            "idempotency-key: o-1:refund",
+            "authorization: bearer s3cret",
+            "content-type: application/json",
+        ] {
+            assert!(headers.iter().any(|h| h == expected), "{expected}: {head}");
+        }
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(body).unwrap(),
+            serde_json::json!({"amount_cents": 250})
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_with_a_bad_path_is_refused_without_a_call() {
+        // Nothing listens there: a call would be a transient failure.
+        let client = RemoteClient::new("payment", "http://127.0.0.1:1", &settings("")).unwrap();
+        let result = client
+            .call(
+                &request(None, Some("/../admin")),
+                Duration::from_secs(5),
+                None,
+            )
+            .await;
+        assert!(
+            matches!(&result, CallResult::Refused(reason) if reason.starts_with("path \"/../admin\"")),
+            "{result:?}"
+        );
     }
 }

@@ -44,6 +44,18 @@ pub struct AgentSettings {
     /// The whole `Authorization` header value sent to the remote (a secret,
     /// never logged); empty sends none.
     pub remote_auth_header: Secret,
+    /// Headers added to every call to the remote service, as `Name: value`
+    /// pairs separated by `;` or newlines (`X-Api-Version: 2; X-Tenant:
+    /// acme`); empty adds none. Spaces around names, values and separators
+    /// are dropped, so a value cannot begin or end with one, nor hold `;`.
+    /// Checked at start ([`AgentSettings::remote_header_map`]): a pair
+    /// without `:`, an empty pair (`;;`, a trailing `;`), a name that is not
+    /// a header name, a value that is not a header value, a name given
+    /// twice, and the headers the agent sets itself (`Idempotency-Key`,
+    /// `traceparent`, `Content-Type`, `Content-Length`, `Host`) or that
+    /// have their own setting (`Authorization`: `remote_auth_header`) are
+    /// refused. Not a secret (credentials belong in `remote_auth_header`).
+    pub remote_headers: String,
     /// Largest answer body read from the remote service, in bytes.
     pub max_answer_bytes: usize,
     /// Without a `start_by` in the request, no call starts later than
@@ -121,6 +133,86 @@ impl AgentSettings {
     }
 }
 
+/// Headers `agent.remote_headers` may not name, each with what to do instead.
+const RESERVED_HEADERS: [(&str, &str); 6] = [
+    (
+        "idempotency-key",
+        "the agent sends the step's idempotency key in it on every call",
+    ),
+    (
+        "traceparent",
+        "the agent sends the order's trace context in it on every call",
+    ),
+    (
+        "authorization",
+        "set it with agent.remote_auth_header (a secret: SAS_AGENT__REMOTE_AUTH_HEADER_FILE)",
+    ),
+    (
+        "content-type",
+        "the agent sends every body as application/json",
+    ),
+    ("content-length", "the agent sets it from the body"),
+    ("host", "the agent sets it from agent.remote_url"),
+];
+
+/// Parses `agent.remote_headers`: `Name: value` pairs separated by `;` or
+/// newlines, spaces around each part dropped (see
+/// [`AgentSettings::remote_headers`]).
+///
+/// # Errors
+/// A message naming the setting, the pair and what is wrong with it.
+pub fn parse_remote_headers(text: &str) -> Result<reqwest::header::HeaderMap, String> {
+    use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+    let mut headers = HeaderMap::new();
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(headers);
+    }
+    for (index, pair) in text.split([';', '\n']).enumerate() {
+        let number = index + 1;
+        let pair = pair.trim();
+        if pair.is_empty() {
+            return Err(format!(
+                "agent.remote_headers: pair {number} is empty; write `Name: value` pairs separated by one ';' or newline (got {text:?})"
+            ));
+        }
+        let Some((name, value)) = pair.split_once(':') else {
+            return Err(format!(
+                "agent.remote_headers: pair {number} ({pair:?}) is not `Name: value` (no ':')"
+            ));
+        };
+        let (name, value) = (name.trim(), value.trim());
+        let Ok(header) = HeaderName::from_bytes(name.as_bytes()) else {
+            return Err(format!(
+                "agent.remote_headers: {name:?} (pair {number}) is not a valid header name: use letters, digits and !#$%&'*+-.^_`|~ only"
+            ));
+        };
+        if let Some((_, instead)) = RESERVED_HEADERS
+            .iter()
+            .find(|(reserved, _)| header.as_str() == *reserved)
+        {
+            return Err(format!(
+                "agent.remote_headers: {name} may not be set there: {instead}; remove it from agent.remote_headers"
+            ));
+        }
+        let visible = value
+            .bytes()
+            .all(|b| b == b' ' || b == b'\t' || b.is_ascii_graphic());
+        let (true, Ok(value)) = (visible, HeaderValue::from_str(value)) else {
+            return Err(format!(
+                "agent.remote_headers: the value of {name} (pair {number}) is not a valid header value: use visible ASCII and spaces only"
+            ));
+        };
+        if headers.contains_key(&header) {
+            return Err(format!(
+                "agent.remote_headers: {name} is named twice; give it once (with a comma-separated list if the service takes several values)"
+            ));
+        }
+        headers.insert(header, value);
+    }
+    Ok(headers)
+}
+
 /// What the TLS files of the `[agent]` section hold, read and parsed.
 #[derive(Default)]
 pub struct TlsFiles {
@@ -131,6 +223,14 @@ pub struct TlsFiles {
 }
 
 impl AgentSettings {
+    /// `remote_headers`, parsed: the headers added to every call.
+    ///
+    /// # Errors
+    /// See [`parse_remote_headers`].
+    pub fn remote_header_map(&self) -> Result<reqwest::header::HeaderMap, String> {
+        parse_remote_headers(&self.remote_headers)
+    }
+
     /// Reads and parses `remote_ca_file`, `remote_client_cert_file` and
     /// `remote_client_key_file`.
     ///
@@ -222,6 +322,7 @@ impl Validate for Settings {
                 |_| "agent.remote_auth_header is not a valid header value (one line of visible ASCII)".to_owned(),
             )?;
         }
+        agent.remote_header_map()?;
         if agent.max_answer_bytes < 64 {
             return Err("agent.max_answer_bytes must be at least 64".into());
         }
@@ -252,5 +353,96 @@ impl Validate for Settings {
 impl sas_runtime::HasLog for Settings {
     fn log(&self) -> &LogSettings {
         &self.log
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(text: &str) -> Vec<(String, String)> {
+        parse_remote_headers(text)
+            .unwrap()
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn remote_headers_are_pairs_separated_by_semicolons_or_newlines() {
+        assert!(pairs("").is_empty());
+        assert!(pairs("  \n").is_empty());
+        let expected = vec![
+            ("x-api-version".to_owned(), "2".to_owned()),
+            ("x-tenant".to_owned(), "acme".to_owned()),
+        ];
+        assert_eq!(pairs("X-Api-Version: 2; X-Tenant: acme"), expected);
+        assert_eq!(pairs("X-Api-Version:2\nX-Tenant:acme"), expected);
+        assert_eq!(pairs("X-Api-Version: 2\r\nX-Tenant: acme\r\n"), expected);
+        assert_eq!(
+            pairs("Accept: application/json, text/plain; X-Empty:"),
+            vec![
+                (
+                    "accept".to_owned(),
+                    "application/json, text/plain".to_owned()
+                ),
+                ("x-empty".to_owned(), String::new()),
+            ]
+        );
+        assert_eq!(
+            pairs("X-Url: http://a:8080/b"),
+            vec![("x-url".to_owned(), "http://a:8080/b".to_owned())],
+            "a value may hold ':'"
+        );
+    }
+
+    fn refused(text: &str) -> String {
+        parse_remote_headers(text).unwrap_err()
+    }
+
+    #[test]
+    fn unusable_remote_headers_are_refused_with_what_to_do() {
+        for (text, expected) in [
+            ("X-A: 1;; X-B: 2", "pair 2 is empty"),
+            ("X-A: 1;", "pair 2 is empty"),
+            ("X-A: 1\n\nX-B: 2", "pair 2 is empty"),
+            ("X-A 1", "pair 1 (\"X-A 1\") is not `Name: value`"),
+            ("X A: 1", "\"X A\" (pair 1) is not a valid header name"),
+            (": 1", "\"\" (pair 1) is not a valid header name"),
+            ("X-(a): 1", "is not a valid header name"),
+            (
+                "X-A: caf\u{e9}",
+                "the value of X-A (pair 1) is not a valid header value",
+            ),
+            ("X-A: a\u{7f}b", "is not a valid header value"),
+            ("X-A: 1; x-a: 2", "x-a is named twice"),
+        ] {
+            let error = refused(text);
+            assert!(error.starts_with("agent.remote_headers: "), "{error}");
+            assert!(error.contains(expected), "{text:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn headers_the_agent_sets_itself_or_that_have_a_setting_are_refused() {
+        for name in [
+            "Idempotency-Key",
+            "traceparent",
+            "Authorization",
+            "content-type",
+            "Content-Length",
+            "HOST",
+        ] {
+            let error = refused(&format!("X-A: 1; {name}: x"));
+            assert!(
+                error.contains(&format!("{name} may not be set there")),
+                "{error}"
+            );
+            assert!(
+                error.contains("remove it from agent.remote_headers"),
+                "{error}"
+            );
+        }
+        assert!(refused("Authorization: Bearer x").contains("agent.remote_auth_header"));
     }
 }

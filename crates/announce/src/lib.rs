@@ -103,7 +103,7 @@ impl Announcer {
 
     /// [`Announcer::announce`], and when the connection is lost before every
     /// confirm came back (or none is up), the same messages are sent again,
-    /// unchanged, on the session's next connection (see
+    /// unchanged but for their publish-time stamp, on the session's next connection (see
     /// [`SharedPublisher::deliver`]): a step request is not left to the
     /// supervisor's deadline because a broker node died after the commit.
     /// It tries until the request's `start_by` (after which no agent would
@@ -127,11 +127,15 @@ impl Announcer {
         if messages.is_empty() {
             return Ok(());
         }
+        // Until the first request's start_by: a request sent later would
+        // only be answered "not started".
         let window = progress
-            .dispatch
-            .as_ref()
-            .map_or(STATUS_RESEND_WINDOW, |dispatch| {
-                (dispatch.start_by - chrono::Utc::now())
+            .dispatches
+            .iter()
+            .map(|dispatch| dispatch.start_by)
+            .min()
+            .map_or(STATUS_RESEND_WINDOW, |start_by| {
+                (start_by - chrono::Utc::now())
                     .to_std()
                     .unwrap_or_default()
                     .max(MIN_RESEND_WINDOW)
@@ -158,7 +162,7 @@ impl Announcer {
             .iter()
             .flat_map(|status| self.status_messages(reply, trace_id, status))
             .collect();
-        if let Some(dispatch) = &progress.dispatch {
+        for dispatch in &progress.dispatches {
             messages.push(request_message(&self.names, dispatch, trace_id));
         }
         messages
@@ -171,7 +175,7 @@ impl Announcer {
             metrics::counter!("sas_status_messages_total", "event" => status.event.as_str())
                 .increment(per_status);
         }
-        if let Some(dispatch) = &progress.dispatch {
+        for dispatch in &progress.dispatches {
             metrics::counter!("sas_step_requests_total", "agent" => dispatch.agent.clone(), "kind" => format!("{:?}", dispatch.kind)).increment(1);
             tracing::debug!(order_id = %dispatch.order_id, correlation_id = %dispatch.attempt_id, step = %dispatch.step, agent = %dispatch.agent, "step request sent");
         }
@@ -264,6 +268,8 @@ pub fn request_message(
         start_by: Some(dispatch.start_by),
         dispatched_at: Some(dispatch.dispatched_at),
         payload: dispatch.payload.clone(),
+        method: dispatch.method.clone(),
+        path: dispatch.path.clone(),
     };
     let attempt_id = dispatch.attempt_id.to_string();
     let properties = json_properties(&attempt_id)

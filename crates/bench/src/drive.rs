@@ -131,6 +131,9 @@ pub struct StatusListener {
     pub queue: String,
     /// Arrival of each order's `processed` status.
     pub processed: Arc<Mutex<HashMap<String, Instant>>>,
+    /// How long each order's `processed` status waited in this queue, ms
+    /// (from its `x-sas-published-at` header): a line of the latency budget.
+    pub status_wait_ms: Arc<Mutex<HashMap<String, f64>>>,
     _task: tokio::task::JoinHandle<()>,
 }
 
@@ -143,23 +146,34 @@ impl StatusListener {
         let connection = sas_broker::connect(&settings, "bench-status").await?;
         let (queue, mut consumer) = topology::status_consumer(&connection, &settings, None).await?;
         let processed = Arc::new(Mutex::new(HashMap::new()));
-        let record = processed.clone();
+        let status_wait_ms = Arc::new(Mutex::new(HashMap::new()));
+        let (record, record_wait) = (processed.clone(), status_wait_ms.clone());
         let task = tokio::spawn(async move {
             let _connection = connection;
             while let Some(Ok(delivery)) = consumer.next().await {
-                if let Ok(status) = serde_json::from_slice::<OrderStatus>(&delivery.data) {
-                    if status.event == StatusEvent::Processed {
-                        record
-                            .lock()
-                            .expect("lock")
-                            .insert(status.order_id.into_string(), Instant::now());
-                    }
+                let Ok(status) = serde_json::from_slice::<OrderStatus>(&delivery.data) else {
+                    continue;
+                };
+                if status.event != StatusEvent::Processed {
+                    continue;
                 }
+                let order_id = status.order_id.into_string();
+                if let Some(waited) = sas_broker::publish::published_ago(&delivery.properties) {
+                    record_wait
+                        .lock()
+                        .expect("lock")
+                        .insert(order_id.clone(), waited.as_secs_f64() * 1000.0);
+                }
+                record
+                    .lock()
+                    .expect("lock")
+                    .insert(order_id, Instant::now());
             }
         });
         Ok(Self {
             queue,
             processed,
+            status_wait_ms,
             _task: task,
         })
     }
@@ -174,13 +188,19 @@ impl StatusListener {
     }
 }
 
+/// A service's `/metrics` page (empty when it does not answer).
+pub async fn metrics_page(port: u16) -> String {
+    match sas_lab::http_get(format!("http://127.0.0.1:{port}/metrics")).await {
+        Ok(response) => response.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
 /// Sums every sample of a counter (all label sets) on a `/metrics` page.
 pub async fn counter_sum(port: u16, name: &str) -> f64 {
-    let Ok(response) = sas_lab::http_get(format!("http://127.0.0.1:{port}/metrics")).await else {
-        return 0.0;
-    };
-    let text = response.text().await.unwrap_or_default();
-    text.lines()
+    metrics_page(port)
+        .await
+        .lines()
         .filter(|line| {
             line.starts_with(name) && matches!(line.as_bytes().get(name.len()), Some(b' ' | b'{'))
         })

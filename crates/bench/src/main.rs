@@ -7,6 +7,7 @@
 //! the remote service is the bottleneck, recovery from an agent killed with
 //! -9, and the memory of each binary. It writes a JSON report and prints a table.
 
+mod budget;
 mod calibrate;
 mod drive;
 mod overload;

@@ -8,8 +8,9 @@ use sas_broker::Publisher;
 use sas_lab::TestEnv;
 use serde_json::json;
 
+use crate::budget;
 use crate::drive::{counter_sum, publish, wait_processed, StatusListener};
-use crate::report::{percentiles, Report, ScalingPoint};
+use crate::report::{percentiles, Batching, Report, ScalingPoint};
 use crate::system::{cpu_secs_by_program, memory_mib, start_agent, BenchSystem};
 use crate::{calibrate, Sizes};
 use sas_lab::sim::SimClient;
@@ -111,7 +112,16 @@ pub async fn run_all(
     }
 
     saturation(&env, &publisher, &system, sizes, &mut report, progress).await?;
-    latency(&env, &publisher, sizes, options, &mut report, progress).await?;
+    latency(
+        &env,
+        &publisher,
+        &system,
+        sizes,
+        options,
+        &mut report,
+        progress,
+    )
+    .await?;
     if options.throughput_only {
         return Ok(report);
     }
@@ -172,6 +182,8 @@ async fn saturation(
     let port = system.scheduler_port;
     let (queued_before, statuses_before) = message_counts(port).await;
     let commits_before = pg_commits(env).await;
+    let claimed_before = counter_sum(port, "sas_orders_claimed_total").await;
+    let batches_before = budget::Reading::take(port, &[]).await;
     let cpu_before = cpu_secs_by_program();
     let started = Instant::now();
     publish(
@@ -199,6 +211,13 @@ async fn saturation(
     report.msgs_per_order = (queued_after - queued_before) / orders;
     report.status_msgs_per_order = (statuses_after - statuses_before) / orders;
     report.pg_commits_per_order = (pg_commits(env).await - commits_before) / orders;
+    let batches = budget::Reading::take(port, &[]).await;
+    report.saturation_batching = Batching {
+        intake_items: batches.scheduler_batch_mean(&batches_before, "sas_batch_items", "intake"),
+        reply_items: batches.scheduler_batch_mean(&batches_before, "sas_batch_items", "replies"),
+        claimed_per_order: (counter_sum(port, "sas_orders_claimed_total").await - claimed_before)
+            / orders,
+    };
     if report.msgs_per_order > 0.0 {
         report.efficiency =
             report.orders_per_sec / (report.broker_limit_msgs_per_sec / report.msgs_per_order);
@@ -208,10 +227,12 @@ async fn saturation(
 }
 
 /// Latency: orders at a steady rate (half the saturation rate unless told),
-/// each timed from its publish to its `processed` status.
+/// each timed from its publish to its `processed` status, and where that
+/// time went (see [`crate::budget`]).
 async fn latency(
     env: &TestEnv,
     publisher: &Publisher,
+    system: &BenchSystem,
     sizes: Sizes,
     options: Options,
     report: &mut Report,
@@ -224,6 +245,7 @@ async fn latency(
     progress.set_message(format!("latency: {count} orders at {rate:.0}/s"));
     // A queue of its own, so no status left from saturation is ahead in line.
     let listener = StatusListener::start(env).await?;
+    let before = budget::Reading::take(system.scheduler_port, &system.agent_ports).await;
     let sent = publish(
         env,
         publisher,
@@ -246,6 +268,24 @@ async fn latency(
             })
             .collect()
     };
+    let after = budget::Reading::take(system.scheduler_port, &system.agent_ports).await;
+    let client = {
+        let waits = listener.status_wait_ms.lock().expect("lock");
+        budget::ClientSide {
+            status_wait_ms: waits.values().sum(),
+            statuses: waits.len(),
+            mean_latency_ms: samples.iter().sum::<f64>() / samples.len().max(1) as f64,
+        }
+    };
+    let names = env.amqp().names();
+    report.latency_budget = budget::budget(
+        &before,
+        &after,
+        samples.len(),
+        (&names.orders(), &names.scheduler_replies()),
+        &client,
+    );
+    report.latency_mean_ms = client.mean_latency_ms;
     report.latency_ms = percentiles(samples);
     report.latency_rate_orders_per_sec = rate;
     progress.inc(1);

@@ -5,6 +5,8 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
+use crate::budget::BudgetLine;
+
 /// Latency percentiles, in milliseconds.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Latency {
@@ -45,6 +47,19 @@ pub struct OverloadPoint {
     pub latency_normal_ms: Latency,
 }
 
+/// How the saturation phase's writes were grouped (see `Report`).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Batching {
+    /// Mean orders per intake statement.
+    pub intake_items: f64,
+    /// Mean replies per reply statement.
+    pub reply_items: f64,
+    /// Orders claimed, per order (`sas_orders_claimed_total`): from an
+    /// admission line, and also back from backoff or resumed compensations,
+    /// of which a saturation run has none.
+    pub claimed_per_order: f64,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
@@ -66,10 +81,18 @@ pub struct Report {
     pub efficiency: f64,
     /// Postgres commits per order during saturation.
     pub pg_commits_per_order: f64,
+    /// During saturation, the mean items per group commit of the
+    /// scheduler's intake and reply batches, and orders claimed from an
+    /// admission line per order: why commits per order are what they are.
+    pub saturation_batching: Batching,
     /// Submit-to-processed latency at half the saturation rate.
     pub latency_ms: Latency,
     /// The rate used for the latency phase.
     pub latency_rate_orders_per_sec: f64,
+    /// Mean submit-to-processed latency of the latency phase, ms.
+    pub latency_mean_ms: f64,
+    /// Where the latency phase's time went, stage by stage (see `budget.rs`).
+    pub latency_budget: Vec<BudgetLine>,
     /// Throughput by agent processes, remote service at 50 ms.
     pub scaling: Vec<ScalingPoint>,
     /// Throughput with the most agents over the single agent's, divided by the agent ratio.
@@ -102,6 +125,7 @@ impl Report {
         self.limit_rows(&mut out);
         self.saturation_rows(&mut out);
         self.latency_row(&mut out);
+        self.budget_rows(&mut out);
         self.scaling_rows(&mut out);
         self.recovery_row(&mut out);
         self.overload_rows(&mut out);
@@ -147,6 +171,16 @@ impl Report {
         );
         row(
             out,
+            "items per intake / reply commit, claims/order",
+            format!(
+                "{:.1} / {:.1}, {:.2}",
+                self.saturation_batching.intake_items,
+                self.saturation_batching.reply_items,
+                self.saturation_batching.claimed_per_order
+            ),
+        );
+        row(
+            out,
             "efficiency vs broker limit",
             format!("{:.2}", self.efficiency),
         );
@@ -178,6 +212,31 @@ impl Report {
                 self.latency_ms.p50, self.latency_ms.p95, self.latency_ms.p99
             ),
         );
+    }
+
+    /// The latency budget: each stage's milliseconds per order, how often
+    /// an order met it and how long each time.
+    fn budget_rows(&self, out: &mut String) {
+        if self.latency_budget.is_empty() {
+            return;
+        }
+        row(
+            out,
+            "latency budget (ms per order)",
+            format!("mean latency {:.1}", self.latency_mean_ms),
+        );
+        for line in &self.latency_budget {
+            let stage = if line.on_path {
+                line.stage.clone()
+            } else {
+                format!("(off the path) {}", line.stage)
+            };
+            let _ = writeln!(
+                out,
+                "    {stage:<66} {:>7.2}  ({:.1} x {:.2} ms)",
+                line.ms_per_order, line.times_per_order, line.mean_ms
+            );
+        }
     }
 
     /// Scaling: the throughput at each number of agent processes, and how

@@ -27,6 +27,8 @@ pub struct BenchSystem {
     pub sim: SimClient,
     /// Agent processes, each serving all three queues.
     pub agents: Vec<Service>,
+    /// Their metrics ports.
+    pub agent_ports: Vec<u16>,
     /// The scheduler.
     pub scheduler: Service,
     /// The scheduler's metrics port.
@@ -39,9 +41,15 @@ impl BenchSystem {
     /// Starts remote-sim, `agents` agent processes (each on all three
     /// queues), one scheduler and one supervisor.
     pub async fn start(env: &TestEnv, agents: usize) -> Self {
-        let (sim_process, sim) = env.remote_sim(&quiet()).await;
-        let agents = (0..agents)
-            .map(|index| start_agent(env, &sim, index, &[]))
+        // No body per call in the ledger: the benchmark measures memory.
+        let mut sim_settings = quiet();
+        sim_settings.push(Setting::SimRecordBodies(false));
+        let (sim_process, sim) = env.remote_sim(&sim_settings).await;
+        let agent_ports: Vec<u16> = (0..agents).map(|_| free_port()).collect();
+        let agents = agent_ports
+            .iter()
+            .enumerate()
+            .map(|(index, &port)| start_agent(env, &sim, index, &[Setting::Listen(port)]))
             .collect();
         let scheduler_port = free_port();
         let mut vars = quiet();
@@ -52,6 +60,7 @@ impl BenchSystem {
             sim_process,
             sim,
             agents,
+            agent_ports,
             scheduler,
             scheduler_port,
             supervisor,

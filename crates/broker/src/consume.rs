@@ -13,9 +13,9 @@
 //! slow message never keeps the others' prefetch slots.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -155,6 +155,11 @@ where
             Err(error) => break Err(error),
         };
         let tag = delivery.delivery_tag;
+        if let Some(waited) = crate::publish::published_ago(&delivery.properties) {
+            // A line of the latency budget: publish to delivery.
+            metrics::histogram!("sas_queue_wait_seconds", "queue" => queue.to_owned())
+                .record(waited.as_secs_f64());
+        }
         let message = Delivery {
             queue: queue.to_owned(),
             body: delivery.data,
@@ -414,8 +419,8 @@ async fn settle_loop(
     timeout: Duration,
     mut inbox: mpsc::UnboundedReceiver<Settle>,
 ) {
-    // Delivered and not finished; finished and not yet acknowledged.
-    let (mut in_flight, mut finished) = (BTreeSet::new(), BTreeSet::new());
+    // Delivered and not finished; finished (and when) and not yet acknowledged.
+    let (mut in_flight, mut finished) = (BTreeSet::new(), BTreeMap::new());
     let mut hold_until: Option<tokio::time::Instant> = None;
     let mut batch = Vec::new();
     loop {
@@ -445,7 +450,7 @@ async fn settle_loop(
                     if requeue {
                         requeue_one(&channel, timeout, tag).await;
                     } else {
-                        finished.insert(tag);
+                        finished.insert(tag, Instant::now());
                     }
                 }
                 Settle::Stop => stopping = true,
@@ -453,10 +458,10 @@ async fn settle_loop(
         }
         // Everything finished below the oldest delivery still in flight: one frame.
         let oldest = in_flight.first().copied().unwrap_or(u64::MAX);
-        if let Some(&upto) = finished.range(..oldest).next_back() {
+        if let Some((&upto, _)) = finished.range(..oldest).next_back() {
             ack(&channel, timeout, upto, true).await;
             let rest = finished.split_off(&(upto + 1));
-            metrics::counter!("sas_acks_total").increment(finished.len() as u64);
+            acked(&finished);
             finished = rest;
         }
         if stopping {
@@ -478,10 +483,26 @@ async fn settle_loop(
 
 /// Acknowledges each of `finished` on its own, and empties it: for acks
 /// held too long behind a slow delivery, and at stop.
-async fn ack_each(channel: &Channel, timeout: Duration, finished: &mut BTreeSet<u64>) {
-    for tag in std::mem::take(finished) {
+async fn ack_each(channel: &Channel, timeout: Duration, finished: &mut Finished) {
+    let finished = std::mem::take(finished);
+    for &tag in finished.keys() {
         ack(channel, timeout, tag, false).await;
-        metrics::counter!("sas_acks_total").increment(1);
+    }
+    acked(&finished);
+}
+
+/// Deliveries whose handlers finished, by tag, with when they finished.
+type Finished = BTreeMap<u64, Instant>;
+
+/// Counts deliveries just acknowledged in `sas_acks_total`, and how long
+/// each waited for its ack after its handler finished in
+/// `sas_ack_delay_seconds` (the coalescing's cost, a line of the latency
+/// budget).
+fn acked(finished: &Finished) {
+    metrics::counter!("sas_acks_total").increment(finished.len() as u64);
+    let delay = metrics::histogram!("sas_ack_delay_seconds");
+    for at in finished.values() {
+        delay.record(at.elapsed().as_secs_f64());
     }
 }
 

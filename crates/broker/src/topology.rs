@@ -189,10 +189,12 @@ pub async fn declare_work_queue(
     name: &str,
 ) -> Result<(), BrokerError> {
     declare_queue(channel, settings, name, QueueKind::Work).await?;
-    if name == settings.names().orders() {
-        let exchange = orders_exchange(settings);
-        declare_exchange(channel, settings, &exchange, ExchangeKind::Fanout).await?;
-        bind(channel, settings, name, &exchange, "").await?;
+    let names = settings.names();
+    if name == names.orders() || name == names.events() {
+        // Clients publish to the exchange of the same name, never to the
+        // default exchange (which reaches every queue).
+        declare_exchange(channel, settings, name, ExchangeKind::Fanout).await?;
+        bind(channel, settings, name, name, "").await?;
     }
     Ok(())
 }
@@ -202,6 +204,13 @@ pub async fn declare_work_queue(
 /// separate names in RabbitMQ). Declared with the orders queue.
 pub fn orders_exchange(settings: &AmqpSettings) -> String {
     settings.names().orders()
+}
+
+/// The exchange clients publish order events to: a fanout bound to the
+/// events queue, with the same name (`sas.events`). Declared with the
+/// events queue.
+pub fn events_exchange(settings: &AmqpSettings) -> String {
+    settings.names().events()
 }
 
 /// Deletes every queue and exchange of a prefix: test teardown, and operators
@@ -228,7 +237,7 @@ pub async fn delete_all(
     for exchange in names
         .all_exchanges()
         .into_iter()
-        .chain([orders_exchange(settings)])
+        .chain([orders_exchange(settings), events_exchange(settings)])
     {
         timed(
             "deleting an exchange",

@@ -1,17 +1,27 @@
 //! What operators do, for the pages and the JSON API alike: resubmit and
-//! cancel orders (one, or every order a filter selects), acknowledge and
-//! resolve alerts, replay and discard dead letters. Orders change only
-//! through the state store's transitions, the ones `sasctl` uses, and every
-//! action is recorded in the order's history as `console:<user>`.
+//! cancel orders (one, or every order a filter selects), send the event an
+//! order's wait step waits for, move waiting orders to another version of
+//! their workflow, acknowledge and resolve alerts, replay and discard dead
+//! letters. Orders change only through the state store's
+//! transitions, the ones `sasctl` uses, and every action is recorded in the
+//! order's history as `console:<user>` (an event is recorded by the
+//! scheduler that uses it: `wait_ended` with the event's id).
+
+use std::collections::BTreeMap;
 
 pub use sas_announce::bulk::BulkOutcome;
 use sas_announce::bulk::{run_bulk, Bulk, BulkError};
 use sas_announce::replay::{replay_dead_letter, ReplayError};
+use sas_broker::publish::json_properties;
+use sas_messages::{OrderEvent, SCHEMA_VERSION};
+use sas_store::machine::park::{OnTimeout, Park};
+use sas_store::machine::StepRow;
 use sas_store::reads::dead_letters::NotReplayable;
 use sas_store::reads::search::OrderFilter;
 use sas_store::writes::dead_letters::Disposition;
+use sas_store::writes::moves::{MoveError, MoveReport, MoveRequest};
 use sas_store::writes::operator::{Cancel, Resubmit};
-use sas_store::Progress;
+use sas_store::{ProcessState, Progress, StepState};
 use serde::Serialize;
 
 use crate::auth::Principal;
@@ -42,6 +52,220 @@ pub struct Preview {
 pub struct Done {
     /// What happened.
     pub message: String,
+}
+
+/// A move of waiting orders an operator asks for, as `sasctl orders move`
+/// takes it: without `confirm`, a look (nothing changes); with it, the
+/// move, refused when more orders would move than confirmed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MoveAsk {
+    /// The workflow.
+    pub workflow: String,
+    /// The version the orders have now.
+    pub from: i32,
+    /// The version to move them to (registered by a scheduler that runs it).
+    pub to: i32,
+    /// Old step names to new ones; a step absent keeps its name.
+    pub mapping: BTreeMap<String, String>,
+    /// `None`: only look. `Some(n)`: move, `n` being how many the look
+    /// said would move.
+    pub confirm: Option<usize>,
+}
+
+/// An order a move takes (or would take), and what changes for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MovedOrder {
+    /// The order.
+    pub order_id: String,
+    /// The versions and what changed (its history line's detail).
+    pub detail: String,
+}
+
+/// An order a move leaves as it is, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RefusedOrder {
+    /// The order.
+    pub order_id: String,
+    /// Why the move is unsafe for it.
+    pub reason: String,
+}
+
+/// What a move did (`applied`) or would do: the store's
+/// [`MoveReport`], said for the operator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MoveOutcome {
+    /// The workflow.
+    pub workflow: String,
+    /// The version the orders had.
+    pub from: i32,
+    /// The version they move to.
+    pub to: i32,
+    /// True when the orders moved; false for a look.
+    pub applied: bool,
+    /// Orders moved (or that would move).
+    pub moved: Vec<MovedOrder>,
+    /// Orders left as they are, with why.
+    pub refused: Vec<RefusedOrder>,
+    /// Orders of version `from` that do not wait now (running or ended),
+    /// which no move touches.
+    pub not_waiting: i64,
+    /// Most waiting orders one move looks at (`console.bulk_limit`, by
+    /// order id); when `moved` and `refused` reach it, there may be more.
+    pub limit: i64,
+    /// What happened, said for the operator.
+    pub message: String,
+}
+
+impl MoveOutcome {
+    fn new(ask: &MoveAsk, report: MoveReport, applied: bool, limit: i64) -> Self {
+        let verb = if applied { "moved" } else { "would move" };
+        let message = format!(
+            "{} {verb} from version {} to {} of {}, {} refused (they stay); {} of version {} do not wait now (running or ended) and are not touched.",
+            report.moved.len(),
+            ask.from,
+            ask.to,
+            ask.workflow,
+            report.refused.len(),
+            report.not_waiting,
+            ask.from,
+        );
+        Self {
+            workflow: ask.workflow.clone(),
+            from: ask.from,
+            to: ask.to,
+            applied,
+            moved: report
+                .moved
+                .into_iter()
+                .map(|(order_id, detail)| MovedOrder { order_id, detail })
+                .collect(),
+            refused: report
+                .refused
+                .into_iter()
+                .map(|(order_id, reason)| RefusedOrder { order_id, reason })
+                .collect(),
+            not_waiting: report.not_waiting,
+            limit,
+            message,
+        }
+    }
+
+    /// Whether the move looked at as many orders as it may: more may wait.
+    pub fn at_limit(&self) -> bool {
+        i64::try_from(self.moved.len() + self.refused.len()).unwrap_or(i64::MAX) >= self.limit
+    }
+}
+
+/// An event sent to an order's wait step.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventSent {
+    /// What happened, said for the operator.
+    pub message: String,
+    /// The event's id (`console-<uuid v7>`): the order's history names it
+    /// when its wait ends.
+    pub event_id: String,
+}
+
+/// The wait step an order is parked at for an event: its step, the event's
+/// name and what its timeout means (when it times out: the step's
+/// `complete_by`).
+#[derive(Debug, Clone, Copy)]
+pub struct Waiting<'a> {
+    /// The wait step.
+    pub step: &'a StepRow,
+    /// The event it waits for.
+    pub event: &'a str,
+    /// What happens when no event comes in time.
+    pub on_timeout: OnTimeout,
+}
+
+/// The wait step the order waits at for an event, if it does now: the
+/// order is pending and the step running with [`Park::Event`].
+pub fn waiting_for_event(state: ProcessState, steps: &[StepRow]) -> Option<Waiting<'_>> {
+    if state != ProcessState::Pending {
+        return None;
+    }
+    steps.iter().find_map(|step| match &step.park {
+        Some(Park::Event {
+            event, on_timeout, ..
+        }) if step.state == StepState::Running => Some(Waiting {
+            step,
+            event,
+            on_timeout: *on_timeout,
+        }),
+        _ => None,
+    })
+}
+
+/// 400 unless `ask` can be a move: a workflow's name, two different
+/// versions, a mapping of step names.
+fn check_move(ask: &MoveAsk) -> Result<(), Failure> {
+    if !sas_messages::order::is_workflow_name(&ask.workflow) {
+        return Err(Failure::bad_request(format!(
+            "a workflow's name is 1 to 64 letters, digits, '_' or '-' (got {:?})",
+            ask.workflow
+        )));
+    }
+    if ask.from == ask.to {
+        return Err(Failure::bad_request(format!(
+            "the orders are at version {} already: move them to another version",
+            ask.from
+        )));
+    }
+    if let Some((old, new)) = ask
+        .mapping
+        .iter()
+        .find(|(old, new)| !is_step_name(old) || !is_step_name(new))
+    {
+        return Err(Failure::bad_request(format!(
+            "the mapping {old:?} = {new:?} does not name two steps (OLD=NEW)"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `name` can be a step's name in a mapping: not empty, no
+/// whitespace or `=`.
+fn is_step_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 128 && !name.contains(|c: char| c.is_whitespace() || c == '=')
+}
+
+/// A move's step mapping from `OLD=NEW` lines (blank lines are skipped, and
+/// spaces around each name), as the page's form and `sasctl orders move
+/// --map` take it.
+///
+/// # Errors
+/// 400 naming a line that is not `OLD=NEW`, or an old step mapped twice.
+pub fn parse_mapping<'a>(
+    lines: impl IntoIterator<Item = &'a str>,
+) -> Result<BTreeMap<String, String>, Failure> {
+    let mut mapping = BTreeMap::new();
+    for line in lines.into_iter().map(str::trim).filter(|l| !l.is_empty()) {
+        let pair = line
+            .split_once('=')
+            .map(|(old, new)| (old.trim(), new.trim()))
+            .filter(|(old, new)| is_step_name(old) && is_step_name(new));
+        let Some((old, new)) = pair else {
+            return Err(Failure::bad_request(format!(
+                "the mapping line {line:?} is not OLD=NEW (one renamed step a line)"
+            )));
+        };
+        if mapping.insert(old.to_owned(), new.to_owned()).is_some() {
+            return Err(Failure::bad_request(format!(
+                "the mapping names step {old:?} twice"
+            )));
+        }
+    }
+    Ok(mapping)
+}
+
+/// What a wait's timeout does, said for the operator.
+pub fn on_timeout_text(on_timeout: OnTimeout) -> &'static str {
+    match on_timeout {
+        OnTimeout::Compensate => "what was done is undone",
+        OnTimeout::Fail => "the order ends in error with an alert",
+        OnTimeout::Continue => "the order goes on without it",
+    }
 }
 
 impl Console {
@@ -117,6 +341,155 @@ impl Console {
         }
     }
 
+    /// Sends the event `event` to order `order_id`'s wait step, as
+    /// `sasctl signal` does: an [`OrderEvent`] with the id
+    /// `console-<uuid v7>` and the data `{"by": "<user>"}`, published to
+    /// the events exchange with a confirm. The scheduler that uses it
+    /// records the wait's end with the event's id; the console records
+    /// nothing more.
+    ///
+    /// The order is checked first: the event is sent only while the order
+    /// waits for it (an order that moved on meanwhile keeps the event in
+    /// its mailbox, where a later wait for the same name would use it).
+    ///
+    /// # Errors
+    /// 400 for a name that cannot be an event's, 404 for no such order,
+    /// 409 when it does not wait for this event now, 503 when the store
+    /// fails or the broker does not confirm the event.
+    pub async fn send_event(
+        &self,
+        order_id: &str,
+        event: &str,
+        who: &Principal,
+    ) -> Result<EventSent, Failure> {
+        if !sas_messages::order::is_workflow_name(event) {
+            return Err(Failure::bad_request(format!(
+                "an event's name is 1 to 64 letters, digits, '_' or '-' (got {event:?})"
+            )));
+        }
+        let (summary, steps) = self
+            .store
+            .reads()
+            .order_status(order_id)
+            .await?
+            .ok_or_else(|| Failure::not_found(format!("order {order_id}")))?;
+        match waiting_for_event(summary.state, &steps) {
+            Some(waiting) if waiting.event == event => {}
+            Some(waiting) => {
+                return Err(Failure::conflict(format!(
+                    "order {order_id} waits for the event {} at step {}, not for {event}: nothing was sent",
+                    waiting.event, waiting.step.name
+                )));
+            }
+            None => {
+                return Err(Failure::conflict(format!(
+                    "order {order_id} is {} and waits for no event now: nothing was sent",
+                    summary.state
+                )));
+            }
+        }
+        let publisher = self.session.publisher().get().map_err(|_| {
+            Failure::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "not connected to RabbitMQ: nothing was sent; try again once /readyz answers 200",
+            )
+        })?;
+        let mut data = serde_json::Map::new();
+        data.insert("by".into(), serde_json::Value::String(who.name.clone()));
+        let sent = OrderEvent {
+            schema_version: SCHEMA_VERSION,
+            order_id: Some(order_id.into()),
+            correlation_key: None,
+            name: event.to_owned(),
+            event_id: format!("console-{}", uuid::Uuid::now_v7()),
+            data: Some(data),
+        };
+        sent.validate().map_err(|invalid| {
+            Failure::bad_request(format!("the event is not valid: {}", invalid.0))
+        })?;
+        publisher
+            .publish_json(
+                &sas_broker::topology::events_exchange(&self.settings.amqp),
+                &self.names.events(),
+                &sent,
+                json_properties(&sent.event_id),
+                true,
+            )
+            .await
+            .map_err(|error| {
+                Failure::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "RabbitMQ did not take the event {event} ({error}): nothing was sent; try again"
+                    ),
+                )
+            })?;
+        metrics::counter!("sas_console_actions_total", "action" => "event").increment(1);
+        tracing::info!(order_id, user = %who.name, event, event_id = %sent.event_id, "event sent to a waiting order");
+        Ok(EventSent {
+            message: format!(
+                "event {event} sent to order {order_id} ({}): its wait ends once a scheduler takes it",
+                sent.event_id
+            ),
+            event_id: sent.event_id,
+        })
+    }
+
+    /// Moves the waiting orders of `ask.workflow` at version `ask.from` to
+    /// version `ask.to`, as `sasctl orders move` does (the store's
+    /// [`sas_store::writes::Writes::move_orders`], at most
+    /// `console.bulk_limit` orders by order id): without `ask.confirm`, only
+    /// says what would move and what stays and why; with it, moves them in
+    /// one transaction, each recorded in its history as `moved` by
+    /// `console:<user>`.
+    ///
+    /// # Errors
+    /// 400 for a request that cannot be a move, 404 when no scheduler
+    /// registered the target version, 409 when more orders would move now
+    /// than confirmed (nothing moved), 503 when the store fails.
+    pub async fn move_orders(
+        &self,
+        ask: &MoveAsk,
+        who: &Principal,
+    ) -> Result<MoveOutcome, Failure> {
+        check_move(ask)?;
+        let limit = self.settings.console.bulk_limit;
+        let request = MoveRequest {
+            workflow: &ask.workflow,
+            from: ask.from,
+            to: ask.to,
+            mapping: &ask.mapping,
+            limit,
+            apply: ask.confirm.is_some(),
+            confirmed: ask.confirm,
+        };
+        let report = match self
+            .store
+            .writes()
+            .move_orders(&request, &who.actor())
+            .await
+        {
+            Ok(report) => report,
+            Err(unknown @ MoveError::UnknownPlan { .. }) => {
+                return Err(Failure::new(
+                    axum::http::StatusCode::NOT_FOUND,
+                    unknown.to_string(),
+                ));
+            }
+            Err(more @ MoveError::MoreThanConfirmed { .. }) => {
+                return Err(Failure::conflict(format!("{more}; nothing was moved")));
+            }
+            Err(MoveError::Store(error)) => return Err(error.into()),
+        };
+        let outcome = MoveOutcome::new(ask, report, request.apply, limit);
+        if outcome.applied {
+            metrics::counter!("sas_console_actions_total", "action" => "move")
+                .increment(outcome.moved.len() as u64);
+            tracing::info!(user = %who.name, workflow = %ask.workflow, from = ask.from, to = ask.to, moved = outcome.moved.len(), refused = outcome.refused.len(), "waiting orders moved to another version");
+        }
+        Ok(outcome)
+    }
+
     /// How many orders a bulk action would go through.
     ///
     /// # Errors
@@ -165,7 +538,7 @@ impl Console {
         let outcome = match run_bulk(&self.store, &self.announcer, publisher.as_ref(), bulk).await {
             Ok(outcome) => outcome,
             Err(refused @ BulkError::Unconfirmed { .. }) => {
-                return Err(Failure::conflict(refused.to_string()))
+                return Err(Failure::conflict(refused.to_string()));
             }
             Err(BulkError::Store(error)) => return Err(error.into()),
         };
@@ -249,16 +622,16 @@ impl Console {
         let source = match replayed {
             Ok(source) => source,
             Err(ReplayError::Refused(NotReplayable::NotFound(_))) => {
-                return Err(Failure::not_found(format!("dead letter #{id}")))
+                return Err(Failure::not_found(format!("dead letter #{id}")));
             }
             Err(ReplayError::Refused(refusal)) => {
-                return Err(Failure::conflict(refusal.to_string()))
+                return Err(Failure::conflict(refusal.to_string()));
             }
             Err(error @ ReplayError::NotTaken { .. }) => {
                 return Err(Failure::new(
                     axum::http::StatusCode::SERVICE_UNAVAILABLE,
                     error.to_string(),
-                ))
+                ));
             }
             Err(ReplayError::Store(error)) => return Err(error.into()),
         };

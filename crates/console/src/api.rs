@@ -3,6 +3,7 @@
 //! and the user's CSRF token in `X-CSRF-Token` (from `GET /api/session`).
 //! Failures are `{"error": "..."}` with the HTTP status saying which kind.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -14,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::actions::{BulkOutcome, Done, OrderAction, Preview};
+use crate::actions::{BulkOutcome, Done, EventSent, MoveAsk, MoveOutcome, OrderAction, Preview};
 use crate::auth::Principal;
 use crate::error::{ApiFailure, Failure};
 use crate::pages::{borrowed, query_pairs};
@@ -29,8 +30,11 @@ pub fn routes() -> Router<Arc<Console>> {
         .route("/api/orders/{id}", get(order))
         .route("/api/orders/{id}/resubmit", post(resubmit))
         .route("/api/orders/{id}/cancel", post(cancel))
+        .route("/api/orders/{id}/signal", post(signal))
         .route("/api/bulk/{action}/preview", get(preview))
         .route("/api/bulk/{action}", post(bulk))
+        .route("/api/workflows", get(workflows))
+        .route("/api/workflows/move", post(move_orders))
         .route("/api/alerts", get(alerts))
         .route("/api/alerts/{id}/acknowledge", post(acknowledge))
         .route("/api/alerts/{id}/resolve", post(resolve))
@@ -95,10 +99,20 @@ async fn order(
     let (what, remaining) =
         crate::pages::order::remaining(view.detail.summary.state, &view.detail.steps);
     let remaining: Vec<&str> = remaining.iter().map(|s| s.name.as_str()).collect();
+    let waiting = crate::actions::waiting_for_event(view.detail.summary.state, &view.detail.steps)
+        .map(|waiting| {
+            json!({
+                "step": waiting.step.name,
+                "event": waiting.event,
+                "until": waiting.step.complete_by,
+                "on_timeout": waiting.on_timeout,
+            })
+        });
     Ok(Json(json!({
         "order": view.detail,
         "delivery": view.delivery,
         "remaining": { "what": what, "steps": remaining },
+        "waiting": waiting,
     })))
 }
 
@@ -128,6 +142,33 @@ async fn cancel(
     let request: CancelBody = body(&bytes)?;
     Ok(Json(
         console.cancel(&order_id, &request.reason, &who).await?,
+    ))
+}
+
+/// Body of an event sent to an order's wait step.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignalBody {
+    /// The event's name, as the wait step names it (`approved`).
+    #[serde(default)]
+    event: String,
+}
+
+async fn signal(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<EventSent> {
+    let request: SignalBody = body(&bytes)?;
+    if request.event.is_empty() {
+        return Err(Failure::bad_request(
+            "an event needs {\"event\": NAME}, the name the order's wait step waits for (GET /api/orders/ID shows it)",
+        )
+        .into());
+    }
+    Ok(Json(
+        console.send_event(&order_id, &request.event, &who).await?,
     ))
 }
 
@@ -167,6 +208,49 @@ async fn bulk(
         ))
     })?;
     Ok(Json(console.bulk(action, &filter, confirmed, &who).await?))
+}
+
+async fn workflows(
+    State(console): State<Arc<Console>>,
+) -> ApiResult<Vec<crate::pages::workflows::WorkflowView>> {
+    Ok(Json(crate::pages::workflows::load(&console).await?))
+}
+
+/// Body of a move of waiting orders: without `confirm`, a look.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveBody {
+    #[serde(default)]
+    workflow: String,
+    from: Option<i32>,
+    to: Option<i32>,
+    /// Old step names to new ones.
+    #[serde(default)]
+    mapping: BTreeMap<String, String>,
+    /// How many orders the look said would move.
+    confirm: Option<usize>,
+}
+
+async fn move_orders(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<MoveOutcome> {
+    let request: MoveBody = body(&bytes)?;
+    let (Some(from), Some(to)) = (request.from, request.to) else {
+        return Err(Failure::bad_request(
+            "a move needs {\"workflow\": W, \"from\": VERSION, \"to\": VERSION}, with \"mapping\": {OLD: NEW} for renamed steps, and \"confirm\": N (the look's count of moved orders) to move them",
+        )
+        .into());
+    };
+    let ask = MoveAsk {
+        workflow: request.workflow,
+        from,
+        to,
+        mapping: request.mapping,
+        confirm: request.confirm,
+    };
+    Ok(Json(console.move_orders(&ask, &who).await?))
 }
 
 /// Query of the alerts list.

@@ -6,7 +6,9 @@
 //!   hashed secrets, CSRF tokens; the middleware every page and API request
 //!   passes (failed logins slowed down by [`sas_runtime::login_limit`]).
 //! - [`timeline`]: an order's run drawn as SVG.
-//! - [`actions`]: resubmit, cancel, bulk actions by filter, alerts, dead letters.
+//! - [`actions`]: resubmit, cancel, bulk actions by filter, events for wait
+//!   steps, moves of waiting orders to another workflow version, alerts,
+//!   dead letters.
 //! - [`overview`]: the overview's numbers, cached briefly.
 //! - [`broker`]: queue depths by passive declares; replays.
 //! - [`pages`]: the HTML pages; [`api`]: the same as JSON.
@@ -49,7 +51,8 @@ pub struct Console {
     pub settings: Settings,
     /// The state store.
     pub store: Store,
-    /// The broker session (status messages of actions, replays).
+    /// The broker session (status messages of actions, replays, events for
+    /// wait steps).
     pub session: Session,
     /// The session's connection, for passive declares.
     pub connection: broker::CurrentConnection,

@@ -42,7 +42,8 @@ pub struct ConsoleSettings {
     pub request_timeout_ms: u64,
     /// Orders per page of the list.
     pub page_size: i64,
-    /// Most orders one bulk action goes through.
+    /// Most orders one bulk action goes through (and one move of waiting
+    /// orders looks at).
     pub bulk_limit: i64,
     /// How often the live pages look for changes, in milliseconds.
     pub live_interval_ms: u64,

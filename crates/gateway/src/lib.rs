@@ -11,6 +11,7 @@
 //! the state store.
 
 pub mod clients;
+pub mod events;
 pub mod openapi;
 pub mod orders;
 pub mod settings;
@@ -124,6 +125,11 @@ pub fn router(gateway: Arc<Gateway>, session: &Session) -> anyhow::Result<Router
     let api = Router::new()
         .route("/v1/orders", post(orders::submit))
         .route("/v1/orders/{order_id}", get(orders::status))
+        .route("/v1/orders/{order_id}/events", post(events::submit))
+        .route(
+            "/v1/correlation-keys/{key}/events",
+            post(events::submit_for_key),
+        )
         .layer(axum::middleware::from_fn_with_state(gateway.clone(), guard))
         .with_state(gateway);
     let document = Router::new().route(

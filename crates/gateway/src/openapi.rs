@@ -6,6 +6,7 @@
 use schemars::generate::SchemaSettings;
 use serde_json::{json, Value};
 
+use crate::events::{EventAccepted, EventSubmission};
 use crate::orders::{OrderStatusView, Problem, Submitted};
 
 /// The document.
@@ -17,6 +18,8 @@ pub fn document() -> Value {
     let submitted = generator.subschema_for::<Submitted>();
     let status = generator.subschema_for::<OrderStatusView>();
     let problem = generator.subschema_for::<Problem>();
+    let event = generator.subschema_for::<EventSubmission>();
+    let event_accepted = generator.subschema_for::<EventAccepted>();
     let schemas = generator.take_definitions(true);
     let error = |description: &str| {
         json!({
@@ -92,6 +95,68 @@ pub fn document() -> Value {
                         "503": error("The store cannot be reached: ask again (see Retry-After)."),
                     },
                 },
+            },
+            "/v1/orders/{order_id}/events": events_path(&event, &event_accepted, &error, EventsFor::Order),
+            "/v1/correlation-keys/{key}/events": events_path(&event, &event_accepted, &error, EventsFor::Key),
+        },
+    })
+}
+
+/// Whom an events path addresses.
+enum EventsFor {
+    /// One order, by id.
+    Order,
+    /// The orders waiting with a business key.
+    Key,
+}
+
+/// `POST /v1/orders/{order_id}/events`: an event for the order's wait step;
+/// `POST /v1/correlation-keys/{key}/events`: one for the orders waiting
+/// with a business key.
+fn events_path(
+    event: &schemars::Schema,
+    accepted: &schemars::Schema,
+    error: &dyn Fn(&str) -> Value,
+    to: EventsFor,
+) -> Value {
+    let (operation, summary, parameter, whom) = match to {
+        EventsFor::Order => (
+            "sendEvent",
+            "Send an event to the order's wait step (a webhook, an approval)",
+            "order_id",
+            "The order keeps it in its mailbox once per event_id: sending it again is safe; one that comes before the order reaches its wait, \
+             or before the order exists, is kept for it (scheduler.event_ttl_secs).",
+        ),
+        EventsFor::Key => (
+            "sendEventForKey",
+            "Send an event to the orders waiting with a business key (a payment id in a provider's webhook)",
+            "key",
+            "Every order parked at a wait whose correlation_key gave this key keeps it in its mailbox once per event_id; \
+             when none waits with it yet, it is kept (once per key and event_id) for the first that parks with it (scheduler.event_ttl_secs).",
+        ),
+    };
+    json!({
+        "post": {
+            "operationId": operation,
+            "summary": summary,
+            "description": format!("Validated as the schedulers validate it, then published to the events queue and confirmed by the broker. {whom}"),
+            "parameters": [
+                { "name": parameter, "in": "path", "required": true, "schema": { "type": "string" } },
+            ],
+            "requestBody": {
+                "required": true,
+                "content": { "application/json": { "schema": event } },
+            },
+            "responses": {
+                "202": {
+                    "description": "Accepted: the order will use it when it waits for it.",
+                    "content": { "application/json": { "schema": accepted } },
+                },
+                "400": error("Not a valid event: the reason names the field."),
+                "401": error("No client secret, or a wrong one."),
+                "413": error("The body exceeds amqp.max_message_bytes."),
+                "429": error("Too many failed authentications from this address: see Retry-After."),
+                "503": error("The broker did not confirm it: send the same event again (see Retry-After)."),
             },
         },
     })

@@ -69,6 +69,10 @@ pub struct OrderStatusView {
     pub order_id: String,
     /// `pending`, `processing`, `compensating`, `processed`, `compensated` or `error`.
     pub state: String,
+    /// The workflow it follows.
+    pub workflow: String,
+    /// The version of the workflow it started with.
+    pub workflow_version: i32,
     /// Once it has ended: `processed` (every step done), `compensated`
     /// (undone as a whole) or `failed` (could be neither: operators were
     /// alerted); `null` while it runs.
@@ -96,6 +100,8 @@ impl OrderStatusView {
         Self {
             order_id: summary.order_id.clone(),
             state: summary.state.as_str().to_owned(),
+            workflow: summary.workflow.clone(),
+            workflow_version: summary.workflow_version,
             outcome: outcome.map(str::to_owned),
             failure_count: summary.failure_count,
             last_error: summary.last_error.clone(),
@@ -169,16 +175,19 @@ pub async fn submit(
         Err(error) => {
             counted("unavailable");
             tracing::warn!(order_id = %order.order_id, %error, "order not confirmed by the broker");
-            let mut response = problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the order was not accepted: the broker did not confirm it ({error}); send the same order again, which is safe (idempotent on order_id)"),
-            );
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
-            response
+            not_confirmed(&format!("the order was not accepted: the broker did not confirm it ({error}); send the same order again, which is safe (idempotent on order_id)"))
         }
     }
+}
+
+/// 503 with `Retry-After`: the broker did not confirm what was to be
+/// published; `message` says to send it again.
+pub(crate) fn not_confirmed(message: &str) -> Response {
+    let mut response = problem(StatusCode::SERVICE_UNAVAILABLE, message);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+    response
 }
 
 /// Decodes and validates a submission's body as intake would (at most
@@ -237,10 +246,26 @@ async fn publish_order(
         .with_headers(order_headers(&order.order_id, None));
     // To the orders exchange, as every client publishes (a client's broker
     // user may publish there and nowhere else).
+    let body = serde_json::to_vec(order).expect("wire types always serialize");
+    publish_confirmed(gateway, gateway.names.orders(), body, properties).await
+}
+
+/// Publishes `body` to `exchange` (a fanout, as clients publish),
+/// persistent and mandatory, and waits for the broker's confirm (up to
+/// `gateway.publish_timeout_ms`).
+///
+/// # Errors
+/// When the broker has not confirmed it by then.
+pub(crate) async fn publish_confirmed(
+    gateway: &Gateway,
+    exchange: String,
+    body: Vec<u8>,
+    properties: sas_broker::lapin::BasicProperties,
+) -> Result<(), sas_broker::BrokerError> {
     let message = Outgoing {
-        exchange: gateway.names.orders(),
+        exchange,
         routing_key: String::new(),
-        body: serde_json::to_vec(order).expect("wire types always serialize"),
+        body,
         properties,
         mandatory: true,
     };

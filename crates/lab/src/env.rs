@@ -178,6 +178,39 @@ impl TestEnv {
         self.dir.join("workflow.toml")
     }
 
+    /// Writes `files` (file name, TOML text) to the test's workflows folder
+    /// and returns the settings that make a scheduler run that folder
+    /// instead of the test workflow file.
+    ///
+    /// # Panics
+    /// When the folder cannot be written.
+    pub fn workflows(&self, files: &[(&str, &str)]) -> [crate::Setting; 2] {
+        let folder = self.dir.join("workflows");
+        std::fs::create_dir_all(&folder).expect("create the workflows folder");
+        for (name, text) in files {
+            std::fs::write(folder.join(name), text).expect("write a workflow file");
+        }
+        [
+            crate::Setting::SchedulerWorkflowFile(String::new()),
+            crate::Setting::SchedulerWorkflowDir(folder.display().to_string()),
+        ]
+    }
+
+    /// A workflow call step as TOML, with the test's deadline, in `group`
+    /// if one is named.
+    pub fn call_step(
+        &self,
+        (name, agent, action, compensation): (&str, &str, &str, &str),
+        group: Option<&str>,
+    ) -> String {
+        let group = group.map_or_else(String::new, |g| format!("group = \"{g}\"\n"));
+        format!(
+            "[[steps]]\nname = \"{name}\"\nagent = \"{agent}\"\naction = \"{action}\"\n\
+             compensation = \"{compensation}\"\ntimeout_ms = {}\n{group}\n",
+            self.step_timeout_ms
+        )
+    }
+
     /// The test workflow's steps, as the store copies them onto an order
     /// (for tests that write orders straight into the store).
     pub fn steps(&self) -> Vec<sas_store::NewStep> {
@@ -189,6 +222,9 @@ impl TestEnv {
                 action: (*action).into(),
                 compensation: Some((*compensation).into()),
                 timeout: std::time::Duration::from_millis(self.step_timeout_ms),
+                calls: None,
+                park: None,
+                group: None,
             })
             .collect()
     }
@@ -235,7 +271,7 @@ impl TestEnv {
             .await
             .expect("declare");
         let names = settings.names();
-        for queue in [names.orders(), names.scheduler_replies()]
+        for queue in [names.orders(), names.events(), names.scheduler_replies()]
             .into_iter()
             .chain(AGENTS.iter().map(|agent| names.agent_requests(agent)))
         {
@@ -256,6 +292,17 @@ impl TestEnv {
     pub async fn publish_order(&self, publisher: &Publisher, order: &SubmitOrder) {
         let body = serde_json::to_vec(order).expect("serialize");
         self.publish_raw(publisher, &self.amqp().names().orders(), &body)
+            .await;
+    }
+
+    /// Publishes an event for an order's wait step (confirmed), as any
+    /// AMQP client would.
+    ///
+    /// # Panics
+    /// When the broker does not confirm it.
+    pub async fn publish_event(&self, publisher: &Publisher, event: &sas_messages::OrderEvent) {
+        let body = serde_json::to_vec(event).expect("serialize");
+        self.publish_raw(publisher, &self.amqp().names().events(), &body)
             .await;
     }
 

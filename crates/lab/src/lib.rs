@@ -69,6 +69,28 @@ pub async fn local_status(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, response.text().await.unwrap_or_default()))
 }
 
+/// An event `name` for order `order_id`, with id `event_id` and no data.
+pub fn event(order_id: &str, name: &str, event_id: &str) -> sas_messages::OrderEvent {
+    sas_messages::OrderEvent {
+        schema_version: sas_messages::SCHEMA_VERSION,
+        order_id: Some(order_id.into()),
+        correlation_key: None,
+        name: name.into(),
+        event_id: event_id.into(),
+        data: None,
+    }
+}
+
+/// An event `name` for the orders waiting with business key `key`, with
+/// id `event_id` and no data.
+pub fn keyed_event(key: &str, name: &str, event_id: &str) -> sas_messages::OrderEvent {
+    sas_messages::OrderEvent {
+        order_id: None,
+        correlation_key: Some(key.into()),
+        ..event("-", name, event_id)
+    }
+}
+
 /// A valid order with the given id.
 pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
     sas_messages::SubmitOrder {
@@ -83,5 +105,7 @@ pub fn order(order_id: &str) -> sas_messages::SubmitOrder {
         currency: "EUR".into(),
         reply_to: None,
         priority: None,
+        workflow: None,
+        attributes: None,
     }
 }

@@ -172,6 +172,8 @@ impl TestEnv {
         let mut all = vec![
             Setting::Listen(port),
             Setting::SimJournalFile(self.dir.join("sim-journal.jsonl").display().to_string()),
+            // Tests check what a request template sent.
+            Setting::SimRecordBodies(true),
         ];
         all.extend_from_slice(settings);
         let service = self.spawn("remote-sim", "remote-sim", &all);

@@ -84,6 +84,11 @@ settings! {
     SchedulerId(String) => "SAS_SCHEDULER__ID",
     /// `scheduler.workflow_file`: the workflow definition.
     SchedulerWorkflowFile(String) => "SAS_SCHEDULER__WORKFLOW_FILE",
+    /// `scheduler.workflow_dir`: a folder of workflow definitions (set
+    /// `SchedulerWorkflowFile` empty beside it).
+    SchedulerWorkflowDir(String) => "SAS_SCHEDULER__WORKFLOW_DIR",
+    /// `scheduler.event_ttl_secs`: how long an event waits for its order.
+    SchedulerEventTtlSecs(u64) => "SAS_SCHEDULER__EVENT_TTL_SECS",
     /// `scheduler.claim_interval_ms`: how often due orders are claimed.
     SchedulerClaimIntervalMs(u64) => "SAS_SCHEDULER__CLAIM_INTERVAL_MS",
     /// `scheduler.claim_batch`: orders claimed in one statement.
@@ -136,6 +141,9 @@ settings! {
     AgentRemoteClientCertFile(String) => "SAS_AGENT__REMOTE_CLIENT_CERT_FILE",
     /// `agent.remote_client_key_file`: that certificate's key.
     AgentRemoteClientKeyFile(String) => "SAS_AGENT__REMOTE_CLIENT_KEY_FILE",
+    /// `agent.remote_headers`: headers added to every call to the remote
+    /// (`Name: value` pairs separated by `;` or newlines).
+    AgentRemoteHeaders(String) => "SAS_AGENT__REMOTE_HEADERS",
     /// `agent.concurrency`: calls an agent process makes at once.
     AgentConcurrency(u32) => "SAS_AGENT__CONCURRENCY",
     /// `agent.call_timeout_ms`: how long one remote call may take.
@@ -182,6 +190,9 @@ settings! {
     SimFaultsHangRate(f64) => "SAS_SIM__FAULTS__HANG_RATE",
     /// `sim.keys_kept_secs`: how long remote-sim keeps idempotency keys.
     SimKeysKeptSecs(u64) => "SAS_SIM__KEYS_KEPT_SECS",
+    /// `sim.record_bodies`: the ledger keeps each call's body (on for
+    /// the tests' remote-sim, off for the benchmark's).
+    SimRecordBodies(bool) => "SAS_SIM__RECORD_BODIES",
     /// `sim.tls_cert_file`: remote-sim's certificate (serves HTTPS).
     SimTlsCertFile(String) => "SAS_SIM__TLS_CERT_FILE",
     /// `sim.tls_key_file`: that certificate's key.

@@ -104,6 +104,23 @@ impl SimClient {
         }
     }
 
+    /// The keys of `order_id`'s applied side effects, in the order the
+    /// ledger recorded them (an action before its undo).
+    ///
+    /// # Panics
+    /// When remote-sim cannot be reached.
+    pub async fn applied_keys(&self, order_id: &str) -> Vec<String> {
+        let prefix = format!("{order_id}:");
+        self.side_effects()
+            .await
+            .expect("read remote-sim's side effects")
+            .into_iter()
+            .filter(|e| e.key.starts_with(&prefix))
+            .filter(|e| matches!(e.decision, Decision::Applied { .. }))
+            .map(|e| e.key)
+            .collect()
+    }
+
     /// Applied side effects per key: every value must be 1.
     ///
     /// # Errors

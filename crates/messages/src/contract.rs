@@ -14,7 +14,7 @@ use schemars::generate::SchemaSettings;
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
 
-use crate::{headers, OrderStatus, QueueNames, StepReply, StepRequest, SubmitOrder};
+use crate::{headers, OrderEvent, OrderStatus, QueueNames, StepReply, StepRequest, SubmitOrder};
 
 /// The command that regenerates `contract/` (printed by the drift test).
 pub const REGENERATE: &str = "cargo run -p sas-messages --example contract";
@@ -23,6 +23,7 @@ pub const REGENERATE: &str = "cargo run -p sas-messages --example contract";
 pub fn message_schemas() -> Vec<(&'static str, Value)> {
     vec![
         ("SubmitOrder", schema_of::<SubmitOrder>()),
+        ("OrderEvent", schema_of::<OrderEvent>()),
         ("StepRequest", schema_of::<StepRequest>()),
         ("StepReply", schema_of::<StepReply>()),
         ("OrderStatus", schema_of::<OrderStatus>()),
@@ -112,7 +113,9 @@ fn info() -> Value {
             "replies only from agent users; `message_id` is unique per message, except that ",
             "every rejected status about one refused message carries the same one.\n\n",
             "Headers: `traceparent` (W3C trace context; a client may set it on an order to ",
-            "join its trace), `x-sas-order-id` on every message about an order, and on dead ",
+            "join its trace), `x-sas-order-id` on every message about an order, ",
+            "`x-sas-published-at` (microseconds since the epoch, by the publishing service's ",
+            "clock; informational) on every message our services publish, and on dead ",
             "letters `x-sas-reason`, `x-sas-source-queue` and `x-sas-original-user`.\n\n",
             "Which readers refuse unknown fields, and the upgrade order that follows, are in ",
             "docs/messages.md (Upgrades)."
@@ -160,6 +163,20 @@ fn channels(names: &QueueNames) -> Value {
             "description": "Quorum queue with a delivery limit and dead-lettering; schedulers compete on it.",
             "messages": { "SubmitOrder": message_ref("SubmitOrder") },
             "bindings": queue_binding(Some(&names.orders())),
+        },
+        "events": {
+            "address": null,
+            "title": format!("exchange {}", names.events()),
+            "description": "Fanout exchange bound to the queue of the same name; any routing key. Events for orders' wait steps, from clients, `sasctl signal` and the console.",
+            "messages": { "OrderEvent": message_ref("OrderEvent") },
+            "bindings": exchange_binding(&names.events(), "fanout"),
+        },
+        "eventsQueue": {
+            "address": names.events(),
+            "title": format!("queue {}", names.events()),
+            "description": "Quorum queue with a delivery limit and dead-lettering; schedulers compete on it and keep each event in its order's mailbox.",
+            "messages": { "OrderEvent": message_ref("OrderEvent") },
+            "bindings": queue_binding(Some(&names.events())),
         },
         "agentRequests": {
             "address": agent_queue,
@@ -252,6 +269,8 @@ fn operations() -> Value {
     let mut operations = json!({
         "submitOrder": operation("send", "orders", "A client submits an order (publisher confirms advised).", &["client", "sasctl"], &["SubmitOrder"], send(true)),
         "takeOrder": operation("receive", "ordersQueue", "Schedulers store the order and start it, or refuse it: rejected to its reply_to, then dead-lettered.", &["scheduler"], &["SubmitOrder"], receive()),
+        "sendEvent": operation("send", "events", "An event for an order's wait step (publisher confirms advised).", &["client", "sasctl", "console"], &["OrderEvent"], send(true)),
+        "takeEvent": operation("receive", "eventsQueue", "Schedulers keep the event in its order's mailbox (once per event_id) and move on an order waiting for it; an invalid one is dead-lettered.", &["scheduler"], &["OrderEvent"], receive()),
         "requestStep": operation("send", "agentRequests", "One attempt of one step (action or compensation), correlation_id = attempt_id, reply_to = the scheduler reply queue.", &["scheduler", "supervisor", "console"], &["StepRequest"], send(true)),
         "takeStepRequest": operation("receive", "agentRequests", "An agent calls its remote service with the step's idempotency key, within complete_by.", &["agent"], &["StepRequest"], receive()),
         "replyStep": operation("send", "schedulerReplies", "The agent's answer, to the request's reply_to with its correlation_id.", &["agent"], &["StepReply"], send(true)),
@@ -312,6 +331,7 @@ fn components() -> Value {
         .with(|settings| settings.definitions_path = "/components/schemas".into())
         .into_generator();
     let submit = generator.subschema_for::<SubmitOrder>().to_value();
+    let event = generator.subschema_for::<OrderEvent>().to_value();
     let request = generator.subschema_for::<StepRequest>().to_value();
     let reply = generator.subschema_for::<StepReply>().to_value();
     let status = generator.subschema_for::<OrderStatus>().to_value();
@@ -329,6 +349,10 @@ fn components() -> Value {
             "SubmitOrder": message("SubmitOrder", "An order, from any AMQP client.", submit, "OrderHeaders", properties(&[
                 ("reply_to", "optional: the queue for this order's statuses (the body's reply_to wins)"),
                 ("correlation_id", correlation),
+                ("content_type", crate::CONTENT_TYPE_JSON),
+                ("delivery_mode", "2 (persistent)"),
+            ])),
+            "OrderEvent": message("OrderEvent", "An event for an order's wait step, from any AMQP client.", event, "OrderHeaders", properties(&[
                 ("content_type", crate::CONTENT_TYPE_JSON),
                 ("delivery_mode", "2 (persistent)"),
             ])),
@@ -350,7 +374,7 @@ fn components() -> Value {
             "DeadLetter": message("DeadLetter", "A refused message, kept with the reason.", json!({
                 "description": "The original body, cut to amqp.max_message_bytes.",
             }), "DeadLetterHeaders", properties(&[
-                ("*", "the original message's properties, user_id replaced by the dead-lettering service's"),
+                ("*", "the original message's properties, user_id replaced by the dead-lettering service's and x-sas-published-at by its own publish time"),
             ])),
         },
     })
@@ -367,6 +391,10 @@ fn order_headers() -> Value {
                 "pattern": "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$",
             },
             (headers::ORDER_ID): { "type": "string", "description": "The order the message is about." },
+            (headers::PUBLISHED_AT): {
+                "type": "integer",
+                "description": "When the publishing service handed the message to the broker, in microseconds since the Unix epoch by its clock. Informational: nothing decides on it.",
+            },
         },
     })
 }

@@ -8,6 +8,7 @@
 //! - [`ids`]: the order id and attempt id types.
 //! - [`names`]: queue, exchange and header names (with a deployment prefix).
 //! - [`order`]: the order a client submits, and its validation.
+//! - [`event`]: an event from the outside world that a wait step waits for.
 //! - [`step`]: the request an agent receives and the reply it sends back.
 //! - [`status`]: progress events sent to the client.
 //! - [`trace`]: W3C trace context carried in AMQP headers.
@@ -19,6 +20,7 @@
 
 pub mod contract;
 pub mod decode;
+pub mod event;
 pub mod ids;
 pub mod names;
 pub mod order;
@@ -28,6 +30,7 @@ pub mod storable;
 pub mod trace;
 
 pub use decode::{decode, DecodeError};
+pub use event::OrderEvent;
 pub use ids::{AttemptId, OrderId};
 pub use names::{headers, QueueNames};
 pub use order::{OrderLine, SubmitOrder};

@@ -22,6 +22,13 @@ impl QueueNames {
         format!("{}sas.orders", self.prefix)
     }
 
+    /// Durable quorum queue of [`crate::OrderEvent`]s, consumed by the
+    /// schedulers; clients publish to the fanout exchange of the same name
+    /// bound to it.
+    pub fn events(&self) -> String {
+        format!("{}sas.events", self.prefix)
+    }
+
     /// Durable quorum queue shared by every scheduler instance, named in the
     /// `reply_to` of every step request: a reply survives the death of the
     /// scheduler that sent the request.
@@ -68,6 +75,7 @@ impl QueueNames {
     pub fn all_queues<'a>(&self, agents: impl IntoIterator<Item = &'a str>) -> Vec<String> {
         let mut queues = vec![
             self.orders(),
+            self.events(),
             self.scheduler_replies(),
             self.dead_letters(),
             self.dead_letter_records(),
@@ -82,6 +90,7 @@ impl QueueNames {
     /// read work, replies or dead letters.
     pub fn is_own_queue(&self, queue: &str) -> bool {
         queue == self.orders()
+            || queue == self.events()
             || queue == self.scheduler_replies()
             || queue == self.dead_letters()
             || queue == self.dead_letter_records()
@@ -107,6 +116,12 @@ pub mod headers {
     pub const ORDER_ID: &str = "x-sas-order-id";
     /// W3C trace context, so one order's spans join up across services.
     pub const TRACEPARENT: &str = "traceparent";
+    /// When one of our services handed the message to the broker, in
+    /// microseconds since the Unix epoch by its clock (a 64-bit integer):
+    /// the receiver's `sas_queue_wait_seconds`, a line of the benchmark's
+    /// latency budget. Informational: nothing decides on it, and between
+    /// hosts it is only as good as their clocks' agreement.
+    pub const PUBLISHED_AT: &str = "x-sas-published-at";
     /// Reason RabbitMQ itself gives when it dead-letters (e.g. `delivery_limit`).
     pub const FIRST_DEATH_REASON: &str = "x-first-death-reason";
     /// Queue RabbitMQ itself dead-lettered from.

@@ -25,6 +25,25 @@ pub const QUEUE_NAME_PATTERN: &str = "^[^\\u0000-\\u001F\\u007F]+$";
 pub fn is_queue_name(name: &str) -> bool {
     (1..=255).contains(&name.len()) && !name.bytes().any(|b| b.is_ascii_control())
 }
+/// The workflow an order follows when it names none.
+pub const DEFAULT_WORKFLOW: &str = "order";
+/// What [`SubmitOrder::validate`] accepts as a workflow name, for the JSON
+/// Schema: 1 to 64 letters, digits, `_` or `-`.
+pub const WORKFLOW_PATTERN: &str = "^[A-Za-z0-9_-]{1,64}$";
+/// Largest accepted `attributes` object, in bytes of compact JSON: they are
+/// stored with the order and sent with every step request, so they stay
+/// far below the message size limit.
+pub const MAX_ATTRIBUTES_BYTES: usize = 16 * 1024;
+
+/// True when `name` can name a workflow: 1 to 64 letters, digits, `_` or
+/// `-` (see [`WORKFLOW_PATTERN`]).
+pub fn is_workflow_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// Highest priority an order may ask for; 0 is the lowest.
 pub const MAX_PRIORITY: u8 = 9;
 /// The priority of an order that names none: the middle of the range, so
@@ -70,12 +89,29 @@ pub struct SubmitOrder {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(max = MAX_PRIORITY))]
     pub priority: Option<u8>,
+    /// The workflow the order follows, by name; `order` when absent
+    /// ([`DEFAULT_WORKFLOW`]). A name the deployment does not run is
+    /// rejected with the names it does run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = WORKFLOW_PATTERN))]
+    pub workflow: Option<String>,
+    /// Open order data (a shipping address, a tax id, a coupon, a channel):
+    /// a JSON object of at most 16 KiB of compact JSON
+    /// ([`MAX_ATTRIBUTES_BYTES`]) that every step request carries, and that
+    /// a workflow may check with its own JSON Schema at intake.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attributes: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl SubmitOrder {
     /// The order's priority, its default filled in.
     pub fn priority(&self) -> u8 {
         self.priority.unwrap_or(DEFAULT_PRIORITY)
+    }
+
+    /// The workflow the order follows, its default filled in.
+    pub fn workflow(&self) -> &str {
+        self.workflow.as_deref().unwrap_or(DEFAULT_WORKFLOW)
     }
 }
 
@@ -96,7 +132,9 @@ pub struct OrderLine {
 #[error("invalid order: {0}")]
 pub struct InvalidOrder(pub String);
 
-fn check_id(field: &str, value: &str) -> Result<(), InvalidOrder> {
+/// Checks an id field (order id, customer id, SKU): 1 to [`MAX_ID_LEN`]
+/// characters of `A-Z a-z 0-9 - _ . :`.
+pub(crate) fn check_id(field: &str, value: &str) -> Result<(), InvalidOrder> {
     let ok = !value.is_empty()
         && value.len() <= MAX_ID_LEN
         && value
@@ -165,6 +203,20 @@ impl SubmitOrder {
                 ));
             }
         }
+        if !is_workflow_name(self.workflow()) {
+            return Err(InvalidOrder(format!(
+                "workflow must be 1 to 64 letters, digits, '_' or '-' (got {:?})",
+                self.workflow()
+            )));
+        }
+        if let Some(attributes) = &self.attributes {
+            let bytes = serde_json::to_vec(attributes).map_or(usize::MAX, |b| b.len());
+            if bytes > MAX_ATTRIBUTES_BYTES {
+                return Err(InvalidOrder(format!(
+                    "attributes must be at most {MAX_ATTRIBUTES_BYTES} bytes of JSON (got {bytes})"
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -183,6 +235,8 @@ pub(crate) fn sample() -> SubmitOrder {
         currency: "EUR".into(),
         reply_to: None,
         priority: None,
+        workflow: None,
+        attributes: None,
     }
 }
 
@@ -244,5 +298,27 @@ mod tests {
         let mut order = sample();
         order.currency = "eur".into();
         assert!(order.validate().is_err());
+    }
+
+    #[test]
+    fn attributes_over_the_limit_and_a_bad_workflow_name_are_refused() {
+        let mut order = sample();
+        let mut attributes = serde_json::Map::new();
+        attributes.insert("note".into(), "x".repeat(MAX_ATTRIBUTES_BYTES).into());
+        order.attributes = Some(attributes);
+        assert!(order.validate().unwrap_err().0.contains("attributes"));
+        let mut order = sample();
+        order.workflow = Some("re turn".into());
+        assert!(order.validate().unwrap_err().0.contains("workflow"));
+        order.workflow = Some("return".into());
+        order.validate().unwrap();
+        assert_eq!(sample().workflow(), DEFAULT_WORKFLOW);
+    }
+
+    #[test]
+    fn an_old_order_without_workflow_or_attributes_still_reads_and_writes_the_same() {
+        let old = r#"{"schema_version":1,"order_id":"o","customer_id":"c","items":[{"sku":"s","quantity":1}],"amount_cents":1,"currency":"EUR"}"#;
+        let order: SubmitOrder = serde_json::from_str(old).unwrap();
+        assert_eq!(serde_json::to_string(&order).unwrap(), old);
     }
 }

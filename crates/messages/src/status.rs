@@ -18,6 +18,9 @@ pub enum StatusEvent {
     Received,
     /// One step succeeded (`step` says which).
     StepCompleted,
+    /// The order waits at a wait step (`step`) for an event or a time;
+    /// `detail` says which, and until when.
+    Waiting,
     /// Every step succeeded: terminal.
     Processed,
     /// A step failed for good or kept timing out: the completed steps are being undone.
@@ -37,9 +40,10 @@ pub enum StatusEvent {
 
 impl StatusEvent {
     /// Every event, in the order of an order's life.
-    pub const ALL: [StatusEvent; 7] = [
+    pub const ALL: [StatusEvent; 8] = [
         Self::Received,
         Self::StepCompleted,
+        Self::Waiting,
         Self::Processed,
         Self::Compensating,
         Self::Compensated,
@@ -52,6 +56,7 @@ impl StatusEvent {
         match self {
             Self::Received => "received",
             Self::StepCompleted => "step_completed",
+            Self::Waiting => "waiting",
             Self::Processed => "processed",
             Self::Compensating => "compensating",
             Self::Compensated => "compensated",

@@ -58,8 +58,19 @@ pub struct StepRequest {
     /// with their own clock to find out how far behind it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatched_at: Option<DateTime<Utc>>,
-    /// What the remote service needs: the order, and results of earlier steps.
+    /// The body of the call: by default the order and the results of
+    /// earlier steps (`{order, results}`); a step whose workflow shapes its
+    /// request gets the body its template built.
     pub payload: serde_json::Value,
+    /// The HTTP method of the call, when the workflow names one; `POST`
+    /// when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The path of the call under the service's base URL (`/...`, its
+    /// segments already percent-encoded), when the workflow names one;
+    /// `/<action>` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 /// What the agent learned from the remote service.

@@ -117,6 +117,9 @@ fn check_example(name: &str, example: &Value) -> Result<(), String> {
         "SubmitOrder" => check::<SubmitOrder>(example)?
             .validate()
             .map_err(|e| e.to_string()),
+        "OrderEvent" => check::<sas_messages::OrderEvent>(example)?
+            .validate()
+            .map_err(|e| e.to_string()),
         "StepRequest" => check::<StepRequest>(example).map(drop),
         "StepReply" => check::<StepReply>(example).map(drop),
         "StepOutcome" => check::<StepOutcome>(example).map(drop),

@@ -36,7 +36,7 @@ pub struct Entry {
     pub service: String,
     /// Operation, such as `reserve`.
     pub operation: String,
-    /// Order the call was about, if the payload named one.
+    /// Order the call was about: the body's `order.order_id`, if it has one.
     pub order_id: Option<String>,
     /// What was decided.
     #[serde(flatten)]
@@ -51,6 +51,16 @@ pub struct Entry {
     /// a valid one: tests check that a caller passes its trace on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace_id: Option<String>,
+    /// The deciding call's HTTP method (`POST`, `PUT` or `PATCH`); absent
+    /// for a tombstone (no call of its action was made) and in journal
+    /// lines written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The deciding call's JSON body, as received, when `sim.record_bodies`
+    /// is on; null otherwise, for a tombstone, and in journal lines written
+    /// before it was recorded.
+    #[serde(default)]
+    pub body: serde_json::Value,
 }
 
 /// Counters of what the simulator saw.
@@ -212,6 +222,8 @@ mod tests {
             at: DateTime::from_timestamp(at_secs, 0).expect("a time"),
             applied_at: None,
             trace_id: None,
+            method: Some("POST".to_owned()),
+            body: serde_json::json!({ "order": { "order_id": "o1" } }),
         }
     }
 
@@ -248,5 +260,25 @@ mod tests {
         ledger.decide(entry("b", 100_000_000)).unwrap();
         assert!(ledger.decided("a").is_some());
         assert_eq!(ledger.entries().count(), 2);
+    }
+
+    #[test]
+    fn a_journal_line_written_before_methods_and_bodies_were_recorded_still_loads() {
+        let line = r#"{"key":"o1:charge","service":"payment","operation":"charge","order_id":"o1","decision":"applied","result":{"id":"c-1"},"at":"2026-01-01T00:00:00Z"}"#;
+        let entry: Entry = serde_json::from_str(line).unwrap();
+        assert_eq!(entry.method, None);
+        assert_eq!(entry.body, serde_json::Value::Null);
+        assert_eq!(entry.order_id.as_deref(), Some("o1"));
+        let new = entry_with_body();
+        let text = serde_json::to_string(&new).unwrap();
+        assert_eq!(serde_json::from_str::<Entry>(&text).unwrap(), new);
+    }
+
+    fn entry_with_body() -> Entry {
+        Entry {
+            method: Some("PUT".to_owned()),
+            body: serde_json::json!({ "amount_cents": 250 }),
+            ..entry("o1:credit", 0)
+        }
     }
 }

@@ -1,11 +1,17 @@
-//! The simulated remote services that agents wrap: inventory (reserve,
-//! release), payment (charge, refund) and shipping (ship, cancel).
+//! The simulated remote services that agents wrap, each with pairs of an
+//! action and the compensation that undoes it ([`routes::SERVICES`]):
+//! inventory (reserve/release, restock/destock), payment (charge/refund,
+//! credit/debit) and shipping (ship/cancel, receive/reject). The first pair
+//! of each serves the order workflow, the second a return (goods received,
+//! the payment credited back, the stock restocked).
 //!
-//! They behave like well-made remote APIs: each call carries an
+//! They behave like well-made remote APIs: each call (`POST`, `PUT` or
+//! `PATCH /{service}/{operation}` with a JSON body) carries an
 //! `Idempotency-Key`, and a key is decided once: a repeat gets the first
 //! answer and applies nothing. Latency and faults are configurable (also at
 //! run time through `PUT /admin/faults`), and every side effect applied is
-//! recorded (`GET /side-effects`), so tests can count them.
+//! recorded with the call's method and body (`GET /side-effects`), so tests
+//! can count them.
 //!
 //! - [`ledger`]: the decisions taken per key, the side effects, the journal.
 //! - [`routes`]: the HTTP API (plain HTTP, or TLS with `sim.tls_cert_file`).

@@ -1,7 +1,10 @@
 //! The HTTP API of the simulated services.
 //!
-//! - `POST /{service}/{operation}` with an `Idempotency-Key` header: the call.
-//! - `GET /side-effects`: every decided key (applied or refused), oldest first.
+//! - `POST`, `PUT` or `PATCH /{service}/{operation}` with an
+//!   `Idempotency-Key` header and a JSON body: the call (the operations are
+//!   [`SERVICES`]; all three methods are the same call).
+//! - `GET /side-effects`: every decided key (applied or refused), oldest
+//!   first, with the deciding call's method and body.
 //! - `GET /stats`: counters.
 //! - `PUT /admin/faults` (all services) or `PUT /admin/faults/{service}`:
 //!   change latency and fault rates at run time.
@@ -17,7 +20,8 @@
 //! - a call for a key whose first call is still being answered gets 409;
 //! - `late_answer_rate` of the actions are applied at once and answered
 //!   `late_answer_ms` later;
-//! - the undo (`<key>:undo`) of a key never applied gets 404, not recorded
+//! - the undo (`<key>:undo`, by the compensation of the action's pair) of
+//!   a key never applied gets 404, not recorded
 //!   (a retry looks again); with `late_action = "refuse"` it tombstones the
 //!   action key, so the action arriving late is refused (410);
 //! - `applied_at` in the ledger says when each effect was applied.
@@ -27,7 +31,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
@@ -39,11 +43,17 @@ use tokio_util::sync::CancellationToken;
 use crate::ledger::{Decision, Entry, Ledger};
 use crate::settings::{check_forgetting, Faults, LateAction, Mode, Provider, Settings};
 
-/// Services and the operations each offers: the action first, then its compensation.
-pub const SERVICES: [(&str, [&str; 2]); 3] = [
-    ("inventory", ["reserve", "release"]),
-    ("payment", ["charge", "refund"]),
-    ("shipping", ["ship", "cancel"]),
+/// Services and the operations each offers, in pairs: an action, then the
+/// compensation that undoes it. The first pair serves the order workflow;
+/// the second a return (goods received, the payment credited back, the
+/// stock restocked).
+pub const SERVICES: [(&str, &[(&str, &str)]); 3] = [
+    (
+        "inventory",
+        &[("reserve", "release"), ("restock", "destock")],
+    ),
+    ("payment", &[("charge", "refund"), ("credit", "debit")]),
+    ("shipping", &[("ship", "cancel"), ("receive", "reject")]),
 ];
 
 /// SKUs starting with this are always out of stock (a permanent fault on reserve).
@@ -60,6 +70,8 @@ pub struct SimState {
     provider: Arc<RwLock<Provider>>,
     /// `sim.keys_kept_secs`, which strict mode may not be switched on beside.
     keys_kept_secs: u64,
+    /// `sim.record_bodies`: the ledger keeps each deciding call's body.
+    record_bodies: bool,
     /// Strict mode: keys whose call is being answered.
     in_flight: Arc<Mutex<HashSet<String>>>,
     auth_token: Option<Arc<str>>,
@@ -104,6 +116,7 @@ impl SimState {
             shutdown,
             provider: Arc::new(RwLock::new(settings.sim.provider())),
             keys_kept_secs: settings.sim.keys_kept_secs,
+            record_bodies: settings.sim.record_bodies,
             in_flight: Arc::default(),
             auth_token: settings.sim.auth_token.get().map(Arc::from),
             admin_token: settings.sim.admin_token.get().map(Arc::from),
@@ -127,7 +140,7 @@ impl SimState {
 /// The router of the simulator.
 pub fn router(state: SimState) -> Router {
     let services = Router::new()
-        .route("/{service}/{operation}", post(call))
+        .route("/{service}/{operation}", post(call).put(call).patch(call))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_service_token,
@@ -266,8 +279,13 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Refusal {
 struct Call {
     service: String,
     operation: String,
-    /// The service's action (its first operation), which this call is or undoes.
+    /// The action of the operation's pair in [`SERVICES`], which this call
+    /// is or undoes.
     action: &'static str,
+    /// The HTTP method (`POST`, `PUT` or `PATCH`).
+    method: String,
+    /// The request body, as received.
+    body: serde_json::Value,
     key: String,
     order: serde_json::Value,
     order_id: Option<String>,
@@ -280,21 +298,25 @@ impl Call {
     fn read(
         service: String,
         operation: String,
+        method: &Method,
         headers: &HeaderMap,
-        payload: &serde_json::Value,
+        payload: serde_json::Value,
     ) -> Result<Self, Refusal> {
-        let Some((_, operations)) = SERVICES.iter().find(|(name, _)| *name == service) else {
+        let Some((_, pairs)) = SERVICES.iter().find(|(name, _)| *name == service) else {
             return Err(refuse(
                 StatusCode::NOT_FOUND,
                 format!("no service {service:?}"),
             ));
         };
-        if !operations.contains(&operation.as_str()) {
+        let Some(&(action, _)) = pairs
+            .iter()
+            .find(|(action, compensation)| operation == *action || operation == *compensation)
+        else {
             return Err(refuse(
                 StatusCode::NOT_FOUND,
                 format!("{service} has no operation {operation:?}"),
             ));
-        }
+        };
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let Some(key) = header("idempotency-key").map(str::to_owned) else {
             return Err(refuse(
@@ -311,7 +333,9 @@ impl Call {
             .and_then(|v| v.as_str())
             .map(str::to_owned);
         Ok(Self {
-            action: operations[0],
+            action,
+            method: method.as_str().to_owned(),
+            body: payload,
             trace_id: header("traceparent").and_then(trace_id_of),
             service,
             operation,
@@ -340,13 +364,17 @@ struct Decided {
 async fn call(
     State(state): State<SimState>,
     Path((service, operation)): Path<(String, String)>,
+    method: Method,
     headers: HeaderMap,
     Json(payload): Json<serde_json::Value>,
 ) -> Response {
-    let call = match Call::read(service, operation, &headers, &payload) {
+    let mut call = match Call::read(service, operation, &method, &headers, payload) {
         Ok(call) => call,
         Err(response) => return *response,
     };
+    if !state.record_bodies {
+        call.body = serde_json::Value::Null;
+    }
     let faults = state.faults_for(&call.service);
     let provider = state.provider();
     let decided = match decide(&state, &call, &faults, &provider) {
@@ -355,6 +383,7 @@ async fn call(
     };
     tracing::debug!(
         key = call.key,
+        method = call.method,
         service = call.service,
         operation = call.operation,
         decision = ?decided.decision,
@@ -476,6 +505,8 @@ fn record(
         at,
         applied_at: applied.then_some(at),
         trace_id: call.trace_id.clone(),
+        method: Some(call.method.clone()),
+        body: call.body.clone(),
     };
     if let Err(e) = ledger.decide(entry) {
         return Err(refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")));
@@ -520,6 +551,9 @@ fn nothing_to_undo(
                 at: now_micros(),
                 applied_at: None,
                 trace_id: None,
+                // No call of the action was made.
+                method: None,
+                body: serde_json::Value::Null,
             };
             if let Err(e) = ledger.decide(tombstone) {
                 return Err(refuse(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")));
@@ -885,5 +919,134 @@ mod tests {
             .unwrap()
             .status();
         assert_eq!(status.as_u16(), 200);
+    }
+
+    #[tokio::test]
+    async fn a_put_or_patch_is_the_same_call_and_the_ledger_records_its_method_and_body() {
+        let (base, client) = serve(|settings| settings.sim.record_bodies = true).await;
+        let body = json!({ "account": "a-1", "amount_cents": 250, "reason": "return" });
+        let status = client
+            .put(format!("{base}/payment/credit"))
+            .header("Idempotency-Key", "o1:refund")
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 200);
+        let status = client
+            .patch(format!("{base}/inventory/restock"))
+            .header("Idempotency-Key", "o1:restock")
+            .json(&json!({ "order": { "order_id": "o1" }, "results": {} }))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 200);
+        assert_eq!(
+            post(&client, &format!("{base}/shipping/receive"), "o1:receive").await,
+            200
+        );
+        let entries = entries(&client, &base).await;
+        let [credit, restock, receive] = entries.as_slice() else {
+            panic!("{entries:?}")
+        };
+        assert_eq!(credit.method.as_deref(), Some("PUT"));
+        assert_eq!(credit.body, body);
+        assert_eq!(credit.operation, "credit");
+        assert_eq!(credit.order_id, None, "the body names no order");
+        assert_eq!(restock.method.as_deref(), Some("PATCH"));
+        assert_eq!(restock.order_id.as_deref(), Some("o1"));
+        assert_eq!(receive.method.as_deref(), Some("POST"));
+        assert_eq!(receive.body["order"]["order_id"], "o1");
+        // As `GET /side-effects` shows it.
+        let raw: serde_json::Value = client
+            .get(format!("{base}/side-effects"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(raw[0]["method"], "PUT");
+        assert_eq!(raw[0]["body"], body);
+        // Other methods are not calls.
+        let status = client
+            .get(format!("{base}/payment/credit"))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 405);
+    }
+
+    #[tokio::test]
+    async fn every_pair_of_every_service_is_served_and_nothing_else() {
+        let (base, client) = serve(|_| {}).await;
+        for (service, pairs) in SERVICES {
+            for (action, compensation) in pairs {
+                for operation in [action, compensation] {
+                    let url = format!("{base}/{service}/{operation}");
+                    assert_eq!(
+                        post(&client, &url, &format!("{service}:{operation}")).await,
+                        200,
+                        "{url}"
+                    );
+                }
+            }
+        }
+        for (service, operation) in [
+            ("payment", "restock"),
+            ("inventory", "credit"),
+            ("shipping", "x"),
+        ] {
+            assert_eq!(
+                post(&client, &format!("{base}/{service}/{operation}"), "k").await,
+                404
+            );
+        }
+        assert_eq!(
+            post(&client, &format!("{base}/returns/receive"), "k").await,
+            404
+        );
+    }
+
+    #[tokio::test]
+    async fn strict_mode_undoes_the_new_pairs_as_the_first_ones() {
+        let (base, client) = serve(strict).await;
+        // An undo of a credit never applied: 404, and the credit is tombstoned.
+        assert_eq!(
+            post(&client, &format!("{base}/payment/debit"), "r1:credit:undo").await,
+            404
+        );
+        assert_eq!(
+            post(&client, &format!("{base}/payment/credit"), "r1:credit").await,
+            410
+        );
+        let tombstone = entries(&client, &base).await.remove(0);
+        assert_eq!(
+            (tombstone.key.as_str(), tombstone.operation.as_str()),
+            ("r1:credit", "credit")
+        );
+        assert_eq!(tombstone.method, None);
+        // An applied restock is undone by destock.
+        assert_eq!(
+            post(&client, &format!("{base}/inventory/restock"), "r2:restock").await,
+            200
+        );
+        assert_eq!(
+            post(
+                &client,
+                &format!("{base}/inventory/destock"),
+                "r2:restock:undo"
+            )
+            .await,
+            200
+        );
+        // receive is an action (of its pair), not an undo looking for one.
+        assert_eq!(
+            post(&client, &format!("{base}/shipping/receive"), "r3:receive").await,
+            200
+        );
     }
 }

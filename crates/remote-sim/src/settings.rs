@@ -28,6 +28,8 @@ pub struct SimSettings {
     pub journal_file: String,
     /// Seconds a decided key is remembered (and listed); 0 remembers every key.
     pub keys_kept_secs: u64,
+    /// Keep each deciding call's body in its ledger entry (`null` otherwise).
+    pub record_bodies: bool,
     /// Payments above this amount are declined.
     pub decline_above_cents: i64,
     /// Faults applied to every service.

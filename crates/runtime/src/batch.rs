@@ -9,13 +9,17 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 /// A queue of items that workers handle in batches; see the module docs.
 pub struct Batcher<I, O> {
-    queue: mpsc::UnboundedSender<(I, oneshot::Sender<O>)>,
+    queue: mpsc::UnboundedSender<Queued<I, O>>,
 }
+
+/// An item, when it was queued, and where its output goes.
+type Queued<I, O> = (I, Instant, oneshot::Sender<O>);
 
 impl<I, O> Clone for Batcher<I, O> {
     fn clone(&self) -> Self {
@@ -33,13 +37,15 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     /// queue is empty.
     ///
     /// Each batch is counted in the `sas_batch_items` and `sas_batch_seconds`
-    /// histograms, labelled `batch = name`.
+    /// histograms, and each item in `sas_batch_wait_seconds` (from its
+    /// queueing to its batch's start) and `sas_batch_run_seconds` (its
+    /// batch's run, which it waited for whole), labelled `batch = name`.
     pub fn spawn<F, Fut>(name: &'static str, max: usize, workers: usize, run: F) -> Self
     where
         F: Fn(Vec<I>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<O>> + Send + 'static,
     {
-        let (queue, receiver) = mpsc::unbounded_channel::<(I, oneshot::Sender<O>)>();
+        let (queue, receiver) = mpsc::unbounded_channel::<Queued<I, O>>();
         let receiver = Arc::new(Mutex::new(receiver));
         let run = Arc::new(run);
         let max = max.max(1);
@@ -56,11 +62,17 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                             return;
                         }
                     }
-                    let (items, replies): (Vec<I>, Vec<oneshot::Sender<O>>) =
-                        batch.into_iter().unzip();
+                    let started = Instant::now();
+                    let wait = metrics::histogram!("sas_batch_wait_seconds", "batch" => name);
+                    let (items, replies): (Vec<I>, Vec<oneshot::Sender<O>>) = batch
+                        .into_iter()
+                        .map(|(item, queued, reply)| {
+                            wait.record((started - queued).as_secs_f64());
+                            (item, reply)
+                        })
+                        .unzip();
                     metrics::histogram!("sas_batch_items", "batch" => name)
                         .record(items.len() as f64);
-                    let started = std::time::Instant::now();
                     // A panic in one batch fails that batch's callers (their
                     // messages go back to the queue), not the worker.
                     let Ok(outputs) = futures_util::FutureExt::catch_unwind(
@@ -71,8 +83,13 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                         tracing::error!(batch = name, "a batch panicked; its callers retry");
                         continue;
                     };
-                    metrics::histogram!("sas_batch_seconds", "batch" => name)
-                        .record(started.elapsed().as_secs_f64());
+                    let took = started.elapsed().as_secs_f64();
+                    metrics::histogram!("sas_batch_seconds", "batch" => name).record(took);
+                    // Every caller waited for the whole batch.
+                    let run = metrics::histogram!("sas_batch_run_seconds", "batch" => name);
+                    for _ in 0..replies.len() {
+                        run.record(took);
+                    }
                     debug_assert_eq!(outputs.len(), replies.len());
                     for (reply, output) in replies.into_iter().zip(outputs) {
                         // The caller may have given up (shutdown): nothing to tell.
@@ -88,7 +105,7 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     /// are gone (the runtime is shutting down).
     pub async fn submit(&self, item: I) -> Option<O> {
         let (reply, output) = oneshot::channel();
-        self.queue.send((item, reply)).ok()?;
+        self.queue.send((item, Instant::now(), reply)).ok()?;
         output.await.ok()
     }
 }

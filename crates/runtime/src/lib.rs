@@ -46,7 +46,7 @@ pub fn instance_id(kind: &str, configured: &str) -> String {
 pub use backoff::{Backoff, Jitter};
 pub use batch::Batcher;
 pub use ops::{OpsServer, Readiness};
-pub use periodic::{every, Next};
+pub use periodic::{every, every_or_woken, Next};
 pub use retry::retry_transient;
 pub use service::{run_service, HasLog, ServiceArgs};
 pub use settings::{load_settings, HttpSettings, LogFormat, LogSettings, Validate};

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 /// What a periodic task wants after one tick.
@@ -37,6 +38,26 @@ impl Next {
 pub async fn every<E, F, Fut>(
     interval: Duration,
     shutdown: &CancellationToken,
+    tick: F,
+) -> Result<(), E>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Next, E>>,
+{
+    every_or_woken(interval, &Notify::new(), shutdown, tick).await
+}
+
+/// [`every`], and a [`Next::Wait`] also ends early when `wake` is
+/// notified: for a loop whose work something else knows of first (a wake
+/// while the tick runs is kept, and the next wait ends at once; several
+/// wakes make one tick).
+///
+/// # Errors
+/// The first error a tick returns ends the loop with it.
+pub async fn every_or_woken<E, F, Fut>(
+    interval: Duration,
+    wake: &Notify,
+    shutdown: &CancellationToken,
     mut tick: F,
 ) -> Result<(), E>
 where
@@ -48,6 +69,7 @@ where
             Next::Again => tokio::task::yield_now().await,
             Next::Wait => tokio::select! {
                 () = tokio::time::sleep(interval) => {}
+                () = wake.notified() => {}
                 () = shutdown.cancelled() => {}
             },
         }
@@ -87,6 +109,32 @@ mod tests {
         assert_eq!(ticks.load(Ordering::SeqCst), 4);
         // Only the third tick waited the interval.
         assert_eq!(started.elapsed(), Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wake_ends_the_wait_and_wakes_during_a_tick_make_one_more_tick() {
+        let (shutdown, wake) = (CancellationToken::new(), Notify::new());
+        let ticks = AtomicU32::new(0);
+        let started = tokio::time::Instant::now();
+        every_or_woken(Duration::from_secs(3600), &wake, &shutdown, || async {
+            let n = ticks.fetch_add(1, Ordering::SeqCst) + 1;
+            match n {
+                // Woken three times while it runs: one tick follows at once.
+                1 => (0..3).for_each(|_| wake.notify_one()),
+                // Then woken by someone else after a while.
+                2 => {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    wake.notify_one();
+                }
+                _ => shutdown.cancel(),
+            }
+            Ok::<_, Infallible>(Next::Wait)
+        })
+        .await
+        .unwrap();
+        assert_eq!(ticks.load(Ordering::SeqCst), 3);
+        // No wait of the hour-long interval; only the second tick's own 5 s.
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
     }
 
     #[tokio::test(start_paused = true)]

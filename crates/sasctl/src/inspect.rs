@@ -1,5 +1,6 @@
 //! `sasctl orders`, `alerts`, `dead-letters`: read the state store.
 
+use sas_store::machine::park::Park;
 use std::process::ExitCode;
 
 use sas_store::Store;
@@ -62,6 +63,10 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
     let s = &detail.summary;
     println!("order       {}", s.order_id);
     println!("state       {}", s.state);
+    println!(
+        "workflow    {} (version {})",
+        s.workflow, s.workflow_version
+    );
     println!("locked by   {}", s.locked_by.as_deref().unwrap_or("-"));
     println!(
         "complete by {}",
@@ -71,11 +76,30 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
     println!("last error  {}", s.last_error.as_deref().unwrap_or("-"));
     println!("\nSTEPS");
     for step in &detail.steps {
+        // A wait step has no agent: what it waits for, and until when.
+        let does = match &step.park {
+            Some(Park::Event { event, .. }) => format!("wait:{event}"),
+            Some(Park::Delay { .. }) => "delay".to_owned(),
+            None => step.agent.clone(),
+        };
+        let until = match (&step.park, step.state) {
+            (Some(_), sas_store::StepState::Running) => step
+                .complete_by
+                .map(|at| format!("  (until {})", at.to_rfc3339()))
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        // Members of a parallel group run side by side.
+        let beside = step
+            .group
+            .as_deref()
+            .map(|group| format!("  (group {group})"))
+            .unwrap_or_default();
         println!(
-            "  {} {:<16} {:<10} {:<13} attempt {} key {}{}",
+            "  {} {:<16} {:<10} {:<13} attempt {} key {}{}{until}{beside}",
             step.position,
             step.name,
-            step.agent,
+            does,
             step.state.as_str(),
             step.attempt,
             step.idempotency_key,

@@ -7,8 +7,10 @@
 //! - [`probe`]: a minimal HTTP health check for containers.
 
 pub mod inspect;
+pub mod moves;
 pub mod operate;
 pub mod probe;
+pub mod signal;
 pub mod submit;
 pub mod watch;
 
@@ -182,6 +184,9 @@ impl Target {
 pub enum Command {
     /// Publish orders to the orders queue (one, a file of them, or N generated).
     Submit(submit::SubmitArgs),
+    /// Send an event to an order's wait step (`sasctl signal ORDER approved
+    /// --data '{"by": "ann"}'`); kept for the order if it does not wait yet.
+    Signal(signal::SignalArgs),
     /// Follow one order's status messages live until it ends.
     Watch {
         /// Order id.
@@ -279,6 +284,10 @@ pub enum OrdersCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Move the waiting orders of one workflow version to another: prints
+    /// what would move and what could not (and why); with `--confirm
+    /// COUNT`, moves them, each recorded in its history.
+    Move(moves::MoveArgs),
 }
 
 /// Runs a command; the exit codes are [`EXIT_CODES`].
@@ -289,6 +298,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let json = |flag: bool| flag || cli.output == operate::Output::Json;
     match cli.command {
         Command::Submit(args) => submit::run(&cli.target, args).await,
+        Command::Signal(args) => signal::run(&cli.target, args).await,
         Command::Watch {
             order_id,
             timeout_secs,
@@ -313,6 +323,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 json(as_json),
             )
             .await
+        }
+        Command::Orders(OrdersCommand::Move(args)) => {
+            moves::run(&cli.target, args, cli.output).await
         }
         Command::Orders(OrdersCommand::Show {
             order_id,

@@ -124,7 +124,8 @@ pub struct BulkArgs {
     pub reason: String,
 }
 
-fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+/// Prints `value` as pretty JSON on stdout (`-o json`).
+pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }

@@ -46,6 +46,13 @@ pub struct SubmitArgs {
     /// Priority of generated orders, 0 (lowest) to 9; 5 when not given.
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=9))]
     pub priority: Option<u8>,
+    /// Workflow of generated orders (default: order).
+    #[arg(long)]
+    pub workflow: Option<String>,
+    /// Attributes of generated orders: a JSON object, checked against the
+    /// workflow's schema at intake.
+    #[arg(long, value_parser = parse_json_object)]
+    pub attributes: Option<serde_json::Map<String, serde_json::Value>>,
     /// Follow the order until it ends (a single order only).
     #[arg(long)]
     pub watch: bool,
@@ -75,6 +82,20 @@ fn generated(args: &SubmitArgs, index: usize) -> SubmitOrder {
         currency: args.currency.clone(),
         reply_to: args.reply_to.clone(),
         priority: args.priority,
+        workflow: args.workflow.clone(),
+        attributes: args.attributes.clone(),
+    }
+}
+
+/// `--attributes`, `--data`: a JSON object.
+///
+/// # Errors
+/// Text that is not JSON, or JSON that is not an object.
+pub fn parse_json_object(text: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(object)) => Ok(object),
+        Ok(_) => Err("must be a JSON object, such as '{\"channel\": \"web\"}'".into()),
+        Err(error) => Err(format!("not JSON: {error}")),
     }
 }
 
@@ -106,13 +127,7 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
     let orders = orders_to_submit(&args)?;
 
     let settings = target.amqp();
-    let connection = sas_broker::connect(&settings, "sasctl")
-        .await
-        .context("cannot connect to RabbitMQ")?;
-    let channel = connection.create_channel().await?;
-    topology::declare_common(&channel, &settings).await?;
-    topology::declare_work_queue(&channel, &settings, &settings.names().orders()).await?;
-    let publisher = Publisher::open(&connection, settings.operation_timeout()).await?;
+    let (connection, publisher) = open_publisher(&settings, &settings.names().orders()).await?;
 
     let watcher = if args.watch {
         Some(crate::watch::Watcher::start(&connection, &settings, &orders[0].order_id).await?)
@@ -124,6 +139,25 @@ pub async fn run(target: &Target, args: SubmitArgs) -> anyhow::Result<ExitCode> 
         Some(watcher) => watcher.follow(Duration::from_secs(300)).await,
         None => Ok(ExitCode::SUCCESS),
     }
+}
+
+/// A connection to RabbitMQ with the common topology and the work queue
+/// `queue` (with its exchange) declared, and a publisher on it.
+///
+/// # Errors
+/// When RabbitMQ cannot be reached or refuses a declaration.
+pub(crate) async fn open_publisher(
+    settings: &AmqpSettings,
+    queue: &str,
+) -> anyhow::Result<(sas_broker::lapin::Connection, Publisher)> {
+    let connection = sas_broker::connect(settings, "sasctl")
+        .await
+        .context("cannot connect to RabbitMQ")?;
+    let channel = connection.create_channel().await?;
+    topology::declare_common(&channel, settings).await?;
+    topology::declare_work_queue(&channel, settings, queue).await?;
+    let publisher = Publisher::open(&connection, settings.operation_timeout()).await?;
+    Ok((connection, publisher))
 }
 
 /// The orders the arguments ask for (read from `--file`, or generated),

@@ -31,6 +31,9 @@ impl Scheduler {
         if let Err(error) = order.validate() {
             return self.refuse(&delivery, publisher, error.to_string()).await;
         }
+        if let Err(reason) = self.workflows.entry_for(&order) {
+            return self.refuse(&delivery, publisher, reason).await;
+        }
         // RabbitMQ's request/reply convention: reply_to and correlation_id as
         // message properties (the body's reply_to wins when both are set).
         let reply_to_property = delivery.reply_to();

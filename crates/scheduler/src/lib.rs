@@ -11,7 +11,9 @@
 //! one durable reply queue, and the store's row locks make sure no two of them
 //! change the same order at once.
 
+pub mod catalog;
 pub mod claim;
+pub mod events;
 pub mod intake;
 pub mod refusal;
 pub mod replies;
@@ -34,6 +36,7 @@ use sas_store::writes::progress::ReplyOutcome;
 use sas_store::{Store, StoreError};
 use tokio_util::sync::CancellationToken;
 
+pub use catalog::Catalog;
 pub use settings::Settings;
 pub use workflow::Workflow;
 
@@ -43,8 +46,8 @@ pub struct Scheduler {
     pub id: String,
     /// The settings it was started with.
     pub settings: Settings,
-    /// The workflow new orders follow.
-    pub workflow: Workflow,
+    /// The workflows new orders may follow.
+    pub workflows: Arc<Catalog>,
     /// The state store.
     pub store: Store,
     /// Queue and exchange names.
@@ -63,6 +66,10 @@ pub struct Scheduler {
     /// Refused orders this instance answered lately, so that a redelivery
     /// is not answered twice.
     pub answered: refusal::Answered,
+    /// Wakes the claim loop before its interval: see [`Scheduler::slot_freed`].
+    pub claim_wake: tokio::sync::Notify,
+    /// When a claim last took an order (see [`Scheduler::slot_freed`]).
+    pub last_claimed: claim::LastClaimed,
 }
 
 /// Runs a scheduler until `shutdown`, then drains in-flight messages.
@@ -72,11 +79,13 @@ pub struct Scheduler {
 /// outages are not errors: the scheduler waits for them to come back.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let id = sas_runtime::instance_id("scheduler", &settings.scheduler.id);
-    let workflow = Workflow::load(&settings.scheduler.workflow_file)?;
-    let shortest = workflow.steps.iter().map(|step| step.timeout_ms).min();
+    let workflows = Arc::new(Catalog::load(
+        &settings.scheduler.workflow_file,
+        &settings.scheduler.workflow_dir,
+    )?);
     settings
         .deadlines
-        .validate(shortest.map(std::time::Duration::from_millis))
+        .validate(workflows.shortest_timeout())
         .map_err(anyhow::Error::msg)
         .context("the deadline margins do not fit the workflow")?;
     let store = Store::connect_lazy(&settings.database, &id)
@@ -100,21 +109,27 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         return Ok(());
     }
 
-    register_agents(&store, &workflow, &settings.scheduler, &shutdown).await;
-    tracing::info!(scheduler = %id, workflow = %workflow.name, steps = workflow.steps.len(), "scheduler starting");
-    let (intake, replies) = batchers(&store, &id, &workflow, &settings.scheduler);
+    register_agents(&store, &workflows, &settings.scheduler, &shutdown).await;
+    register_plans(&store, &workflows, &shutdown).await;
+    for entry in workflows.entries() {
+        let workflow = &entry.workflow;
+        tracing::info!(scheduler = %id, workflow = %workflow.name, version = workflow.version, steps = workflow.steps.len(), "running workflow");
+    }
+    let (intake, replies) = batchers(&store, &id, &workflows, &settings.scheduler);
     let scheduler = Arc::new(Scheduler {
         id,
         names: settings.amqp.names(),
         announcer: Announcer::new(&settings.amqp),
         settings,
-        workflow,
+        workflows,
         store,
         shutdown: shutdown.clone(),
         publishers: session.publisher(),
         intake,
         replies,
         answered: refusal::Answered::default(),
+        claim_wake: tokio::sync::Notify::new(),
+        last_claimed: claim::LastClaimed::default(),
     });
     session
         .run(shutdown, |connection, publisher| {
@@ -135,30 +150,19 @@ pub type ReplyBatcher = Batcher<StepReply, Result<ReplyOutcome, StoreError>>;
 fn batchers(
     store: &Store,
     id: &str,
-    workflow: &Workflow,
+    workflows: &Arc<Catalog>,
     settings: &settings::SchedulerSettings,
 ) -> (IntakeBatcher, ReplyBatcher) {
     let (batch_max, batch_workers) = (settings.batch_max, settings.batch_workers);
     let intake = {
-        let (store, actor) = (store.clone(), id.to_owned());
-        let (workflow_name, steps) = (workflow.name.clone(), workflow.new_steps());
+        let (store, actor, workflows) = (store.clone(), id.to_owned(), workflows.clone());
         Batcher::spawn(
             "intake",
             batch_max,
             batch_workers,
             move |submissions: Vec<Submission>| {
-                let (store, actor, workflow_name, steps) = (
-                    store.clone(),
-                    actor.clone(),
-                    workflow_name.clone(),
-                    steps.clone(),
-                );
-                async move {
-                    store
-                        .writes()
-                        .insert_orders(&submissions, &workflow_name, &steps, &actor)
-                        .await
-                }
+                let (store, actor, workflows) = (store.clone(), actor.clone(), workflows.clone());
+                async move { store_by_workflow(store, &workflows, submissions, &actor).await }
             },
         )
     };
@@ -175,6 +179,58 @@ fn batchers(
         )
     };
     (intake, replies)
+}
+
+/// Stores a batch of submissions, one statement per workflow they follow
+/// (nearly always one), and returns their outcomes in order. Intake
+/// refused every submission of a workflow the scheduler does not run before
+/// it reached the batch.
+async fn store_by_workflow(
+    store: Store,
+    workflows: &Catalog,
+    submissions: Vec<Submission>,
+    actor: &str,
+) -> Vec<Result<Intake, StoreError>> {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (index, submission) in submissions.iter().enumerate() {
+        let name = submission.order.workflow();
+        match groups.iter_mut().find(|(group, _)| *group == name) {
+            Some((_, members)) => members.push(index),
+            None => groups.push((name, vec![index])),
+        }
+    }
+    if let [(name, _)] = groups.as_slice() {
+        if let Some(entry) = workflows.get(name) {
+            return store
+                .writes()
+                .insert_orders(&submissions, entry.plan(), actor)
+                .await;
+        }
+    }
+    let mut outcomes: Vec<Option<Result<Intake, StoreError>>> =
+        submissions.iter().map(|_| None).collect();
+    for (name, members) in groups {
+        let Some(entry) = workflows.get(name) else {
+            for index in members {
+                outcomes[index] = Some(Err(StoreError::Invariant(format!(
+                    "workflow {name:?} is not run by this scheduler"
+                ))));
+            }
+            continue;
+        };
+        let group: Vec<Submission> = members.iter().map(|&i| submissions[i].clone()).collect();
+        let stored = store
+            .writes()
+            .insert_orders(&group, entry.plan(), actor)
+            .await;
+        for (index, outcome) in members.into_iter().zip(stored) {
+            outcomes[index] = Some(outcome);
+        }
+    }
+    outcomes
+        .into_iter()
+        .map(|outcome| outcome.unwrap_or_else(|| Err(stopping())))
+        .collect()
 }
 
 /// `scheduler migrate`: applies the migrations and returns, for a one-shot
@@ -226,8 +282,9 @@ impl Scheduler {
         let drain = Duration::from_millis(self.settings.scheduler.drain_ms);
         let orders = self.clone().consume_orders(&connection, &publisher, drain);
         let replies = self.clone().consume_replies(&connection, &publisher, drain);
+        let events = self.clone().consume_events(&connection, &publisher, drain);
         let claims = self.clone().claim_loop(publisher.clone());
-        tokio::try_join!(orders, replies, claims)?;
+        tokio::try_join!(orders, replies, events, claims)?;
         Ok(())
     }
 
@@ -290,33 +347,70 @@ impl Scheduler {
         publisher: &Publisher,
         drain: Duration,
     ) -> Result<(), BrokerError> {
-        let replies_queue = self.names.scheduler_replies();
+        let queue = self.names.scheduler_replies();
+        self.consume_with(
+            connection,
+            publisher,
+            drain,
+            &queue,
+            |me, delivery, publisher| async move {
+                // In the order's trace, a child of the agent's span.
+                let span = tracing::info_span!("reply");
+                if let Some(parent) = sas_broker::publish::traceparent_of(&delivery.properties) {
+                    sas_runtime::telemetry::join_trace(&span, &parent.trace_id, &parent.span_id);
+                }
+                me.handle_reply(delivery, &publisher).instrument(span).await
+            },
+        )
+        .await
+    }
+
+    /// Consumes the events queue: each event handled in an `event` span.
+    /// Until shutdown (Ok) or a failure of the connection (Err).
+    async fn consume_events(
+        self: Arc<Self>,
+        connection: &Connection,
+        publisher: &Publisher,
+        drain: Duration,
+    ) -> Result<(), BrokerError> {
+        let queue = self.names.events();
+        self.consume_with(
+            connection,
+            publisher,
+            drain,
+            &queue,
+            |me, delivery, publisher| async move {
+                let span = tracing::info_span!("event", order_id = tracing::field::Empty);
+                me.handle_event(delivery, &publisher).instrument(span).await
+            },
+        )
+        .await
+    }
+
+    /// Consumes `queue` with this scheduler's settings, each message handed
+    /// to `handle` with the scheduler and the connection's publisher.
+    async fn consume_with<H, Fut>(
+        self: Arc<Self>,
+        connection: &Connection,
+        publisher: &Publisher,
+        drain: Duration,
+        queue: &str,
+        handle: H,
+    ) -> Result<(), BrokerError>
+    where
+        H: Fn(Arc<Self>, sas_broker::consume::Delivery, Publisher) -> Fut,
+        Fut: std::future::Future<Output = sas_broker::consume::Consumed> + Send + 'static,
+    {
         let me = self.clone();
-        let publisher = publisher.clone();
+        let for_handler = publisher.clone();
         sas_broker::consume::consume(
             connection,
             &self.settings.amqp,
-            &replies_queue,
+            queue,
             publisher.clone(),
             self.shutdown.clone(),
             drain,
-            move |delivery| {
-                let me = me.clone();
-                let publisher = publisher.clone();
-                async move {
-                    // In the order's trace, a child of the agent's span.
-                    let span = tracing::info_span!("reply");
-                    if let Some(parent) = sas_broker::publish::traceparent_of(&delivery.properties)
-                    {
-                        sas_runtime::telemetry::join_trace(
-                            &span,
-                            &parent.trace_id,
-                            &parent.span_id,
-                        );
-                    }
-                    me.handle_reply(delivery, &publisher).instrument(span).await
-                }
-            },
+            move |delivery| handle(me.clone(), delivery, for_handler.clone()),
         )
         .await
     }
@@ -335,7 +429,12 @@ impl Scheduler {
     ) -> Result<(), BrokerError> {
         // A dispatch span: within intake's or a reply's span, or (a claim,
         // a resend) joined to the order's trace on its own.
-        let step = progress.dispatch.as_ref().map_or("", |d| d.step.as_str());
+        let step = progress
+            .dispatches
+            .iter()
+            .map(|d| d.step.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         let span = tracing::info_span!("dispatch", step = %step);
         if let (Some(trace_id), None) = (
             progress.trace_id.as_deref(),
@@ -351,12 +450,16 @@ impl Scheduler {
     }
 
     async fn declare(&self, connection: &Connection) -> Result<(), BrokerError> {
-        let mut queues = vec![self.names.orders(), self.names.scheduler_replies()];
+        let mut queues = vec![
+            self.names.orders(),
+            self.names.events(),
+            self.names.scheduler_replies(),
+        ];
         queues.extend(
-            self.workflow
+            self.workflows
                 .agents()
                 .into_iter()
-                .map(|agent| self.names.agent_requests(agent)),
+                .map(|(agent, _)| self.names.agent_requests(&agent)),
         );
         topology::declare(connection, &self.settings.amqp, &queues).await
     }
@@ -372,28 +475,32 @@ fn stopping() -> StoreError {
     )
 }
 
-/// Gives every agent of `workflow` its admission row (with its shortest step
-/// deadline), waiting out a database that is not up yet.
+/// Registers the plan (name, version, steps) of every workflow, so that an
+/// operator can move waiting orders to it, waiting out a database that is
+/// not up yet.
+async fn register_plans(store: &Store, workflows: &Catalog, shutdown: &CancellationToken) {
+    let plans: Vec<sas_store::Plan<'_>> = workflows.entries().map(catalog::Entry::plan).collect();
+    let registered = sas_runtime::retry_transient(
+        shutdown,
+        "registering the workflows' versions",
+        |e: &sas_store::StoreError| e.is_transient(),
+        || store.writes().register_plans(&plans),
+    )
+    .await;
+    if let Some(Err(error)) = registered {
+        tracing::error!(error = %error, "cannot register the workflows' versions; orders cannot be moved to them");
+    }
+}
+
+/// Gives every agent of the workflows its admission row (with its shortest
+/// step deadline), waiting out a database that is not up yet.
 async fn register_agents(
     store: &Store,
-    workflow: &Workflow,
+    workflows: &Catalog,
     settings: &settings::SchedulerSettings,
     shutdown: &CancellationToken,
 ) {
-    let agents: Vec<(String, std::time::Duration)> = workflow
-        .agents()
-        .into_iter()
-        .map(|agent| {
-            let shortest = workflow
-                .steps
-                .iter()
-                .filter(|step| step.agent == agent)
-                .map(|step| step.timeout_ms)
-                .min()
-                .unwrap_or(1);
-            (agent.to_owned(), std::time::Duration::from_millis(shortest))
-        })
-        .collect();
+    let agents = workflows.agents();
     let registered = sas_runtime::retry_transient(
         shutdown,
         "registering the agents for admission control",

@@ -61,6 +61,8 @@ impl Scheduler {
                 }
                 let label = outcome_label(&reply.outcome);
                 metrics::counter!("sas_replies_total", "outcome" => label).increment(1);
+                // An applied reply settles its attempt: its slot is free.
+                self.slot_freed();
                 tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, trace_id = progress.trace_id.as_deref().unwrap_or(""), "reply applied");
                 match self.announce(Some(publisher), &progress).await {
                     Ok(()) => Consumed::Ack,

@@ -33,7 +33,14 @@ pub struct SchedulerSettings {
     /// Instance id recorded as LockedBy; empty picks `scheduler-<random>`.
     pub id: String,
     /// Workflow definition file; empty uses the built-in order workflow.
+    /// Give this or `workflow_dir`, not both.
     pub workflow_file: String,
+    /// Folder of workflow definitions (every `*.toml` in it, one workflow
+    /// each); a submission names its workflow. Empty: `workflow_file`.
+    pub workflow_dir: String,
+    /// How long an event for an order that does not exist is kept, waiting
+    /// for the order, before it is dead-lettered, in seconds.
+    pub event_ttl_secs: u64,
     /// Interval between claims of orders the supervisor sent back, in milliseconds.
     pub claim_interval_ms: u64,
     /// Most orders claimed in one transaction.
@@ -58,6 +65,9 @@ impl Validate for Settings {
         self.amqp.validate()?;
         self.database.validate()?;
         self.deadlines.validate(None)?;
+        if !(1..=31_536_000).contains(&self.scheduler.event_ttl_secs) {
+            return Err("scheduler.event_ttl_secs must be 1 to 31536000 (a year)".into());
+        }
         if self.scheduler.claim_interval_ms == 0 {
             return Err("scheduler.claim_interval_ms must be positive".into());
         }

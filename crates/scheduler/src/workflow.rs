@@ -5,20 +5,42 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use sas_store::NewStep;
+use sas_store::machine::park::{OnTimeout, Park};
+use sas_store::{CallTemplate, NewStep, StepCalls};
 use serde::Deserialize;
 
 /// The built-in order workflow: reserve stock, charge payment, create shipment.
-pub const BUILT_IN: &str = include_str!("../workflow.toml");
+/// It is the workspace's `workflows/order.toml`, which docker compose also
+/// mounts beside the other workflows.
+pub const BUILT_IN: &str = include_str!("../../../workflows/order.toml");
 
 /// A workflow definition file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Workflow {
-    /// Name recorded on each order.
+    /// Name recorded on each order, and what a submission's `workflow` names.
     pub name: String,
+    /// Version recorded on each order (1 when the file names none): each
+    /// order keeps the plan it started with, so a new version changes only
+    /// the orders submitted after it.
+    #[serde(default = "first_version")]
+    pub version: u32,
+    /// What the workflow is for, shown to operators.
+    #[serde(default)]
+    pub description: String,
+    /// A JSON Schema the orders' `attributes` must match (an order without
+    /// attributes is checked as `{}`), written inline as a TOML table.
+    #[serde(default)]
+    pub attributes_schema: Option<serde_json::Value>,
+    /// The same, read from a JSON file (relative to the workflow's file).
+    #[serde(default)]
+    pub attributes_schema_file: Option<String>,
     /// Steps, run in this order and compensated in reverse.
     pub steps: Vec<StepDefinition>,
+}
+
+const fn first_version() -> u32 {
+    1
 }
 
 /// One step of a workflow.
@@ -27,15 +49,204 @@ pub struct Workflow {
 pub struct StepDefinition {
     /// Unique step name (part of the idempotency key).
     pub name: String,
-    /// Agent whose queue receives the requests.
+    /// What the step does: call an agent (the default), wait for an
+    /// event, or wait for a time.
+    #[serde(default)]
+    pub kind: StepType,
+    /// Agent whose queue receives the requests (a `call` step).
+    #[serde(default)]
     pub agent: String,
-    /// Remote operation.
+    /// Remote operation (a `call` step).
+    #[serde(default)]
     pub action: String,
-    /// Remote operation that undoes the action, if any.
+    /// Remote operation that undoes the action, if any (a `call` step).
     #[serde(default)]
     pub compensation: Option<String>,
-    /// Deadline of one attempt, in milliseconds.
+    /// Deadline of one attempt (a `call` step), or how long a `wait` step
+    /// waits for its event, in milliseconds.
+    #[serde(default)]
     pub timeout_ms: u64,
+    /// How the action is called, when not by default (`POST /<action>`
+    /// with `{order, results}`): its method, path and body template.
+    #[serde(default)]
+    pub request: Option<CallTemplate>,
+    /// How the compensation is called, when not by default.
+    #[serde(default)]
+    pub compensation_request: Option<CallTemplate>,
+    /// The event a `wait` step waits for.
+    #[serde(default)]
+    pub event: Option<String>,
+    /// What a `wait` step's timeout means (`compensate` when absent).
+    #[serde(default)]
+    pub on_timeout: Option<OnTimeout>,
+    /// A JSON pointer giving the business key a `wait` step's events may
+    /// name instead of the order id (`/results/charge_payment/payment_id`).
+    #[serde(default)]
+    pub correlation_key: Option<String>,
+    /// How long a `delay` step waits after the previous step, in milliseconds.
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
+    /// A JSON pointer to a time in the order (RFC 3339) a `delay` step
+    /// waits for at least (`/attributes/ship_after`).
+    #[serde(default)]
+    pub not_before: Option<String>,
+    /// The parallel group of a `call` step (`checks`): consecutive steps
+    /// with one group name start together, and the order moves on when all
+    /// of them completed.
+    #[serde(default)]
+    pub group: Option<String>,
+}
+
+/// What a step does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepType {
+    /// One request to an agent, which calls its remote service.
+    #[default]
+    Call,
+    /// Waits for an event (`sasctl signal`, the console, any AMQP client).
+    Wait,
+    /// Waits for a time.
+    Delay,
+}
+
+/// The longest a wait step may wait: what a step's deadline column holds
+/// (about 24 days).
+const LONGEST_WAIT_MS: u64 = i32::MAX as u64;
+
+/// Letters, digits, `_` or `-`, not empty: what names in queue names and
+/// keys may hold.
+fn is_plain_name(value: &str) -> bool {
+    !value.is_empty()
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+impl StepDefinition {
+    /// What the step waits for, if it calls no agent.
+    fn park(&self) -> Option<Park> {
+        match self.kind {
+            StepType::Call => None,
+            StepType::Wait => Some(Park::Event {
+                event: self.event.clone().unwrap_or_default(),
+                on_timeout: self.on_timeout.unwrap_or(OnTimeout::Compensate),
+                correlation_key: self.correlation_key.clone(),
+            }),
+            StepType::Delay => Some(Park::Delay {
+                delay_ms: self.delay_ms.unwrap_or(0),
+                not_before: self.not_before.clone(),
+            }),
+        }
+    }
+
+    /// Checks a step of kind `call`.
+    fn check_call(&self, earlier: &[StepDefinition]) -> Result<(), String> {
+        for (field, value) in [
+            ("agent", self.agent.as_str()),
+            ("action", self.action.as_str()),
+        ]
+        .into_iter()
+        .chain(self.compensation.as_deref().map(|c| ("compensation", c)))
+        {
+            if !is_plain_name(value) {
+                return Err(format!(
+                    "{field} must be non-empty letters, digits, '_' or '-' (got {value:?})"
+                ));
+            }
+        }
+        if !(100..=600_000).contains(&self.timeout_ms) {
+            return Err(format!(
+                "timeout_ms must be between 100 and 600000 (got {})",
+                self.timeout_ms
+            ));
+        }
+        if self.event.is_some()
+            || self.on_timeout.is_some()
+            || self.correlation_key.is_some()
+            || self.delay_ms.is_some()
+            || self.not_before.is_some()
+        {
+            return Err("event, on_timeout, correlation_key, delay_ms and not_before belong to wait and delay steps (set kind)".into());
+        }
+        if self.compensation.is_none() && self.compensation_request.is_some() {
+            return Err("compensation_request needs a compensation".into());
+        }
+        for (field, template, own) in [
+            ("request", &self.request, false),
+            ("compensation_request", &self.compensation_request, true),
+        ] {
+            if let Some(template) = template {
+                check_template(template, earlier, own.then_some(self.name.as_str()))
+                    .map_err(|reason| format!("{field}: {reason}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a step of kind `wait` or `delay` (after the steps `earlier`).
+    fn check_park(&self, earlier: &[StepDefinition]) -> Result<(), String> {
+        if !self.agent.is_empty()
+            || !self.action.is_empty()
+            || self.compensation.is_some()
+            || self.request.is_some()
+            || self.compensation_request.is_some()
+        {
+            return Err("a wait or delay step calls no agent: remove agent, action, compensation and request".into());
+        }
+        if self.kind == StepType::Wait {
+            let event = self.event.as_deref().unwrap_or_default();
+            if !is_plain_name(event) || event.len() > 64 {
+                return Err(format!(
+                    "event must be 1 to 64 letters, digits, '_' or '-' (got {event:?})"
+                ));
+            }
+            if !(100..=LONGEST_WAIT_MS).contains(&self.timeout_ms) {
+                return Err(format!(
+                    "timeout_ms must be between 100 and {LONGEST_WAIT_MS} for a wait step (got {})",
+                    self.timeout_ms
+                ));
+            }
+            if self.delay_ms.is_some() || self.not_before.is_some() {
+                return Err("delay_ms and not_before belong to delay steps".into());
+            }
+            if let Some(pointer) = &self.correlation_key {
+                if !reads_what_is_known(pointer, earlier, None) {
+                    return Err(format!(
+                        "correlation_key must be a JSON pointer into /order/..., /attributes/... or /results/<an earlier step>/... (got {pointer:?})"
+                    ));
+                }
+            }
+            return Ok(());
+        }
+        if self.event.is_some()
+            || self.on_timeout.is_some()
+            || self.correlation_key.is_some()
+            || self.timeout_ms != 0
+        {
+            return Err("event, on_timeout, correlation_key and timeout_ms belong to wait steps; a delay step has delay_ms and not_before".into());
+        }
+        if self.delay_ms.unwrap_or(0) > LONGEST_WAIT_MS {
+            return Err(format!("delay_ms must be at most {LONGEST_WAIT_MS}"));
+        }
+        match self.not_before.as_deref() {
+            None if self.delay_ms.is_none() => Err("a delay step needs delay_ms or not_before".into()),
+            Some(pointer) if !(pointer.starts_with("/order/") || pointer.starts_with("/attributes/")) => Err(format!(
+                "not_before must be a JSON pointer into the order, /order/... or /attributes/... (got {pointer:?})"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The step's deadline column: an attempt's deadline, a wait's timeout,
+    /// a delay's length (at least 1 ms).
+    fn timeout(&self) -> Duration {
+        let ms = match self.kind {
+            StepType::Delay => self.delay_ms.unwrap_or(0).max(1),
+            _ => self.timeout_ms,
+        };
+        Duration::from_millis(ms)
+    }
 }
 
 impl Workflow {
@@ -53,54 +264,65 @@ impl Workflow {
         Self::parse(&text).with_context(|| format!("workflow file {path} is invalid"))
     }
 
-    /// Parses and checks a definition: at least one step, unique names,
-    /// names usable in queue names and keys, timeouts between 100 ms and
-    /// 10 minutes (far below RabbitMQ's consumer timeout).
+    /// Parses and checks a definition: a name usable on the wire, at least
+    /// one step; unique step names; for a call, names
+    /// usable in queue names and keys, a timeout between 100 ms and 10
+    /// minutes (far below RabbitMQ's consumer timeout), request templates
+    /// that read only the order, its attributes and earlier steps'
+    /// results; for a wait, an event name and a timeout of at most about 24
+    /// days; for a delay, a length or a time in the order.
     ///
     /// # Errors
     /// A message naming the offending step and field.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
         let workflow: Self = toml::from_str(text)?;
         anyhow::ensure!(
+            sas_messages::order::is_workflow_name(&workflow.name),
+            "name must be 1 to 64 letters, digits, '_' or '-' (got {:?})",
+            workflow.name
+        );
+        anyhow::ensure!(
+            (1..=i32::MAX as u32).contains(&workflow.version),
+            "version must be at least 1"
+        );
+        anyhow::ensure!(
+            !(workflow.attributes_schema.is_some() && workflow.attributes_schema_file.is_some()),
+            "set attributes_schema or attributes_schema_file, not both"
+        );
+        anyhow::ensure!(
             !workflow.steps.is_empty(),
             "a workflow needs at least one step"
         );
         let mut seen = HashSet::new();
         for (index, step) in workflow.steps.iter().enumerate() {
-            for (field, value) in [
-                ("name", step.name.as_str()),
-                ("agent", step.agent.as_str()),
-                ("action", step.action.as_str()),
-            ]
-            .into_iter()
-            .chain(step.compensation.as_deref().map(|c| ("compensation", c)))
-            {
-                anyhow::ensure!(
-                    !value.is_empty()
-                        && value
-                            .bytes()
-                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'),
-                    "steps[{index}].{field} must be non-empty letters, digits, '_' or '-' (got {value:?})"
-                );
-            }
+            anyhow::ensure!(
+                is_plain_name(&step.name),
+                "steps[{index}].name must be non-empty letters, digits, '_' or '-' (got {:?})",
+                step.name
+            );
             anyhow::ensure!(
                 seen.insert(&step.name),
                 "steps[{index}].name {:?} is used twice",
                 step.name
             );
-            anyhow::ensure!(
-                (100..=600_000).contains(&step.timeout_ms),
-                "steps[{index}].timeout_ms must be between 100 and 600000 (got {})",
-                step.timeout_ms
-            );
+            // A member's templates read the steps before its group: the
+            // other members run beside it, their results not there yet.
+            let before = group_start(&workflow.steps, index);
+            let checked = match step.kind {
+                StepType::Call => step.check_call(&workflow.steps[..before]),
+                StepType::Wait | StepType::Delay => step.check_park(&workflow.steps[..before]),
+            };
+            checked
+                .map_err(|reason| anyhow::anyhow!("steps[{index}] ({}): {reason}", step.name))?;
         }
+        check_groups(&workflow.steps)?;
         Ok(workflow)
     }
 
     /// The agents the workflow sends requests to, each once.
     pub fn agents(&self) -> Vec<&str> {
         let mut agents: Vec<&str> = Vec::new();
-        for step in &self.steps {
+        for step in self.steps.iter().filter(|s| s.kind == StepType::Call) {
             if !agents.contains(&step.agent.as_str()) {
                 agents.push(&step.agent);
             }
@@ -115,11 +337,111 @@ impl Workflow {
             .map(|step| NewStep {
                 name: step.name.clone(),
                 agent: step.agent.clone(),
-                action: step.action.clone(),
+                // A wait step's "action" is what it waits for, for the
+                // history and the console.
+                action: match step.kind {
+                    StepType::Call => step.action.clone(),
+                    StepType::Wait => step.event.clone().unwrap_or_default(),
+                    StepType::Delay => "delay".into(),
+                },
                 compensation: step.compensation.clone(),
-                timeout: Duration::from_millis(step.timeout_ms),
+                timeout: step.timeout(),
+                park: step.park(),
+                group: step.group.clone(),
+                calls: (step.request.is_some() || step.compensation_request.is_some()).then(|| {
+                    StepCalls {
+                        action: step.request.clone(),
+                        compensation: step.compensation_request.clone(),
+                    }
+                }),
             })
             .collect()
+    }
+}
+
+/// Where the group of step `index` starts (`index` for a step alone).
+fn group_start(steps: &[StepDefinition], index: usize) -> usize {
+    let Some(group) = steps[index].group.as_deref() else {
+        return index;
+    };
+    steps[..index]
+        .iter()
+        .rposition(|s| s.group.as_deref() != Some(group))
+        .map_or(0, |i| i + 1)
+}
+
+/// Checks the parallel groups: names usable in the history, call steps
+/// only, each group's steps next to each other, at least two of them, and
+/// not at the start (intake starts the first step alone).
+fn check_groups(steps: &[StepDefinition]) -> anyhow::Result<()> {
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut index = 0;
+    for run in steps.chunk_by(|a, b| a.group == b.group) {
+        let first = index;
+        index += run.len();
+        let Some(group) = run[0].group.as_deref() else {
+            continue;
+        };
+        let at = format!("steps[{first}] ({})", run[0].name);
+        anyhow::ensure!(
+            is_plain_name(group) && group.len() <= 64,
+            "{at}: group must be 1 to 64 letters, digits, '_' or '-' (got {group:?})"
+        );
+        anyhow::ensure!(
+            seen.insert(group),
+            "{at}: the steps of group {group:?} must be next to each other"
+        );
+        anyhow::ensure!(
+            run.len() >= 2,
+            "{at}: group {group:?} has one step; a group runs two or more steps side by side"
+        );
+        anyhow::ensure!(
+            first > 0,
+            "{at}: the first step runs alone (intake starts it); put the group after it"
+        );
+        if let Some(k) = run.iter().position(|s| s.kind != StepType::Call) {
+            anyhow::bail!(
+                "steps[{}] ({}): only call steps run in a group (a wait or delay step waits alone)",
+                first + k,
+                run[k].name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Checks a step's request template: its method and path, and that each
+/// placeholder reads the order (`/order/...`), its attributes
+/// (`/attributes/...`) or the result of an earlier step (`/results/<step>/...`;
+/// a compensation may also read its own step's, named `own`).
+fn check_template(
+    template: &CallTemplate,
+    earlier: &[StepDefinition],
+    own: Option<&str>,
+) -> Result<(), String> {
+    template.check()?;
+    for pointer in template.pointers()? {
+        if !reads_what_is_known(&pointer, earlier, own) {
+            return Err(format!(
+                "placeholder ${{{pointer}}} must read /order/..., /attributes/... or /results/<an earlier step>/..."
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether JSON pointer `pointer` reads what a step knows when it runs:
+/// the order (`/order/...`), its attributes (`/attributes/...`) or the
+/// result of an earlier step (`/results/<step>/...`; a compensation also
+/// its own step's, named `own`).
+fn reads_what_is_known(pointer: &str, earlier: &[StepDefinition], own: Option<&str>) -> bool {
+    let mut parts = pointer.split('/').skip(1);
+    match parts.next() {
+        Some("order" | "attributes") => true,
+        Some("results") => parts
+            .next()
+            .is_some_and(|name| own == Some(name) || earlier.iter().any(|step| step.name == name)),
+        _ => false,
     }
 }
 
@@ -168,7 +490,143 @@ mod tests {
             timeout_ms = 3600000
         "#;
         let error = Workflow::parse(text).unwrap_err().to_string();
-        assert!(error.contains("steps[0].timeout_ms"), "{error}");
+        assert!(error.contains("steps[0] (a): timeout_ms"), "{error}");
+    }
+
+    #[test]
+    fn wait_and_delay_steps_are_checked() {
+        let call = "[[steps]]\nname = \"a\"\nagent = \"x\"\naction = \"do\"\ntimeout_ms = 1000\n";
+        let wait = "[[steps]]\nname = \"w\"\nkind = \"wait\"\nevent = \"approved\"\ntimeout_ms = 86400000\n";
+        let ok = Workflow::parse(&format!("name = \"x\"\n{call}{wait}")).unwrap();
+        // A wait may come first: intake parks the order at once.
+        Workflow::parse(&format!("name = \"x\"\n{wait}{call}")).unwrap();
+        assert!(matches!(
+            ok.new_steps()[1].park,
+            Some(Park::Event {
+                on_timeout: OnTimeout::Compensate,
+                ..
+            })
+        ));
+        for (text, expected) in [
+            ("name = \"x\"\nsteps = []\n".to_owned(), "at least one step"),
+            (format!("name = \"x\"\n{call}{wait}agent = \"x\"\n"), "calls no agent"),
+            (
+                format!("name = \"x\"\n{call}[[steps]]\nname = \"d\"\nkind = \"delay\"\n"),
+                "needs delay_ms or not_before",
+            ),
+            (
+                format!("name = \"x\"\n{call}[[steps]]\nname = \"d\"\nkind = \"delay\"\nnot_before = \"/results/a\"\n"),
+                "pointer into the order",
+            ),
+            (format!("name = \"x\"\n{call}event = \"approved\"\n"), "belong to wait and delay steps"),
+        ] {
+            let error = format!("{:#}", Workflow::parse(&text).unwrap_err());
+            assert!(error.contains(expected), "{expected}: {error}");
+        }
+    }
+
+    #[test]
+    fn parallel_groups_are_checked_and_their_members_read_no_sibling_s_result() {
+        let call = |name: &str, group: &str| {
+            format!("[[steps]]\nname = \"{name}\"\nagent = \"x\"\naction = \"do\"\ntimeout_ms = 1000\n{group}")
+        };
+        let g = "group = \"g\"\n";
+        let ok = Workflow::parse(&format!(
+            "name = \"x\"\n{}{}{}{}",
+            call("a", ""),
+            call("b", g),
+            call("c", g),
+            call("d", "")
+        ))
+        .unwrap();
+        let groups: Vec<Option<&str>> = ok
+            .new_steps()
+            .iter()
+            .map(|s| s.group.as_deref())
+            .map(|g| g.map(|_| "g"))
+            .collect();
+        assert_eq!(groups, [None, Some("g"), Some("g"), None]);
+        let wait = "[[steps]]\nname = \"w\"\nkind = \"wait\"\nevent = \"ok\"\ntimeout_ms = 1000\ngroup = \"g\"\n";
+        let reads_sibling = format!(
+            "{}request = {{ body = {{ id = \"${{/results/b/id}}\" }} }}\n",
+            call("c", g)
+        );
+        for (text, expected) in [
+            (
+                format!("{}{}", call("a", g), call("b", g)),
+                "steps[0] (a): the first step runs alone",
+            ),
+            (format!("{}{}", call("a", ""), call("b", g)), "has one step"),
+            (
+                format!(
+                    "{}{}{}{}{}{}",
+                    call("a", ""),
+                    call("b", g),
+                    call("c", g),
+                    call("d", ""),
+                    call("e", g),
+                    call("f", g)
+                ),
+                "steps[4] (e): the steps of group \"g\" must be next to each other",
+            ),
+            (
+                format!("{}{}{wait}", call("a", ""), call("b", g)),
+                "steps[2] (w): only call steps run in a group",
+            ),
+            (
+                format!("{}{}{}", call("a", ""), call("b", g), reads_sibling),
+                "steps[2] (c): request",
+            ),
+            (
+                format!(
+                    "{}{}{}",
+                    call("a", ""),
+                    call("b", "group = \"a b\"\n"),
+                    call("c", "group = \"a b\"\n")
+                ),
+                "group must be",
+            ),
+        ] {
+            let error = Workflow::parse(&format!("name = \"x\"\n{text}"))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(expected), "{expected:?} not in {error}");
+        }
+    }
+
+    #[test]
+    fn a_wait_s_correlation_key_reads_only_what_is_known_when_it_waits() {
+        let call =
+            "[[steps]]\nname = \"charge\"\nagent = \"x\"\naction = \"do\"\ntimeout_ms = 1000\n";
+        let wait = |key: &str| {
+            format!("[[steps]]\nname = \"w\"\nkind = \"wait\"\nevent = \"ok\"\ntimeout_ms = 1000\ncorrelation_key = \"{key}\"\n")
+        };
+        let ok = Workflow::parse(&format!(
+            "name = \"x\"\n{call}{}",
+            wait("/results/charge/payment_id")
+        ))
+        .unwrap();
+        assert!(matches!(
+            &ok.new_steps()[1].park,
+            Some(Park::Event { correlation_key: Some(key), .. }) if key == "/results/charge/payment_id"
+        ));
+        for (text, expected) in [
+            (
+                format!("name = \"x\"\n{call}{}", wait("/results/later/id")),
+                "steps[1] (w): correlation_key must be a JSON pointer",
+            ),
+            (
+                format!("name = \"x\"\n{call}{}", wait("invoice")),
+                "correlation_key must be a JSON pointer",
+            ),
+            (
+                format!("name = \"x\"\n{call}correlation_key = \"/order/order_id\"\n"),
+                "steps[0] (charge): event, on_timeout, correlation_key",
+            ),
+        ] {
+            let error = Workflow::parse(&text).unwrap_err().to_string();
+            assert!(error.contains(expected), "{expected:?} not in {error}");
+        }
     }
 
     #[test]

@@ -279,7 +279,7 @@ impl Admission<'_> {
 /// Every agent's counters as its orders say they are: an attempt in
 /// flight for each order held with a deadline whose current step (running
 /// forward, or compensating) is the agent's (the machine's
-/// [`crate::machine::slot_held`]), a place in line for each order waiting
+/// [`crate::machine::slots_held`]), a place in line for each order waiting
 /// for it. Agents with neither are left out. Pinned to the machine by the
 /// property test (`tests/tests/e2e/state_machine.rs`).
 const RECOUNT: &str = "

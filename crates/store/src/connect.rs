@@ -6,7 +6,7 @@ use serde::Deserialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::PgPool;
 
-use crate::{StoreError, MIGRATOR};
+use crate::StoreError;
 
 /// How to reach the state store. Part of every service's settings as `[database]`.
 #[derive(Debug, Clone, Deserialize)]
@@ -300,14 +300,28 @@ impl Store {
         &self.pool
     }
 
-    /// Applies pending migrations. sqlx holds a Postgres advisory lock on the
-    /// database while it migrates, so several instances starting together
-    /// apply each migration exactly once.
+    /// Applies pending migrations. The process holds a Postgres advisory
+    /// lock on the database while it migrates (sqlx's, asked for without
+    /// waiting inside Postgres: see `migration_lock`), so several instances
+    /// starting together apply each migration exactly once.
     ///
     /// # Errors
     /// When Postgres is unreachable or a migration fails.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        MIGRATOR.run(&self.pool).await?;
+        let mut migrator = sqlx::migrate!("./migrations");
+        migrator.set_locking(false);
+        let mut connection = self.pool.acquire().await?;
+        let lock = crate::migration_lock::lock(&mut connection).await?;
+        let applied = migrator.run(&mut *connection).await;
+        if crate::migration_lock::unlock(&mut connection, lock)
+            .await
+            .is_err()
+        {
+            // Closing the session gives the lock back with it; back in
+            // the pool it would hold the lock for good.
+            drop(connection.detach());
+        }
+        applied?;
         Ok(())
     }
 

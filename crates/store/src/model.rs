@@ -121,8 +121,9 @@ impl fmt::Display for StepState {
     }
 }
 
-/// One step of a workflow definition, copied onto each order at intake.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One step of a workflow definition, copied onto each order at intake
+/// (and registered with its plan's version, as JSON, for moves).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct NewStep {
     /// Step name, unique in the workflow (`reserve_stock`).
     pub name: String,
@@ -134,6 +135,41 @@ pub struct NewStep {
     pub compensation: Option<String>,
     /// How long one attempt may take before the supervisor steps in.
     pub timeout: Duration,
+    /// How the step's requests are shaped, when its workflow says (see
+    /// [`crate::machine::call`]); `None` sends the default call.
+    pub calls: Option<crate::StepCalls>,
+    /// What the step waits for, when it calls no agent (see
+    /// [`crate::machine::park`]); `None` for a step that calls an agent.
+    pub park: Option<crate::machine::park::Park>,
+    /// The parallel group the step belongs to, if any: consecutive steps
+    /// of one group start together, and the order moves on when all of
+    /// them completed. Left out of the JSON when `None`, so that a plan
+    /// registered before groups existed reads as the same plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+}
+
+/// The plan an order starts with: its workflow's name and version, and the
+/// steps copied onto the order at intake.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan<'a> {
+    /// The workflow's name (`order`).
+    pub name: &'a str,
+    /// The workflow's version, recorded with the order.
+    pub version: i32,
+    /// The steps, in order.
+    pub steps: &'a [NewStep],
+}
+
+impl<'a> Plan<'a> {
+    /// The plan of workflow `name` at `version`, with `steps`.
+    pub const fn new(name: &'a str, version: i32, steps: &'a [NewStep]) -> Self {
+        Self {
+            name,
+            version,
+            steps,
+        }
+    }
 }
 
 /// A step request the caller must publish after the transaction committed.
@@ -161,12 +197,18 @@ pub struct Dispatch {
     pub start_by: DateTime<Utc>,
     /// When the attempt was started (database clock).
     pub dispatched_at: DateTime<Utc>,
-    /// The order and the results of earlier steps.
+    /// The request's body: the order and the results of earlier steps, or
+    /// what the step's template built from them.
     pub payload: serde_json::Value,
+    /// The call's method, when the step's template names one.
+    pub method: Option<String>,
+    /// The call's path, when the step's template names one.
+    pub path: Option<String>,
 }
 
-/// What a committed transition asks the caller to publish: at most one step
-/// request, and status messages for the client.
+/// What a committed transition asks the caller to publish: the step
+/// requests it started (one, or each member of a parallel group), and
+/// status messages for the client.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Progress {
     /// The client's status queue, if the order named one.
@@ -177,6 +219,7 @@ pub struct Progress {
     pub trace_id: Option<String>,
     /// Status messages, in order.
     pub statuses: Vec<OrderStatus>,
-    /// The next step request, if any.
-    pub dispatch: Option<Box<Dispatch>>,
+    /// The step requests to send: none, one, or one per member of a
+    /// parallel group started together.
+    pub dispatches: Vec<Dispatch>,
 }

@@ -5,9 +5,12 @@
 
 use sas_messages::AttemptId;
 use sqlx::postgres::PgRow;
+use sqlx::types::Json;
 use sqlx::Row;
 use uuid::Uuid;
 
+use crate::machine::call::StepCalls;
+use crate::machine::park::Park;
 use crate::machine::StepRow;
 use crate::StoreError;
 
@@ -31,6 +34,9 @@ pub(crate) struct StepColumns {
     undo_generation: &'static str,
     undo_refused: &'static str,
     undo_result: &'static str,
+    calls: &'static str,
+    park: &'static str,
+    group: &'static str,
 }
 
 /// A step's columns beside its order's: `state`, `complete_by` and
@@ -54,6 +60,9 @@ pub(crate) const BESIDE_ORDER: StepColumns = StepColumns {
     undo_generation: "undo_generation",
     undo_refused: "undo_refused",
     undo_result: "undo_result",
+    calls: "request",
+    park: "park",
+    group: "step_group",
 };
 
 /// The next step the fast path started, its columns prefixed `next_`.
@@ -75,6 +84,9 @@ pub(crate) const NEXT: StepColumns = StepColumns {
     undo_generation: "next_undo_generation",
     undo_refused: "next_undo_refused",
     undo_result: "next_undo_result",
+    calls: "next_request",
+    park: "next_park",
+    group: "next_group",
 };
 
 /// The select list of [`BESIDE_ORDER`], for a query on `steps s`.
@@ -83,7 +95,7 @@ macro_rules! step_select {
         "s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
          s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
          s.idempotency_key, s.result, s.last_error AS step_last_error,
-         s.maybe_applied, s.undo_generation, s.undo_refused, s.undo_result"
+         s.maybe_applied, s.undo_generation, s.undo_refused, s.undo_result, s.request, s.park, s.step_group"
     };
 }
 pub(crate) use step_select;
@@ -111,6 +123,13 @@ impl StepColumns {
             undo_generation: row.try_get(self.undo_generation)?,
             undo_refused: row.try_get(self.undo_refused)?,
             undo_result: row.try_get(self.undo_result)?,
+            calls: row
+                .try_get::<Option<Json<StepCalls>>, _>(self.calls)?
+                .map(|calls| calls.0),
+            park: row
+                .try_get::<Option<Json<Park>>, _>(self.park)?
+                .map(|park| park.0),
+            group: row.try_get(self.group)?,
         })
     }
 }

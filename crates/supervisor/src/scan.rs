@@ -28,6 +28,8 @@ impl Supervisor {
         let gauges = sas_runtime::every(interval, shutdown, || async {
             self.refresh_gauges().await;
             self.adapt_admission().await;
+            self.expire_events().await;
+            self.adopt_keyed_events().await;
             Ok::<_, Infallible>(Next::Wait)
         });
         let reconciliations = async {
@@ -42,6 +44,55 @@ impl Supervisor {
             .await
         };
         let (Ok(()), Ok(()), Ok(())) = tokio::join!(scans, gauges, reconciliations);
+    }
+
+    /// Dead-letters a batch of events whose order never came within their
+    /// time to live (see [`sas_store::writes::events`]).
+    pub async fn expire_events(&self) {
+        let source = self.names.events();
+        match self
+            .store
+            .writes()
+            .expire_events(&source, self.settings.supervisor.batch)
+            .await
+        {
+            Ok(0) => {}
+            Ok(expired) => {
+                metrics::counter!("sas_events_expired_total").increment(expired);
+                tracing::warn!(expired, "events whose order never came were dead-lettered");
+            }
+            Err(error) => tracing::warn!(error = %error, "cannot look for expired events"),
+        }
+    }
+
+    /// Gives events kept by correlation key to the orders that since
+    /// parked with their key (see [`sas_store::writes::events`]) and
+    /// publishes what those orders do next. Off the schedulers' claims, so
+    /// the hot path pays nothing for it; an early event waits at most an
+    /// interval once its order parks.
+    pub async fn adopt_keyed_events(&self) {
+        let batch = self.settings.supervisor.batch;
+        match self
+            .store
+            .writes()
+            .adopt_keyed_events(&self.id, batch)
+            .await
+        {
+            Ok(used) => {
+                for progress in &used {
+                    self.announce(progress).await;
+                }
+                if !used.is_empty() {
+                    tracing::info!(
+                        orders = used.len(),
+                        "events kept by key given to the orders now waiting with it"
+                    );
+                }
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "cannot give events kept by key to their orders")
+            }
+        }
     }
 
     /// One scan: recovers up to a batch of expired orders (see

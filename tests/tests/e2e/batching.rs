@@ -15,7 +15,7 @@ use sas_broker::lapin::BasicProperties;
 use sas_messages::{StepOutcome, StepReply, SCHEMA_VERSION};
 use sas_store::writes::intake::{Intake, Submission};
 use sas_store::writes::progress::ReplyOutcome;
-use sas_store::{Dispatch, ProcessState};
+use sas_store::{Dispatch, Plan, ProcessState};
 use sas_tests::{database_settings, order, wait_until, TestEnv};
 
 fn submission(order_id: &str) -> Submission {
@@ -40,7 +40,11 @@ fn success(dispatch: &Dispatch) -> StepReply {
 
 fn accepted(outcome: &Result<Intake, sas_store::StoreError>) -> Dispatch {
     match outcome {
-        Ok(Intake::Accepted(progress)) => *progress.dispatch.clone().expect("a first request"),
+        Ok(Intake::Accepted(progress)) => progress
+            .dispatches
+            .first()
+            .cloned()
+            .expect("a first request"),
         other => panic!("expected the order to be accepted, got {other:?}"),
     }
 }
@@ -65,7 +69,7 @@ async fn run_every_step(
     let batch: Vec<Submission> = orders.iter().map(|id| submission(id)).collect();
     let mut dispatches: Vec<Dispatch> = store
         .writes()
-        .insert_orders(&batch, "order", &steps, "test")
+        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
         .await
         .iter()
         .map(accepted)
@@ -78,7 +82,9 @@ async fn run_every_step(
             .await
             .into_iter()
             .filter_map(|outcome| match outcome {
-                Ok(ReplyOutcome::Applied { progress, .. }) => progress.dispatch.map(|d| *d),
+                Ok(ReplyOutcome::Applied { progress, .. }) => {
+                    progress.dispatches.into_iter().next()
+                }
                 other => panic!("every reply applies, got {other:?}"),
             })
             .collect();
@@ -92,7 +98,12 @@ async fn a_batch_of_orders_stores_each_once_and_one_the_database_refuses_fails_a
     let steps = env.steps();
     env.store
         .writes()
-        .insert_order(&order("old"), "order", &steps, "trace", "test")
+        .insert_order(
+            &order("old"),
+            Plan::new("order", 1, &steps),
+            "trace",
+            "test",
+        )
         .await
         .expect("an order stored earlier");
 
@@ -112,7 +123,7 @@ async fn a_batch_of_orders_stores_each_once_and_one_the_database_refuses_fails_a
     let outcomes = env
         .store
         .writes()
-        .insert_orders(&batch, "order", &steps, "test")
+        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
         .await;
 
     assert_eq!(outcomes.len(), batch.len(), "one outcome per submission");
@@ -172,7 +183,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
     let dispatches: Vec<Dispatch> = env
         .store
         .writes()
-        .insert_orders(&batch, "order", &steps, "test")
+        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
         .await
         .iter()
         .map(accepted)
@@ -201,7 +212,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
         match &outcomes[index] {
             Ok(ReplyOutcome::Applied { progress, step, .. }) => {
                 assert_eq!(step, "reserve_stock");
-                let next = progress.dispatch.as_ref().expect("the next request");
+                let next = progress.dispatches.first().expect("the next request");
                 assert_eq!(
                     (next.order_id.as_str(), next.step.as_str()),
                     (order, "charge_payment")
@@ -227,7 +238,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
     );
     match &outcomes[4] {
         Ok(ReplyOutcome::Applied { progress, .. }) => assert!(
-            progress.dispatch.is_none(),
+            progress.dispatches.is_empty(),
             "a declined first step has nothing to undo"
         ),
         other => panic!("the declined reply takes the general path, got {other:?}"),
@@ -516,7 +527,7 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
     let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("open-{n}"))).collect();
     let waiting: Vec<Dispatch> = services
         .writes()
-        .insert_orders(&batch, "order", &steps, "test")
+        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
         .await
         .iter()
         .map(accepted)
@@ -564,7 +575,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     for outcome in env
         .store
         .writes()
-        .insert_orders(&batch, "order", &steps, "test")
+        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
         .await
     {
         accepted(&outcome);
@@ -610,7 +621,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
         .expect("claim");
     let started = claimed
         .iter()
-        .filter(|claim| claim.progress.dispatch.is_some())
+        .filter(|claim| !claim.progress.dispatches.is_empty())
         .count();
     assert_eq!(
         started, 2,

@@ -42,8 +42,7 @@ async fn store_orders(env: &TestEnv, prefix: &str, customer: &str, n: usize, pri
             .writes()
             .insert_order(
                 &submitted,
-                "order",
-                &env.steps(),
+                sas_store::Plan::new("order", 1, &env.steps()),
                 "0af7651916cd43dd8448eb211c80319c",
                 "test",
             )

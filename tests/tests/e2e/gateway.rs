@@ -14,11 +14,11 @@ use sas_tests::Setting;
 use sas_tests::{order, TestEnv};
 use serde_json::{json, Value};
 
-const SECRET: &str = "shop-client-secret-0123456789";
+pub(crate) const SECRET: &str = "shop-client-secret-0123456789";
 
 /// Starts the gateway with the client `shop` (its secret hashed) plus
 /// `vars`; returns it and its base URL once it is ready.
-async fn gateway(env: &TestEnv, vars: &[Setting]) -> (Service, String) {
+pub(crate) async fn gateway(env: &TestEnv, vars: &[Setting]) -> (Service, String) {
     let port = free_port();
     let mut all = vec![
         Setting::Listen(port),

@@ -15,6 +15,8 @@
 //!   and broker.
 //! - [`console_browser`]: the console in a real headless browser against a
 //!   running system.
+//! - [`console_waits`]: the console sends the event an order waits for,
+//!   and moves waiting orders to a new workflow version.
 //! - [`contract`]: the published contract, as clients in other languages
 //!   meet it.
 //! - [`deployment`]: the deployment files checked against the code, without
@@ -42,11 +44,16 @@
 //!   machine.
 //! - [`traces`]: OpenTelemetry: one order's spans make one trace across the
 //!   services.
+//! - [`waits`]: steps that wait for an event or a time, the orders'
+//!   mailboxes, and parked orders across kill -9.
+//! - [`workflows`]: several workflows in one deployment, open order data
+//!   checked by a workflow's schema, and requests shaped by templates.
 
 mod batching;
 mod bench;
 mod console;
 mod console_browser;
+mod console_waits;
 mod contract;
 mod deployment;
 mod disruptive;
@@ -62,3 +69,5 @@ mod sasctl_operate;
 mod security;
 mod state_machine;
 mod traces;
+mod waits;
+mod workflows;

@@ -230,8 +230,7 @@ async fn the_supervisor_exports_orders_stuck_past_their_deadline_and_open_alerts
         .writes()
         .insert_order(
             &order("stuck-1"),
-            "order",
-            &env.steps(),
+            sas_store::Plan::new("order", 1, &env.steps()),
             &sas_messages::TraceParent::new_root().trace_id,
             "test",
         )

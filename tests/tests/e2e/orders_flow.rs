@@ -99,6 +99,8 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         start_by: None,
         dispatched_at: None,
         payload: serde_json::json!({ "order": detail.body, "results": {} }),
+        method: None,
+        path: None,
     };
     let names = env.amqp().names();
     let attempt_id = step.attempt_id.unwrap().to_string();
@@ -295,8 +297,7 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
             .writes()
             .insert_order(
                 &order(&format!("claim-{n}")),
-                "order",
-                &steps,
+                sas_store::Plan::new("order", 1, &steps),
                 &sas_messages::TraceParent::new_root().trace_id,
                 "test",
             )
@@ -411,10 +412,27 @@ async fn services_starting_together_on_an_empty_database_apply_the_migrations_on
         "{applied:?}"
     );
     assert!(applied.iter().all(|(_, success)| *success));
+    // An index built CONCURRENTLY that failed half-way is left invalid.
+    let invalid: Vec<String> =
+        sqlx::query_scalar("SELECT indexrelid::regclass::text FROM pg_index WHERE NOT indisvalid")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+    assert!(invalid.is_empty(), "invalid indexes: {invalid:?}");
     for service in &mut services {
         assert!(
             service.is_running(),
             "{} exited (log {})",
+            service.name,
+            service.log.display()
+        );
+        // Waiting for the migration lock must not deadlock with a
+        // migration that builds an index CONCURRENTLY (each deadlock
+        // costs a second, and under load many of them passed the deadline).
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        assert!(
+            !log.contains("deadlock detected"),
+            "{} met a deadlock while migrating (log {})",
             service.name,
             service.log.display()
         );

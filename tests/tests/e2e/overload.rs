@@ -88,6 +88,16 @@ fn orders(prefix: &str, n: usize, priority: Option<u8>) -> Vec<SubmitOrder> {
         .collect()
 }
 
+/// How many orders waited in an agent's line at some point (their history
+/// says `waiting_for_admission`).
+async fn orders_that_waited(env: &TestEnv) -> i64 {
+    sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE event = $1")
+        .bind(HistoryEvent::Queued.as_str())
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap()
+}
+
 /// Every order ended processed: none compensated, failed or dead-lettered,
 /// and some of them waited in an agent's line (admission was needed).
 async fn assert_all_processed_and_some_waited(env: &TestEnv, n: i64) {
@@ -104,12 +114,7 @@ async fn assert_all_processed_and_some_waited(env: &TestEnv, n: i64) {
         .await
         .unwrap();
     assert_eq!(dead_letters, 0, "nothing was dead-lettered");
-    let waited: i64 =
-        sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE event = $1")
-            .bind(HistoryEvent::Queued.as_str())
-            .fetch_one(env.store.pool())
-            .await
-            .unwrap();
+    let waited = orders_that_waited(env).await;
     assert!(waited > n / 2, "only {waited} orders waited for admission");
 }
 
@@ -574,4 +579,35 @@ async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
     })
     .await;
     system.assert_all_running();
+}
+
+/// An order in an agent's line is started when a reply gives a slot back,
+/// not at the next claim: with one slot per agent and a claim only every
+/// 4 s, a line of 11 orders would take 11 claims, some 44 s, if it were
+/// served by the interval alone. Once a claim has taken an order (lines
+/// are being served), each reply wakes the scheduler's claim at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_line_is_served_as_slots_free_not_at_the_claim_interval() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(
+        0,
+        &[
+            Setting::SchedulerAdmissionInitial(1),
+            Setting::SchedulerAdmissionCeiling(1),
+            Setting::SchedulerClaimIntervalMs(4000),
+        ],
+    );
+    let (_connection, publisher) = env.broker().await;
+    env.publish_orders(&publisher, "line", 12).await;
+    // The first claim comes within one interval; the rest of the line
+    // follows the replies.
+    env.wait_for_count(ProcessState::Processed, 12, Duration::from_secs(20))
+        .await;
+    let waited = orders_that_waited(&env).await;
+    assert!(
+        waited >= 6,
+        "only {waited} orders waited in a line: the test did not test lines"
+    );
 }

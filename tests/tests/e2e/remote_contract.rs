@@ -149,6 +149,8 @@ fn request(
         start_by: Some(now + chrono::Duration::from_std(start_in).unwrap()),
         dispatched_at: Some(now),
         payload: serde_json::json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
+        method: None,
+        path: None,
     }
 }
 

@@ -77,14 +77,8 @@ async fn a_declined_payment_is_undone_in_reverse_order_and_the_client_is_told() 
         detail.summary.last_error
     );
 
-    let effects = system.sim.side_effects().await.unwrap();
-    let applied: Vec<_> = effects
-        .iter()
-        .filter(|e| matches!(e.decision, sas_tests::sim::Decision::Applied { .. }))
-        .map(|e| e.key.as_str())
-        .collect();
     assert_eq!(
-        applied,
+        system.sim.applied_keys("declined-1").await,
         ["declined-1:reserve_stock", "declined-1:reserve_stock:undo"],
         "reserve, then release; nothing else applied"
     );
@@ -684,7 +678,12 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     let trace = sas_messages::TraceParent::new_root().trace_id;
     env.store
         .writes()
-        .insert_order(&order("dead-twice"), "order", &env.steps(), &trace, "test")
+        .insert_order(
+            &order("dead-twice"),
+            sas_store::Plan::new("order", 1, &env.steps()),
+            &trace,
+            "test",
+        )
         .await
         .unwrap();
     let attempt = env.detail("dead-twice").await.steps[0].attempt_id.unwrap();

@@ -4,7 +4,10 @@
 //!
 //! - [`overview`]: orders by state and per minute, queues, open alerts.
 //! - [`orders`]: the filtered list with keyset pages, and bulk actions.
-//! - [`order`]: one order's timeline, steps, payload; resubmit and cancel.
+//! - [`order`]: one order's timeline, steps, payload; resubmit, cancel, and
+//!   the event its wait step waits for.
+//! - [`workflows`]: the registered workflow versions with their orders by
+//!   state; moving waiting orders from one version to another.
 //! - [`alerts`], [`dead_letters`]: their lists and actions.
 
 pub mod alerts;
@@ -12,6 +15,7 @@ pub mod dead_letters;
 pub mod order;
 pub mod orders;
 pub mod overview;
+pub mod workflows;
 
 use std::sync::Arc;
 
@@ -34,7 +38,10 @@ pub fn routes() -> Router<Arc<Console>> {
         .route("/orders/{id}", get(order::page))
         .route("/orders/{id}/resubmit", post(order::resubmit))
         .route("/orders/{id}/cancel", post(order::cancel))
+        .route("/orders/{id}/signal", post(order::signal))
         .route("/bulk/{action}", get(orders::preview).post(orders::bulk))
+        .route("/workflows", get(workflows::page))
+        .route("/workflows/move", post(workflows::move_orders))
         .route("/alerts", get(alerts::page))
         .route("/alerts/{id}/acknowledge", post(alerts::acknowledge))
         .route("/alerts/{id}/resolve", post(alerts::resolve))
@@ -79,6 +86,7 @@ pub fn layout(title: &str, here: &str, who: &Principal, body: Markup) -> Html<St
     let nav = [
         ("/", "Overview"),
         ("/orders", "Orders"),
+        ("/workflows", "Workflows"),
         ("/alerts", "Alerts"),
         ("/dead-letters", "Dead letters"),
     ];

@@ -1,6 +1,7 @@
 //! One order: its state, what remains to run or to undo, each step with its
 //! attempts, deadline, error and results, its run drawn as a timeline, its
-//! history, the status messages sent, and its payload; resubmit and cancel.
+//! history, the status messages sent, and its payload; resubmit and cancel;
+//! what its wait step waits for, and a button that sends that event.
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use maud::{html, Markup};
+use sas_store::machine::park::Park;
 use sas_store::machine::StepRow;
 use sas_store::reads::queries::{Delivery, OrderDetail};
 use sas_store::{ProcessState, StepState};
@@ -117,12 +119,46 @@ fn actions(view: &OrderView, console: &Console, who: &Principal) -> Markup {
     }
 }
 
+/// What the order waits for at a wait step, if it does: the event, until
+/// when, what a timeout does; and for operators a button that sends the
+/// event (`#send-event`, see [`Console::send_event`]).
+fn waiting(view: &OrderView, console: &Console, who: &Principal) -> Markup {
+    let detail = &view.detail;
+    let Some(waiting) = crate::actions::waiting_for_event(detail.summary.state, &detail.steps)
+    else {
+        return html! {};
+    };
+    let order_id = &detail.summary.order_id;
+    html! {
+        div #waiting data-event=(waiting.event) data-step=(waiting.step.name) {
+            p {
+                "Waiting at step " strong { (waiting.step.name) } " for the event "
+                code #waiting-event { (waiting.event) } " until "
+                span #waiting-until { (super::when_opt(waiting.step.complete_by)) } " UTC"
+                "; then " (crate::actions::on_timeout_text(waiting.on_timeout)) "."
+            }
+            @if super::may_act(who) {
+                form.inline method="post" action={ "/orders/" (order_id) "/signal" } {
+                    (super::csrf_field(console, who))
+                    input type="hidden" name="event" value=(waiting.event);
+                    button type="submit" #send-event data-event=(waiting.event) {
+                        "Send " (waiting.event)
+                    }
+                    " "
+                    span.muted { "its data: " code { "{\"by\": \"" (who.name) "\"}" } }
+                }
+            }
+        }
+    }
+}
+
 /// The part of the order page that the live stream replaces: with the
 /// actions, so that they follow the order's state.
 pub fn fragment(view: &OrderView, console: &Console, who: &Principal) -> Markup {
     let detail = &view.detail;
     html! {
         (actions(view, console, who))
+        (waiting(view, console, who))
         (summary(view))
         (what_remains(detail))
         (steps_table(&detail.steps))
@@ -161,8 +197,15 @@ fn what_remains(detail: &OrderDetail) -> Markup {
             p.muted #remaining { "Nothing: the order has ended." }
         } @else {
             ol #remaining { @for step in &remaining {
-                li { (step.name) " (" (step.agent) ": "
-                    @if what == "to undo" { (step.compensation.as_deref().unwrap_or("-")) } @else { (step.action) }
+                li { (step.name) " ("
+                    @match &step.park {
+                        Some(Park::Event { event, .. }) => { "waits for the event " (event) }
+                        Some(Park::Delay { .. }) => { "waits for a time" }
+                        None => {
+                            (step.agent) ": "
+                            @if what == "to undo" { (step.compensation.as_deref().unwrap_or("-")) } @else { (step.action) }
+                        }
+                    }
                     ", " (step.state) ")" }
             } }
         }
@@ -318,5 +361,27 @@ pub async fn cancel(
     Ok(super::redirect_with_notice(
         &format!("/orders/{order_id}"),
         &done.message,
+    ))
+}
+
+/// The form of the event button.
+#[derive(Debug, Deserialize)]
+pub struct SignalForm {
+    /// The event's name.
+    #[serde(default)]
+    pub event: String,
+}
+
+/// `POST /orders/{id}/signal`: sends the event the order waits for.
+pub async fn signal(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    Form(form): Form<SignalForm>,
+) -> Result<Response, PageFailure> {
+    let sent = console.send_event(&order_id, &form.event, &who).await?;
+    Ok(super::redirect_with_notice(
+        &format!("/orders/{order_id}"),
+        &sent.message,
     ))
 }

@@ -1,5 +1,5 @@
-//! Admission control's rules, in one place and pure: which slot an order
-//! holds ([`slot_held`]), how a decision moves the agents' counters
+//! Admission control's rules, in one place and pure: which slots an order
+//! holds ([`slots_held`]), how a decision moves the agents' counters
 //! ([`admission_delta`]), an order's place in a line ([`admit_key`]),
 //! whether an agent has room for an attempt ([`has_room`]), and how the
 //! supervisors adapt each agent's limit ([`adapted_limit`]). The store
@@ -25,21 +25,23 @@ pub struct AdmissionDelta {
     pub unstarted: i32,
 }
 
-/// The agent whose slot an order holds: the agent of its attempt in flight,
-/// while a scheduler holds the order with a deadline.
-pub fn slot_held<'a>(process: &ProcessRow, steps: &'a [StepRow]) -> Option<&'a str> {
+/// The agents whose slots an order holds, one per attempt in flight (one
+/// step, or each member of a parallel group), while a scheduler holds the
+/// order with a deadline.
+pub fn slots_held<'a>(process: &ProcessRow, steps: &'a [StepRow]) -> Vec<&'a str> {
     let in_flight = match process.state {
         ProcessState::Processing => StepState::Running,
         ProcessState::Compensating => StepState::Compensating,
-        _ => return None,
+        _ => return Vec::new(),
     };
     if process.locked_by.is_none() || process.complete_by.is_none() {
-        return None;
+        return Vec::new();
     }
     steps
         .iter()
-        .find(|step| step.state == in_flight)
+        .filter(|step| step.state == in_flight)
         .map(|step| step.agent.as_str())
+        .collect()
 }
 
 /// How the admission counters move when an order goes from `before` to
@@ -65,8 +67,12 @@ pub fn admission_delta(
             }),
         }
     };
-    add(slot_held(before.0, before.1), -1, 0);
-    add(slot_held(after.0, after.1), 1, 0);
+    for agent in slots_held(before.0, before.1) {
+        add(Some(agent), -1, 0);
+    }
+    for agent in slots_held(after.0, after.1) {
+        add(Some(agent), 1, 0);
+    }
     add(before.0.waiting_for.as_deref(), 0, -1);
     add(after.0.waiting_for.as_deref(), 0, 1);
     deltas.retain(|d| d.in_flight != 0 || d.waiting != 0);

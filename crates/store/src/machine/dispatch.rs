@@ -6,6 +6,7 @@
 
 use sas_messages::StepKind;
 
+use super::call::Rendered;
 use super::StepRow;
 use crate::model::Dispatch;
 
@@ -62,8 +63,9 @@ pub fn operation(step: &StepRow, kind: StepKind) -> &str {
 
 impl Dispatch {
     /// The request of the attempt just started on `step` (its attempt
-    /// number, id and deadline already set), with `payload`; its calls must
-    /// start `start_margin` before the deadline.
+    /// number, id and deadline already set), with `payload` (`{order,
+    /// results}`), or what the step's template builds from it; its calls
+    /// must start `start_margin` before the deadline.
     pub fn for_step(
         order_id: &str,
         step: &StepRow,
@@ -79,6 +81,14 @@ impl Dispatch {
             StepKind::Action => step.idempotency_key.clone(),
             StepKind::Compensation => compensation_key(&step.idempotency_key, step.undo_generation),
         };
+        let call = match step.calls.as_ref().and_then(|calls| calls.of(kind)) {
+            Some(template) => template.render(payload),
+            None => Rendered {
+                body: payload,
+                method: None,
+                path: None,
+            },
+        };
         Self {
             order_id: order_id.into(),
             step: step.name.clone(),
@@ -91,7 +101,9 @@ impl Dispatch {
             complete_by,
             start_by,
             dispatched_at,
-            payload,
+            payload: call.body,
+            method: call.method,
+            path: call.path,
         }
     }
 }

@@ -21,8 +21,11 @@
 //! - `rules`: the decisions, one function per event.
 
 pub mod admission;
+pub mod call;
 pub mod dispatch;
+pub mod moves;
 pub mod names;
+pub mod park;
 mod rules;
 #[cfg(test)]
 mod tests;
@@ -36,7 +39,7 @@ use serde::Serialize;
 
 use crate::model::{NewStep, ProcessState, Progress, StepState};
 pub use admission::{
-    admission_delta, admit_key, slot_held, AdmissionDelta, PRIORITY_STEP, UNDO_HEAD_START,
+    admission_delta, admit_key, slots_held, AdmissionDelta, PRIORITY_STEP, UNDO_HEAD_START,
 };
 pub use names::{AlertKind, HistoryEvent, ResubmitAction};
 pub use rules::decide;
@@ -102,6 +105,13 @@ pub struct StepRow {
     pub undo_refused: bool,
     /// What the remote service answered to the undo.
     pub undo_result: Option<serde_json::Value>,
+    /// How the step's requests are shaped, if not by default.
+    pub calls: Option<call::StepCalls>,
+    /// What the step waits for, when it calls no agent (see [`park`]).
+    pub park: Option<park::Park>,
+    /// The parallel group it starts with, if any (see
+    /// [`crate::NewStep::group`]).
+    pub group: Option<String>,
 }
 
 impl StepRow {
@@ -125,6 +135,9 @@ impl StepRow {
             undo_generation: 0,
             undo_refused: false,
             undo_result: None,
+            calls: step.calls.clone(),
+            park: step.park.clone(),
+            group: step.group.clone(),
         }
     }
 
@@ -167,6 +180,8 @@ pub struct Snapshot {
     pub process: ProcessRow,
     /// The steps, by position.
     pub steps: Vec<StepRow>,
+    /// Events kept in the order's mailbox, not used yet, oldest first.
+    pub mailbox: Vec<park::MailboxEvent>,
 }
 
 impl Snapshot {
@@ -202,6 +217,7 @@ impl Snapshot {
                 .zip(steps)
                 .map(|(position, step)| StepRow::new(order_id, position, step))
                 .collect(),
+            mailbox: Vec::new(),
         }
     }
 
@@ -277,6 +293,9 @@ pub enum Event<'a> {
         /// The operator's reason.
         reason: &'a str,
     },
+    /// An event arrived in the order's mailbox (already in the snapshot's
+    /// `mailbox`): a wait step waiting for it uses it.
+    EventArrived,
 }
 
 /// The inputs of a decision that come from outside the order.
@@ -363,15 +382,27 @@ pub struct Decision {
     pub progress: Progress,
     /// How the agents' admission counters move.
     pub admission: Vec<AdmissionDelta>,
+    /// The mailbox event a wait step used (by `event_id`): marked used with
+    /// the decision, so it is used once.
+    pub used_event: Option<String>,
+    /// The business key the order waits with from now on (its wait step
+    /// reads one): events naming it go to the order.
+    pub wait_key: Option<park::WaitKey>,
 }
 
 impl Decision {
-    /// The agent this decision takes a new slot of, and for what kind of
-    /// attempt: the store checks it has room before applying.
-    pub fn takes_slot(&self) -> Option<(&str, sas_messages::StepKind)> {
-        let taken = self.admission.iter().find(|delta| delta.in_flight > 0)?;
-        let kind = self.progress.dispatch.as_ref()?.kind;
-        Some((taken.agent.as_str(), kind))
+    /// The agents this decision takes new slots of (one, or those of a
+    /// parallel group's members), and for what kind of attempt: the store
+    /// checks each has room before applying.
+    pub fn takes_slots(&self) -> Vec<(&str, sas_messages::StepKind)> {
+        let Some(kind) = self.progress.dispatches.first().map(|d| d.kind) else {
+            return Vec::new();
+        };
+        self.admission
+            .iter()
+            .filter(|delta| delta.in_flight > 0)
+            .map(|delta| (delta.agent.as_str(), kind))
+            .collect()
     }
 }
 
@@ -379,6 +410,7 @@ impl Decision {
     /// True when the store has rows to write.
     pub fn writes(&self) -> bool {
         self.process.is_some()
+            || self.used_event.is_some()
             || !self.steps.is_empty()
             || !self.history.is_empty()
             || self.alert.is_some()

@@ -107,6 +107,15 @@ stored_names! {
         /// An agent made no call for the attempt (its start-by passed while
         /// it waited): no failure; the order goes back to the agent's line.
         NotStarted = "not_started",
+        /// An operator moved the waiting order to another version of its
+        /// workflow.
+        Moved = "moved",
+        /// A wait step parked the order until an event or a time.
+        Waiting = "waiting",
+        /// A wait step's event or time came: the step is done.
+        WaitEnded = "wait_ended",
+        /// A wait step's event did not come within its timeout.
+        WaitTimedOut = "wait_timed_out",
         /// An operator acknowledged an alert about the order (someone is on it).
         /// Written by the store's operator actions, not by the state machine:
         /// it changes nothing about the order's run.
@@ -129,6 +138,8 @@ stored_names! {
         CompensationExhausted = "compensation_exhausted",
         /// A compensation's message was dead-lettered.
         CompensationDeadLettered = "compensation_dead_lettered",
+        /// A wait step whose timeout means failure saw no event in time.
+        WaitTimedOut = "wait_timed_out",
     }
 }
 

@@ -29,6 +29,9 @@ fn workflow() -> Vec<NewStep> {
         action: action.into(),
         compensation: compensation.map(str::to_owned),
         timeout: Duration::from_secs(5),
+        calls: None,
+        park: None,
+        group: None,
     })
     .collect()
 }
@@ -289,7 +292,7 @@ fn every_state_meets_every_event() {
                     "{state} + {event:?} changed rows"
                 );
                 assert!(decision.alert.is_none() && decision.progress.statuses.is_empty());
-                assert!(decision.progress.dispatch.is_none());
+                assert!(decision.progress.dispatches.is_empty());
                 let stale_line = decision
                     .history
                     .iter()
@@ -323,7 +326,7 @@ fn a_submitted_order_is_held_and_its_first_step_dispatched() {
         decision.history[1].detail.as_deref(),
         Some("attempt 1: inventory.reserve")
     );
-    let dispatch = decision.progress.dispatch.unwrap();
+    let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     assert_eq!(dispatch.idempotency_key, "o-1:reserve_stock");
     assert_eq!((dispatch.attempt, dispatch.attempt_id), (1, attempt(99)));
     assert_eq!(dispatch.payload["results"], serde_json::json!({}));
@@ -335,7 +338,7 @@ fn a_success_starts_the_next_step_with_the_results_so_far() {
     let (snapshot, current) = order_in(ProcessState::Processing);
     let ok = reply(current, succeeded());
     let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
-    let dispatch = decision.progress.dispatch.unwrap();
+    let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     assert_eq!(dispatch.step, "create_shipment");
     assert_eq!(
         dispatch.payload["results"]["charge_payment"],
@@ -377,7 +380,7 @@ fn a_refusal_undoes_the_completed_steps_from_the_last() {
     let (snapshot, current) = order_in(ProcessState::Processing);
     let refused = reply(current, failed(true));
     let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(3)));
-    let dispatch = decision.progress.dispatch.unwrap();
+    let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     // The refused charge applied nothing: the reservation is released.
     assert_eq!(
         (dispatch.step.as_str(), dispatch.kind),
@@ -395,7 +398,16 @@ fn a_step_without_compensation_is_not_undone() {
     step(&mut snapshot, 2, StepState::Completed, 4);
     snapshot.process.locked_by = None;
     let decision = decide(&snapshot, &Event::Claimed, &ctx(t(60)));
-    assert_eq!(decision.progress.dispatch.unwrap().step, "reserve_stock");
+    assert_eq!(
+        decision
+            .progress
+            .dispatches
+            .into_iter()
+            .next()
+            .unwrap()
+            .step,
+        "reserve_stock"
+    );
 }
 
 #[test]
@@ -546,7 +558,7 @@ fn a_refusal_after_an_unknown_outcome_is_still_undone() {
     // The retry of the same key is refused: the first call may still have landed.
     let refused = reply(current, failed(true));
     let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(4)));
-    let dispatch = decision.progress.dispatch.unwrap();
+    let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     assert_eq!(
         (dispatch.step.as_str(), dispatch.kind),
         ("charge_payment", StepKind::Compensation)
@@ -588,7 +600,7 @@ fn the_supervisor_waits_out_the_grace_period_after_a_deadline() {
 #[test]
 fn a_request_must_start_a_margin_before_its_deadline() {
     let decision = decide(&fresh(), &Event::Submitted, &ctx(t(0)));
-    let dispatch = decision.progress.dispatch.unwrap();
+    let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     assert_eq!(dispatch.dispatched_at, t(0));
     assert_eq!(dispatch.complete_by, t(5));
     assert_eq!(dispatch.start_by, t(4));
@@ -611,7 +623,7 @@ fn an_undo_refused_for_good_is_retried_with_a_fresh_key_after_resubmission() {
     snapshot.apply(&decision);
     snapshot.process.not_before = t(0);
     let decision = decide(&snapshot, &Event::Claimed, &ctx(t(61)));
-    let dispatch = decision.progress.dispatch.unwrap();
+    let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     assert_eq!(dispatch.idempotency_key, "o-1:charge_payment:undo:r1");
 }
 
@@ -661,7 +673,7 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
     assert_eq!(process.waiting_for.as_deref(), Some("inventory"));
     // Priority 5: five steps of ten seconds ahead of a priority-0 order.
     assert_eq!(process.admit_key, Some(t(-50)));
-    assert!(decision.progress.dispatch.is_none());
+    assert!(decision.progress.dispatches.is_empty());
     let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
     assert_eq!(events, [HistoryEvent::Received, HistoryEvent::Queued]);
     assert_eq!(
@@ -678,7 +690,7 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
     snapshot.apply(&decision);
     let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(1)));
     assert_eq!(
-        claimed.progress.dispatch.as_ref().unwrap().step,
+        claimed.progress.dispatches.first().unwrap().step,
         "reserve_stock"
     );
     assert_eq!(claimed.process.as_ref().unwrap().waiting_for, None);
@@ -692,8 +704,12 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
         }]
     );
     assert_eq!(
-        claimed.takes_slot().map(|(agent, _)| agent),
-        Some("inventory")
+        claimed
+            .takes_slots()
+            .into_iter()
+            .map(|(agent, _)| agent)
+            .collect::<Vec<_>>(),
+        vec!["inventory"]
     );
 }
 
@@ -782,7 +798,7 @@ fn an_attempt_that_never_started_goes_back_to_its_line_without_a_failure() {
     // Its place is when the attempt was dispatched (t(2)), not now: it has
     // waited since; priority 5 is worth 50 s.
     assert_eq!(process.admit_key, Some(t(2 - 50)));
-    assert!(decision.progress.dispatch.is_none());
+    assert!(decision.progress.dispatches.is_empty());
     assert!(decision.progress.statuses.is_empty());
     let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
     assert_eq!(events, [HistoryEvent::NotStarted, HistoryEvent::Queued]);
@@ -807,7 +823,7 @@ fn an_attempt_that_never_started_goes_back_to_its_line_without_a_failure() {
     let mut snapshot = snapshot;
     snapshot.apply(&decision);
     let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(10)));
-    let dispatch = claimed.progress.dispatch.as_ref().unwrap();
+    let dispatch = claimed.progress.dispatches.first().unwrap();
     assert_eq!(dispatch.step, "charge_payment");
     assert_eq!(claimed.steps[0].row.attempt, 3);
 }
@@ -857,4 +873,470 @@ fn a_not_started_reply_for_another_attempt_is_stale() {
     );
     assert!(matches!(decision.verdict, Verdict::Stale(_)));
     assert!(decision.admission.is_empty());
+}
+
+#[test]
+fn an_event_changes_no_order_that_waits_for_none() {
+    for state in [
+        ProcessState::Pending,
+        ProcessState::Processing,
+        ProcessState::Compensating,
+        ProcessState::Processed,
+        ProcessState::Compensated,
+        ProcessState::Error,
+    ] {
+        let (mut snapshot, _) = order_in(state);
+        snapshot.mailbox.push(mail("approved", "m-1"));
+        let decision = decide(&snapshot, &Event::EventArrived, &ctx(t(60)));
+        assert!(
+            matches!(decision.verdict, Verdict::Unchanged(_)),
+            "{state}: {decision:#?}"
+        );
+        assert!(!decision.writes(), "{state}");
+    }
+}
+
+/// Reserve, wait for `approved` (10 s, then `on_timeout`), a 2-second
+/// delay, charge.
+fn waiting_workflow(on_timeout: park::OnTimeout) -> Vec<NewStep> {
+    let mut steps = workflow();
+    steps.truncate(2);
+    let wait = |name: &str, park| NewStep {
+        name: name.into(),
+        agent: String::new(),
+        action: "wait".into(),
+        compensation: None,
+        timeout: Duration::from_secs(10),
+        calls: None,
+        park: Some(park),
+        group: None,
+    };
+    steps.insert(
+        1,
+        wait(
+            "approval",
+            park::Park::Event {
+                event: "approved".into(),
+                on_timeout,
+                correlation_key: None,
+            },
+        ),
+    );
+    steps.insert(
+        2,
+        wait(
+            "cooling_off",
+            park::Park::Delay {
+                delay_ms: 2000,
+                not_before: None,
+            },
+        ),
+    );
+    steps
+}
+
+fn mail(name: &str, id: &str) -> park::MailboxEvent {
+    park::MailboxEvent {
+        event_id: id.into(),
+        name: name.into(),
+        data: serde_json::json!({ "by": "ann" }),
+        received_at: t(0),
+    }
+}
+
+/// An order of [`waiting_workflow`] whose reservation just succeeded.
+fn reserved(on_timeout: park::OnTimeout) -> (Snapshot, StepReply) {
+    let mut snapshot = Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1" }),
+        None,
+        None,
+        5,
+        &waiting_workflow(on_timeout),
+        t(0),
+    );
+    snapshot.process.state = ProcessState::Processing;
+    snapshot.process.locked_by = Some(SCHEDULER.into());
+    step(&mut snapshot, 0, StepState::Running, 1);
+    snapshot.process.complete_by = snapshot.steps[0].complete_by;
+    (snapshot, reply(attempt(1), succeeded()))
+}
+
+#[test]
+fn a_wait_parks_the_order_held_by_nobody_until_its_timeout() {
+    let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(2)));
+    let process = decision.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Pending);
+    assert_eq!(process.locked_by, None);
+    assert_eq!(process.complete_by, None);
+    assert_eq!(process.not_before, t(12));
+    assert_eq!(process.waiting_for, None);
+    assert!(decision.progress.dispatches.is_empty());
+    assert!(decision
+        .progress
+        .statuses
+        .iter()
+        .any(|s| s.event == StatusEvent::Waiting));
+    // The inventory slot is given back; no slot is taken for the wait.
+    assert_eq!(decision.admission.len(), 1);
+    assert_eq!(decision.admission[0].in_flight, -1);
+    snapshot.apply(&decision);
+    assert!(slots_held(&snapshot.process, &snapshot.steps).is_empty());
+    // Claimed before its time: nothing; an event of another name: nothing.
+    let early = decide(&snapshot, &Event::Claimed, &ctx(t(5)));
+    assert!(matches!(early.verdict, Verdict::Unchanged(_)));
+    snapshot.mailbox.push(mail("rejected", "m-0"));
+    let other = decide(&snapshot, &Event::EventArrived, &ctx(t(5)));
+    assert!(matches!(other.verdict, Verdict::Unchanged(_)));
+}
+
+#[test]
+fn an_event_during_the_wait_is_the_step_s_result_and_the_delay_parks_again() {
+    let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
+    snapshot.mailbox.push(mail("approved", "m-1"));
+    let decision = decide(&snapshot, &Event::EventArrived, &ctx(t(4)));
+    assert_eq!(decision.used_event.as_deref(), Some("m-1"));
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Completed);
+    assert_eq!(
+        snapshot.steps[1].result,
+        Some(serde_json::json!({ "by": "ann" }))
+    );
+    // The cooling-off delay parks it until 2 s later.
+    assert_eq!(snapshot.steps[2].state, StepState::Running);
+    assert_eq!(snapshot.process.state, ProcessState::Pending);
+    assert_eq!(snapshot.process.not_before, t(6));
+    // Woken at its time, it charges the payment.
+    let woken = decide(&snapshot, &Event::Claimed, &ctx(t(6)));
+    snapshot.apply(&woken);
+    assert_eq!(snapshot.steps[2].state, StepState::Completed);
+    let dispatch = woken
+        .progress
+        .dispatches
+        .into_iter()
+        .next()
+        .expect("the charge");
+    assert_eq!(dispatch.step, "charge_payment");
+    assert_eq!(dispatch.payload["results"]["approval"]["by"], "ann");
+    assert_eq!(snapshot.process.state, ProcessState::Processing);
+}
+
+#[test]
+fn an_event_already_in_the_mailbox_is_used_when_the_order_gets_there() {
+    let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+    snapshot.mailbox.push(mail("approved", "m-early"));
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(2)));
+    assert_eq!(decision.used_event.as_deref(), Some("m-early"));
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Completed);
+    // Straight on to the delay.
+    assert_eq!(snapshot.steps[2].state, StepState::Running);
+    assert_eq!(snapshot.process.not_before, t(4));
+}
+
+#[test]
+fn a_wait_that_times_out_compensates_fails_or_goes_on_as_its_step_says() {
+    for (on_timeout, state) in [
+        (park::OnTimeout::Compensate, ProcessState::Compensating),
+        (park::OnTimeout::Fail, ProcessState::Error),
+        (park::OnTimeout::Continue, ProcessState::Pending),
+    ] {
+        let (mut snapshot, ok) = reserved(on_timeout);
+        snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
+        let decision = decide(&snapshot, &Event::Claimed, &ctx(t(12)));
+        assert_eq!(
+            decision.process.as_ref().unwrap().state,
+            state,
+            "{on_timeout:?}"
+        );
+        assert!(decision
+            .history
+            .iter()
+            .any(|h| h.event == HistoryEvent::WaitTimedOut));
+        match on_timeout {
+            // The reservation is undone.
+            park::OnTimeout::Compensate => {
+                let undo = decision
+                    .progress
+                    .dispatches
+                    .into_iter()
+                    .next()
+                    .expect("the release");
+                assert_eq!(
+                    (undo.step.as_str(), undo.kind),
+                    ("reserve_stock", StepKind::Compensation)
+                );
+            }
+            park::OnTimeout::Fail => {
+                assert_eq!(decision.alert.unwrap().kind, AlertKind::WaitTimedOut);
+                assert!(decision.progress.dispatches.is_empty());
+            }
+            // On to the delay, the wait's result saying it timed out.
+            park::OnTimeout::Continue => {
+                snapshot.apply(&decision);
+                assert_eq!(
+                    snapshot.steps[1].result,
+                    Some(serde_json::json!({ "timed_out": true }))
+                );
+                assert_eq!(snapshot.steps[2].state, StepState::Running);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_cancelled_order_stops_waiting_and_its_undo_starts_at_once() {
+    let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
+    let decision = decide(
+        &snapshot,
+        &Event::Cancelled {
+            reason: "customer asked",
+        },
+        &ctx(t(3)),
+    );
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Failed);
+    assert_eq!(snapshot.process.state, ProcessState::Compensating);
+    // Not at the wait's timeout (t(12)): now.
+    assert_eq!(snapshot.process.not_before, t(3));
+}
+
+/// The workflow with charge and a second, undoable step side by side: a
+/// parallel group after the reservation.
+fn grouped() -> Snapshot {
+    let mut steps = workflow();
+    steps[2].compensation = Some("cancel_shipment".into());
+    steps[2].timeout = Duration::from_secs(8);
+    for step in &mut steps[1..] {
+        step.group = Some("pay_and_ship".into());
+    }
+    Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1" }),
+        Some("client-q".into()),
+        Some("trace".into()),
+        5,
+        &steps,
+        t(0),
+    )
+}
+
+/// The grouped order with its reservation (attempt 1) in flight.
+fn reserving() -> Snapshot {
+    let mut snapshot = grouped();
+    snapshot.process.state = ProcessState::Processing;
+    step(&mut snapshot, 0, StepState::Running, 1);
+    snapshot.process.locked_by = Some(SCHEDULER.into());
+    snapshot.process.complete_by = snapshot.steps[0].complete_by;
+    snapshot
+}
+
+/// The grouped order after its reservation succeeded at `t(3)`: both
+/// members in flight.
+fn group_in_flight() -> (Snapshot, Decision) {
+    let mut snapshot = reserving();
+    let ok = reply(attempt(1), succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
+    snapshot.apply(&decision);
+    (snapshot, decision)
+}
+
+#[test]
+fn a_group_starts_whole_each_member_with_its_own_attempt_and_slot() {
+    let (snapshot, decision) = group_in_flight();
+    let steps: Vec<&str> = decision
+        .progress
+        .dispatches
+        .iter()
+        .map(|d| d.step.as_str())
+        .collect();
+    assert_eq!(steps, ["charge_payment", "create_shipment"]);
+    let ids: Vec<AttemptId> = decision
+        .progress
+        .dispatches
+        .iter()
+        .map(|d| d.attempt_id)
+        .collect();
+    assert_ne!(ids[0], ids[1], "each member's attempt has its own id");
+    assert_eq!(snapshot.steps[1].attempt_id, Some(ids[0]));
+    assert_eq!(snapshot.steps[2].attempt_id, Some(ids[1]));
+    // The order's deadline is its latest member's.
+    assert_eq!(snapshot.process.complete_by, Some(t(3 + 8)));
+    assert_eq!(
+        slots_held(&snapshot.process, &snapshot.steps),
+        ["payment", "shipping"]
+    );
+    let deltas: Vec<(&str, i32)> = decision
+        .admission
+        .iter()
+        .map(|d| (d.agent.as_str(), d.in_flight))
+        .collect();
+    assert_eq!(deltas, [("inventory", -1), ("payment", 1), ("shipping", 1)]);
+}
+
+#[test]
+fn a_group_whose_agent_has_no_slot_waits_whole_in_its_line() {
+    let mut snapshot = reserving();
+    let ok = reply(attempt(1), succeeded());
+    let closed = Context {
+        closed: Some("shipping"),
+        ..ctx(t(3))
+    };
+    let decision = decide(&snapshot, &Event::Reply(&ok), &closed);
+    assert!(decision.progress.dispatches.is_empty());
+    let process = decision.process.clone().expect("the order waits");
+    assert_eq!(process.state, ProcessState::Pending);
+    assert_eq!(process.waiting_for.as_deref(), Some("shipping"));
+    snapshot.apply(&decision);
+    assert!(snapshot.steps[1..]
+        .iter()
+        .all(|s| s.state == StepState::NotStarted));
+}
+
+#[test]
+fn the_order_moves_on_only_when_every_member_completed() {
+    let (mut snapshot, started) = group_in_flight();
+    let ship = started.progress.dispatches[1].attempt_id;
+    let charge = started.progress.dispatches[0].attempt_id;
+    let shipped = reply(ship, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&shipped), &ctx(t(4)));
+    assert!(decision.progress.dispatches.is_empty());
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Processing);
+    assert_eq!(snapshot.process.locked_by.as_deref(), Some(SCHEDULER));
+    assert_eq!(snapshot.steps[2].state, StepState::Completed);
+    assert_eq!(slots_held(&snapshot.process, &snapshot.steps), ["payment"]);
+    let charged = reply(charge, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&charged), &ctx(t(5)));
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Processed);
+}
+
+#[test]
+fn a_member_refused_beside_one_in_flight_undoes_it_only_after_its_deadline() {
+    let (mut snapshot, started) = group_in_flight();
+    let charge = started.progress.dispatches[0].attempt_id;
+    let ship = started.progress.dispatches[1].attempt_id;
+    let refused = reply(charge, failed(true));
+    let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(4)));
+    assert!(
+        decision.progress.dispatches.is_empty(),
+        "no undo while a member is in flight"
+    );
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Compensating);
+    assert_eq!(snapshot.process.locked_by, None);
+    // The shipment started at t(3) with 8 s: nothing before t(11).
+    assert_eq!(snapshot.process.not_before, t(11));
+    assert_eq!(snapshot.steps[1].state, StepState::Failed);
+    // The shipment's late success is stale: it is undone all the same.
+    let late = reply(ship, succeeded());
+    let stale = decide(&snapshot, &Event::Reply(&late), &ctx(t(6)));
+    assert!(matches!(stale.verdict, Verdict::Stale(_)));
+    let early = decide(&snapshot, &Event::Claimed, &ctx(t(10)));
+    assert!(matches!(early.verdict, Verdict::Unchanged(_)));
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(11)));
+    let undo = claimed.progress.dispatches.first().expect("an undo");
+    assert_eq!(
+        (undo.step.as_str(), undo.kind),
+        ("create_shipment", StepKind::Compensation)
+    );
+    snapshot.apply(&claimed);
+    let undone = reply(undo.attempt_id, succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&undone), &ctx(t(12)));
+    let next = decision.progress.dispatches.first().expect("the next undo");
+    assert_eq!(
+        next.step, "reserve_stock",
+        "the refused charge applied nothing"
+    );
+}
+
+#[test]
+fn a_member_that_never_started_runs_again_with_the_group_s_rest() {
+    let (mut snapshot, started) = group_in_flight();
+    let charge = started.progress.dispatches[0].attempt_id;
+    let ship = started.progress.dispatches[1].attempt_id;
+    let decision = decide(
+        &snapshot,
+        &Event::Reply(&reply(ship, not_started())),
+        &ctx(t(4)),
+    );
+    assert!(decision.progress.dispatches.is_empty());
+    assert_eq!(decision.admission[0].unstarted, 1);
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Processing);
+    assert_eq!(snapshot.steps[2].state, StepState::NotStarted);
+    let decision = decide(
+        &snapshot,
+        &Event::Reply(&reply(charge, succeeded())),
+        &ctx(t(5)),
+    );
+    let again: Vec<&str> = decision
+        .progress
+        .dispatches
+        .iter()
+        .map(|d| d.step.as_str())
+        .collect();
+    assert_eq!(again, ["create_shipment"], "the charge is not sent again");
+}
+
+#[test]
+fn a_group_past_its_deadline_marks_every_member_in_flight() {
+    let (mut snapshot, _) = group_in_flight();
+    let decision = decide(
+        &snapshot,
+        &Event::DeadlineMissed {
+            policy: &policy(),
+            jitter: 0.5,
+        },
+        &ctx(t(20)),
+    );
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Pending);
+    assert!(snapshot.steps[1..].iter().all(|s| s.maybe_applied));
+    assert!(slots_held(&snapshot.process, &snapshot.steps).is_empty());
+}
+
+#[test]
+fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
+    let keyed = |pointer: &str| {
+        let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+        snapshot.steps[1].park = Some(park::Park::Event {
+            event: "approved".into(),
+            on_timeout: park::OnTimeout::Compensate,
+            correlation_key: Some(pointer.into()),
+        });
+        // The reservation answers with its id, which the key reads.
+        let ok = StepReply {
+            outcome: StepOutcome::Succeeded {
+                result: serde_json::json!({ "id": "res-77" }),
+            },
+            ..ok
+        };
+        decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)))
+    };
+    let decision = keyed("/results/reserve_stock/id");
+    assert_eq!(
+        decision.wait_key,
+        Some(park::WaitKey {
+            step: "approval".into(),
+            key: "res-77".into(),
+        })
+    );
+    // Nothing there: the wait is reachable by order id only, and says so.
+    let decision = keyed("/attributes/invoice");
+    assert_eq!(decision.wait_key, None);
+    let waiting = decision
+        .history
+        .iter()
+        .find(|h| h.event == HistoryEvent::Waiting)
+        .and_then(|h| h.detail.clone())
+        .unwrap_or_default();
+    assert!(
+        waiting.contains("no correlation key at /attributes/invoice"),
+        "{waiting}"
+    );
 }

@@ -7,11 +7,14 @@
 //! - [`search`]: orders by filter, in keyset pages; the sets of bulk actions.
 //! - [`overview`]: orders by state, and per minute over the last hour.
 //! - [`dead_letters`]: one recorded dead letter, and whether it may be replayed.
+//! - [`workflows`]: the registered workflow versions, with their orders
+//!   counted by state.
 
 pub mod dead_letters;
 pub mod overview;
 pub mod queries;
 pub mod search;
+pub mod workflows;
 
 use sqlx::PgPool;
 

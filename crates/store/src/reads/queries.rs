@@ -19,6 +19,10 @@ pub struct OrderSummary {
     pub order_id: String,
     /// ProcessState.
     pub state: ProcessState,
+    /// The workflow the order follows.
+    pub workflow: String,
+    /// The version of that workflow it started with (its plan).
+    pub workflow_version: i32,
     /// Scheduler holding it, if any.
     pub locked_by: Option<String>,
     /// Deadline of the step in flight.
@@ -128,7 +132,7 @@ pub struct DeadLetter {
     pub disposed_by: Option<String>,
 }
 
-const SUMMARY_COLUMNS: &str = "order_id, state, locked_by, complete_by, failure_count, not_before, last_error, created_at, updated_at";
+const SUMMARY_COLUMNS: &str = "order_id, state, workflow, workflow_version, locked_by, complete_by, failure_count, not_before, last_error, created_at, updated_at";
 
 impl Reads<'_> {
     /// Everything about one order, or `None` if no such order exists.

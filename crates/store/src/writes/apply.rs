@@ -24,6 +24,7 @@ use uuid::Uuid;
 
 use super::Writes;
 use crate::machine::admission::has_room;
+use crate::machine::park::MailboxEvent;
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
 use crate::step_columns::{step_select, BESIDE_ORDER};
 use crate::{Store, StoreError};
@@ -75,9 +76,16 @@ pub(crate) async fn transition<'e>(
     for snapshot in snapshots {
         let ctx = store.context(now, actor);
         let event = event_for(&snapshot);
-        let decision = match slots {
-            Slots::Held => decide(&snapshot, &event, &ctx),
-            Slots::Check => decide_admitted(&mut *conn, &snapshot, &event, &ctx, &mut room).await?,
+        // A held order's slot of the agent it was admitted for is counted;
+        // a parallel group's other agents are still checked.
+        let admitted = match slots {
+            Slots::Held => snapshot.process.waiting_for.as_deref(),
+            Slots::Check => None,
+        };
+        let decision = if slots == Slots::Held && admitted.is_none() {
+            decide(&snapshot, &event, &ctx)
+        } else {
+            decide_admitted(&mut *conn, &snapshot, &event, &ctx, &mut room, admitted).await?
         };
         room.take(&decision);
         decided.push(Decided {
@@ -87,7 +95,88 @@ pub(crate) async fn transition<'e>(
         });
     }
     apply_all(&mut *conn, &decided, actor).await?;
+    mark_used_events(&mut *conn, &decided).await?;
+    register_wait_keys(&mut *conn, &decided).await?;
     Ok(decided)
+}
+
+/// Records the business keys the batch's orders now wait with (see
+/// [`crate::machine::park::WaitKey`]), so that events naming a key find
+/// them.
+///
+/// # Errors
+/// When the database fails.
+async fn register_wait_keys(
+    conn: &mut PgConnection,
+    decided: &[Decided],
+) -> Result<(), StoreError> {
+    let (mut orders, mut steps, mut keys) = (Vec::new(), Vec::new(), Vec::new());
+    for d in decided {
+        if let Some(wait) = &d.decision.wait_key {
+            orders.push(d.snapshot.order_id.as_str());
+            steps.push(wait.step.as_str());
+            keys.push(wait.key.as_str());
+        }
+    }
+    if orders.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO order_waits (order_id, step, correlation_key)
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[])
+         ON CONFLICT (order_id, step) DO UPDATE SET correlation_key = EXCLUDED.correlation_key",
+    )
+    .bind(&orders)
+    .bind(&steps)
+    .bind(&keys)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Marks the mailbox events the batch's wait steps used, with the step
+/// that used each, so that each is used once.
+///
+/// # Errors
+/// When the database fails, or an event was used already (a guard that
+/// cannot fail under the order's lock without a bug).
+async fn mark_used_events(conn: &mut PgConnection, decided: &[Decided]) -> Result<(), StoreError> {
+    let (mut orders, mut events, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+    for d in decided {
+        if let Some(event_id) = &d.decision.used_event {
+            let step = d
+                .decision
+                .history
+                .iter()
+                .find(|line| line.event == crate::machine::HistoryEvent::WaitEnded)
+                .and_then(|line| line.step.clone());
+            orders.push(d.snapshot.order_id.as_str().to_owned());
+            events.push(event_id.clone());
+            steps.push(step);
+        }
+    }
+    if orders.is_empty() {
+        return Ok(());
+    }
+    let marked = sqlx::query(
+        "UPDATE order_events e SET used_at = now(), used_by = u.step
+           FROM UNNEST($1::text[], $2::text[], $3::text[]) AS u(order_id, event_id, step)
+          WHERE e.order_id = u.order_id AND e.event_id = u.event_id AND e.used_at IS NULL",
+    )
+    .bind(&orders)
+    .bind(&events)
+    .bind(&steps)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    if marked != orders.len() as u64 {
+        return Err(StoreError::Invariant(format!(
+            "{} of {} mailbox events to mark used were not unused",
+            orders.len() as u64 - marked,
+            orders.len()
+        )));
+    }
+    Ok(())
 }
 
 /// What a batch's room checks read: each agent's admission counters (in
@@ -175,7 +264,7 @@ impl Writes<'_> {
 ///
 /// # Errors
 /// When the database fails.
-async fn load_snapshots(
+pub(crate) async fn load_snapshots(
     conn: &mut PgConnection,
     order_ids: &[&str],
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
@@ -204,6 +293,7 @@ async fn load_snapshots(
         }
     };
     let mut snapshots: BTreeMap<String, Snapshot> = BTreeMap::new();
+    let mut waiting: Vec<String> = Vec::new();
     // Rows come ordered by order id, then position.
     for row in &rows {
         let order_id: String = row.try_get("order_id")?;
@@ -214,6 +304,33 @@ async fn load_snapshots(
                 let mut snapshot = snapshot_from_row(row)?;
                 snapshot.steps.push(step);
                 snapshots.insert(order_id, snapshot);
+            }
+        }
+    }
+    // Only orders with a wait step read their mailbox: no cost for others.
+    for snapshot in snapshots.values() {
+        if snapshot.steps.iter().any(|step| step.park.is_some()) {
+            waiting.push(snapshot.order_id.as_str().to_owned());
+        }
+    }
+    if !waiting.is_empty() {
+        let events = sqlx::query(
+            "SELECT order_id, event_id, name, data, received_at FROM order_events
+              WHERE order_id = ANY($1) AND used_at IS NULL AND expired_at IS NULL
+              ORDER BY order_id, received_at, event_id",
+        )
+        .bind(&waiting)
+        .fetch_all(&mut *conn)
+        .await?;
+        for row in &events {
+            let order_id: String = row.try_get("order_id")?;
+            if let Some(snapshot) = snapshots.get_mut(&order_id) {
+                snapshot.mailbox.push(MailboxEvent {
+                    event_id: row.try_get("event_id")?,
+                    name: row.try_get("name")?,
+                    data: row.try_get("data")?,
+                    received_at: row.try_get("received_at")?,
+                });
             }
         }
     }
@@ -239,6 +356,7 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
             admit_key: row.try_get("admit_key")?,
         },
         steps: Vec::new(),
+        mailbox: Vec::new(),
     })
 }
 
@@ -521,8 +639,10 @@ impl<'a> Rows<'a> {
 }
 
 /// Decides `event` for the order of `snapshot` under admission control:
-/// when the decision would take a slot of an agent with none free, decides
-/// again with that agent closed, and the order waits in its line instead.
+/// when the decision would take a slot of an agent with none free (of any
+/// of them, for a parallel group), decides again with that agent closed,
+/// and the order waits in its line instead. The slot of `admitted`, the
+/// agent whose line the order was admitted from, is not checked again.
 ///
 /// Whether a slot is free is [`has_room`]'s rule, on the counters as
 /// [`Room`] holds them for the batch. They are read without locking them,
@@ -537,16 +657,24 @@ async fn decide_admitted(
     event: &Event<'_>,
     ctx: &Context<'_>,
     room: &mut Room,
+    admitted: Option<&str>,
 ) -> Result<Decision, StoreError> {
     let decision = decide(snapshot, event, ctx);
-    let Some((agent, kind)) = decision.takes_slot() else {
+    let mut full = None;
+    for (agent, kind) in decision.takes_slots() {
+        if Some(agent) == admitted {
+            continue;
+        }
+        let first_in_line =
+            kind == StepKind::Compensation || snapshot.process.waiting_for.is_some();
+        if !room.has_room(&mut *conn, agent, first_in_line).await? {
+            full = Some(agent.to_owned());
+            break;
+        }
+    }
+    let Some(agent) = full else {
         return Ok(decision);
     };
-    let first_in_line = kind == StepKind::Compensation || snapshot.process.waiting_for.is_some();
-    if room.has_room(&mut *conn, agent, first_in_line).await? {
-        return Ok(decision);
-    }
-    let agent = agent.to_owned();
     let closed = Context {
         closed: Some(&agent),
         ..*ctx

@@ -92,6 +92,14 @@ impl Writes<'_> {
                     AND NOT EXISTS (SELECT 1 FROM steps e WHERE e.order_id = d.order_id AND e.position > d.position AND e.state = 'completed')
                     AND NOT EXISTS (SELECT 1 FROM steps e JOIN full_agents f ON f.agent = e.agent
                                      WHERE e.order_id = d.order_id AND e.position = d.position + 1)
+                    -- A wait step next parks the order, and a parallel group
+                    -- starts several steps: the general path decides them.
+                    -- (A group's member that answers beside one in flight
+                    -- fails the guards above: an earlier step not completed,
+                    -- or a later one completed or next in its group.)
+                    AND NOT EXISTS (SELECT 1 FROM steps e
+                                     WHERE e.order_id = d.order_id AND e.position = d.position + 1
+                                       AND (e.park IS NOT NULL OR e.step_group IS NOT NULL))
               RETURNING d.order_id, d.position, d.name, d.agent, d.updated_at, r.attempt_id, r.result,
                         r.next_attempt_id, r.detail,
                         EXTRACT(EPOCH FROM now() - (d.complete_by - make_interval(secs => d.timeout_ms::float8 / 1000)))::float8 AS latency),
@@ -105,7 +113,7 @@ impl Writes<'_> {
               RETURNING n.order_id, n.position, n.name, n.agent, n.action, n.compensation,
                         n.timeout_ms, n.state, n.attempt, n.attempt_id, n.complete_by,
                         n.idempotency_key, n.result, n.last_error, n.maybe_applied,
-                        n.undo_generation, n.undo_refused, n.undo_result),
+                        n.undo_generation, n.undo_refused, n.undo_result, n.request, n.park, n.step_group),
              process AS (
                  UPDATE order_process op
                     SET state = CASE WHEN next.order_id IS NULL THEN 'processed' ELSE 'processing' END::process_state,
@@ -145,6 +153,7 @@ impl Writes<'_> {
                     next.maybe_applied AS next_maybe_applied,
                     next.undo_generation AS next_undo_generation,
                     next.undo_refused AS next_undo_refused, next.undo_result AS next_undo_result,
+                    next.request AS next_request, next.park AS next_park, next.step_group AS next_group,
                     CASE WHEN next.order_id IS NOT NULL THEN
                         (SELECT body FROM orders o WHERE o.order_id = done.order_id) END AS body,
                     CASE WHEN next.order_id IS NOT NULL THEN
@@ -204,7 +213,7 @@ fn completed_from_row(
             let payload = payload(&body, results.map(|(name, result)| (name.as_str(), result)));
             let dispatch =
                 Dispatch::for_step(order_id, &next, StepKind::Action, payload, start_margin);
-            progress.dispatch = Some(Box::new(dispatch));
+            progress.dispatches.push(dispatch);
         }
         None => {
             let finished_at: DateTime<Utc> = row.try_get("finished_at")?;

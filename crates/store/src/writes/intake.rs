@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::Writes;
 use crate::machine::{decide, Context, Event, Snapshot};
-use crate::model::{NewStep, Progress};
+use crate::model::{NewStep, Plan, Progress};
 use crate::StoreError;
 
 /// What became of a submitted order.
@@ -62,12 +62,22 @@ impl Submission {
     }
 }
 
+/// How intake stored a new order.
+enum Stored {
+    /// By the single statement, which started its first step (or, not
+    /// `admitted`, put it in its agent's line), at the time it says.
+    Started(DateTime<Utc>, bool),
+    /// Through the write kernel (a workflow that starts with a wait): what
+    /// the state machine decided it publishes.
+    Decided(Progress),
+}
+
 /// One intake batch: the submissions, their bodies as stored, and the
 /// workflow they start.
 struct Batch<'a> {
     submissions: &'a [Submission],
     bodies: Vec<serde_json::Value>,
-    workflow: &'a str,
+    plan: Plan<'a>,
     steps: &'a [NewStep],
     actor: &'a str,
     start_margin: std::time::Duration,
@@ -118,20 +128,20 @@ impl Writes<'_> {
     pub async fn insert_order(
         self,
         order: &SubmitOrder,
-        workflow: &str,
-        steps: &[NewStep],
+        plan: Plan<'_>,
         trace_id: &str,
         actor: &str,
     ) -> Result<Intake, StoreError> {
         let submission = Submission::new(order.clone(), trace_id.to_owned());
-        self.insert_orders(std::slice::from_ref(&submission), workflow, steps, actor)
+        self.insert_orders(std::slice::from_ref(&submission), plan, actor)
             .await
             .pop()
             .expect("one outcome per submission")
     }
 
-    /// Stores each submitted order with its process record and its steps,
-    /// and starts its first step held by `actor`; idempotent on the order id.
+    /// Stores each submitted order with its process record and its steps
+    /// (those of `plan`, with its name and version), and starts its first
+    /// step held by `actor`; idempotent on the order id.
     /// Returns one outcome per submission, in order.
     ///
     /// The orders go in one statement, so the batch is atomic without a
@@ -147,10 +157,10 @@ impl Writes<'_> {
     pub async fn insert_orders(
         self,
         submissions: &[Submission],
-        workflow: &str,
-        steps: &[NewStep],
+        plan: Plan<'_>,
         actor: &str,
     ) -> Vec<Result<Intake, StoreError>> {
+        let steps = plan.steps;
         let every = |error: StoreError| {
             let shared = Arc::new(error);
             submissions
@@ -174,7 +184,7 @@ impl Writes<'_> {
         let batch = Batch {
             submissions,
             bodies,
-            workflow,
+            plan,
             steps,
             actor,
             start_margin: self.start_margin(),
@@ -186,13 +196,25 @@ impl Writes<'_> {
             .filter(|&i| seen.insert(submissions[i].order.order_id.as_str()))
             .collect();
         let attempt_ids: Vec<Uuid> = distinct.iter().map(|_| Uuid::now_v7()).collect();
-        let (mut stored, mut failed) =
+        let (mut stored, mut failed) = if steps[0].park.is_some() {
+            match self.insert_parking(&batch, &distinct).await {
+                Ok(decided) => (decided, HashMap::new()),
+                Err(error) => return every(error),
+            }
+        } else {
             match self.store_distinct(&batch, &distinct, &attempt_ids).await {
-                Ok(done) => done,
+                Ok((started, failed)) => (
+                    started
+                        .into_iter()
+                        .map(|(id, (at, admitted))| (id, Stored::Started(at, admitted)))
+                        .collect(),
+                    failed,
+                ),
                 // The database is away (or this was the only order): every
                 // caller gets the error, and retries or gives up on its own.
                 Err(error) => return every(StoreError::Database(error)),
-            };
+            }
+        };
         let mut outcomes = Vec::with_capacity(submissions.len());
         for (index, submission) in submissions.iter().enumerate() {
             let order_id = &submission.order.order_id;
@@ -206,9 +228,10 @@ impl Writes<'_> {
                 .map(|slot| attempt_ids[slot]);
             let received = attempt.and_then(|_| stored.remove(order_id.as_str()));
             outcomes.push(match (attempt, received) {
-                (Some(attempt_id), Some((received_at, admitted))) => {
+                (Some(attempt_id), Some(Stored::Started(received_at, admitted))) => {
                     Ok(batch.accepted(index, attempt_id, received_at, admitted))
                 }
+                (Some(_), Some(Stored::Decided(progress))) => Ok(Intake::Accepted(progress)),
                 _ => self.existing(order_id, &batch.bodies[index]).await,
             });
         }
@@ -269,7 +292,7 @@ impl Writes<'_> {
         let Batch {
             submissions,
             bodies,
-            workflow,
+            plan,
             steps,
             actor,
             ..
@@ -302,6 +325,15 @@ impl Writes<'_> {
         let actions: Vec<&str> = steps.iter().map(|s| s.action.as_str()).collect();
         let compensations: Vec<Option<&str>> =
             steps.iter().map(|s| s.compensation.as_deref()).collect();
+        let requests: Vec<Option<sqlx::types::Json<&crate::StepCalls>>> = steps
+            .iter()
+            .map(|s| s.calls.as_ref().map(sqlx::types::Json))
+            .collect();
+        let parks: Vec<Option<sqlx::types::Json<&crate::machine::park::Park>>> = steps
+            .iter()
+            .map(|s| s.park.as_ref().map(sqlx::types::Json))
+            .collect();
+        let groups: Vec<Option<&str>> = steps.iter().map(|s| s.group.as_deref()).collect();
         let timeouts: Vec<i32> = steps
             .iter()
             .map(|s| i32::try_from(s.timeout.as_millis()).unwrap_or(i32::MAX))
@@ -316,8 +348,8 @@ impl Writes<'_> {
                  ON CONFLICT (order_id) DO NOTHING
               RETURNING order_id, received_at),
              t AS (
-                 SELECT * FROM UNNEST($8::int4[], $9::text[], $10::text[], $11::text[], $12::text[], $13::int4[])
-                        AS t(position, name, agent, action, compensation, timeout_ms)),
+                 SELECT * FROM UNNEST($8::int4[], $9::text[], $10::text[], $11::text[], $12::text[], $13::int4[], $16::jsonb[], $18::jsonb[], $19::text[])
+                        AS t(position, name, agent, action, compensation, timeout_ms, request, park, step_group)),
              first AS (
                  SELECT t.*, now() + make_interval(secs => t.timeout_ms::float8 / 1000) AS complete_by
                    FROM t WHERE t.position = 0),
@@ -328,10 +360,10 @@ impl Writes<'_> {
                  SELECT COALESCE((SELECT a.waiting = 0 AND a.in_flight + (SELECT count(*) FROM o) <= a.admit_limit
                                     FROM admission a JOIN first ON a.agent = first.agent), true) AS admitted),
              p AS (
-                 INSERT INTO order_process (order_id, workflow, state, locked_by, reply_to, trace_id,
-                                            complete_by, priority, waiting_for, admit_key,
-                                            reply_correlation_id)
-                 SELECT o.order_id, $6,
+                 INSERT INTO order_process (order_id, workflow, workflow_version, state, locked_by,
+                                            reply_to, trace_id, complete_by, priority, waiting_for,
+                                            admit_key, reply_correlation_id)
+                 SELECT o.order_id, $6, $17,
                         CASE WHEN ok.admitted THEN 'processing' ELSE 'pending' END::process_state,
                         CASE WHEN ok.admitted THEN $7 END, i.reply_to, i.trace_id,
                         CASE WHEN ok.admitted THEN first.complete_by END, i.priority,
@@ -349,13 +381,15 @@ impl Writes<'_> {
                   WHERE a.agent = first.agent),
              s AS (
                  INSERT INTO steps (order_id, position, name, agent, action, compensation, timeout_ms,
-                                    idempotency_key, state, attempt, attempt_id, complete_by)
+                                    idempotency_key, state, attempt, attempt_id, complete_by, request, park,
+                                    step_group)
                  SELECT o.order_id, t.position, t.name, t.agent, t.action, t.compensation, t.timeout_ms,
                         o.order_id || ':' || t.name,
                         CASE WHEN t.position = 0 AND ok.admitted THEN 'running' ELSE 'not_started' END::step_state,
                         CASE WHEN t.position = 0 AND ok.admitted THEN 1 ELSE 0 END,
                         CASE WHEN t.position = 0 AND ok.admitted THEN i.attempt_id END,
-                        CASE WHEN t.position = 0 AND ok.admitted THEN first.complete_by END
+                        CASE WHEN t.position = 0 AND ok.admitted THEN first.complete_by END,
+                        t.request, t.park, t.step_group
                    FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN t CROSS JOIN first CROSS JOIN ok),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
@@ -375,7 +409,7 @@ impl Writes<'_> {
         .bind(&reply_tos)
         .bind(&trace_ids)
         .bind(attempt_ids)
-        .bind(workflow)
+        .bind(plan.name)
         .bind(actor)
         .bind(&positions)
         .bind(&names)
@@ -385,6 +419,10 @@ impl Writes<'_> {
         .bind(&timeouts)
         .bind(&priorities)
         .bind(&correlation_ids)
+        .bind(&requests)
+        .bind(plan.version)
+        .bind(&parks)
+        .bind(&groups)
         .fetch_all(self.pool())
         .await?;
         rows.iter()
@@ -395,6 +433,100 @@ impl Writes<'_> {
                 ))
             })
             .collect()
+    }
+
+    /// Stores the submissions at `distinct` of a workflow whose first step
+    /// waits (for an event or a time), in one transaction: each order, its
+    /// process record and its steps as they are before intake (pending,
+    /// nothing started), then the state machine's intake through the write
+    /// kernel, which parks it (or uses at once an event already in its
+    /// mailbox). Slower than the single statement of a workflow that starts
+    /// with a call, and only for such workflows. Returns what each stored
+    /// order publishes; orders already stored are left out.
+    ///
+    /// # Errors
+    /// When the database fails: nothing is stored.
+    async fn insert_parking(
+        self,
+        batch: &Batch<'_>,
+        distinct: &[usize],
+    ) -> Result<HashMap<String, Stored>, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let mut new: Vec<String> = Vec::new();
+        for &index in distinct {
+            let submission = &batch.submissions[index];
+            let order_id = submission.order.order_id.as_str();
+            let inserted = sqlx::query(
+                "INSERT INTO orders (order_id, body) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING",
+            )
+            .bind(order_id)
+            .bind(&batch.bodies[index])
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if !inserted {
+                continue;
+            }
+            sqlx::query(
+                "INSERT INTO order_process (order_id, workflow, workflow_version, state, reply_to,
+                                            trace_id, priority, reply_correlation_id)
+                 VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7)",
+            )
+            .bind(order_id)
+            .bind(batch.plan.name)
+            .bind(batch.plan.version)
+            .bind(submission.reply_queue())
+            .bind(&submission.trace_id)
+            .bind(i16::from(submission.order.priority()))
+            .bind(submission.correlation_id.as_deref())
+            .execute(&mut *tx)
+            .await?;
+            for (position, step) in (0..).zip(batch.steps) {
+                let row = crate::machine::StepRow::new(order_id, position, step);
+                sqlx::query(
+                    "INSERT INTO steps (order_id, position, name, agent, action, compensation,
+                                        timeout_ms, idempotency_key, state, attempt, request, park,
+                                        step_group)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'not_started', 0, $9, $10, $11)",
+                )
+                .bind(order_id)
+                .bind(row.position)
+                .bind(&row.name)
+                .bind(&row.agent)
+                .bind(&row.action)
+                .bind(&row.compensation)
+                .bind(row.timeout_ms)
+                .bind(&row.idempotency_key)
+                .bind(row.calls.as_ref().map(sqlx::types::Json))
+                .bind(row.park.as_ref().map(sqlx::types::Json))
+                .bind(&row.group)
+                .execute(&mut *tx)
+                .await?;
+            }
+            new.push(order_id.to_owned());
+        }
+        new.sort();
+        let ids: Vec<&str> = new.iter().map(String::as_str).collect();
+        let decided = super::apply::transition(
+            &mut tx,
+            self.store,
+            &ids,
+            batch.actor,
+            super::apply::Slots::Check,
+            |_| Event::Submitted,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(decided
+            .into_iter()
+            .map(|d| {
+                (
+                    d.snapshot.order_id.as_str().to_owned(),
+                    Stored::Decided(d.decision.progress),
+                )
+            })
+            .collect())
     }
 
     /// An order id that was already stored: a duplicate if `body` is what

@@ -10,6 +10,9 @@
 //! - [`progress`]: the scheduler's transitions (claims, replies);
 //! - [`recovery`]: the supervisor's transitions (expired deadlines, dead letters);
 //! - [`operator`]: resubmission, cancellation, a dead letter's settlement;
+//! - [`moves`]: moving waiting orders to another version of their workflow;
+//! - [`events`]: events for wait steps, kept in their orders' mailboxes,
+//!   and dead-lettered when their order never came;
 //! - [`alerts`], [`dead_letters`]: operators acknowledging and resolving
 //!   alerts, replaying and discarding dead letters;
 //! - [`retention`]: deleting finished orders past their retention;
@@ -19,8 +22,10 @@
 pub mod alerts;
 pub(crate) mod apply;
 pub mod dead_letters;
+pub mod events;
 mod fast;
 pub mod intake;
+pub mod moves;
 pub mod operator;
 pub mod progress;
 pub mod recovery;

@@ -16,14 +16,17 @@ pub(super) fn dead_lettered(draft: &mut Draft<'_>, attempt_id: AttemptId, reason
     } else {
         StepState::Running
     };
-    let Some(step) = draft
+    let Some(index) = draft
         .steps
         .iter()
-        .find(|s| s.attempt_id == Some(attempt_id) && s.state == expected)
+        .position(|s| s.attempt_id == Some(attempt_id) && s.state == expected && s.park.is_none())
     else {
         return draft.unchanged("the dead letter is not of the step's current attempt");
     };
-    let name = step.name.clone();
+    let name = draft.steps[index].name.clone();
+    // Other members of a parallel group may be in flight: no undo before
+    // their deadlines.
+    let until = super::group::in_flight_until(draft, Some(index));
     let why = format!("a message of step {name} was dead-lettered: {reason}");
     match state {
         ProcessState::Processing | ProcessState::Pending => {
@@ -32,7 +35,7 @@ pub(super) fn dead_lettered(draft: &mut Draft<'_>, attempt_id: AttemptId, reason
                 locked_by: None,
                 complete_by: None,
                 failure_count: 0,
-                not_before: draft.ctx.now,
+                not_before: until.map_or(draft.ctx.now, |by| by.max(draft.ctx.now)),
                 last_error: Some(why.clone()),
                 waiting_for: None,
                 admit_key: None,

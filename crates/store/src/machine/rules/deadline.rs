@@ -75,31 +75,40 @@ pub(super) fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, ji
     }
 }
 
-/// Records on the step in flight, if any, that its attempt missed its
-/// deadline; returns its name and what happened, for the reason.
+/// Records on each step in flight (one, or the members of a parallel
+/// group) that its attempt missed its deadline; returns their names and
+/// what happened, for the reason.
 pub(super) fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
-    let in_flight = draft
-        .steps
-        .iter()
-        .position(|s| matches!(s.state, StepState::Running | StepState::Compensating));
-    let Some(index) = in_flight else {
+    let in_flight: Vec<usize> = (0..draft.steps.len())
+        .filter(|&i| {
+            matches!(
+                draft.steps[i].state,
+                StepState::Running | StepState::Compensating
+            )
+        })
+        .collect();
+    if in_flight.is_empty() {
         return (
             None,
             "held order made no progress before its deadline".to_owned(),
         );
-    };
-    let step = &draft.steps[index];
-    let (name, attempt) = (step.name.clone(), step.attempt);
-    let missed = step
-        .complete_by
-        .map_or_else(String::new, |by| by.to_rfc3339());
-    draft.change_step(index, |step| {
-        step.last_error = Some(format!("attempt {attempt} missed its deadline {missed}"));
-        // Its call may have landed: undo it if the order is given up.
-        if step.state == StepState::Running {
-            step.maybe_applied = true;
-        }
-    });
-    let what = format!("step {name} attempt {attempt} timed out");
-    (Some(name), what)
+    }
+    let (mut names, mut whats) = (Vec::new(), Vec::new());
+    for index in in_flight {
+        let step = &draft.steps[index];
+        let (name, attempt) = (step.name.clone(), step.attempt);
+        let missed = step
+            .complete_by
+            .map_or_else(String::new, |by| by.to_rfc3339());
+        draft.change_step(index, |step| {
+            step.last_error = Some(format!("attempt {attempt} missed its deadline {missed}"));
+            // Its call may have landed: undo it if the order is given up.
+            if step.state == StepState::Running {
+                step.maybe_applied = true;
+            }
+        });
+        whats.push(format!("step {name} attempt {attempt} timed out"));
+        names.push(name);
+    }
+    (Some(names.join(",")), whats.join("; "))
 }

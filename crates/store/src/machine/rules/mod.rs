@@ -2,11 +2,14 @@
 //! the changes and turns them into a [`Decision`]. Each event's rules live
 //! in a module of their own, so a new kind of event or step is a new file:
 //! [`start`] (intake, claims), [`reply`], [`deadline`], [`dead_letter`],
-//! [`operator`] (resubmit, cancel).
+//! [`operator`] (resubmit, cancel), [`park`] (steps that wait for an event
+//! or a time), [`group`] (steps that run side by side).
 
 mod dead_letter;
 mod deadline;
+mod group;
 mod operator;
+mod park;
 mod reply;
 mod start;
 
@@ -18,8 +21,8 @@ use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 
 use super::dispatch::{attempt_detail, operation, payload};
 use super::{
-    admission_delta, admit_key, slot_held, status, AlertKind, Context, Decision, Event,
-    HistoryEvent, HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
+    admission_delta, admit_key, status, AlertKind, Context, Decision, Event, HistoryEvent,
+    HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
 };
 use crate::model::{Dispatch, ProcessState, Progress, StepState};
 
@@ -39,6 +42,7 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
         }
         Event::Resubmitted { earlier } => operator::resubmitted(&mut draft, earlier),
         Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
+        Event::EventArrived => park::event_arrived(&mut draft),
     }
     draft.finish()
 }
@@ -72,8 +76,13 @@ struct Draft<'a> {
     alert: Option<NewAlert>,
     resolve_alerts: bool,
     progress: Progress,
-    /// The attempt given back never started: its slot is no completion.
-    unstarted: bool,
+    /// The agent of an attempt given back that never started: its slot is
+    /// no completion.
+    unstarted: Option<String>,
+    /// The mailbox event a wait step used.
+    used_event: Option<String>,
+    /// The business key the order now waits with, if its wait has one.
+    wait_key: Option<crate::machine::park::WaitKey>,
 }
 
 impl<'a> Draft<'a> {
@@ -94,7 +103,9 @@ impl<'a> Draft<'a> {
                 trace_id: snapshot.trace_id.clone(),
                 ..Progress::default()
             },
-            unstarted: false,
+            unstarted: None,
+            used_event: None,
+            wait_key: None,
         }
     }
 
@@ -183,12 +194,16 @@ impl<'a> Draft<'a> {
     /// that failed permanently applied nothing); or finishes the order.
     fn advance(&mut self) {
         let (next, kind) = match self.process.state {
-            ProcessState::Processing => (
-                self.steps
+            ProcessState::Processing => {
+                let next = self
+                    .steps
                     .iter()
-                    .position(|s| s.state != StepState::Completed),
-                StepKind::Action,
-            ),
+                    .position(|s| s.state != StepState::Completed);
+                if let Some(index) = next.filter(|&i| self.steps[i].group.is_some()) {
+                    return group::start(self, index);
+                }
+                (next, StepKind::Action)
+            }
             ProcessState::Compensating => (
                 self.steps.iter().rposition(StepRow::needs_undo),
                 StepKind::Compensation,
@@ -202,10 +217,20 @@ impl<'a> Draft<'a> {
     }
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
+        if self.steps[index].park.is_some() {
+            return park::start(self, index);
+        }
         if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
             return self.wait_for_slot(index, kind);
         }
-        let (now, attempt_id) = (self.ctx.now, self.ctx.next_attempt_id);
+        self.start_call(index, kind, self.ctx.next_attempt_id);
+    }
+
+    /// Starts attempt `attempt_id` of step `index`'s call: the step in
+    /// flight with its deadline, the order held with it, the request to
+    /// send.
+    fn start_call(&mut self, index: usize, kind: StepKind, attempt_id: AttemptId) {
+        let now = self.ctx.now;
         self.change_step(index, |step| {
             step.state = match kind {
                 StepKind::Action => StepState::Running,
@@ -237,7 +262,7 @@ impl<'a> Draft<'a> {
             payload,
             self.ctx.start_margin,
         );
-        self.progress.dispatch = Some(Box::new(dispatch));
+        self.progress.dispatches.push(dispatch);
         self.log(event, Some(&name), Some(attempt_id), Some(detail));
     }
 
@@ -314,6 +339,8 @@ impl<'a> Draft<'a> {
                     ..Progress::default()
                 },
                 admission: Vec::new(),
+                used_event: None,
+                wait_key: None,
             };
         }
         let steps = self
@@ -333,12 +360,8 @@ impl<'a> Draft<'a> {
             (&self.snapshot.process, &self.snapshot.steps),
             (&self.process, &self.steps),
         );
-        if self.unstarted {
-            let given_back = slot_held(&self.snapshot.process, &self.snapshot.steps);
-            if let Some(delta) = admission
-                .iter_mut()
-                .find(|d| Some(d.agent.as_str()) == given_back)
-            {
+        if let Some(given_back) = &self.unstarted {
+            if let Some(delta) = admission.iter_mut().find(|d| &d.agent == given_back) {
                 delta.unstarted = 1;
             }
         }
@@ -351,6 +374,8 @@ impl<'a> Draft<'a> {
             alert: self.alert,
             resolve_alerts: self.resolve_alerts,
             progress: self.progress,
+            used_event: self.used_event,
+            wait_key: self.wait_key,
         }
     }
 }

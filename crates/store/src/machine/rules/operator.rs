@@ -79,12 +79,10 @@ pub(super) fn cancelled(draft: &mut Draft<'_>, reason: &str) {
         return;
     }
     let now = draft.ctx.now;
-    let in_flight = draft
-        .steps
-        .iter()
-        .filter(|s| s.state == StepState::Running)
-        .filter_map(|s| s.complete_by)
-        .max();
+    // A wait step has no call in flight: it ends here, and what was done
+    // before it is undone at once.
+    super::park::end_waits(draft, &format!("cancelled by {}", draft.ctx.actor));
+    let in_flight = super::group::in_flight_until(draft, None);
     let why = format!("cancelled by {}: {reason}", draft.ctx.actor);
     draft.process = ProcessRow {
         state: ProcessState::Compensating,

@@ -66,9 +66,12 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             permanent: false,
             ..
         } => {
-            // The supervisor decides at its next scan whether to retry or undo.
+            // The supervisor decides at its next scan whether to retry or
+            // undo; in a group, once the other members' attempts are done.
             draft.change_step(index, |step| step.last_error = Some(storable_text(error)));
-            draft.process.complete_by = Some(draft.ctx.now);
+            if !super::group::others_in_flight(draft, index) {
+                draft.process.complete_by = Some(draft.ctx.now);
+            }
             draft.log(
                 HistoryEvent::TransientFailure,
                 Some(&name),
@@ -109,6 +112,10 @@ fn succeeded(
     draft.log(event, Some(&name), Some(reply.attempt_id), Some(by));
     if forward {
         draft.notify(StatusEvent::StepCompleted, Some(&name), None);
+        if super::group::others_in_flight(draft, index) {
+            // The order moves on when its whole group completed.
+            return;
+        }
     }
     draft.advance();
 }
@@ -126,6 +133,9 @@ fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, 
         });
         let reason = format!("step {name} failed: {}", storable_text(error));
         draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
+        if super::group::others_in_flight(draft, index) {
+            return super::group::compensate_after_in_flight(draft, index);
+        }
         draft.advance();
         return;
     }
@@ -150,7 +160,8 @@ fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, 
 /// Waiting is not failing: the agent made no call for this attempt, so
 /// nothing was applied and no failure counts. The order goes back to its
 /// agent's line, at the place it had when the attempt was dispatched (it has
-/// waited since), and starts again as a slot frees.
+/// waited since), and starts again as a slot frees; in a group whose other
+/// members are in flight, once they are done.
 pub(super) fn not_started(draft: &mut Draft<'_>, index: usize, reply: &StepReply, reason: &str) {
     let step = &draft.steps[index];
     let (name, attempt) = (step.name.clone(), step.attempt);
@@ -168,13 +179,16 @@ pub(super) fn not_started(draft: &mut Draft<'_>, index: usize, reply: &StepReply
             step.state = StepState::NotStarted;
         }
     });
-    draft.unstarted = true;
+    draft.unstarted = Some(draft.steps[index].agent.clone());
     draft.log(
         HistoryEvent::NotStarted,
         Some(&name),
         Some(reply.attempt_id),
         Some(format!("by {}: {reason}", reply.agent_id)),
     );
+    if kind == StepKind::Action && super::group::others_in_flight(draft, index) {
+        return;
+    }
     draft.wait_in_line(
         index,
         kind,

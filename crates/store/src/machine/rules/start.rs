@@ -29,6 +29,9 @@ pub(super) fn claimed(draft: &mut Draft<'_>) {
     if !claimable || process.not_before > draft.ctx.now {
         return draft.unchanged("the order is not ready to be claimed");
     }
+    if let Some(index) = super::park::parked_step(draft) {
+        return super::park::wake(draft, index);
+    }
     draft.log(HistoryEvent::Claimed, None, None, None);
     draft.process.waiting_for = None;
     draft.process.admit_key = None;

@@ -1,0 +1,245 @@
+//! Events for orders' wait steps over HTTP: a payment provider's webhook, a
+//! warehouse system, a manager's approval from another application.
+//!
+//! `POST /v1/orders/{order_id}/events` takes the event's name, id and data,
+//! validates it as the schedulers do and publishes an [`OrderEvent`] to the
+//! events exchange like any client, persistent and confirmed. The
+//! scheduler keeps it in the order's mailbox, once per event id: sending
+//! the same event again is safe, and an event for an order that does not
+//! exist yet waits for it (`scheduler.event_ttl_secs`).
+//! `POST /v1/correlation-keys/{key}/events` does the same for the orders
+//! parked at a wait with that business key (a payment id the provider's
+//! webhook carries), or keeps it until one parks with it.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use sas_broker::publish::{json_properties, order_headers};
+use sas_messages::{OrderEvent, SCHEMA_VERSION};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::orders::{not_confirmed, problem, publish_confirmed};
+use crate::{Caller, Gateway};
+
+/// An event for an order's wait step, as a client sends it (the order is
+/// the path's).
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventSubmission {
+    /// Must equal the system's schema version (1), as on every body.
+    #[schemars(extend("const" = SCHEMA_VERSION))]
+    pub schema_version: u32,
+    /// What happened, as the wait step names it (`approved`).
+    pub name: String,
+    /// The sender's id for this event: the same id again is the same event.
+    pub event_id: String,
+    /// What the event says (at most 16 KiB): the wait step's result.
+    #[serde(default)]
+    pub data: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// The answer to an event taken.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct EventAccepted {
+    /// The order it is for, when it was sent for an order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub order_id: Option<String>,
+    /// The business key it is for, when it was sent for a key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub correlation_key: Option<String>,
+    /// Its id.
+    pub event_id: String,
+    /// Where the order's status is read (for an event sent for an order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status_url: Option<String>,
+}
+
+/// Whom an event sent over HTTP is for: the path says.
+enum Address {
+    /// `/v1/orders/{order_id}/events`.
+    Order(String),
+    /// `/v1/correlation-keys/{key}/events`.
+    Key(String),
+}
+
+/// `POST /v1/orders/{order_id}/events`.
+pub async fn submit(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
+    Path(order_id): Path<String>,
+    body: Bytes,
+) -> Response {
+    take(&gateway, &caller, Address::Order(order_id), &body).await
+}
+
+/// `POST /v1/correlation-keys/{key}/events`.
+pub async fn submit_for_key(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
+    Path(key): Path<String>,
+    body: Bytes,
+) -> Response {
+    take(&gateway, &caller, Address::Key(key), &body).await
+}
+
+/// Validates and publishes an event for `address`, answering 202 once the
+/// broker confirmed it.
+async fn take(gateway: &Gateway, caller: &Caller, address: Address, body: &Bytes) -> Response {
+    let event = match parse(address, body, gateway.settings.amqp.max_message_bytes) {
+        Ok(event) => event,
+        Err((status, error)) => {
+            counted("invalid");
+            return problem(status, error);
+        }
+    };
+    let order_id = event.order_id.as_ref().map(ToString::to_string);
+    let about = order_id
+        .clone()
+        .or_else(|| event.correlation_key.clone())
+        .unwrap_or_default();
+    match publish(gateway, &event).await {
+        Ok(()) => {
+            counted("accepted");
+            tracing::info!(order_id = %about, event = %event.name, event_id = %event.event_id, client = %caller.0, "event accepted over HTTP");
+            (
+                StatusCode::ACCEPTED,
+                Json(EventAccepted {
+                    status_url: order_id.as_ref().map(|id| format!("/v1/orders/{id}")),
+                    order_id,
+                    correlation_key: event.correlation_key,
+                    event_id: event.event_id,
+                }),
+            )
+                .into_response()
+        }
+        Err(error) => {
+            counted("unavailable");
+            tracing::warn!(order_id = %about, %error, "event not confirmed by the broker");
+            not_confirmed(&format!("the event was not accepted: the broker did not confirm it ({error}); send the same event again, which is safe (one event per event_id)"))
+        }
+    }
+}
+
+fn counted(outcome: &'static str) {
+    metrics::counter!("sas_gateway_events_total", "outcome" => outcome).increment(1);
+}
+
+/// The event the body says for `address`, validated as the schedulers
+/// validate it, or the status and reason to refuse it with: 413 over
+/// `limit` bytes, 400 otherwise.
+fn parse(address: Address, body: &[u8], limit: usize) -> Result<OrderEvent, (StatusCode, String)> {
+    let submission: EventSubmission = match sas_messages::decode::decode(body, limit) {
+        Ok(submission) => submission,
+        Err(error @ sas_messages::decode::DecodeError::TooLarge { .. }) => {
+            return Err((StatusCode::PAYLOAD_TOO_LARGE, error.to_string()));
+        }
+        Err(error) => return Err((StatusCode::BAD_REQUEST, error.to_string())),
+    };
+    let (order_id, correlation_key) = match address {
+        Address::Order(order_id) => (Some(order_id.into()), None),
+        Address::Key(key) => (None, Some(key)),
+    };
+    let event = OrderEvent {
+        schema_version: submission.schema_version,
+        order_id,
+        correlation_key,
+        name: submission.name,
+        event_id: submission.event_id,
+        data: submission.data,
+    };
+    event
+        .validate()
+        .map_err(|error| (StatusCode::BAD_REQUEST, error.0))?;
+    Ok(event)
+}
+
+/// Publishes the event to the events exchange, persistent, and waits for
+/// the broker's confirm (up to `gateway.publish_timeout_ms`).
+///
+/// # Errors
+/// When the broker has not confirmed it by then.
+async fn publish(gateway: &Gateway, event: &OrderEvent) -> Result<(), sas_broker::BrokerError> {
+    let mut properties = json_properties(&format!("gateway-event-{}", event.event_id));
+    if let Some(order_id) = &event.order_id {
+        properties = properties.with_headers(order_headers(order_id, None));
+    }
+    let body = serde_json::to_vec(event).expect("wire types always serialize");
+    publish_confirmed(gateway, gateway.names.events(), body, properties).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sas_messages::OrderId;
+
+    fn order() -> Address {
+        Address::Order("ord-1".into())
+    }
+
+    #[test]
+    fn a_bad_name_an_unknown_field_and_an_oversized_body_are_refused() {
+        let ok = parse(
+            order(),
+            br#"{"schema_version":1,"name":"approved","event_id":"e-1","data":{"by":"ann"}}"#,
+            4096,
+        )
+        .unwrap();
+        assert_eq!(
+            (ok.order_id.as_ref().map(OrderId::as_str), ok.name.as_str()),
+            (Some("ord-1"), "approved")
+        );
+        for (body, status, reason) in [
+            (
+                &br#"{"schema_version":1,"name":"ap proved","event_id":"e"}"#[..],
+                StatusCode::BAD_REQUEST,
+                "name",
+            ),
+            (
+                br#"{"schema_version":1,"name":"a","event_id":"e","colour":1}"#,
+                StatusCode::BAD_REQUEST,
+                "colour",
+            ),
+            (
+                br#"{"schema_version":1,"name":"a","event_id":""}"#,
+                StatusCode::BAD_REQUEST,
+                "event_id",
+            ),
+        ] {
+            let (code, error) = parse(order(), body, 4096).unwrap_err();
+            assert_eq!(code, status);
+            assert!(error.contains(reason), "{error}");
+        }
+        let (code, _) = parse(
+            Address::Order("a b".into()),
+            br#"{"schema_version":1,"name":"a","event_id":"e"}"#,
+            4096,
+        )
+        .unwrap_err();
+        assert_eq!(code, StatusCode::BAD_REQUEST);
+        let big = format!(
+            r#"{{"schema_version":1,"name":"a","event_id":"e","data":{{"x":"{}"}}}}"#,
+            "y".repeat(5000)
+        );
+        let (code, _) = parse(order(), big.as_bytes(), 4096).unwrap_err();
+        assert_eq!(code, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[test]
+    fn an_event_for_a_key_names_the_key_and_no_order() {
+        let body = br#"{"schema_version":1,"name":"settled","event_id":"e-1"}"#;
+        let keyed = parse(Address::Key("INV-2031".into()), body, 4096).unwrap();
+        assert_eq!(
+            (keyed.order_id, keyed.correlation_key.as_deref()),
+            (None, Some("INV-2031"))
+        );
+        let long = "k".repeat(sas_messages::event::MAX_CORRELATION_KEY_LEN + 1);
+        let (code, error) = parse(Address::Key(long), body, 4096).unwrap_err();
+        assert_eq!(code, StatusCode::BAD_REQUEST);
+        assert!(error.contains("correlation_key"), "{error}");
+    }
+}

@@ -1,0 +1,74 @@
+//! `sasctl signal`: send an event to an order's wait step (an approval, a
+//! warehouse's "picked"), through the events exchange with a confirm.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use sas_broker::publish::json_properties;
+use sas_broker::topology;
+use sas_messages::{OrderEvent, SCHEMA_VERSION};
+
+use crate::Target;
+
+/// Arguments of `sasctl signal`.
+#[derive(Debug, Args)]
+pub struct SignalArgs {
+    /// The order the event is for; with `--key`, the business key of the
+    /// orders waiting with it (a payment id, an invoice number).
+    pub order_id: String,
+    /// Address the event by correlation key instead of order id: it goes
+    /// to every order parked at a wait that gave this key, or is kept
+    /// until one does.
+    #[arg(long)]
+    pub key: bool,
+    /// The event's name, as the wait step names it (`approved`).
+    pub name: String,
+    /// What the event says: a JSON object, the wait step's result, which
+    /// later steps read as /results/<step>/...
+    #[arg(long, value_parser = crate::submit::parse_json_object)]
+    pub data: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The event's id: the same id twice is one event (default: a new one).
+    #[arg(long)]
+    pub event_id: Option<String>,
+}
+
+/// Publishes the event and prints its id once the broker confirmed it. The
+/// order, if it waits for the event, moves on; if it has not reached its
+/// wait yet, or does not exist yet, the event is kept for it.
+///
+/// # Errors
+/// When the event is invalid or the broker does not confirm it.
+pub async fn run(target: &Target, args: SignalArgs) -> anyhow::Result<ExitCode> {
+    let (order_id, correlation_key) = if args.key {
+        (None, Some(args.order_id))
+    } else {
+        (Some(args.order_id.into()), None)
+    };
+    let event = OrderEvent {
+        schema_version: SCHEMA_VERSION,
+        order_id,
+        correlation_key,
+        name: args.name,
+        event_id: args
+            .event_id
+            .unwrap_or_else(|| format!("sasctl-{}", uuid::Uuid::now_v7().simple())),
+        data: args.data,
+    };
+    event.validate().context("the event")?;
+    let settings = target.amqp();
+    let (_connection, publisher) =
+        crate::submit::open_publisher(&settings, &settings.names().events()).await?;
+    publisher
+        .publish_json(
+            &topology::events_exchange(&settings),
+            &settings.names().events(),
+            &event,
+            json_properties(&event.event_id),
+            true,
+        )
+        .await
+        .with_context(|| format!("event {} was not confirmed", event.event_id))?;
+    println!("{}", event.event_id);
+    Ok(ExitCode::SUCCESS)
+}

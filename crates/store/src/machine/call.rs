@@ -1,0 +1,378 @@
+//! A step's call as its workflow shapes it: the method, the path and the
+//! body an agent sends, built from the order, its attributes and earlier
+//! steps' results. A step without a template sends today's default, a
+//! `POST` to `/<action>` with `{order, results}`.
+//!
+//! A template is JSON in which a string may hold placeholders `${/pointer}`
+//! (RFC 6901 JSON pointers into `{order, attributes, results}`):
+//! - a string that is one placeholder and nothing else becomes the value it
+//!   points at, of any JSON type (`null` when nothing is there);
+//! - a placeholder inside a longer string is replaced by the value's text
+//!   (a string as it is, anything else as compact JSON, nothing for `null`
+//!   or a missing value);
+//! - in the path, each replaced value is percent-encoded as one segment.
+//!
+//! Each order keeps its steps' templates with its plan (the `steps.request`
+//! column), so a changed workflow file never changes an order already
+//! running.
+
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use sas_messages::StepKind;
+
+/// The methods a step may call with.
+pub const METHODS: [&str; 4] = ["POST", "PUT", "PATCH", "DELETE"];
+
+/// What a value placed in a path keeps as it is: RFC 3986's unreserved
+/// characters; everything else is percent-encoded, so that a value is one
+/// segment whatever it holds (`/`, `..`, `?`).
+const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// The request one kind of attempt sends, as configured on a workflow step.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallTemplate {
+    /// One of [`METHODS`]; `POST` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The path under the service's base URL, starting with `/`, with
+    /// placeholders; `/<operation>` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// The body, with placeholders; `{order, results}` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<Value>,
+}
+
+/// The templates of a step: for its action, and for its compensation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepCalls {
+    /// How the action is called, if not by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<CallTemplate>,
+    /// How the compensation is called, if not by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensation: Option<CallTemplate>,
+}
+
+impl StepCalls {
+    /// The template of an attempt of `kind`, if the step has one.
+    pub fn of(&self, kind: StepKind) -> Option<&CallTemplate> {
+        match kind {
+            StepKind::Action => self.action.as_ref(),
+            StepKind::Compensation => self.compensation.as_ref(),
+        }
+    }
+}
+
+/// A call ready to send: what [`CallTemplate::render`] built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    /// The request's body.
+    pub body: Value,
+    /// Its method, when not `POST`'s default.
+    pub method: Option<String>,
+    /// Its path, when not `/<operation>`.
+    pub path: Option<String>,
+}
+
+/// One piece of a templated string.
+#[derive(Debug, PartialEq)]
+enum Piece<'a> {
+    Text(&'a str),
+    Pointer(&'a str),
+}
+
+/// Splits `text` into text and `${/pointer}` placeholders.
+///
+/// # Errors
+/// A `${` without its `}`, or a pointer that does not start with `/`.
+fn pieces(text: &str) -> Result<Vec<Piece<'_>>, String> {
+    let mut pieces = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("${") {
+        if start > 0 {
+            pieces.push(Piece::Text(&rest[..start]));
+        }
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("{text:?} opens a placeholder \"${{\" without its '}}'"))?;
+        let pointer = &after[..end];
+        if !pointer.starts_with('/') {
+            return Err(format!(
+                "placeholder ${{{pointer}}} in {text:?} must be a JSON pointer starting with '/', such as ${{/order/customer_id}}"
+            ));
+        }
+        pieces.push(Piece::Pointer(pointer));
+        rest = &after[end + 1..];
+    }
+    if !rest.is_empty() {
+        pieces.push(Piece::Text(rest));
+    }
+    Ok(pieces)
+}
+
+/// The text a value leaves inside a longer string.
+fn text_of(value: Option<&Value>) -> String {
+    match value {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(text)) => text.clone(),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// `template` with its placeholders replaced from `context`.
+fn render_value(template: &Value, context: &Value) -> Value {
+    match template {
+        Value::String(text) => match pieces(text).as_deref() {
+            Ok([Piece::Pointer(pointer)]) => context.pointer(pointer).cloned().unwrap_or_default(),
+            Ok(pieces) => Value::String(
+                pieces
+                    .iter()
+                    .map(|piece| match piece {
+                        Piece::Text(text) => (*text).to_owned(),
+                        Piece::Pointer(pointer) => text_of(context.pointer(pointer)),
+                    })
+                    .collect(),
+            ),
+            // Checked when the workflow was loaded; kept as written otherwise.
+            Err(_) => template.clone(),
+        },
+        Value::Array(items) => items.iter().map(|v| render_value(v, context)).collect(),
+        Value::Object(fields) => Value::Object(
+            fields
+                .iter()
+                .map(|(name, value)| (name.clone(), render_value(value, context)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// `path` with each placeholder replaced by its value, percent-encoded.
+fn render_path(path: &str, context: &Value) -> String {
+    match pieces(path) {
+        Ok(pieces) => pieces
+            .iter()
+            .map(|piece| match piece {
+                Piece::Text(text) => (*text).to_owned(),
+                Piece::Pointer(pointer) => {
+                    utf8_percent_encode(&text_of(context.pointer(pointer)), SEGMENT).to_string()
+                }
+            })
+            .collect(),
+        Err(_) => path.to_owned(),
+    }
+}
+
+/// Whether `c` may stand in a path as written: RFC 3986's `pchar` and `/`,
+/// without `%` (a placeholder's value is encoded; the template's own text
+/// needs no escapes).
+fn is_path_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "-._~!$&'()*+,;=:@/".contains(c)
+}
+
+/// The context a template reads: the default payload (`{order, results}`)
+/// and the order's `attributes` (an empty object when it has none).
+pub fn context_of(payload: &Value) -> Value {
+    let mut context = payload.clone();
+    let attributes = payload
+        .pointer("/order/attributes")
+        .cloned()
+        .unwrap_or_else(|| Value::Object(serde_json::Map::new()));
+    if let Value::Object(fields) = &mut context {
+        fields.insert("attributes".into(), attributes);
+    }
+    context
+}
+
+impl CallTemplate {
+    /// The call this template makes for `payload`, the default body
+    /// (`{order, results}`) it reads from and sends when it has no body.
+    pub fn render(&self, payload: Value) -> Rendered {
+        let context = context_of(&payload);
+        Rendered {
+            method: self.method.clone(),
+            path: self.path.as_deref().map(|path| render_path(path, &context)),
+            body: match &self.body {
+                Some(body) => render_value(body, &context),
+                None => payload,
+            },
+        }
+    }
+
+    /// Every JSON pointer the template reads, for the workflow's checks.
+    ///
+    /// # Errors
+    /// A placeholder that is not well formed, naming it.
+    pub fn pointers(&self) -> Result<Vec<String>, String> {
+        let mut found = Vec::new();
+        let mut strings: Vec<&str> = self.path.as_deref().into_iter().collect();
+        let mut stack: Vec<&Value> = self.body.iter().collect();
+        while let Some(value) = stack.pop() {
+            match value {
+                Value::String(text) => strings.push(text),
+                Value::Array(items) => stack.extend(items),
+                Value::Object(fields) => stack.extend(fields.values()),
+                _ => {}
+            }
+        }
+        for text in strings {
+            for piece in pieces(text)? {
+                if let Piece::Pointer(pointer) = piece {
+                    found.push(pointer.to_owned());
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Checks the method and the path's own text.
+    ///
+    /// # Errors
+    /// What is wrong, and what is allowed.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(method) = &self.method {
+            if !METHODS.contains(&method.as_str()) {
+                return Err(format!(
+                    "method {method:?} is not one of {}",
+                    METHODS.join(", ")
+                ));
+            }
+        }
+        if let Some(path) = &self.path {
+            let text: String = pieces(path)?
+                .iter()
+                .filter_map(|piece| match piece {
+                    Piece::Text(text) => Some(*text),
+                    Piece::Pointer(_) => None,
+                })
+                .collect();
+            if !path.starts_with('/') || path.len() > 256 || !text.chars().all(is_path_char) {
+                return Err(format!(
+                    "path {path:?} must start with '/', be at most 256 bytes, and hold only letters, digits, \"-._~!$&'()*+,;=:@/\" besides placeholders"
+                ));
+            }
+            if path
+                .split('/')
+                .any(|segment| segment == "." || segment == "..")
+            {
+                return Err(format!("path {path:?} must not hold a '.' or '..' segment"));
+            }
+        }
+        self.pointers().map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn payload() -> Value {
+        json!({
+            "order": {
+                "order_id": "o/1",
+                "customer_id": "c-7",
+                "amount_cents": 1999,
+                "attributes": { "channel": "web", "address": { "zip": "75001" } }
+            },
+            "results": { "reserve_stock": { "reservation_id": "r-9" } }
+        })
+    }
+
+    #[test]
+    fn a_whole_placeholder_keeps_its_type_and_a_partial_one_becomes_text() {
+        let template = CallTemplate {
+            body: Some(json!({
+                "amount": "${/order/amount_cents}",
+                "address": "${/attributes/address}",
+                "note": "order ${/order/order_id} via ${/attributes/channel} (${/attributes/address})",
+                "missing": "${/attributes/coupon}",
+                "gone": "x${/attributes/coupon}y",
+                "list": ["${/results/reserve_stock/reservation_id}", 3, true]
+            })),
+            ..CallTemplate::default()
+        };
+        let rendered = template.render(payload());
+        assert_eq!(
+            rendered.body,
+            json!({
+                "amount": 1999,
+                "address": { "zip": "75001" },
+                "note": "order o/1 via web ({\"zip\":\"75001\"})",
+                "missing": null,
+                "gone": "xy",
+                "list": ["r-9", 3, true]
+            })
+        );
+        assert_eq!((rendered.method, rendered.path), (None, None));
+    }
+
+    #[test]
+    fn a_template_without_a_body_sends_the_default_payload() {
+        let template = CallTemplate {
+            method: Some("PUT".into()),
+            ..CallTemplate::default()
+        };
+        let rendered = template.render(payload());
+        assert_eq!(rendered.body, payload());
+        assert_eq!(rendered.method.as_deref(), Some("PUT"));
+    }
+
+    #[test]
+    fn a_value_in_the_path_is_one_encoded_segment() {
+        let template = CallTemplate {
+            path: Some("/customers/${/order/customer_id}/orders/${/order/order_id}".into()),
+            ..CallTemplate::default()
+        };
+        let rendered = template.render(payload());
+        assert_eq!(
+            rendered.path.as_deref(),
+            Some("/customers/c-7/orders/o%2F1")
+        );
+    }
+
+    #[test]
+    fn bad_methods_paths_and_placeholders_are_refused_with_the_reason() {
+        let bad = [
+            (Some("GET"), None, None, "method"),
+            (None, Some("charge"), None, "start with '/'"),
+            (None, Some("/a/../b"), None, "'..'"),
+            (None, Some("/a?b=1"), None, "only letters"),
+            (None, None, Some(json!("${/order")), "without its"),
+            (
+                None,
+                None,
+                Some(json!({"a": "${order}"})),
+                "starting with '/'",
+            ),
+        ];
+        for (method, path, body, expected) in bad {
+            let template = CallTemplate {
+                method: method.map(str::to_owned),
+                path: path.map(str::to_owned),
+                body,
+            };
+            let error = template.check().unwrap_err();
+            assert!(error.contains(expected), "{error}");
+        }
+        let good = CallTemplate {
+            method: Some("PATCH".into()),
+            path: Some("/v2/charges/${/order/order_id}:capture".into()),
+            body: Some(json!({"a": ["${/results/x}"]})),
+        };
+        good.check().unwrap();
+        let mut pointers = good.pointers().unwrap();
+        pointers.sort();
+        assert_eq!(pointers, ["/order/order_id", "/results/x"]);
+    }
+}

@@ -1,0 +1,282 @@
+//! Moving a parked order to another version of its workflow: an operator's
+//! explicit, recorded operation (orders keep the plan they started with
+//! otherwise).
+//!
+//! [`plan_move`] decides, without a database, what the order's steps become
+//! under the new plan, or why the move is unsafe. A step of the old plan
+//! goes to the step of the new one that the mapping names (by default, the
+//! step of the same name) and keeps what it did: its state, attempts, keys
+//! and results; it takes the new plan's definition (agent, action,
+//! compensation, timeout, request template, what it waits for). A new step
+//! nothing maps to starts not started.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{Snapshot, StepRow};
+use crate::model::{NewStep, ProcessState, StepState};
+
+/// What a move does to one order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moved {
+    /// The order's steps under the new plan, by position.
+    pub steps: Vec<StepRow>,
+    /// The history line's detail: the versions and what changed.
+    pub detail: String,
+}
+
+/// Why an order cannot move: it is running, or the move would lose what it
+/// did.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unsafe(pub String);
+
+/// The steps of the order `snapshot` (of plan version `from`) under the
+/// plan `steps` (version `to`), old step names mapped to new ones by
+/// `mapping` (a step absent from it keeps its name).
+///
+/// # Errors
+/// [`Unsafe`] when the order is not parked (`pending`: in a line, in
+/// backoff, or at a wait); when the mapping names a step neither plan has,
+/// or two old steps map to one new step; when a step that did, or may have
+/// done, something would be dropped without its undo; when the wait the
+/// order is parked at has no place in the new plan, or changes its kind;
+/// or when a new step would come before a step that completed (it would
+/// never run).
+pub fn plan_move(
+    snapshot: &Snapshot,
+    steps: &[NewStep],
+    mapping: &BTreeMap<String, String>,
+    (from, to): (i32, i32),
+) -> Result<Moved, Unsafe> {
+    if snapshot.process.state != ProcessState::Pending {
+        return Err(Unsafe(format!(
+            "it is {}: only an order that waits (in a line, in backoff or at a wait step) moves",
+            snapshot.process.state
+        )));
+    }
+    let new_names: BTreeSet<&str> = steps.iter().map(|s| s.name.as_str()).collect();
+    for (old, new) in mapping {
+        if !snapshot.steps.iter().any(|s| &s.name == old) {
+            return Err(Unsafe(format!(
+                "the mapping names {old:?}, which version {from} does not have"
+            )));
+        }
+        if !new_names.contains(new.as_str()) {
+            return Err(Unsafe(format!(
+                "the mapping names {new:?}, which version {to} does not have"
+            )));
+        }
+    }
+    let mut carried: BTreeMap<&str, &StepRow> = BTreeMap::new();
+    let mut dropped = Vec::new();
+    for old in &snapshot.steps {
+        let name = mapping
+            .get(&old.name)
+            .map_or(old.name.as_str(), String::as_str);
+        match new_names.contains(name).then_some(name) {
+            Some(new) => {
+                if carried.insert(new, old).is_some() {
+                    return Err(Unsafe(format!(
+                        "two steps of version {from} map to {new:?}"
+                    )));
+                }
+            }
+            None if old.needs_undo()
+                || (old.state == StepState::Completed && old.compensation.is_some()) =>
+            {
+                return Err(Unsafe(format!(
+                    "step {:?} did (or may have done) its action and has no place in version {to}: it would be dropped without its undo",
+                    old.name
+                )));
+            }
+            None if old.state == StepState::Running => {
+                return Err(Unsafe(format!(
+                    "the order waits at step {:?}, which has no place in version {to}",
+                    old.name
+                )));
+            }
+            None => dropped.push(old.name.as_str()),
+        }
+    }
+    let mut rows = Vec::with_capacity(steps.len());
+    let mut added = Vec::new();
+    for (position, definition) in (0..).zip(steps) {
+        let mut row = StepRow::new(&snapshot.order_id, position, definition);
+        if let Some(old) = carried.get(definition.name.as_str()) {
+            if old.state == StepState::Running && old.park.is_some() != definition.park.is_some() {
+                return Err(Unsafe(format!(
+                    "the order waits at step {:?}, which is no wait step in version {to}",
+                    old.name
+                )));
+            }
+            row.state = old.state;
+            row.attempt = old.attempt;
+            row.attempt_id = old.attempt_id;
+            row.complete_by = old.complete_by;
+            row.idempotency_key.clone_from(&old.idempotency_key);
+            row.result.clone_from(&old.result);
+            row.last_error.clone_from(&old.last_error);
+            row.maybe_applied = old.maybe_applied;
+            row.undo_generation = old.undo_generation;
+            row.undo_refused = old.undo_refused;
+            row.undo_result.clone_from(&old.undo_result);
+        } else {
+            added.push(definition.name.as_str());
+        }
+        rows.push(row);
+    }
+    if let Some(last_done) = rows.iter().rposition(|s| s.state == StepState::Completed) {
+        // Members of one parallel group run side by side: any of them may
+        // have completed before the others.
+        let beside = |s: &StepRow| s.group.is_some() && s.group == rows[last_done].group;
+        if let Some(skipped) = rows[..last_done]
+            .iter()
+            .find(|s| s.state != StepState::Completed && !beside(s))
+        {
+            return Err(Unsafe(format!(
+                "step {:?} of version {to} would come before step {:?}, which completed: it would never run",
+                skipped.name, rows[last_done].name
+            )));
+        }
+    }
+    let renamed: Vec<String> = mapping
+        .iter()
+        .filter(|(old, new)| old != new)
+        .map(|(old, new)| format!("{old} as {new}"))
+        .collect();
+    let mut detail = format!("from version {from} to {to}");
+    for (what, names) in [
+        ("added", added.join(", ")),
+        ("dropped", dropped.join(", ")),
+        ("renamed", renamed.join(", ")),
+    ] {
+        if !names.is_empty() {
+            detail.push_str(&format!("; {what} {names}"));
+        }
+    }
+    Ok(Moved {
+        steps: rows,
+        detail,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::machine::park::{OnTimeout, Park};
+
+    fn step(name: &str, agent: &str, compensation: Option<&str>, park: Option<Park>) -> NewStep {
+        NewStep {
+            name: name.into(),
+            agent: agent.into(),
+            action: name.into(),
+            compensation: compensation.map(str::to_owned),
+            timeout: Duration::from_secs(5),
+            calls: None,
+            park,
+            group: None,
+        }
+    }
+
+    fn approval() -> Park {
+        Park::Event {
+            event: "approved".into(),
+            on_timeout: OnTimeout::Compensate,
+            correlation_key: None,
+        }
+    }
+
+    /// Version 1: reserve, approval, charge; the order parked at approval.
+    fn parked() -> Snapshot {
+        let v1 = [
+            step("reserve", "inventory", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let now = chrono::Utc::now();
+        let mut snapshot =
+            Snapshot::new_order("o-1", serde_json::json!({}), None, None, 5, &v1, now);
+        snapshot.steps[0].state = StepState::Completed;
+        snapshot.steps[0].attempt = 1;
+        snapshot.steps[0].result = Some(serde_json::json!({"id": "r-1"}));
+        snapshot.steps[1].state = StepState::Running;
+        snapshot.steps[1].attempt = 1;
+        snapshot
+    }
+
+    #[test]
+    fn a_parked_order_gains_a_step_and_keeps_what_it_did() {
+        let v2 = [
+            step("reserve", "inventory", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("fraud_check", "payment", None, None),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let moved = plan_move(&parked(), &v2, &BTreeMap::new(), (1, 2)).unwrap();
+        let states: Vec<StepState> = moved.steps.iter().map(|s| s.state).collect();
+        use StepState::*;
+        assert_eq!(states, [Completed, Running, NotStarted, NotStarted]);
+        assert_eq!(
+            moved.steps[0].result,
+            Some(serde_json::json!({"id": "r-1"}))
+        );
+        assert_eq!(moved.steps[0].idempotency_key, "o-1:reserve");
+        assert_eq!(moved.steps[2].idempotency_key, "o-1:fraud_check");
+        assert_eq!(moved.detail, "from version 1 to 2; added fraud_check");
+    }
+
+    #[test]
+    fn a_rename_follows_the_mapping() {
+        let v2 = [
+            step("reserve_stock", "inventory", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let mapping = BTreeMap::from([("reserve".to_owned(), "reserve_stock".to_owned())]);
+        let moved = plan_move(&parked(), &v2, &mapping, (1, 2)).unwrap();
+        assert_eq!(moved.steps[0].state, StepState::Completed);
+        assert!(
+            moved.detail.contains("renamed reserve as reserve_stock"),
+            "{}",
+            moved.detail
+        );
+    }
+
+    #[test]
+    fn unsafe_moves_are_refused_with_the_reason() {
+        let without_reserve = [
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &without_reserve, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("without its undo"), "{error}");
+        let without_wait = [
+            step("reserve", "inventory", Some("release"), None),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &without_wait, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("waits at step \"approval\""), "{error}");
+        let new_first = [
+            step("kyc", "payment", None, None),
+            step("reserve", "inventory", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &new_first, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("would never run"), "{error}");
+        let mapping = BTreeMap::from([("charge".to_owned(), "reserve".to_owned())]);
+        let v1 = [
+            step("reserve", "inventory", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &v1, &mapping, (1, 3)).unwrap_err();
+        assert!(error.0.contains("two steps"), "{error}");
+        let mut running = parked();
+        running.process.state = ProcessState::Processing;
+        let error = plan_move(&running, &v1, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("it is processing"), "{error}");
+    }
+}

@@ -1,0 +1,125 @@
+//! Steps that call no agent: a wait for an event from the outside world,
+//! or for a time. Such a step parks its order: pending, held by nobody, its
+//! `not_before` the moment it must look again (the event's timeout, or the
+//! end of the delay). The claims wake it then, from the index on
+//! `not_before`, with no poll of each order; an event wakes it at once.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+/// What a parked step waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Park {
+    /// An [`sas_messages::OrderEvent`] named `event`, for at most the
+    /// step's timeout.
+    Event {
+        /// The event's name.
+        event: String,
+        /// What a timeout means.
+        on_timeout: OnTimeout,
+        /// A JSON pointer into `{order, attributes, results}` giving the
+        /// business key that events may name instead of the order id
+        /// (`/results/charge_payment/payment_id`), read when the order
+        /// reaches the wait.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        correlation_key: Option<String>,
+    },
+    /// A time: `delay_ms` after the previous step, and not before the time
+    /// the order holds at `not_before` (a JSON pointer into the order, such
+    /// as `/attributes/ship_after`), whichever is later.
+    Delay {
+        /// Milliseconds after the previous step.
+        #[serde(default)]
+        delay_ms: u64,
+        /// A pointer to an RFC 3339 time in the order; a missing or
+        /// unreadable value is no constraint.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        not_before: Option<String>,
+    },
+}
+
+/// What a wait for an event that does not come within its timeout does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// Undo the steps done, as for a step that failed for good.
+    Compensate,
+    /// End the order in error with an alert, undoing nothing.
+    Fail,
+    /// Go on to the next step, the wait's result `{"timed_out": true}`.
+    Continue,
+}
+
+/// The business key an order parked at a wait can be found by: events
+/// naming it (instead of the order id) go to the order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WaitKey {
+    /// The wait step.
+    pub step: String,
+    /// The key, as its pointer read it from the order.
+    pub key: String,
+}
+
+/// An event kept in an order's mailbox, not used yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MailboxEvent {
+    /// The sender's id (one per order is used at most once).
+    pub event_id: String,
+    /// The event's name.
+    pub name: String,
+    /// What it says: the wait step's result.
+    pub data: serde_json::Value,
+    /// When it arrived.
+    pub received_at: DateTime<Utc>,
+}
+
+impl Park {
+    /// When a delay started at `now` ends for an order whose body is `body`.
+    pub fn delay_end(&self, body: &serde_json::Value, now: DateTime<Utc>) -> DateTime<Utc> {
+        let Self::Delay {
+            delay_ms,
+            not_before,
+        } = self
+        else {
+            return now;
+        };
+        let after =
+            now + chrono::Duration::milliseconds(i64::try_from(*delay_ms).unwrap_or(i64::MAX / 2));
+        let at = not_before
+            .as_deref()
+            .and_then(|pointer| body.pointer(pointer))
+            .and_then(serde_json::Value::as_str)
+            .and_then(|text| DateTime::parse_from_rfc3339(text).ok())
+            .map(|at| at.with_timezone(&Utc));
+        at.map_or(after, |at| at.max(after))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_delay_ends_at_the_later_of_its_delay_and_the_order_s_time() {
+        let now = DateTime::parse_from_rfc3339("2026-11-26T10:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let body = serde_json::json!({"attributes": {"ship_after": "2026-11-27T00:00:00Z", "bad": "soon"}});
+        let delay = |ms, pointer: Option<&str>| Park::Delay {
+            delay_ms: ms,
+            not_before: pointer.map(str::to_owned),
+        };
+        assert_eq!(
+            delay(1000, None).delay_end(&body, now),
+            now + chrono::Duration::seconds(1)
+        );
+        assert_eq!(
+            delay(1000, Some("/attributes/ship_after"))
+                .delay_end(&body, now)
+                .to_rfc3339(),
+            "2026-11-27T00:00:00+00:00"
+        );
+        assert_eq!(delay(0, Some("/attributes/bad")).delay_end(&body, now), now);
+    }
+}

@@ -1,0 +1,782 @@
+//! Steps that wait for the outside world, against real processes: an
+//! approval that comes before the order reaches its wait, during it, or
+//! never (then the order is undone); an event for an order submitted
+//! later, one whose order never comes (dead-lettered), and one sent twice;
+//! a delay between two steps; and orders parked across kill -9 of the
+//! scheduler and the supervisor.
+
+use std::time::Duration;
+
+use sas_store::machine::HistoryEvent;
+use sas_store::ProcessState;
+use sas_tests::process::Service;
+use sas_tests::{event, order, wait_until, Setting, TestEnv};
+
+/// Version `version` of a workflow with a wait for `approved` (timing out
+/// after `wait_ms` into compensation) after reserving, a charge whose body
+/// carries who approved, and a one-second cooling-off delay before
+/// shipping, written to the test's workflows folder; the settings that
+/// make a scheduler run it.
+fn approval_workflow(env: &TestEnv, version: i32, wait_ms: u64) -> [Setting; 2] {
+    let timeout = env.step_timeout_ms;
+    let text = order_version(
+        env,
+        version,
+        wait_ms,
+        &format!(
+            r#"
+[[steps]]
+name = "charge_payment"
+agent = "payment"
+action = "charge"
+compensation = "refund"
+timeout_ms = {timeout}
+[steps.request.body]
+order = "${{/order}}"
+approved_by = "${{/results/approval/by}}"
+
+[[steps]]
+name = "cooling_off"
+kind = "delay"
+delay_ms = 1000
+
+[[steps]]
+name = "create_shipment"
+agent = "shipping"
+action = "ship"
+compensation = "cancel"
+timeout_ms = {timeout}
+"#
+        ),
+    );
+    env.workflows(&[("order.toml", &text)])
+}
+
+/// Waits until `order_id` is parked at its `approval` step.
+async fn wait_for_approval_step(env: &TestEnv, order_id: &str) {
+    wait_until(
+        &format!("{order_id} to wait for its approval"),
+        Duration::from_secs(20),
+        || async {
+            let Some(detail) = env
+                .store
+                .reads()
+                .order_detail(order_id)
+                .await
+                .map_err(|e| e.to_string())?
+            else {
+                return Err("not stored yet".into());
+            };
+            let approval = &detail.steps[1];
+            (detail.summary.state == ProcessState::Pending
+                && approval.state == sas_store::StepState::Running)
+                .then_some(())
+                .ok_or_else(|| format!("{} / {}", detail.summary.state, approval.state))
+        },
+    )
+    .await;
+}
+
+/// The order's history events for `step`, in order.
+async fn step_history(env: &TestEnv, order_id: &str, step: &str) -> Vec<HistoryEvent> {
+    env.detail(order_id)
+        .await
+        .history
+        .iter()
+        .filter(|h| h.step.as_deref() == Some(step))
+        .map(|h| h.event)
+        .collect()
+}
+
+/// Mailbox rows of an order: (event id, used by which step).
+async fn mailbox(env: &TestEnv, order_id: &str) -> Vec<(String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT event_id, used_by FROM order_events WHERE order_id = $1 ORDER BY received_at",
+    )
+    .bind(order_id)
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap()
+}
+
+fn approved_by(order_id: &str, id: &str, by: &str) -> sas_messages::OrderEvent {
+    let mut approved = event(order_id, "approved", id);
+    approved.data = serde_json::json!({ "by": by }).as_object().cloned();
+    approved
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_approval_before_the_wait_during_it_and_never_and_a_cooling_off_delay() {
+    let env = TestEnv::new().await;
+    let workflows = approval_workflow(&env, 2, 3000);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _others = [
+        env.agent("payment", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &workflows);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+
+    // Before: no inventory agent yet, so the order stays at its first step
+    // while its approval arrives and is kept in its mailbox.
+    env.publish_order(&publisher, &order("early-1")).await;
+    env.wait_stored("early-1", Duration::from_secs(20)).await;
+    env.publish_event(&publisher, &approved_by("early-1", "mail-1", "ann"))
+        .await;
+    wait_until(
+        "the early approval to be kept",
+        Duration::from_secs(20),
+        || async {
+            (mailbox(&env, "early-1").await == [("mail-1".to_owned(), None)])
+                .then_some(())
+                .ok_or_else(|| "not kept yet".to_owned())
+        },
+    )
+    .await;
+    let _inventory = env.agent("inventory", 0, &sim, &[]);
+
+    // During, and never.
+    env.publish_order(&publisher, &order("during-1")).await;
+    env.publish_order(&publisher, &order("never-1")).await;
+    wait_for_approval_step(&env, "during-1").await;
+    let (code, shown) = env.sasctl(&["orders", "show", "during-1"]).await;
+    assert_eq!(code, 0, "{shown}");
+    assert!(shown.contains("workflow    order (version 2)"), "{shown}");
+    let approval = shown
+        .lines()
+        .find(|line| line.contains(" approval "))
+        .unwrap_or_else(|| panic!("no approval step: {shown}"));
+    assert!(
+        approval.contains("wait:approved")
+            && approval.contains("running")
+            && approval.contains("(until "),
+        "{approval}"
+    );
+    env.publish_event(&publisher, &approved_by("during-1", "mail-2", "bo"))
+        .await;
+
+    for id in ["early-1", "during-1"] {
+        env.wait_for_state(id, ProcessState::Processed, Duration::from_secs(30))
+            .await;
+    }
+    env.wait_for_state(
+        "never-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+
+    use HistoryEvent::{CompensationStarted, WaitEnded, WaitTimedOut, Waiting};
+    assert_eq!(step_history(&env, "early-1", "approval").await, [WaitEnded]);
+    assert_eq!(
+        step_history(&env, "during-1", "approval").await,
+        [Waiting, WaitEnded]
+    );
+    assert_eq!(
+        step_history(&env, "never-1", "approval").await,
+        [Waiting, WaitTimedOut, CompensationStarted]
+    );
+    for (id, mail) in [("early-1", "mail-1"), ("during-1", "mail-2")] {
+        assert_eq!(
+            mailbox(&env, id).await,
+            [(mail.to_owned(), Some("approval".to_owned()))]
+        );
+    }
+
+    // The approval's data reached the charge; the order that was never
+    // approved was charged nothing and its reservation was released.
+    let effects = sim.side_effects().await.unwrap();
+    let body_of = |key: &str| {
+        effects
+            .iter()
+            .find(|e| e.key == key)
+            .map(|e| e.body.clone())
+            .unwrap_or_else(|| panic!("no side effect {key}"))
+    };
+    assert_eq!(body_of("early-1:charge_payment")["approved_by"], "ann");
+    assert_eq!(body_of("during-1:charge_payment")["approved_by"], "bo");
+    let keys: Vec<&str> = effects
+        .iter()
+        .filter(|e| e.key.starts_with("never-1:"))
+        .map(|e| e.key.as_str())
+        .collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(
+        keys.contains(&"never-1:reserve_stock") && keys.contains(&"never-1:reserve_stock:undo"),
+        "{keys:?}"
+    );
+
+    // The cooling-off delay held the order at least its second.
+    let history = env.detail("during-1").await.history;
+    let at = |event: HistoryEvent| {
+        history
+            .iter()
+            .find(|h| h.step.as_deref() == Some("cooling_off") && h.event == event)
+            .map(|h| h.at)
+            .unwrap_or_else(|| panic!("no {event} for cooling_off: {history:?}"))
+    };
+    let held = at(WaitEnded) - at(Waiting);
+    assert!(held >= chrono::Duration::seconds(1), "held {held}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_for_a_later_order_waits_for_it_a_repeat_is_used_once_and_one_for_no_order_is_dead_lettered(
+) {
+    let env = TestEnv::new().await;
+    let workflows = approval_workflow(&env, 2, 30_000);
+    let mut settings = workflows.to_vec();
+    settings.push(Setting::SchedulerEventTtlSecs(3));
+    let _system = system(&env, &settings).await;
+    let (_connection, publisher) = env.broker().await;
+
+    // Twice, as a redelivery or a client's retry would send it.
+    for _ in 0..2 {
+        env.publish_event(&publisher, &approved_by("later-1", "mail-9", "cy"))
+            .await;
+    }
+    env.publish_event(&publisher, &approved_by("ghost-1", "mail-0", "cy"))
+        .await;
+    wait_until(
+        "both events to be kept",
+        Duration::from_secs(20),
+        || async {
+            let kept = (
+                mailbox(&env, "later-1").await.len(),
+                mailbox(&env, "ghost-1").await.len(),
+            );
+            (kept == (1, 1)).then_some(()).ok_or(format!("{kept:?}"))
+        },
+    )
+    .await;
+    env.publish_order(&publisher, &order("later-1")).await;
+    env.wait_for_state("later-1", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        mailbox(&env, "later-1").await,
+        [("mail-9".to_owned(), Some("approval".to_owned()))]
+    );
+    // The same event once more, after it was used: nothing changes.
+    env.publish_event(&publisher, &approved_by("later-1", "mail-9", "cy"))
+        .await;
+
+    // The event whose order never came is dead-lettered with the reason.
+    wait_for_dead_letter(&env, "mail-0", "no order ghost-1 came").await;
+    assert_eq!(
+        step_history(&env, "later-1", "approval").await,
+        [HistoryEvent::WaitEnded]
+    );
+    assert_eq!(env.state_of("later-1").await, Some(ProcessState::Processed));
+}
+
+/// Waits until event `event_id` was dead-lettered once, with a reason
+/// that says `reason`.
+async fn wait_for_dead_letter(env: &TestEnv, event_id: &str, reason: &str) {
+    wait_until(
+        &format!("event {event_id} to be dead-lettered"),
+        Duration::from_secs(30),
+        || async {
+            let reasons: Vec<String> =
+                sqlx::query_scalar("SELECT reason FROM dead_letters WHERE message_id = $1")
+                    .bind(event_id)
+                    .fetch_all(env.store.pool())
+                    .await
+                    .map_err(|e| e.to_string())?;
+            match reasons.as_slice() {
+                [found] if found.contains(reason) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
+/// Remote-sim, one agent per queue, a scheduler and a supervisor.
+async fn system(env: &TestEnv, scheduler: &[Setting]) -> (Service, Vec<Service>, Service, Service) {
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    let agents = env.agents(1, &sim, &[]);
+    (
+        sim_process,
+        agents,
+        env.scheduler(0, scheduler),
+        env.supervisor(0, &[]),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn orders_parked_at_a_wait_survive_kill_9_of_the_scheduler_and_the_supervisor() {
+    let env = TestEnv::new().await;
+    let workflows = approval_workflow(&env, 2, 60_000);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let mut scheduler = env.scheduler(0, &workflows);
+    let mut supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    let ids: Vec<String> = (0..5).map(|n| format!("parked-{n}")).collect();
+    for id in &ids {
+        env.publish_order(&publisher, &order(id)).await;
+    }
+    for id in &ids {
+        wait_for_approval_step(&env, id).await;
+    }
+    scheduler.kill9().await;
+    supervisor.kill9().await;
+    let _scheduler = env.scheduler(1, &workflows);
+    let _supervisor = env.supervisor(1, &[]);
+    for (n, id) in ids.iter().enumerate() {
+        env.publish_event(&publisher, &approved_by(id, &format!("mail-{n}"), "di"))
+            .await;
+    }
+    for id in &ids {
+        env.wait_for_state(id, ProcessState::Processed, Duration::from_secs(30))
+            .await;
+    }
+    sim.assert_every_order_done_once().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_webhook_over_the_gateway_approves_a_waiting_order_once() {
+    let env = TestEnv::new().await;
+    let workflows = approval_workflow(&env, 2, 60_000);
+    let _system = system(&env, &workflows).await;
+    let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("hook-1")).await;
+    wait_for_approval_step(&env, "hook-1").await;
+    let send = |body: serde_json::Value| {
+        let base = base.clone();
+        async move {
+            sas_tests::http_client()
+                .post(format!("{base}/v1/orders/hook-1/events"))
+                .bearer_auth(super::gateway::SECRET)
+                .json(&body)
+                .send()
+                .await
+                .expect("the gateway answers")
+        }
+    };
+    let bad =
+        send(serde_json::json!({ "schema_version": 1, "name": "ap proved", "event_id": "w-1" }))
+            .await;
+    assert_eq!(bad.status(), reqwest::StatusCode::BAD_REQUEST);
+    let body = serde_json::json!({ "schema_version": 1, "name": "approved", "event_id": "psp-77", "data": { "by": "psp" } });
+    // The provider retries its webhook: the order uses the event once.
+    for _ in 0..2 {
+        let answer = send(body.clone()).await;
+        assert_eq!(answer.status(), reqwest::StatusCode::ACCEPTED);
+    }
+    env.wait_for_state("hook-1", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    let detail = env.detail("hook-1").await;
+    assert_eq!(
+        detail.steps[1].result,
+        Some(serde_json::json!({ "by": "psp" }))
+    );
+    assert_eq!(
+        mailbox(&env, "hook-1").await,
+        [("psp-77".to_owned(), Some("approval".to_owned()))]
+    );
+}
+
+/// Version `version` of the order workflow: reserve, a wait for approval
+/// of `wait_ms` at most (then compensation), then `rest` (TOML of the
+/// remaining steps).
+pub(crate) fn order_version(env: &TestEnv, version: i32, wait_ms: u64, rest: &str) -> String {
+    let reserve = env.call_step(("reserve_stock", "inventory", "reserve", "release"), None);
+    format!(
+        r#"
+name = "order"
+version = {version}
+
+{reserve}
+[[steps]]
+name = "approval"
+kind = "wait"
+event = "approved"
+timeout_ms = {wait_ms}
+on_timeout = "compensate"
+{rest}"#
+    )
+}
+
+/// Version 2 of the order workflow of [`order_version`]: the charge renamed
+/// `charge` (its request body says `plan = "version 2"`), no cooling-off.
+pub(crate) fn version_2(env: &TestEnv) -> String {
+    let timeout = env.step_timeout_ms;
+    order_version(
+        env,
+        2,
+        60_000,
+        &format!(
+            r#"
+[[steps]]
+name = "charge"
+agent = "payment"
+action = "charge"
+compensation = "refund"
+timeout_ms = {timeout}
+[steps.request.body]
+order = "${{/order}}"
+plan = "version 2"
+
+[[steps]]
+name = "create_shipment"
+agent = "shipping"
+action = "ship"
+compensation = "cancel"
+timeout_ms = {timeout}
+"#
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
+    let env = TestEnv::new().await;
+    // Version 2 renames the charge and shapes its request, and drops the
+    // ten-minute cooling-off.
+    let v2 = version_2(&env);
+    let settings = approval_workflow(&env, 1, 60_000);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let mut first = env.scheduler(0, &settings);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    let ids: Vec<String> = (0..3).map(|n| format!("move-{n}")).collect();
+    for id in &ids {
+        env.publish_order(&publisher, &order(id)).await;
+    }
+    for id in &ids {
+        wait_for_approval_step(&env, id).await;
+    }
+    // The new file is deployed: a scheduler restarted on it registers it.
+    env.workflows(&[("order.toml", &v2)]);
+    first.terminate(Duration::from_secs(20)).await;
+    let _second = env.scheduler(1, &settings);
+    let move_args = [
+        "orders",
+        "move",
+        "--workflow",
+        "order",
+        "--from",
+        "1",
+        "--to",
+        "2",
+        "--map",
+        "charge_payment=charge",
+    ];
+    let look = wait_until(
+        "version 2 to be registered",
+        Duration::from_secs(20),
+        || async {
+            let (code, out) = env.sasctl(&move_args).await;
+            (code == 0)
+                .then_some(out)
+                .ok_or_else(|| format!("exit {code}"))
+        },
+    )
+    .await;
+    assert!(look.contains("3 would move, 0 refused"), "{look}");
+    assert!(look.contains("--confirm 3"), "{look}");
+    assert_eq!(
+        env.detail("move-0").await.summary.workflow_version,
+        1,
+        "a look changes nothing"
+    );
+    let mut confirmed = move_args.to_vec();
+    confirmed.extend(["--confirm", "3"]);
+    let (code, out) = env.sasctl(&confirmed).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("3 moved"), "{out}");
+
+    // An unsafe move: version 3 has no reservation, which completed.
+    let v3: Vec<sas_store::NewStep> = env.steps().into_iter().skip(1).collect();
+    env.store
+        .writes()
+        .register_plans(&[sas_store::Plan::new("order", 3, &v3)])
+        .await
+        .unwrap();
+    let (code, out) = env
+        .sasctl(&[
+            "orders",
+            "move",
+            "--workflow",
+            "order",
+            "--from",
+            "2",
+            "--to",
+            "3",
+            "--confirm",
+            "0",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("0 moved, 3 refused"), "{out}");
+    assert!(
+        out.contains("\"reserve_stock\" did (or may have done) its action"),
+        "{out}"
+    );
+
+    for (n, id) in ids.iter().enumerate() {
+        let detail = env.detail(id).await;
+        assert_eq!(detail.summary.workflow_version, 2);
+        let names: Vec<&str> = detail.steps.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["reserve_stock", "approval", "charge", "create_shipment"]
+        );
+        let moved = detail
+            .history
+            .iter()
+            .find(|h| h.event == HistoryEvent::Moved)
+            .expect("the move is in the history");
+        assert_eq!(
+            moved.detail.as_deref(),
+            Some("from version 1 to 2; dropped cooling_off; renamed charge_payment as charge")
+        );
+        env.publish_event(&publisher, &approved_by(id, &format!("mail-{n}"), "ed"))
+            .await;
+    }
+    for id in &ids {
+        env.wait_for_state(id, ProcessState::Processed, Duration::from_secs(30))
+            .await;
+    }
+    // The moved orders ran version 2's charge, under the key they had.
+    let effects = sim.side_effects().await.unwrap();
+    for id in &ids {
+        let charge = effects
+            .iter()
+            .find(|e| e.key == format!("{id}:charge_payment"))
+            .unwrap_or_else(|| panic!("no charge for {id}"));
+        assert_eq!(charge.body["plan"], "version 2");
+    }
+    sim.assert_every_order_done_once().await;
+}
+
+/// A workflow whose settlement waits for `settled`, found by the invoice
+/// number the order carries (`correlation_key = "/attributes/invoice"`),
+/// with the settings that make a scheduler run it and keep unclaimed
+/// events 3 s.
+fn keyed_workflow(env: &TestEnv) -> Vec<Setting> {
+    let text = format!(
+        r#"name = "order"
+version = 1
+
+{}
+[[steps]]
+name = "settlement"
+kind = "wait"
+event = "settled"
+correlation_key = "/attributes/invoice"
+timeout_ms = 60000
+
+{}[steps.request.body]
+order = "${{/order}}"
+settled_by = "${{/results/settlement/by}}"
+"#,
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
+        env.call_step(("create_shipment", "shipping", "ship", "cancel"), None),
+    );
+    let mut settings = env.workflows(&[("order.toml", &text)]).to_vec();
+    settings.push(Setting::SchedulerEventTtlSecs(3));
+    settings
+}
+
+/// An order carrying invoice number `invoice` in its attributes.
+fn invoiced(order_id: &str, invoice: &str) -> sas_messages::SubmitOrder {
+    let mut invoiced = order(order_id);
+    invoiced.attributes = serde_json::json!({ "invoice": invoice })
+        .as_object()
+        .cloned();
+    invoiced
+}
+
+/// An event `settled` for the orders waiting with invoice number `key`.
+fn settled(key: &str, id: &str) -> sas_messages::OrderEvent {
+    let mut settled = sas_tests::keyed_event(key, "settled", id);
+    settled.data = serde_json::json!({ "by": "psp" }).as_object().cloned();
+    settled
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn events_by_business_key_reach_the_order_waiting_with_it_before_or_after_it_parks() {
+    let env = TestEnv::new().await;
+    let (_sim, _agents, scheduler, _supervisor) = system(&env, &keyed_workflow(&env)).await;
+    let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
+    let (_connection, publisher) = env.broker().await;
+
+    // Before any order has invoice INV-2, a provider's webhook through the
+    // gateway: kept by key.
+    let answer = sas_tests::http_client()
+        .post(format!("{base}/v1/correlation-keys/INV-2/events"))
+        .bearer_auth(super::gateway::SECRET)
+        .json(&serde_json::json!({ "schema_version": 1, "name": "settled", "event_id": "psp-2", "data": { "by": "psp" } }))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status(), reqwest::StatusCode::ACCEPTED);
+    let accepted: serde_json::Value = answer.json().await.unwrap();
+    assert_eq!(
+        accepted,
+        serde_json::json!({ "correlation_key": "INV-2", "event_id": "psp-2" })
+    );
+    // Order 1 parks at its settlement; its event comes by key, twice.
+    env.publish_order(&publisher, &invoiced("key-1", "INV-1"))
+        .await;
+    wait_for_approval_step(&env, "key-1").await;
+    let (code, out) = env
+        .sasctl(&[
+            "signal",
+            "--key",
+            "INV-1",
+            "settled",
+            "--data",
+            r#"{"by": "psp"}"#,
+            "--event-id",
+            "psp-1",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}");
+    env.wait_for_state("key-1", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    // The same event again, once order 1 is done: a repeat, not kept.
+    env.publish_event(&publisher, &settled("INV-1", "psp-1"))
+        .await;
+    wait_until(
+        "the repeat to be seen as one",
+        Duration::from_secs(20),
+        || async {
+            let log = std::fs::read_to_string(&scheduler.log).map_err(|e| e.to_string())?;
+            log.lines()
+                .any(|l| l.contains("event_id=psp-1") && l.contains("outcome=\"duplicate\""))
+                .then_some(())
+                .ok_or_else(|| "not yet".to_owned())
+        },
+    )
+    .await;
+    // Order 2 parks after its event came: the next claim gives it over.
+    env.publish_order(&publisher, &invoiced("key-2", "INV-2"))
+        .await;
+    env.wait_for_state("key-2", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    for (id, event) in [("key-1", "psp-1"), ("key-2", "psp-2")] {
+        assert_eq!(
+            mailbox(&env, id).await,
+            [(event.to_owned(), Some("settlement".to_owned()))]
+        );
+        assert_eq!(
+            step_history(&env, id, "settlement").await,
+            [HistoryEvent::Waiting, HistoryEvent::WaitEnded]
+        );
+        let detail = env.detail(id).await;
+        assert_eq!(
+            detail.steps[1].result,
+            Some(serde_json::json!({ "by": "psp" }))
+        );
+    }
+
+    // An event for a key no order waits with is dead-lettered after its
+    // time to live, naming the key; the repeat was never kept.
+    env.publish_event(&publisher, &settled("INV-404", "psp-404"))
+        .await;
+    wait_for_dead_letter(&env, "psp-404", "correlation key INV-404").await;
+    let kept: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT correlation_key, event_id, adopted_by FROM keyed_events ORDER BY event_id",
+    )
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        kept,
+        [
+            (
+                "INV-2".to_owned(),
+                "psp-2".to_owned(),
+                Some("key-2".to_owned())
+            ),
+            ("INV-404".to_owned(), "psp-404".to_owned(), None),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workflow_may_start_with_a_wait_or_a_delay() {
+    let env = TestEnv::new().await;
+    let call = env.call_step(("reserve_stock", "inventory", "reserve", "release"), None);
+    let settings = env.workflows(&[
+        (
+            "order.toml",
+            &format!(
+                "name = \"order\"\n[[steps]]\nname = \"approval\"\nkind = \"wait\"\nevent = \"approved\"\ntimeout_ms = 60000\n{call}"
+            ),
+        ),
+        (
+            "cooled.toml",
+            &format!("name = \"cooled\"\n[[steps]]\nname = \"cooling_off\"\nkind = \"delay\"\ndelay_ms = 1000\n{call}"),
+        ),
+    ]);
+    let _system = system(&env, &settings).await;
+    let (_connection, publisher) = env.broker().await;
+
+    // An approval that came before its order: used at intake.
+    env.publish_event(&publisher, &approved_by("first-1", "mail-1", "ann"))
+        .await;
+    wait_until(
+        "the approval to be kept",
+        Duration::from_secs(20),
+        || async {
+            let kept = mailbox(&env, "first-1").await.len();
+            (kept == 1).then_some(()).ok_or(format!("{kept}"))
+        },
+    )
+    .await;
+    env.publish_order(&publisher, &order("first-1")).await;
+    env.wait_for_state("first-1", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        step_history(&env, "first-1", "approval").await,
+        [HistoryEvent::WaitEnded]
+    );
+
+    // Without one, the order parks at intake, nothing started.
+    env.publish_order(&publisher, &order("first-2")).await;
+    wait_until("first-2 to park", Duration::from_secs(20), || async {
+        let Some(detail) = env
+            .store
+            .reads()
+            .order_detail("first-2")
+            .await
+            .map_err(|e| e.to_string())?
+        else {
+            return Err("not stored yet".into());
+        };
+        let states: Vec<&str> = detail.steps.iter().map(|s| s.state.as_str()).collect();
+        (detail.summary.state == ProcessState::Pending && states == ["running", "not_started"])
+            .then_some(())
+            .ok_or_else(|| format!("{} {states:?}", detail.summary.state))
+    })
+    .await;
+    env.publish_event(&publisher, &approved_by("first-2", "mail-2", "bo"))
+        .await;
+    env.wait_for_state("first-2", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+
+    // A delay first: the reservation starts a second after intake.
+    let mut cooled = order("cool-1");
+    cooled.workflow = Some("cooled".into());
+    env.publish_order(&publisher, &cooled).await;
+    env.wait_for_state("cool-1", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    let detail = env.detail("cool-1").await;
+    let at = |event: HistoryEvent| {
+        detail
+            .history
+            .iter()
+            .find(|h| h.event == event)
+            .map(|h| h.at)
+            .unwrap_or_else(|| panic!("no {event}: {:#?}", detail.history))
+    };
+    assert!(
+        at(HistoryEvent::Dispatched) >= at(HistoryEvent::Received) + chrono::Duration::seconds(1)
+    );
+}
