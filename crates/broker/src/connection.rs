@@ -223,7 +223,8 @@ impl Session {
         let mut publisher = Publisher::open(&connection, self.settings.operation_timeout())
             .await
             .inspect_err(|_| lost.cancel())?
-            .of_generation(generation);
+            .of_generation(generation)
+            .losing(lost.clone());
         if let Some(user) = self.settings.user() {
             publisher = publisher.identified_as(user);
         }

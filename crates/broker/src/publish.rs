@@ -31,6 +31,13 @@ pub struct Publisher {
     /// for one opened by hand): a message a connection left unconfirmed is
     /// sent again only on a later one.
     generation: u64,
+    /// The session's token for its connection being lost (none for one
+    /// opened by hand): a publishing channel the broker closed (a publish to
+    /// an exchange not declared yet, a refused permission) never opens
+    /// again by itself, so the publisher cancels it and the session makes a
+    /// new connection, with a new publisher, instead of failing every send
+    /// after that until a restart.
+    lost: Option<CancellationToken>,
 }
 
 impl Publisher {
@@ -56,6 +63,7 @@ impl Publisher {
             timeout,
             user_id: None,
             generation: 0,
+            lost: None,
         })
     }
 
@@ -63,6 +71,25 @@ impl Publisher {
     pub(crate) fn of_generation(mut self, generation: u64) -> Self {
         self.generation = generation;
         self
+    }
+
+    /// Makes the publisher cancel `lost` (its session's connection) when it
+    /// finds its channel closed.
+    pub(crate) fn losing(mut self, lost: CancellationToken) -> Self {
+        self.lost = Some(lost);
+        self
+    }
+
+    /// After a failed send: when the broker has closed the channel, the
+    /// session must replace it (see `lost`).
+    fn check_channel(&self, error: &BrokerError) {
+        if self.channel.status().connected() {
+            return;
+        }
+        if let Some(lost) = self.lost.as_ref().filter(|lost| !lost.is_cancelled()) {
+            tracing::warn!(error = %error, "RabbitMQ closed the publishing channel; reconnecting for a new one");
+            lost.cancel();
+        }
     }
 
     /// Stamps `user` (the broker user of this publisher's connection) as the
@@ -118,7 +145,8 @@ impl Publisher {
                 properties,
             ),
         )
-        .await?;
+        .await
+        .inspect_err(|error| self.check_channel(error))?;
         Ok(Pending {
             confirm,
             routing_key: routing_key.to_owned(),
@@ -142,6 +170,7 @@ impl Publisher {
             .await?
             .confirmed()
             .await
+            .inspect_err(|error| self.check_channel(error))
     }
 
     /// Serializes `message` as JSON and publishes it, waiting for the confirm.
@@ -180,7 +209,9 @@ impl Publisher {
             )
         }))
         .await?;
-        confirm_all(pending).await?;
+        confirm_all(pending)
+            .await
+            .inspect_err(|error| self.check_channel(error))?;
         // A line of the latency budget: handing over and confirming.
         metrics::histogram!("sas_publish_seconds").record(started.elapsed().as_secs_f64());
         Ok(())

@@ -230,3 +230,33 @@ async fn a_submission_the_broker_does_not_confirm_is_a_503_and_safe_to_send_agai
         "charged once: {applied:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_started_before_the_scheduler_declared_the_orders_exchange_takes_orders_once_it_is_there(
+) {
+    let env = TestEnv::new().await;
+    // No scheduler yet: the orders exchange does not exist, and RabbitMQ
+    // closes the channel of a publish to it.
+    let (_gateway, base) = gateway(&env, &[Setting::GatewayPublishTimeoutMs(1500)]).await;
+    let submitted = serde_json::to_value(order("ord-http-early")).unwrap();
+    let (status, _, body) = post(&base, Some(SECRET), &submitted).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("no exchange"),
+        "says what is missing: {body}"
+    );
+    assert!(error.contains("send the same order again"), "{body}");
+
+    // The topology declared (as the scheduler does when it starts), the
+    // same gateway takes the order: its closed channel was replaced.
+    let (_connection, _publisher) = env.broker().await;
+    let (status, _, body) = post(&base, Some(SECRET), &submitted).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &[]);
+    let (status, outcome) = get(&base, "/v1/orders/ord-http-early?wait=30").await;
+    assert_eq!(status, StatusCode::OK, "{outcome}");
+    assert_eq!(outcome["outcome"], "processed", "{outcome}");
+}
