@@ -107,6 +107,10 @@ pub struct Report {
     pub rss_idle_mib: BTreeMap<String, f64>,
     /// Offered loads beyond what a slow remote service absorbs.
     pub overload: Vec<OverloadPoint>,
+    /// Submit to processed of urgent orders offered alone to the overload
+    /// phase's slow remote, before its loads, ms: the yardstick of urgent
+    /// orders under overload (target: their p99 within 1.5 times this p99).
+    pub overload_urgent_alone_ms: Latency,
     /// CPU milliseconds per order during saturation, by program (the
     /// services, Postgres, RabbitMQ, the benchmark's own client): where the
     /// time goes.
@@ -270,6 +274,14 @@ impl Report {
 
     /// Overload: goodput, failures and latency by priority at each offered load.
     fn overload_rows(&self, out: &mut String) {
+        let alone = self.overload_urgent_alone_ms;
+        if !self.overload.is_empty() {
+            row(
+                out,
+                "overload: urgent orders alone (no backlog)",
+                format!("p50/p99 {:.0}/{:.0} ms", alone.p50, alone.p99),
+            );
+        }
         for point in &self.overload {
             row(
                 out,
@@ -278,11 +290,12 @@ impl Report {
                     point.offered_factor, point.orders, point.capacity_orders_per_sec
                 ),
                 format!(
-                    "goodput {:.2}  failed {}  urgent p50/p99 {:.0}/{:.0} ms  normal p50/p99 {:.0}/{:.0} ms",
+                    "goodput {:.2}  failed {}  urgent p50/p99 {:.0}/{:.0} ms ({:.1}x alone)  normal p50/p99 {:.0}/{:.0} ms",
                     point.goodput_fraction,
                     point.failed_or_compensated,
                     point.latency_urgent_ms.p50,
                     point.latency_urgent_ms.p99,
+                    point.latency_urgent_ms.p99 / alone.p99.max(1.0),
                     point.latency_normal_ms.p50,
                     point.latency_normal_ms.p99
                 ),
