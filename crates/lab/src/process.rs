@@ -69,12 +69,35 @@ impl Service {
     }
 }
 
-/// A free TCP port on localhost.
+/// Where [`free_port`] looks: below Linux's ephemeral range (32768 to
+/// 60999 by default), from which the kernel picks the local port of every
+/// outgoing connection and of a bind to port 0.
+const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A free TCP port on localhost for a service a test starts.
+///
+/// Not one the kernel would hand out by itself: a port taken by binding to
+/// port 0 and released is in the ephemeral range, where any connection
+/// made meanwhile may take it, and where the next bind to port 0 (another
+/// test's) may get it again. A service then failed to listen ("Address
+/// already in use") while the test talked to another test's service on
+/// that port. The ports here are handed out in turn by one counter per
+/// process (starting at an offset from the process id), each checked free.
+///
+/// # Panics
+/// When every port of the range is taken.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free port")
+    static NEXT: std::sync::OnceLock<std::sync::atomic::AtomicU32> = std::sync::OnceLock::new();
+    let span = u32::from(TEST_PORTS.end - TEST_PORTS.start);
+    let next = NEXT.get_or_init(|| std::sync::atomic::AtomicU32::new(std::process::id() % span));
+    for _ in 0..span {
+        let offset = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % span;
+        let port = TEST_PORTS.start + u16::try_from(offset).expect("offset below the span");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {TEST_PORTS:?} on 127.0.0.1");
 }
 
 impl TestEnv {
