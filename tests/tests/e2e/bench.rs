@@ -71,10 +71,11 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         let goodput = point["goodput_fraction"].as_f64().unwrap_or_default();
         assert!(goodput > 0.0 && goodput < 2.0, "{point}");
     }
-    // Urgent orders alone still make three calls of 100 ms each.
+    // Urgent orders alone still make three calls of 100 ms each, and with
+    // no backlog to pass they take little more.
     let alone = number("/overload_urgent_alone_ms/p99");
     assert!(
-        (300.0..5_000.0).contains(&alone),
+        (300.0..1_500.0).contains(&alone),
         "urgent alone: {alone} ms"
     );
 }

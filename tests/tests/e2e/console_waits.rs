@@ -19,12 +19,13 @@
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use sas_store::machine::HistoryEvent;
-use sas_store::{ProcessState, StepState};
+use sas_store::ProcessState;
 use sas_tests::browser::Browser;
 use sas_tests::console::{As, ConsoleClient, OPERATOR};
 use sas_tests::process::Service;
 use sas_tests::{order, repo_root, wait_until, Setting, TestEnv};
+
+use super::waits::{assert_moved_to_version_2, wait_for_approval, MOVED_1_TO_2};
 use serde_json::{json, Value};
 
 /// The settings that make a scheduler read the shipped `workflows/` folder.
@@ -55,32 +56,6 @@ async fn parked_large_order(env: &TestEnv, publisher: &sas_broker::Publisher, or
     submitted.workflow = Some("large_order".into());
     env.publish_order(publisher, &submitted).await;
     wait_for_approval(env, order_id).await;
-}
-
-/// Waits until `order_id` is parked at its `approval` step.
-async fn wait_for_approval(env: &TestEnv, order_id: &str) {
-    wait_until(
-        &format!("{order_id} to wait for its approval"),
-        Duration::from_secs(30),
-        || async {
-            let detail = env
-                .store
-                .reads()
-                .order_detail(order_id)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("not stored yet")?;
-            let approval = detail
-                .steps
-                .iter()
-                .find(|s| s.name == "approval")
-                .ok_or("no approval step")?;
-            (detail.summary.state == ProcessState::Pending && approval.state == StepState::Running)
-                .then_some(())
-                .ok_or_else(|| format!("{} / {}", detail.summary.state, approval.state))
-        },
-    )
-    .await;
 }
 
 /// The events in an order's mailbox: (event id, name, used by which step).
@@ -453,10 +428,6 @@ fn steps_of(version: &Value) -> Vec<(String, String, String)> {
         .unwrap_or_default()
 }
 
-/// What the move of version 1 to 2 writes in each order's history.
-const MOVED_1_TO_2: &str =
-    "from version 1 to 2; dropped cooling_off; renamed charge_payment as charge";
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_looks_then_moves_parked_orders_to_a_new_version_and_an_unsafe_move_moves_none() {
     let env = TestEnv::new().await;
@@ -612,20 +583,8 @@ async fn the_api_looks_then_moves_parked_orders_to_a_new_version_and_an_unsafe_m
         "{done}"
     );
     for id in ids {
-        let detail = env.detail(id).await;
-        assert_eq!(detail.summary.workflow_version, 2, "{id}");
-        let names: Vec<&str> = detail.steps.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(
-            names,
-            ["reserve_stock", "approval", "charge", "create_shipment"]
-        );
-        let moved = detail
-            .history
-            .iter()
-            .find(|h| h.event == HistoryEvent::Moved)
-            .expect("the move is in the history");
+        let moved = assert_moved_to_version_2(&env, id).await;
         assert_eq!(moved.actor, format!("console:{}", OPERATOR.0));
-        assert_eq!(moved.detail.as_deref(), Some(MOVED_1_TO_2));
     }
     let list = workflows(&console).await;
     assert_eq!(

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use sas_store::machine::HistoryEvent;
+use sas_store::reads::queries::HistoryEntry;
 use sas_store::ProcessState;
 use sas_tests::process::Service;
 use sas_tests::{event, order, wait_until, Setting, TestEnv};
@@ -53,21 +54,28 @@ timeout_ms = {timeout}
 }
 
 /// Waits until `order_id` is parked at its `approval` step.
-async fn wait_for_approval_step(env: &TestEnv, order_id: &str) {
+pub(crate) async fn wait_for_approval(env: &TestEnv, order_id: &str) {
+    wait_parked_at(env, order_id, "approval").await;
+}
+
+/// Waits until `order_id` is parked at its wait step `step`.
+async fn wait_parked_at(env: &TestEnv, order_id: &str, step: &str) {
     wait_until(
-        &format!("{order_id} to wait for its approval"),
-        Duration::from_secs(20),
+        &format!("{order_id} to wait at {step}"),
+        Duration::from_secs(30),
         || async {
-            let Some(detail) = env
+            let detail = env
                 .store
                 .reads()
                 .order_detail(order_id)
                 .await
                 .map_err(|e| e.to_string())?
-            else {
-                return Err("not stored yet".into());
-            };
-            let approval = &detail.steps[1];
+                .ok_or("not stored yet")?;
+            let approval = detail
+                .steps
+                .iter()
+                .find(|s| s.name == step)
+                .ok_or_else(|| format!("no step {step}"))?;
             (detail.summary.state == ProcessState::Pending
                 && approval.state == sas_store::StepState::Running)
                 .then_some(())
@@ -139,7 +147,7 @@ async fn an_approval_before_the_wait_during_it_and_never_and_a_cooling_off_delay
     // During, and never.
     env.publish_order(&publisher, &order("during-1")).await;
     env.publish_order(&publisher, &order("never-1")).await;
-    wait_for_approval_step(&env, "during-1").await;
+    wait_for_approval(&env, "during-1").await;
     let (code, shown) = env.sasctl(&["orders", "show", "during-1"]).await;
     assert_eq!(code, 0, "{shown}");
     assert!(shown.contains("workflow    order (version 2)"), "{shown}");
@@ -317,7 +325,7 @@ async fn orders_parked_at_a_wait_survive_kill_9_of_the_scheduler_and_the_supervi
         env.publish_order(&publisher, &order(id)).await;
     }
     for id in &ids {
-        wait_for_approval_step(&env, id).await;
+        wait_for_approval(&env, id).await;
     }
     scheduler.kill9().await;
     supervisor.kill9().await;
@@ -342,7 +350,7 @@ async fn a_webhook_over_the_gateway_approves_a_waiting_order_once() {
     let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
     let (_connection, publisher) = env.broker().await;
     env.publish_order(&publisher, &order("hook-1")).await;
-    wait_for_approval_step(&env, "hook-1").await;
+    wait_for_approval(&env, "hook-1").await;
     let send = |body: serde_json::Value| {
         let base = base.clone();
         async move {
@@ -399,6 +407,31 @@ on_timeout = "compensate"
     )
 }
 
+/// What the move of version 1 to 2 writes in each order's history.
+pub(crate) const MOVED_1_TO_2: &str =
+    "from version 1 to 2; dropped cooling_off; renamed charge_payment as charge";
+
+/// Asserts that order `id` runs [`version_2`] now, with the steps the
+/// move's mapping gives it, and that its history records the move from
+/// version 1; returns that history line.
+pub(crate) async fn assert_moved_to_version_2(env: &TestEnv, id: &str) -> HistoryEntry {
+    let detail = env.detail(id).await;
+    assert_eq!(detail.summary.workflow_version, 2, "{id}");
+    let names: Vec<&str> = detail.steps.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["reserve_stock", "approval", "charge", "create_shipment"],
+        "{id}"
+    );
+    let moved = detail
+        .history
+        .into_iter()
+        .find(|h| h.event == HistoryEvent::Moved)
+        .expect("the move is in the history");
+    assert_eq!(moved.detail.as_deref(), Some(MOVED_1_TO_2), "{id}");
+    moved
+}
+
 /// Version 2 of the order workflow of [`order_version`]: the charge renamed
 /// `charge` (its request body says `plan = "version 2"`), no cooling-off.
 pub(crate) fn version_2(env: &TestEnv) -> String {
@@ -447,7 +480,7 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
         env.publish_order(&publisher, &order(id)).await;
     }
     for id in &ids {
-        wait_for_approval_step(&env, id).await;
+        wait_for_approval(&env, id).await;
     }
     // The new file is deployed: a scheduler restarted on it registers it.
     env.workflows(&[("order.toml", &v2)]);
@@ -518,22 +551,7 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
     );
 
     for (n, id) in ids.iter().enumerate() {
-        let detail = env.detail(id).await;
-        assert_eq!(detail.summary.workflow_version, 2);
-        let names: Vec<&str> = detail.steps.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(
-            names,
-            ["reserve_stock", "approval", "charge", "create_shipment"]
-        );
-        let moved = detail
-            .history
-            .iter()
-            .find(|h| h.event == HistoryEvent::Moved)
-            .expect("the move is in the history");
-        assert_eq!(
-            moved.detail.as_deref(),
-            Some("from version 1 to 2; dropped cooling_off; renamed charge_payment as charge")
-        );
+        assert_moved_to_version_2(&env, id).await;
         env.publish_event(&publisher, &approved_by(id, &format!("mail-{n}"), "ed"))
             .await;
     }
@@ -623,7 +641,7 @@ async fn events_by_business_key_reach_the_order_waiting_with_it_before_or_after_
     // Order 1 parks at its settlement; its event comes by key, twice.
     env.publish_order(&publisher, &invoiced("key-1", "INV-1"))
         .await;
-    wait_for_approval_step(&env, "key-1").await;
+    wait_parked_at(&env, "key-1", "settlement").await;
     let (code, out) = env
         .sasctl(&[
             "signal",
