@@ -798,3 +798,135 @@ async fn a_workflow_may_start_with_a_wait_or_a_delay() {
         at(HistoryEvent::Dispatched) >= at(HistoryEvent::Received) + chrono::Duration::seconds(1)
     );
 }
+
+/// A workflow that starts waiting for `settled` by invoice number, then
+/// reserves stock; no supervisor runs beside it, so events kept by key are
+/// given over only when the test calls the adoption itself.
+fn keyed_first_workflow(env: &TestEnv) -> Vec<Setting> {
+    let text = format!(
+        r#"name = "order"
+version = 1
+
+[[steps]]
+name = "settlement"
+kind = "wait"
+event = "settled"
+correlation_key = "/attributes/invoice"
+timeout_ms = 60000
+
+{}"#,
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
+    );
+    let mut settings = env.workflows(&[("order.toml", &text)]).to_vec();
+    settings.push(Setting::SchedulerEventTtlSecs(600));
+    settings
+}
+
+/// The keyed events' rows: (key, event id, adopted by).
+async fn kept_by_key(env: &TestEnv) -> Vec<(String, String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT correlation_key, event_id, adopted_by FROM keyed_events ORDER BY correlation_key, event_id",
+    )
+    .fetch_all(env.store.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_kept_by_key_goes_to_every_order_parked_with_it_and_to_no_later_one() {
+    let env = TestEnv::new().await;
+    let _scheduler = env.scheduler(0, &keyed_first_workflow(&env));
+    let (_connection, publisher) = env.broker().await;
+
+    // Two events come before any order has their keys: kept by key.
+    env.publish_event(&publisher, &settled("INV-5", "psp-5"))
+        .await;
+    env.publish_event(&publisher, &settled("INV-1", "psp-1"))
+        .await;
+    wait_until(
+        "both to be kept by key",
+        Duration::from_secs(20),
+        || async {
+            let kept = kept_by_key(&env).await.len();
+            (kept == 2).then_some(()).ok_or(format!("{kept} kept"))
+        },
+    )
+    .await;
+
+    // Five orders park with INV-5, more than one adoption batch of two.
+    let five: Vec<String> = (0..5).map(|n| format!("inv5-{n}")).collect();
+    for id in &five {
+        env.publish_order(&publisher, &invoiced(id, "INV-5")).await;
+    }
+    for id in &five {
+        wait_parked_at(&env, id, "settlement").await;
+    }
+    // The batch counts events, not their orders: all five get INV-5's.
+    let mut moved = 0;
+    loop {
+        let progress = env
+            .store
+            .writes()
+            .adopt_keyed_events("test", 2)
+            .await
+            .unwrap();
+        if progress.is_empty() {
+            break;
+        }
+        moved += progress.len();
+    }
+    assert_eq!(moved, 5, "every order parked with INV-5 moves on");
+    for id in &five {
+        assert_eq!(
+            mailbox(&env, id).await,
+            [("psp-5".to_owned(), Some("settlement".to_owned()))],
+            "{id}"
+        );
+    }
+
+    // An order parks with INV-1, and INV-1's event comes again (its ack
+    // was lost): that order uses it, and the key's row is closed with it.
+    env.publish_order(&publisher, &invoiced("inv1-a", "INV-1"))
+        .await;
+    wait_parked_at(&env, "inv1-a", "settlement").await;
+    env.publish_event(&publisher, &settled("INV-1", "psp-1"))
+        .await;
+    wait_until(
+        "inv1-a to use the redelivered event",
+        Duration::from_secs(20),
+        || async {
+            let used = mailbox(&env, "inv1-a").await;
+            (used == [("psp-1".to_owned(), Some("settlement".to_owned()))])
+                .then_some(())
+                .ok_or(format!("{used:?}"))
+        },
+    )
+    .await;
+    assert_eq!(
+        kept_by_key(&env).await,
+        [
+            (
+                "INV-1".to_owned(),
+                "psp-1".to_owned(),
+                Some("inv1-a".to_owned())
+            ),
+            (
+                "INV-5".to_owned(),
+                "psp-5".to_owned(),
+                Some("inv5-0".to_owned())
+            ),
+        ]
+    );
+    // A later order with INV-1 does not get the event a second time.
+    env.publish_order(&publisher, &invoiced("inv1-b", "INV-1"))
+        .await;
+    wait_parked_at(&env, "inv1-b", "settlement").await;
+    assert!(env
+        .store
+        .writes()
+        .adopt_keyed_events("test", 2)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(mailbox(&env, "inv1-b").await.is_empty());
+}

@@ -121,6 +121,22 @@ impl Writes<'_> {
         for order_id in &orders {
             inserted |= keep(&mut tx, order_id, event, &data, ttl).await?;
         }
+        if let (None, Some(key)) = (&event.order_id, &event.correlation_key) {
+            // The event may have been kept by key before these orders
+            // parked (a redelivery after a lost ack, before the supervisors'
+            // adoption): they have it now, so nobody else gets it, and it
+            // is not dead-lettered as one no order waited for.
+            sqlx::query(
+                "UPDATE keyed_events SET adopted_at = now(), adopted_by = $3
+                  WHERE correlation_key = $1 AND event_id = $2
+                    AND adopted_at IS NULL AND expired_at IS NULL",
+            )
+            .bind(key)
+            .bind(&event.event_id)
+            .bind(&orders[0])
+            .execute(&mut *tx)
+            .await?;
+        }
         // A redelivered event that was kept but not used is offered again:
         // the order may have reached its wait since.
         let ids: Vec<&str> = orders.iter().map(String::as_str).collect();
@@ -146,12 +162,14 @@ impl Writes<'_> {
         })
     }
 
-    /// Gives events kept by key to the orders that now wait with their key
-    /// (at most `batch` of them), each into the order's mailbox, and lets
-    /// the orders use them: what each order does next, to publish. Run by
-    /// the supervisors every `supervisor.interval_ms`, so an event that came
-    /// before its order parked is used within an interval of it parking.
-    /// An empty `keyed_events` costs one probe of a partial index.
+    /// Gives up to `batch` events kept by key, each to every order that
+    /// now waits with its key (into the order's mailbox), marks them
+    /// adopted, and lets the orders use them: what each order does next, to
+    /// publish. Run by the supervisors every `supervisor.interval_ms`, so an
+    /// event that came before its order parked is used within an interval
+    /// of it parking. One statement picks the events and fans them out, so
+    /// the batch counts events, never a part of one event's orders. An
+    /// empty `keyed_events` costs one probe of a partial index.
     ///
     /// # Errors
     /// When the database fails; nothing is given then.
@@ -161,52 +179,42 @@ impl Writes<'_> {
         batch: i64,
     ) -> Result<Vec<Progress>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let found: Vec<(String, String, String, serde_json::Value, String)> =
-            sqlx::query_as(concat!(
-                "SELECT k.correlation_key, k.event_id, k.name, k.data, w.order_id
+        let orders: Vec<String> = sqlx::query_scalar(concat!(
+            "WITH picked AS MATERIALIZED (
+                 SELECT k.correlation_key, k.event_id, k.name, k.data
                    FROM keyed_events k
-                   JOIN order_waits w ON w.correlation_key = k.correlation_key ",
-                still_waiting!(),
-                " WHERE k.adopted_at IS NULL AND k.expired_at IS NULL
-                  ORDER BY k.received_at, w.order_id
+                  WHERE k.adopted_at IS NULL AND k.expired_at IS NULL
+                    AND EXISTS (SELECT 1 FROM order_waits w ",
+            still_waiting!(),
+            " WHERE w.correlation_key = k.correlation_key)
+                  ORDER BY k.received_at
                   LIMIT $1
-                    FOR UPDATE OF k SKIP LOCKED"
-            ))
-            .bind(batch)
-            .fetch_all(&mut *tx)
-            .await?;
-        if found.is_empty() {
+                    FOR UPDATE OF k SKIP LOCKED),
+             fan AS MATERIALIZED (
+                 SELECT k.*, w.order_id
+                   FROM picked k
+                   JOIN order_waits w ON w.correlation_key = k.correlation_key ",
+            still_waiting!(),
+            "),
+             given AS (
+                 INSERT INTO order_events (order_id, event_id, name, data, expires_at, correlation_key)
+                 SELECT order_id, event_id, name, data, now(), correlation_key FROM fan
+                  ORDER BY order_id, event_id
+                 ON CONFLICT (order_id, event_id) DO NOTHING),
+             adopted AS (
+                 UPDATE keyed_events k SET adopted_at = now(), adopted_by = f.first
+                   FROM (SELECT correlation_key, event_id, min(order_id) AS first
+                           FROM fan GROUP BY correlation_key, event_id) f
+                  WHERE k.correlation_key = f.correlation_key AND k.event_id = f.event_id)
+             SELECT DISTINCT order_id FROM fan ORDER BY order_id"
+        ))
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+        if orders.is_empty() {
             tx.commit().await?;
             return Ok(Vec::new());
         }
-        let mut orders: Vec<String> = Vec::new();
-        for (key, event_id, name, data, order_id) in &found {
-            sqlx::query(
-                "INSERT INTO order_events (order_id, event_id, name, data, expires_at, correlation_key)
-                 VALUES ($1, $2, $3, $4, now(), $5)
-                 ON CONFLICT (order_id, event_id) DO NOTHING",
-            )
-            .bind(order_id)
-            .bind(event_id)
-            .bind(name)
-            .bind(data)
-            .bind(key)
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "UPDATE keyed_events SET adopted_at = now(), adopted_by = $3
-                  WHERE correlation_key = $1 AND event_id = $2 AND adopted_at IS NULL",
-            )
-            .bind(key)
-            .bind(event_id)
-            .bind(order_id)
-            .execute(&mut *tx)
-            .await?;
-            if !orders.contains(order_id) {
-                orders.push(order_id.clone());
-            }
-        }
-        orders.sort();
         let ids: Vec<&str> = orders.iter().map(String::as_str).collect();
         let decided = transition(&mut tx, self.store, &ids, actor, Slots::Check, |_| {
             Event::EventArrived
