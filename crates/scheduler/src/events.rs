@@ -59,14 +59,21 @@ impl Scheduler {
         metrics::counter!("sas_events_total", "outcome" => label).increment(1);
         tracing::info!(order_id = %about, event = %event.name, event_id = %event.event_id, outcome = label, "event received");
         if let EventOutcome::Used(used) = outcome {
-            for progress in &used {
-                if let Err(error) = self.announce(Some(publisher), progress).await {
-                    // Committed; what the order does next was not confirmed:
-                    // the redelivery finds the event used (a duplicate), and
-                    // the supervisor retries the step the order started.
-                    tracing::warn!(order_id = %about, error = %error, "event used but the next request was not confirmed; the supervisor will retry it");
-                    return Consumed::Requeue;
-                }
+            // Every order the event moved is announced, all at once: a
+            // redelivery would find the event used (a duplicate) and
+            // announce none of them.
+            let announced = futures_util::future::join_all(
+                used.iter()
+                    .map(|progress| self.announce(Some(publisher), progress)),
+            )
+            .await;
+            let unconfirmed = announced.iter().filter(|result| result.is_err()).count();
+            if let Some(Err(error)) = announced.into_iter().find(Result::is_err) {
+                // Committed; what those orders do next was not confirmed:
+                // the redelivery finds the event used, and the supervisor
+                // retries the steps they started.
+                tracing::warn!(order_id = %about, error = %error, unconfirmed, "event used but some next requests were not confirmed; the supervisor will retry them");
+                return Consumed::Requeue;
             }
         }
         Consumed::Ack
