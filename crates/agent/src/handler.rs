@@ -103,8 +103,9 @@ impl Agent {
         let request = &received.request;
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
+        let mut tries = Tries::new(received.redelivered);
         let finished = self
-            .call_until_deadline(lane, received, connection_lost)
+            .call_until_deadline(lane, received, &mut tries, connection_lost)
             .await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
         let outcome = match self.outcome_of(finished, request) {
@@ -118,7 +119,8 @@ impl Agent {
             StepOutcome::Failed { error, .. } => Some(error.clone()),
             StepOutcome::Succeeded { .. } | StepOutcome::NotStarted { .. } => None,
         };
-        match self.reply(received, outcome, publisher).await {
+        let queue_times = self.queue_times(request, &tries);
+        match self.reply(received, outcome, queue_times, publisher).await {
             Ok(()) => {
                 match failure {
                     Some(error) => tracing::warn!(outcome = label, error = %error, "replied"),
@@ -191,10 +193,13 @@ impl Agent {
         &self,
         received: &Received,
         outcome: StepOutcome,
+        (queued_ms, slot_wait_ms): (Option<u64>, Option<u64>),
         publisher: &Publisher,
     ) -> Result<(), sas_broker::BrokerError> {
         let request = &received.request;
         let reply = StepReply {
+            queued_ms,
+            slot_wait_ms,
             schema_version: SCHEMA_VERSION,
             order_id: request.order_id.clone(),
             step: request.step.clone(),
@@ -228,6 +233,7 @@ impl Agent {
         &self,
         lane: &Lane,
         received: &Received,
+        tries: &mut Tries,
         connection_lost: &CancellationToken,
     ) -> Finished {
         let deadlines = self.deadlines(&received.request);
@@ -236,14 +242,13 @@ impl Agent {
             Duration::from_millis(self.settings.agent.retry_max_ms),
             sas_runtime::Jitter::Full,
         );
-        let mut tries = Tries::new(received.redelivered);
         loop {
             let Some(left) = self.time_left(deadlines.start_by) else {
                 return tries.expired();
             };
             if !lane.circuit.allow() {
                 if let Err(finished) = self
-                    .wait_for_circuit(lane, left, &mut tries, connection_lost)
+                    .wait_for_circuit(lane, left, tries, connection_lost)
                     .await
                 {
                     return finished;
@@ -251,14 +256,7 @@ impl Agent {
                 continue;
             }
             let result = match self
-                .call_once(
-                    lane,
-                    received,
-                    &deadlines,
-                    left,
-                    &mut tries,
-                    connection_lost,
-                )
+                .call_once(lane, received, &deadlines, left, tries, connection_lost)
                 .await
             {
                 Ok(result) => result,
@@ -324,13 +322,18 @@ impl Agent {
         // Waiting for a call slot counts against the deadline too: a call
         // must never start after start-by, when the supervisor may soon
         // send the undo.
+        let asked = Instant::now();
         let permit = tokio::select! {
             permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
                 Ok(permit) => permit.expect("the semaphore is never closed"),
-                Err(_) => return Err(tries.expired()),
+                Err(_) => {
+                    tries.slot_wait += asked.elapsed();
+                    return Err(tries.expired());
+                }
             },
             () = self.interrupted(connection_lost) => return Err(Finished::Interrupted),
         };
+        tries.slot_wait += asked.elapsed();
         let (Some(_), Some(until_complete)) = (
             self.time_left(deadlines.start_by),
             self.time_left(deadlines.complete_by),
@@ -340,6 +343,9 @@ impl Agent {
         let timeout =
             until_complete.min(Duration::from_millis(self.settings.agent.call_timeout_ms));
         tries.tried = true;
+        tries
+            .first_call
+            .get_or_insert_with(|| self.clock.database_now());
         // A call under way is not cut short by shutdown: the drain limit
         // bounds it, and cutting it would only make the call repeat. A
         // lost broker connection does cut it: the request is back in the
@@ -359,6 +365,24 @@ impl Agent {
         };
         drop(permit);
         Ok(result)
+    }
+
+    /// What the reply says of the time the request queued (see
+    /// [`StepReply::queued_ms`] and [`StepReply::slot_wait_ms`]): from its
+    /// dispatch to the first call (or to now when no call was made), and
+    /// how long it waited for call slots. Only for a scheduler that asked
+    /// for them and a request that says when it was dispatched.
+    fn queue_times(&self, request: &StepRequest, tries: &Tries) -> (Option<u64>, Option<u64>) {
+        let Some(dispatched_at) = request.dispatched_at.filter(|_| request.report_queue_times)
+        else {
+            return (None, None);
+        };
+        let until = tries
+            .first_call
+            .unwrap_or_else(|| self.clock.database_now());
+        let queued = u64::try_from((until - dispatched_at).num_milliseconds()).unwrap_or(0);
+        let slot_wait = u64::try_from(tries.slot_wait.as_millis()).unwrap_or(u64::MAX);
+        (Some(queued), Some(slot_wait))
     }
 
     /// Completes when the agent shuts down or the delivery's broker
@@ -427,6 +451,11 @@ struct Tries {
     /// circuit (opened by the service's failures) held it back, or it is a
     /// redelivery.
     tried: bool,
+    /// When the first call started (database clock, as this agent
+    /// estimates it): the end of the request's time in queues.
+    first_call: Option<DateTime<Utc>>,
+    /// How long its calls waited for a call slot, in all.
+    slot_wait: Duration,
 }
 
 impl Tries {
@@ -439,6 +468,8 @@ impl Tries {
             maybe_applied: false,
             last_error: String::new(),
             tried: redelivered,
+            first_call: None,
+            slot_wait: Duration::ZERO,
         }
     }
 

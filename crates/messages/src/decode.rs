@@ -117,6 +117,8 @@ mod tests {
     #[test]
     fn a_reply_round_trips_with_its_outcome_tagged() {
         let reply = StepReply {
+            queued_ms: None,
+            slot_wait_ms: None,
             schema_version: SCHEMA_VERSION,
             order_id: "o".into(),
             step: "charge_payment".into(),

@@ -71,6 +71,11 @@ pub struct StepRequest {
     /// `/<action>` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    /// True when the scheduler reads `queued_ms` and `slot_wait_ms` in the
+    /// reply: agents send them only then, so that an older scheduler, which
+    /// refuses unknown fields, never gets them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub report_queue_times: bool,
 }
 
 /// What the agent learned from the remote service.
@@ -132,4 +137,19 @@ pub struct StepReply {
     pub agent_id: String,
     /// What happened.
     pub outcome: StepOutcome,
+    /// Milliseconds from the request's `dispatched_at` to the agent's first
+    /// call for it (or to its answer, when no call was made), on the
+    /// database clock as the agent estimates it: the time it queued in the
+    /// agent queue and for a call slot. Admission control shrinks the
+    /// agent's limit while attempts queue there (docs/design-decisions.md).
+    /// Sent only in answer to a request with `report_queue_times`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_ms: Option<u64>,
+    /// Of `queued_ms` and the retries after it, the milliseconds the
+    /// request waited for one of the agent's call slots (`agent.concurrency`):
+    /// while attempts wait for slots, the remote service is what holds them
+    /// up, and admission control keeps the backlog in the line. Sent only
+    /// in answer to a request with `report_queue_times`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot_wait_ms: Option<u64>,
 }

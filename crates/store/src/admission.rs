@@ -42,6 +42,9 @@ struct DueWindow {
     settled: i64,
     seconds: f64,
     deadline_ms: i32,
+    in_flight_ms: i64,
+    queued_ms: i64,
+    slot_wait_ms: i64,
 }
 
 impl DueWindow {
@@ -55,6 +58,9 @@ impl DueWindow {
             settled: self.settled,
             seconds: self.seconds,
             deadline_ms: self.deadline_ms,
+            in_flight_ms: self.in_flight_ms,
+            queued_ms: self.queued_ms,
+            slot_wait_ms: self.slot_wait_ms,
         }
     }
 }
@@ -153,7 +159,9 @@ impl Admission<'_> {
             "SELECT agent, admit_limit, initial_limit, ceiling, waiting, peak_in_flight,
                     settled - window_settled AS settled,
                     GREATEST(EXTRACT(EPOCH FROM now() - window_started), 0)::float8 AS seconds,
-                    deadline_ms
+                    deadline_ms, in_flight_ms - window_in_flight_ms AS in_flight_ms,
+                    queued_ms - window_queued_ms AS queued_ms,
+                    slot_wait_ms - window_slot_wait_ms AS slot_wait_ms
                FROM admission
               WHERE now() - window_started >= make_interval(secs => $1::float8 / 1000)
               ORDER BY agent
@@ -171,6 +179,8 @@ impl Admission<'_> {
             "WITH adapted AS (
                  UPDATE admission a
                     SET admit_limit = d.admit_limit, window_settled = a.settled,
+                        window_in_flight_ms = a.in_flight_ms, window_queued_ms = a.queued_ms,
+                        window_slot_wait_ms = a.slot_wait_ms,
                         window_started = now(), peak_in_flight = a.in_flight
                    FROM UNNEST($1::text[], $2::int4[]) AS d(agent, admit_limit)
                   WHERE a.agent = d.agent

@@ -27,6 +27,8 @@ fn submission(order_id: &str) -> Submission {
 
 fn success(dispatch: &Dispatch) -> StepReply {
     StepReply {
+        queued_ms: None,
+        slot_wait_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: dispatch.order_id.clone(),
         step: dispatch.step.clone(),

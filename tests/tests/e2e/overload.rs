@@ -327,6 +327,28 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
         },
     )
     .await;
+    // The backlog waits in the line, not at the agent: with one call slot,
+    // the first agent's limit comes down to the call, the hops and one
+    // attempt queued (the deadline alone would allow 8: 10 a second for
+    // half of 1.5 s), measured from what its replies report.
+    wait_until(
+        "the first agent's limit to keep about one attempt queued",
+        Duration::from_secs(30),
+        || async {
+            let (limit, waiting): (i32, i32) = sqlx::query_as(
+                "SELECT admit_limit, waiting FROM admission WHERE agent = 'inventory'",
+            )
+            .fetch_one(env.store.pool())
+            .await
+            .map_err(|e| e.to_string())?;
+            if limit <= 3 && waiting > 0 {
+                Ok(())
+            } else {
+                Err(format!("limit {limit}, {waiting} waiting"))
+            }
+        },
+    )
+    .await;
     for order in orders("high", 10, Some(9)) {
         env.publish_order(&publisher, &order).await;
     }
@@ -523,6 +545,33 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
         .await
         .unwrap();
     assert_eq!(peak, 60);
+    // Measured: in 2 s the answered attempts were 600 s in flight (300 on
+    // average), 580 s of it queued at the agent (290), 500 s for a call
+    // slot: with orders in line, the limit comes down to what the calls
+    // and hops held (10) and half as many queued.
+    window(300, 300, 5).await.unwrap();
+    sqlx::query(
+        "UPDATE admission SET in_flight_ms = window_in_flight_ms + 600000,
+                queued_ms = window_queued_ms + 580000,
+                slot_wait_ms = window_slot_wait_ms + 500000 WHERE agent = 'fast'",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        limit(store.admission().adapt(&adaptation).await.unwrap()),
+        15
+    );
+    // The next window measures from here.
+    let measured: (i64, i64, i64) = sqlx::query_as(
+        "SELECT in_flight_ms - window_in_flight_ms, queued_ms - window_queued_ms,
+                slot_wait_ms - window_slot_wait_ms
+           FROM admission WHERE agent = 'fast'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(measured, (0, 0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -151,6 +151,7 @@ fn request(
         payload: serde_json::json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
         method: None,
         path: None,
+        report_queue_times: true,
     }
 }
 
@@ -310,16 +311,20 @@ async fn a_wrong_bearer_token_is_refused_clearly_and_nothing_is_applied() {
             Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer not-the-token")),
         ],
     );
-    let request = request(
+    let mut request = request(
         "token-1",
         StepKind::Action,
         "charge",
         Duration::from_secs(8),
         Duration::from_secs(10),
     );
+    // A scheduler that does not ask for the queue time never gets it: an
+    // older one would refuse the unknown field.
+    request.report_queue_times = false;
     send(&env, &publisher, "payment", &reply_to, &request).await;
     let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
     assert_eq!(reply.attempt_id, request.attempt_id);
+    assert_eq!((reply.queued_ms, reply.slot_wait_ms), (None, None));
     match &reply.outcome {
         StepOutcome::Failed {
             error,
@@ -851,6 +856,8 @@ async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_wi
     let (reply_to, mut replies) = reply_queue(&env, &connection).await;
     // Published before the agent runs: it waits in the queue past start-by.
     let late = send_late(&env, &publisher, &reply_to, "queued-1").await;
+    let dispatched_at = late.dispatched_at.unwrap();
+    let queued_before_the_agent_ran = (Utc::now() - dispatched_at).num_milliseconds();
     let (mut agent, _ops) = agent(
         &env,
         "payment",
@@ -865,6 +872,18 @@ async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_wi
         }
         other => panic!("expected not_started, got {other:?}"),
     }
+    // It says how long the request queued: from its dispatch to its answer
+    // (no call was made), on this machine's one clock, give or take the
+    // agent's estimate of it.
+    let queued = i64::try_from(reply.queued_ms.expect("asked for, so said")).unwrap();
+    // It never waited for a call slot: its start-by had passed when the
+    // agent took it.
+    assert_eq!(reply.slot_wait_ms, Some(0));
+    let since_dispatch = (Utc::now() - dispatched_at).num_milliseconds();
+    assert!(
+        (queued_before_the_agent_ran - 50..=since_dispatch + 50).contains(&queued),
+        "queued {queued} ms, outside {queued_before_the_agent_ran}..={since_dispatch}"
+    );
     assert!(
         calls.lock().unwrap().is_empty(),
         "the agent called the service for a request it should not start"

@@ -366,6 +366,8 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
         .and_then(|h| h.attempt_id)
         .unwrap();
     let reply = sas_messages::StepReply {
+        queued_ms: None,
+        slot_wait_ms: None,
         schema_version: sas_messages::SCHEMA_VERSION,
         order_id: "late-1".into(),
         step: "charge_payment".into(),

@@ -12,7 +12,7 @@ use super::{to_micros, ProcessRow, StepRow};
 use crate::model::{ProcessState, StepState};
 
 /// How one agent's admission counters move with a decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AdmissionDelta {
     /// The agent.
     pub agent: String,
@@ -23,6 +23,17 @@ pub struct AdmissionDelta {
     /// Of the slots given back, those of attempts that never started: not
     /// completions, so they do not count towards the agent's measured rate.
     pub unstarted: i32,
+    /// Of an attempt a reply answered: milliseconds from its dispatch to
+    /// the reply (database clock). Summed over a window, divided by its
+    /// length: the attempts the agent had in flight on average.
+    pub in_flight_ms: i64,
+    /// Of an attempt a reply answered: the milliseconds it queued before
+    /// its first call, as the agent reported them. Summed over a window,
+    /// divided by its length: the attempts queued at the agent on average.
+    pub queued_ms: i64,
+    /// Of an attempt a reply answered: the milliseconds it waited for the
+    /// agent's call slots, as the agent reported them.
+    pub slot_wait_ms: i64,
 }
 
 /// The agents whose slots an order holds, one per attempt in flight (one
@@ -63,7 +74,7 @@ pub fn admission_delta(
                 agent: agent.to_owned(),
                 in_flight,
                 waiting,
-                unstarted: 0,
+                ..AdmissionDelta::default()
             }),
         }
     };
@@ -129,38 +140,126 @@ pub struct Window {
     pub seconds: f64,
     /// The agent's shortest step deadline, in milliseconds.
     pub deadline_ms: i32,
+    /// The milliseconds in flight of the attempts answered during the
+    /// window, summed ([`AdmissionDelta::in_flight_ms`]): 0 when nothing was
+    /// answered.
+    pub in_flight_ms: i64,
+    /// The milliseconds those attempts queued at the agent, summed
+    /// ([`AdmissionDelta::queued_ms`]): 0 from agents that do not say.
+    pub queued_ms: i64,
+    /// The milliseconds they waited for the agent's call slots, summed
+    /// ([`AdmissionDelta::slot_wait_ms`]).
+    pub slot_wait_ms: i64,
 }
 
-/// The control law of admission: the limit of attempts in flight follows
-/// what the agent's replicas measurably finish. The completions of the
-/// window give a rate, and `rate × deadline × deadline_share` is the
-/// number of attempts that can wait and run within that share of a step's
-/// deadline (the target).
+/// Attempts waiting for the agent's call slots, on average over a window,
+/// from which the law takes the remote service to be what holds the
+/// attempts up: below it, attempts that queue wait for hops (the broker,
+/// the replies), which a lower limit would not shorten.
+pub const SLOTS_FULL: f64 = 0.5;
+
+/// Attempts the control law keeps queued at an agent while orders wait in
+/// its line, as a share of what its calls and hops hold: enough that a call
+/// slot that frees finds the next attempt already there, though the next
+/// one from the line takes a reply, a claim and a request to arrive, and
+/// the broker hands requests to replicas in turn, not to the one whose
+/// slot is free (one replica of 4 slots: 2 queued; 8 replicas of one slot:
+/// 4). An urgent order from the line passes everything else.
+pub const QUEUE_SHARE: f64 = 0.5;
+/// The least queue the law aims at, in attempts.
+pub const QUEUE_LEAST: f64 = 1.0;
+
+/// The control law of admission: the limit of attempts in flight keeps
+/// every call slot of the agent's replicas busy and little more, and never
+/// more than can finish within `deadline_share` of a step's deadline (the
+/// target: the completions of the window give a rate, and `rate ×
+/// deadline × deadline_share` attempts can wait and run in that time).
 ///
-/// - The limit grows to the target at once: a fast agent must not be held
-///   back.
-/// - While orders wait in the agent's line, it shrinks towards the target,
+/// Measured windows (answered attempts with their times, see
+/// [`Window::in_flight_ms`]): by Little's law the window's milliseconds in
+/// flight over its length are the attempts in flight on average, and the
+/// milliseconds queued over its length those queued at the agent (in its
+/// queue, or for a call slot); the difference is what the calls and the
+/// hops hold. While orders wait in the agent's line (a line means the
+/// limit binds) and at least [`SLOTS_FULL`] attempts wait for the agent's
+/// call slots on average (the remote service is what holds them up), the
+/// law is TCP Vegas's, around a queue target of
+/// [`QUEUE_SHARE`] of what the calls and hops held, at least
+/// [`QUEUE_LEAST`]: with more than twice the target queued at the agent
+/// the limit comes down, at once, to what the calls and hops held plus the
+/// target; with less than half of it a call slot may be idle, and it
+/// doubles; in between it stays. So
+/// the backlog waits in the line, where urgent orders go first, and not in
+/// the agent queue, where they would wait behind all of it. While nobody
+/// waits (and attempts waited for call slots) the limit is trusted as far
+/// as it was used: twice the most
+/// attempts in flight during the window, or what the calls and hops held
+/// plus the queue target.
+///
+/// With a line whose attempts do not wait for call slots (they wait for
+/// the broker or the replies, which a lower limit would not shorten, while
+/// a longer line costs a claim per order), the limit doubles towards the
+/// target; it is never pulled up to it at once, since a window in which
+/// the slots happened to keep up would then flood them.
+///
+/// Windows without times (nothing answered, or agents that do not report
+/// them), and windows without a line whose attempts did not wait for call
+/// slots, follow the law that came before:
+/// - the limit grows to the target at once: a fast agent must not be held
+///   back;
+/// - while orders wait in the agent's line, it shrinks towards the target,
 ///   at most halving per window; a line means the limit is in full use, so
-///   it may go up to the ceiling.
-/// - While nobody waits, only a limit in use is trusted (as TCP's
+///   it may go up to the ceiling;
+/// - while nobody waits, only a limit in use is trusted (as TCP's
 ///   congestion window validation): it never exceeds twice the most
 ///   attempts in flight during the window, or the initial limit, so a limit
 ///   learnt while the remote service was fast and busy decays while it is
 ///   quiet instead of admitting the next burst at once.
-/// - The ceiling caps it, and it never drops below one.
+///
+/// The ceiling caps it, and it never drops below one.
 pub fn adapted_limit(window: &Window, deadline_share: f64) -> i32 {
-    let rate = window.settled as f64 / window.seconds.max(0.001);
+    let seconds = window.seconds.max(0.001);
+    let rate = window.settled as f64 / seconds;
     let target = (rate * f64::from(window.deadline_ms) / 1000.0 * deadline_share).ceil() as i64;
     let limit = i64::from(window.limit);
-    let (trusted, proposed) = if window.waiting > 0 {
-        (i64::from(window.ceiling), target.max(limit / 2))
+    let peak = i64::from(window.peak_in_flight);
+    let measured = window.in_flight_ms > 0;
+    let slots_full = measured && window.slot_wait_ms as f64 / 1000.0 / seconds >= SLOTS_FULL;
+    let in_flight = window.in_flight_ms as f64 / 1000.0 / seconds;
+    let queued = (window.queued_ms as f64 / 1000.0 / seconds).min(in_flight);
+    let held = in_flight - queued;
+    let queue_target = (held * QUEUE_SHARE).max(QUEUE_LEAST);
+    let working = (held + queue_target).ceil() as i64;
+    let adapted = if slots_full {
+        let proposed = if window.waiting == 0 {
+            (2 * peak).max(working)
+        } else if queued > 2.0 * queue_target {
+            working
+        } else if queued < queue_target / 2.0 {
+            2 * limit
+        } else {
+            limit
+        };
+        // What the calls hold is finishing: only a queue may be cut to
+        // respect the deadline.
+        proposed.min(target.max(working))
+    } else if measured && window.waiting > 0 {
+        // A line, and call slots to spare: the limit doubles towards the
+        // target, or comes down towards it at most by half.
+        if target >= limit {
+            (2 * limit).min(target)
+        } else {
+            target.max(limit / 2)
+        }
     } else {
-        (
-            i64::from(window.initial).max(2 * i64::from(window.peak_in_flight)),
-            target.max(limit),
-        )
+        let (trusted, proposed) = if window.waiting > 0 {
+            (i64::from(window.ceiling), target.max(limit / 2))
+        } else {
+            (i64::from(window.initial).max(2 * peak), target.max(limit))
+        };
+        trusted.min(proposed)
     };
-    let adapted = i64::from(window.ceiling).min(trusted).min(proposed.max(1));
+    let adapted = i64::from(window.ceiling).min(adapted.max(1));
     i32::try_from(adapted).unwrap_or(i32::MAX)
 }
 
@@ -178,7 +277,103 @@ mod tests {
             settled: 500,
             seconds: 5.0,
             deadline_ms: 10_000,
+            in_flight_ms: 0,
+            queued_ms: 0,
+            slot_wait_ms: 0,
         }
+    }
+
+    /// A window of 1 s in which a remote of 4 call slots at 100 ms a call
+    /// finished 40 attempts, each in flight `in_flight` ms on average, of
+    /// which `queued` at the agent; a step deadline of 10 s.
+    fn measured(limit: i32, waiting: i32, in_flight: i64, queued: i64) -> Window {
+        Window {
+            limit,
+            initial: 256,
+            ceiling: 1000,
+            waiting,
+            peak_in_flight: limit,
+            settled: 40,
+            seconds: 1.0,
+            deadline_ms: 10_000,
+            in_flight_ms: 40 * in_flight,
+            queued_ms: 40 * queued,
+            slot_wait_ms: 40 * queued,
+        }
+    }
+
+    #[test]
+    fn with_a_line_attempts_queued_at_the_agent_come_back_to_the_line() {
+        // 256 in flight, 6.4 s each, 6.29 s of it queued: the calls and
+        // hops hold 4.4 on average (40 × 0.11 s), and half as many more may
+        // queue.
+        assert_eq!(adapted_limit(&measured(256, 500, 6400, 6290), 0.5), 7);
+        // 2 queued on average, about the target: it stays.
+        assert_eq!(adapted_limit(&measured(7, 500, 160, 50), 0.5), 7);
+        // Less than half the target queued (0.8 of 4.6, with 9.2 in calls
+        // and hops): a slot may be idle, it doubles.
+        assert_eq!(adapted_limit(&measured(7, 500, 250, 20), 0.5), 14);
+        // A slow remote of one slot: at least one attempt may queue.
+        let one_slot = Window {
+            settled: 10,
+            in_flight_ms: 10 * 400,
+            queued_ms: 10 * 290,
+            slot_wait_ms: 10 * 290,
+            ..measured(4, 500, 0, 0)
+        };
+        assert_eq!(adapted_limit(&one_slot, 0.5), 3);
+    }
+
+    #[test]
+    fn with_a_line_and_free_call_slots_the_limit_doubles_towards_the_deadline_target() {
+        // Attempts queue (in the broker, in replies) but hardly any waits
+        // for a call slot: the remote is not what holds them up, and a
+        // lower limit would only make the line longer.
+        let hops = Window {
+            slot_wait_ms: 40 * 5,
+            ..measured(7, 500, 300, 200)
+        };
+        assert_eq!(adapted_limit(&hops, 0.5), 14);
+        // Past the target (40 a second for half of 10 s): at most halved.
+        assert_eq!(adapted_limit(&Window { limit: 500, ..hops }, 0.5), 250);
+        assert_eq!(adapted_limit(&Window { limit: 300, ..hops }, 0.5), 200);
+    }
+
+    #[test]
+    fn measured_growth_stops_at_the_deadline_target_and_the_ceiling() {
+        // 40 a second for 10 s, half of it: 200.
+        assert_eq!(adapted_limit(&measured(150, 500, 110, 0), 0.5), 200);
+        let low_ceiling = Window {
+            ceiling: 100,
+            ..measured(80, 500, 110, 0)
+        };
+        assert_eq!(adapted_limit(&low_ceiling, 0.5), 100);
+    }
+
+    #[test]
+    fn measured_without_a_line_at_full_slots_the_limit_is_what_was_used() {
+        // Attempts waited for call slots, 10 at most in flight: twice that,
+        // not the initial 256, which would flood the slots at the next
+        // burst.
+        let quiet = Window {
+            peak_in_flight: 10,
+            ..measured(256, 0, 110, 50)
+        };
+        assert_eq!(adapted_limit(&quiet, 0.5), 20);
+        // Used less than the calls held (the peak was reset in the
+        // window): what they held, 8, plus the queue target, 4.
+        let reset = Window {
+            peak_in_flight: 1,
+            ..measured(256, 0, 300, 100)
+        };
+        assert_eq!(adapted_limit(&reset, 0.5), 12);
+        // No attempt waited for a slot: the law that came before, which
+        // keeps the initial limit for a burst.
+        let idle_slots = Window {
+            peak_in_flight: 10,
+            ..measured(256, 0, 110, 0)
+        };
+        assert_eq!(adapted_limit(&idle_slots, 0.5), 256);
     }
 
     #[test]

@@ -132,6 +132,8 @@ fn order_in(state: ProcessState) -> (Snapshot, AttemptId) {
 
 fn reply(attempt_id: AttemptId, outcome: StepOutcome) -> StepReply {
     StepReply {
+        queued_ms: None,
+        slot_wait_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: "o-1".into(),
         step: "charge_payment".into(),
@@ -682,7 +684,7 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
             agent: "inventory".into(),
             in_flight: 0,
             waiting: 1,
-            unstarted: 0,
+            ..AdmissionDelta::default()
         }]
     );
     // Its claim takes it out of the line and into a slot.
@@ -700,7 +702,7 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
             agent: "inventory".into(),
             in_flight: 1,
             waiting: -1,
-            unstarted: 0,
+            ..AdmissionDelta::default()
         }]
     );
     assert_eq!(
@@ -716,7 +718,13 @@ fn an_order_whose_agent_has_no_free_slot_waits_in_its_line_without_a_deadline() 
 #[test]
 fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
     let (snapshot, current) = order_in(ProcessState::Processing);
-    let ok = reply(current, succeeded());
+    let ok = StepReply {
+        // Of its second in flight (dispatched at t(2)), 0.4 s queued, 0.3 s
+        // of it for a call slot.
+        queued_ms: Some(400),
+        slot_wait_ms: Some(300),
+        ..reply(current, succeeded())
+    };
     let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
     assert_eq!(
         decision.admission,
@@ -726,12 +734,14 @@ fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
                 in_flight: -1,
                 waiting: 0,
                 unstarted: 0,
+                in_flight_ms: 1000,
+                queued_ms: 400,
+                slot_wait_ms: 300,
             },
             AdmissionDelta {
                 agent: "shipping".into(),
                 in_flight: 1,
-                waiting: 0,
-                unstarted: 0,
+                ..AdmissionDelta::default()
             },
         ]
     );
@@ -753,12 +763,14 @@ fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
                 in_flight: -1,
                 waiting: 0,
                 unstarted: 0,
+                in_flight_ms: 1000,
+                queued_ms: 400,
+                slot_wait_ms: 300,
             },
             AdmissionDelta {
                 agent: "shipping".into(),
-                in_flight: 0,
                 waiting: 1,
-                unstarted: 0,
+                ..AdmissionDelta::default()
             },
         ]
     );
@@ -817,6 +829,10 @@ fn an_attempt_that_never_started_goes_back_to_its_line_without_a_failure() {
             in_flight: -1,
             waiting: 1,
             unstarted: 1,
+            // Dispatched at t(2), answered at t(9).
+            in_flight_ms: 7000,
+            queued_ms: 0,
+            slot_wait_ms: 0,
         }]
     );
     // A claim starts a fresh attempt of the same step.
@@ -1311,6 +1327,8 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
         });
         // The reservation answers with its id, which the key reads.
         let ok = StepReply {
+            queued_ms: None,
+            slot_wait_ms: None,
             outcome: StepOutcome::Succeeded {
                 result: serde_json::json!({ "id": "res-77" }),
             },

@@ -430,9 +430,12 @@ async fn apply_all(
              UPDATE admission a
                 SET in_flight = a.in_flight + d.in_flight, waiting = a.waiting + d.waiting,
                     peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + d.peak_rise),
-                    settled = a.settled + d.settled
-               FROM (SELECT * FROM UNNEST($35::text[], $36::int4[], $37::int4[], $38::int4[], $39::int8[])
-                              AS d(agent, in_flight, waiting, peak_rise, settled) ORDER BY agent) d
+                    settled = a.settled + d.settled, in_flight_ms = a.in_flight_ms + d.in_flight_ms,
+                    queued_ms = a.queued_ms + d.queued_ms, slot_wait_ms = a.slot_wait_ms + d.slot_wait_ms
+               FROM (SELECT * FROM UNNEST($35::text[], $36::int4[], $37::int4[], $38::int4[], $39::int8[],
+                                          $40::int8[], $41::int8[], $42::int8[])
+                              AS d(agent, in_flight, waiting, peak_rise, settled, in_flight_ms,
+                                   queued_ms, slot_wait_ms) ORDER BY agent) d
               WHERE a.agent = d.agent)
          SELECT (SELECT count(*) FROM p) AS process, (SELECT count(*) FROM s) AS steps",
     )
@@ -475,6 +478,9 @@ async fn apply_all(
     .bind(&rows.admission.waiting)
     .bind(&rows.admission.peak_rise)
     .bind(&rows.admission.settled)
+    .bind(&rows.admission.in_flight_ms)
+    .bind(&rows.admission.queued_ms)
+    .bind(&rows.admission.slot_wait_ms)
     .fetch_one(&mut *conn)
     .await?;
     let (changed_process, changed_steps): (i64, i64) =
@@ -553,7 +559,9 @@ struct HistoryColumns<'a> {
 /// The batch's admission deltas summed by agent, in agent order: the
 /// attempts in flight and places in line it moves, the highest the
 /// in-flight count rises along the batch (for the peak), and the attempts
-/// it settles (a slot given back by an attempt that started).
+/// it settles (a slot given back by an attempt that started), and the
+/// answered attempts' milliseconds in flight, queued, and waiting for call
+/// slots.
 #[derive(Default)]
 struct AdmissionColumns {
     agent: Vec<String>,
@@ -561,13 +569,28 @@ struct AdmissionColumns {
     waiting: Vec<i32>,
     peak_rise: Vec<i32>,
     settled: Vec<i64>,
+    in_flight_ms: Vec<i64>,
+    queued_ms: Vec<i64>,
+    slot_wait_ms: Vec<i64>,
+}
+
+/// One agent's deltas summed over a batch: see [`AdmissionColumns`].
+#[derive(Default)]
+struct AgentSum {
+    in_flight: i32,
+    waiting: i32,
+    peak_rise: i32,
+    settled: i64,
+    in_flight_ms: i64,
+    queued_ms: i64,
+    slot_wait_ms: i64,
 }
 
 impl<'a> Rows<'a> {
     fn of(writes: &[&'a Decided]) -> Self {
         let mut rows = Self::default();
-        // agent -> (in flight, waiting, peak rise, settled), in agent order.
-        let mut admission: BTreeMap<&str, (i32, i32, i32, i64)> = BTreeMap::new();
+        // The batch's deltas summed by agent, in agent order.
+        let mut admission: BTreeMap<&str, AgentSum> = BTreeMap::new();
         for decided in writes {
             let (snapshot, decision) = (&decided.snapshot, &decided.decision);
             let order_id = snapshot.order_id.as_str();
@@ -620,19 +643,25 @@ impl<'a> Rows<'a> {
             }
             for delta in &decision.admission {
                 let sum = admission.entry(delta.agent.as_str()).or_default();
-                sum.0 += delta.in_flight;
-                sum.1 += delta.waiting;
-                sum.2 = sum.2.max(sum.0);
-                sum.3 += i64::from((-delta.in_flight - delta.unstarted).max(0));
+                sum.in_flight += delta.in_flight;
+                sum.waiting += delta.waiting;
+                sum.peak_rise = sum.peak_rise.max(sum.in_flight);
+                sum.settled += i64::from((-delta.in_flight - delta.unstarted).max(0));
+                sum.in_flight_ms += delta.in_flight_ms;
+                sum.queued_ms += delta.queued_ms;
+                sum.slot_wait_ms += delta.slot_wait_ms;
             }
         }
-        for (agent, (in_flight, waiting, peak_rise, settled)) in admission {
+        for (agent, sum) in admission {
             let a = &mut rows.admission;
             a.agent.push(agent.to_owned());
-            a.in_flight.push(in_flight);
-            a.waiting.push(waiting);
-            a.peak_rise.push(peak_rise);
-            a.settled.push(settled);
+            a.in_flight.push(sum.in_flight);
+            a.waiting.push(sum.waiting);
+            a.peak_rise.push(sum.peak_rise);
+            a.settled.push(sum.settled);
+            a.in_flight_ms.push(sum.in_flight_ms);
+            a.queued_ms.push(sum.queued_ms);
+            a.slot_wait_ms.push(sum.slot_wait_ms);
         }
         rows
     }

@@ -51,6 +51,12 @@ impl Writes<'_> {
         let results: Vec<serde_json::Value> =
             replies.iter().map(|(_, result)| storable(result)).collect();
         let next_attempt_ids: Vec<Uuid> = replies.iter().map(|_| Uuid::now_v7()).collect();
+        let reported = |ms: Option<u64>| ms.map_or(0, |ms| i64::try_from(ms).unwrap_or(i64::MAX));
+        let queued_ms: Vec<i64> = replies.iter().map(|(r, _)| reported(r.queued_ms)).collect();
+        let slot_wait_ms: Vec<i64> = replies
+            .iter()
+            .map(|(r, _)| reported(r.slot_wait_ms))
+            .collect();
         let details: Vec<String> = replies
             .iter()
             .map(|(r, _)| format!("by {}", r.agent_id))
@@ -64,8 +70,10 @@ impl Writes<'_> {
         // thousands of dead entries between vacuums, for every batch.
         let rows = sqlx::query(
             "WITH r AS MATERIALIZED (
-                 SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::jsonb[], $4::uuid[], $5::text[])
-                        AS r(order_id, attempt_id, result, next_attempt_id, detail)),
+                 SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::jsonb[], $4::uuid[], $5::text[],
+                                      $7::int8[], $8::int8[])
+                        AS r(order_id, attempt_id, result, next_attempt_id, detail, queued_ms,
+                             slot_wait_ms)),
              p AS MATERIALIZED (
                  SELECT op.order_id, op.reply_to, op.reply_correlation_id, op.trace_id FROM order_process op
                   WHERE op.order_id = ANY($1) AND op.state::text = 'processing'
@@ -101,7 +109,7 @@ impl Writes<'_> {
                                      WHERE e.order_id = d.order_id AND e.position = d.position + 1
                                        AND (e.park IS NOT NULL OR e.step_group IS NOT NULL))
               RETURNING d.order_id, d.position, d.name, d.agent, d.updated_at, r.attempt_id, r.result,
-                        r.next_attempt_id, r.detail,
+                        r.next_attempt_id, r.detail, r.queued_ms, r.slot_wait_ms,
                         EXTRACT(EPOCH FROM now() - (d.complete_by - make_interval(secs => d.timeout_ms::float8 / 1000)))::float8 AS latency),
              next AS (
                  UPDATE steps n
@@ -126,11 +134,20 @@ impl Writes<'_> {
              q AS (
                  UPDATE admission a
                     SET in_flight = a.in_flight + x.delta, settled = a.settled + x.released,
-                        peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + x.delta)
-                   FROM (SELECT agent, sum(delta)::int4 AS delta, sum(released)::int4 AS released
-                           FROM (SELECT agent, -1 AS delta, 1 AS released FROM done
+                        peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + x.delta),
+                        in_flight_ms = a.in_flight_ms + x.in_flight_ms,
+                        queued_ms = a.queued_ms + x.queued_ms,
+                        slot_wait_ms = a.slot_wait_ms + x.slot_wait_ms
+                   FROM (SELECT agent, sum(delta)::int4 AS delta, sum(released)::int4 AS released,
+                                sum(in_flight_ms)::int8 AS in_flight_ms,
+                                sum(LEAST(queued_ms, in_flight_ms))::int8 AS queued_ms,
+                                sum(LEAST(slot_wait_ms, in_flight_ms))::int8 AS slot_wait_ms
+                           FROM (SELECT agent, -1 AS delta, 1 AS released,
+                                        GREATEST(round(latency * 1000), 0)::int8 AS in_flight_ms,
+                                        queued_ms, slot_wait_ms
+                                   FROM done
                                  UNION ALL
-                                 SELECT agent, 1, 0 FROM next) u
+                                 SELECT agent, 1, 0, 0, 0, 0 FROM next) u
                           GROUP BY agent ORDER BY agent) x
                   WHERE a.agent = x.agent),
              h AS (
@@ -171,6 +188,8 @@ impl Writes<'_> {
         .bind(&next_attempt_ids)
         .bind(&details)
         .bind(actor)
+        .bind(&queued_ms)
+        .bind(&slot_wait_ms)
         .fetch_all(self.pool())
         .await?;
         rows.iter()

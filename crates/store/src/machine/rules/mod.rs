@@ -21,8 +21,8 @@ use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 
 use super::dispatch::{attempt_detail, operation, payload};
 use super::{
-    admission_delta, admit_key, status, AlertKind, Context, Decision, Event, HistoryEvent,
-    HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
+    admission_delta, admit_key, status, AdmissionDelta, AlertKind, Context, Decision, Event,
+    HistoryEvent, HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
 };
 use crate::model::{Dispatch, ProcessState, Progress, StepState};
 
@@ -79,6 +79,10 @@ struct Draft<'a> {
     /// The agent of an attempt given back that never started: its slot is
     /// no completion.
     unstarted: Option<String>,
+    /// The agent of the attempt a reply answered, with how long it was in
+    /// flight, queued at the agent, and waited for its call slots
+    /// (milliseconds): what admission control measures.
+    answered: Option<(String, i64, i64, i64)>,
     /// The mailbox event a wait step used.
     used_event: Option<String>,
     /// The business key the order now waits with, if its wait has one.
@@ -104,6 +108,7 @@ impl<'a> Draft<'a> {
                 ..Progress::default()
             },
             unstarted: None,
+            answered: None,
             used_event: None,
             wait_key: None,
         }
@@ -364,6 +369,27 @@ impl<'a> Draft<'a> {
             if let Some(delta) = admission.iter_mut().find(|d| &d.agent == given_back) {
                 delta.unstarted = 1;
             }
+        }
+        if let Some((agent, in_flight_ms, queued_ms, slot_wait_ms)) = self.answered {
+            let at = match admission.iter().position(|d| d.agent == agent) {
+                Some(at) => at,
+                None => {
+                    // A transient failure keeps its slot until the
+                    // supervisor decides: its times count all the same.
+                    let at = admission.partition_point(|d| d.agent < agent);
+                    admission.insert(
+                        at,
+                        AdmissionDelta {
+                            agent,
+                            ..AdmissionDelta::default()
+                        },
+                    );
+                    at
+                }
+            };
+            admission[at].in_flight_ms = in_flight_ms;
+            admission[at].queued_ms = queued_ms;
+            admission[at].slot_wait_ms = slot_wait_ms;
         }
         Decision {
             admission,

@@ -40,6 +40,21 @@ pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
 /// that never started goes back to its agent's line.
 pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
     let name = draft.steps[index].name.clone();
+    let step = &draft.steps[index];
+    let in_flight_ms = step.complete_by.map_or(0, |complete_by| {
+        let dispatched = complete_by - chrono::TimeDelta::milliseconds(i64::from(step.timeout_ms));
+        (draft.ctx.now - dispatched).num_milliseconds().max(0)
+    });
+    let reported = |ms: Option<u64>| {
+        ms.map_or(0, |ms| i64::try_from(ms).unwrap_or(i64::MAX))
+            .min(in_flight_ms)
+    };
+    draft.answered = Some((
+        step.agent.clone(),
+        in_flight_ms,
+        reported(reply.queued_ms),
+        reported(reply.slot_wait_ms),
+    ));
     let by = format!("by {}", reply.agent_id);
     let expected = draft.steps[index].state;
     // "Maybe applied" is never read as "not applied": an action whose
