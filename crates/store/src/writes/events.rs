@@ -117,15 +117,14 @@ impl Writes<'_> {
                 EventOutcome::Duplicate
             });
         }
-        let mut inserted = false;
-        for order_id in &orders {
-            inserted |= keep(&mut tx, order_id, event, &data, ttl).await?;
-        }
         if let (None, Some(key)) = (&event.order_id, &event.correlation_key) {
             // The event may have been kept by key before these orders
             // parked (a redelivery after a lost ack, before the supervisors'
             // adoption): they have it now, so nobody else gets it, and it
-            // is not dead-lettered as one no order waited for.
+            // is not dead-lettered as one no order waited for. Closed
+            // before the mailboxes are written, in the order adoption
+            // takes its locks (the kept row, then the mailboxes): the other
+            // way round, each would wait for the other.
             sqlx::query(
                 "UPDATE keyed_events SET adopted_at = now(), adopted_by = $3
                   WHERE correlation_key = $1 AND event_id = $2
@@ -136,6 +135,10 @@ impl Writes<'_> {
             .bind(&orders[0])
             .execute(&mut *tx)
             .await?;
+        }
+        let mut inserted = false;
+        for order_id in &orders {
+            inserted |= keep(&mut tx, order_id, event, &data, ttl).await?;
         }
         // A redelivered event that was kept but not used is offered again:
         // the order may have reached its wait since.
