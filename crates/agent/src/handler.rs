@@ -207,12 +207,21 @@ impl Agent {
             agent_id: self.id.clone(),
             outcome,
         };
+        // The queue times go in headers: a scheduler that does not know
+        // them ignores headers, where it refuses unknown body fields.
+        let mut headers =
+            sas_broker::publish::order_headers(&request.order_id, received.trace_id.as_deref());
+        for (key, value) in [
+            (sas_messages::headers::QUEUED_MS, queued_ms),
+            (sas_messages::headers::SLOT_WAIT_MS, slot_wait_ms),
+        ] {
+            if let Some(value) = value {
+                headers = sas_broker::publish::with_number_header(headers, key, value);
+            }
+        }
         let properties = json_properties(&uuid::Uuid::now_v7().to_string())
             .with_correlation_id(request.attempt_id.to_string().into())
-            .with_headers(sas_broker::publish::order_headers(
-                &request.order_id,
-                received.trace_id.as_deref(),
-            ));
+            .with_headers(headers);
         let message = Outgoing {
             exchange: String::new(),
             routing_key: received.reply_to.clone(),
@@ -370,11 +379,10 @@ impl Agent {
     /// What the reply says of the time the request queued (see
     /// [`StepReply::queued_ms`] and [`StepReply::slot_wait_ms`]): from its
     /// dispatch to the first call (or to now when no call was made), and
-    /// how long it waited for call slots. Only for a scheduler that asked
-    /// for them and a request that says when it was dispatched.
+    /// how long it waited for call slots. Only for a request that says when
+    /// it was dispatched.
     fn queue_times(&self, request: &StepRequest, tries: &Tries) -> (Option<u64>, Option<u64>) {
-        let Some(dispatched_at) = request.dispatched_at.filter(|_| request.report_queue_times)
-        else {
+        let Some(dispatched_at) = request.dispatched_at else {
             return (None, None);
         };
         let until = tries

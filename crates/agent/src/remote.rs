@@ -620,7 +620,6 @@ mod tests {
             payload: serde_json::json!({"amount_cents": 250}),
             method: method.map(str::to_owned),
             path: path.map(str::to_owned),
-            report_queue_times: false,
         }
     }
 

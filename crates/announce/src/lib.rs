@@ -270,7 +270,6 @@ pub fn request_message(
         payload: dispatch.payload.clone(),
         method: dispatch.method.clone(),
         path: dispatch.path.clone(),
-        report_queue_times: true,
     };
     let attempt_id = dispatch.attempt_id.to_string();
     let properties = json_properties(&attempt_id)

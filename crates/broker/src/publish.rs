@@ -371,6 +371,27 @@ pub fn traceparent_of(properties: &BasicProperties) -> Option<sas_messages::Trac
         .and_then(|value| sas_messages::TraceParent::parse(&value))
 }
 
+/// `table` with a whole-number header: how the agents send a reply's queue
+/// times ([`headers::QUEUED_MS`], [`headers::SLOT_WAIT_MS`]).
+pub fn with_number_header(mut table: FieldTable, key: &str, value: u64) -> FieldTable {
+    table.insert(
+        ShortString::from(key.to_owned()),
+        AMQPValue::LongLongInt(i64::try_from(value).unwrap_or(i64::MAX)),
+    );
+    table
+}
+
+/// Reads a whole-number header that is not negative, if present: none for
+/// any other value, whoever set it.
+pub fn header_u64(properties: &BasicProperties, key: &str) -> Option<u64> {
+    match properties.headers().as_ref()?.inner().get(key)? {
+        AMQPValue::LongLongInt(value) => u64::try_from(*value).ok(),
+        AMQPValue::LongInt(value) => u64::try_from(*value).ok(),
+        AMQPValue::LongUInt(value) => Some(u64::from(*value)),
+        _ => None,
+    }
+}
+
 /// Reads a string header (long or short string), if present.
 pub fn header_str(properties: &BasicProperties, key: &str) -> Option<String> {
     let headers = properties.headers().as_ref()?;

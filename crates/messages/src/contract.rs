@@ -115,8 +115,10 @@ fn info() -> Value {
             "Headers: `traceparent` (W3C trace context; a client may set it on an order to ",
             "join its trace), `x-sas-order-id` on every message about an order, ",
             "`x-sas-published-at` (microseconds since the epoch, by the publishing service's ",
-            "clock; informational) on every message our services publish, and on dead ",
-            "letters `x-sas-reason`, `x-sas-source-queue` and `x-sas-original-user`.\n\n",
+            "clock; informational) on every message our services publish, on step replies ",
+            "`x-sas-queued-ms` and `x-sas-slot-wait-ms` (how long the request queued and ",
+            "waited for a call slot, whole milliseconds; admission control reads them), and ",
+            "on dead letters `x-sas-reason`, `x-sas-source-queue` and `x-sas-original-user`.\n\n",
             "Which readers refuse unknown fields, and the upgrade order that follows, are in ",
             "docs/messages.md (Upgrades)."
         ),

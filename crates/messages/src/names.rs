@@ -116,6 +116,14 @@ pub mod headers {
     pub const ORDER_ID: &str = "x-sas-order-id";
     /// W3C trace context, so one order's spans join up across services.
     pub const TRACEPARENT: &str = "traceparent";
+    /// On a step reply: milliseconds from the request's `dispatched_at` to
+    /// the agent's first call for it (see [`crate::StepReply::queued_ms`]).
+    /// A header, not a body field, so that a scheduler that does not know
+    /// it, which refuses unknown body fields, ignores it.
+    pub const QUEUED_MS: &str = "x-sas-queued-ms";
+    /// On a step reply: milliseconds the request's calls waited for the
+    /// agent's call slots (see [`crate::StepReply::slot_wait_ms`]).
+    pub const SLOT_WAIT_MS: &str = "x-sas-slot-wait-ms";
     /// When one of our services handed the message to the broker, in
     /// microseconds since the Unix epoch by its clock (a 64-bit integer):
     /// the receiver's `sas_queue_wait_seconds`, a line of the benchmark's

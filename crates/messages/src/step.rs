@@ -71,11 +71,6 @@ pub struct StepRequest {
     /// `/<action>` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// True when the scheduler reads `queued_ms` and `slot_wait_ms` in the
-    /// reply: agents send them only then, so that an older scheduler, which
-    /// refuses unknown fields, never gets them.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub report_queue_times: bool,
 }
 
 /// What the agent learned from the remote service.
@@ -142,14 +137,16 @@ pub struct StepReply {
     /// database clock as the agent estimates it: the time it queued in the
     /// agent queue and for a call slot. Admission control shrinks the
     /// agent's limit while attempts queue there (docs/design-decisions.md).
-    /// Sent only in answer to a request with `report_queue_times`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Not in the body: it travels in the reply's
+    /// [`crate::headers::QUEUED_MS`] header, which a scheduler that does not
+    /// know it ignores, and the scheduler sets it from there.
+    #[serde(skip)]
     pub queued_ms: Option<u64>,
     /// Of `queued_ms` and the retries after it, the milliseconds the
     /// request waited for one of the agent's call slots (`agent.concurrency`):
     /// while attempts wait for slots, the remote service is what holds them
-    /// up, and admission control keeps the backlog in the line. Sent only
-    /// in answer to a request with `report_queue_times`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// up, and admission control keeps the backlog in the line. Carried in
+    /// the [`crate::headers::SLOT_WAIT_MS`] header, as `queued_ms`.
+    #[serde(skip)]
     pub slot_wait_ms: Option<u64>,
 }

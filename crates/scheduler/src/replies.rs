@@ -2,8 +2,9 @@
 //! does not come from an agent.
 
 use sas_broker::consume::{Consumed, Delivery};
+use sas_broker::publish::header_u64;
 use sas_broker::Publisher;
-use sas_messages::{decode, StepOutcome, StepReply};
+use sas_messages::{decode, headers, StepOutcome, StepReply};
 use sas_store::writes::progress::ReplyOutcome;
 
 use crate::{stopping, Scheduler};
@@ -28,10 +29,15 @@ impl Scheduler {
         if let Some(refused) = self.refuse_forged(&delivery) {
             return refused;
         }
-        let reply: StepReply = match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
-            Ok(reply) => reply,
-            Err(error) => return Consumed::DeadLetter(error.to_string()),
-        };
+        let mut reply: StepReply =
+            match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
+                Ok(reply) => reply,
+                Err(error) => return Consumed::DeadLetter(error.to_string()),
+            };
+        // How long the request queued, from the reply's headers (none from
+        // agents that do not send them): what admission control measures.
+        reply.queued_ms = header_u64(&delivery.properties, headers::QUEUED_MS);
+        reply.slot_wait_ms = header_u64(&delivery.properties, headers::SLOT_WAIT_MS);
         let attempt_id = reply.attempt_id.to_string();
         if delivery.correlation_id() != Some(attempt_id.as_str()) {
             return Consumed::DeadLetter(format!(

@@ -151,7 +151,6 @@ fn request(
         payload: serde_json::json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
         method: None,
         path: None,
-        report_queue_times: true,
     }
 }
 
@@ -177,14 +176,22 @@ async fn send(
         .unwrap();
 }
 
-/// The next reply on `consumer`, within `timeout`.
+/// The next reply on `consumer`, within `timeout`, with the queue times of
+/// its headers, as a scheduler reads it.
 async fn next_reply(consumer: &mut Consumer, timeout: Duration) -> StepReply {
     let delivery = tokio::time::timeout(timeout, consumer.next())
         .await
         .expect("a reply in time")
         .expect("the consumer is open")
         .expect("a delivery");
-    serde_json::from_slice(&delivery.data).expect("a StepReply")
+    let mut reply: StepReply = serde_json::from_slice(&delivery.data).expect("a StepReply");
+    // The body never carries them: an older scheduler would refuse it.
+    let body: serde_json::Value = serde_json::from_slice(&delivery.data).unwrap();
+    assert!(body.get("queued_ms").is_none() && body.get("slot_wait_ms").is_none());
+    let number = |key| sas_broker::publish::header_u64(&delivery.properties, key);
+    reply.queued_ms = number(sas_messages::headers::QUEUED_MS);
+    reply.slot_wait_ms = number(sas_messages::headers::SLOT_WAIT_MS);
+    reply
 }
 
 /// Waits until the agent's log contains `needle`, and returns the log.
@@ -318,9 +325,9 @@ async fn a_wrong_bearer_token_is_refused_clearly_and_nothing_is_applied() {
         Duration::from_secs(8),
         Duration::from_secs(10),
     );
-    // A scheduler that does not ask for the queue time never gets it: an
-    // older one would refuse the unknown field.
-    request.report_queue_times = false;
+    // A request that does not say when it was dispatched (an older
+    // scheduler's) gets no queue times.
+    request.dispatched_at = None;
     send(&env, &publisher, "payment", &reply_to, &request).await;
     let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
     assert_eq!(reply.attempt_id, request.attempt_id);

@@ -202,9 +202,9 @@ pub const QUEUE_LEAST: f64 = 1.0;
 /// target; it is never pulled up to it at once, since a window in which
 /// the slots happened to keep up would then flood them.
 ///
-/// Windows without times (nothing answered, or agents that do not report
-/// them), and windows without a line whose attempts did not wait for call
-/// slots, follow the law that came before:
+/// Windows in which nothing was answered, and windows without a line whose
+/// attempts did not wait for call slots (which includes every window of
+/// agents that do not report queue times), follow the law that came before:
 /// - the limit grows to the target at once: a fast agent must not be held
 ///   back;
 /// - while orders wait in the agent's line, it shrinks towards the target,
