@@ -571,6 +571,16 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
     sim.assert_every_order_done_once().await;
 }
 
+/// A wait step `settlement` for `settled`, found by the invoice number the
+/// order carries.
+const SETTLEMENT_BY_INVOICE: &str = r#"[[steps]]
+name = "settlement"
+kind = "wait"
+event = "settled"
+correlation_key = "/attributes/invoice"
+timeout_ms = 60000
+"#;
+
 /// A workflow whose settlement waits for `settled`, found by the invoice
 /// number the order carries (`correlation_key = "/attributes/invoice"`),
 /// with the settings that make a scheduler run it and keep unclaimed
@@ -581,13 +591,7 @@ fn keyed_workflow(env: &TestEnv) -> Vec<Setting> {
 version = 1
 
 {}
-[[steps]]
-name = "settlement"
-kind = "wait"
-event = "settled"
-correlation_key = "/attributes/invoice"
-timeout_ms = 60000
-
+{SETTLEMENT_BY_INVOICE}
 {}[steps.request.body]
 order = "${{/order}}"
 settled_by = "${{/results/settlement/by}}"
@@ -698,14 +702,8 @@ async fn events_by_business_key_reach_the_order_waiting_with_it_before_or_after_
     env.publish_event(&publisher, &settled("INV-404", "psp-404"))
         .await;
     wait_for_dead_letter(&env, "psp-404", "correlation key INV-404").await;
-    let kept: Vec<(String, String, Option<String>)> = sqlx::query_as(
-        "SELECT correlation_key, event_id, adopted_by FROM keyed_events ORDER BY event_id",
-    )
-    .fetch_all(env.store.pool())
-    .await
-    .unwrap();
     assert_eq!(
-        kept,
+        kept_by_key(&env).await,
         [
             (
                 "INV-2".to_owned(),
@@ -807,13 +805,7 @@ fn keyed_first_workflow(env: &TestEnv) -> Vec<Setting> {
         r#"name = "order"
 version = 1
 
-[[steps]]
-name = "settlement"
-kind = "wait"
-event = "settled"
-correlation_key = "/attributes/invoice"
-timeout_ms = 60000
-
+{SETTLEMENT_BY_INVOICE}
 {}"#,
         env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
     );
