@@ -1,5 +1,8 @@
 //! Admission control's shared state: one row per agent (`admission`), read
-//! by every scheduler and adapted by the supervisors. What the counters mean
+//! by every scheduler and adapted by the supervisors, and the agent's
+//! shards (`admission_shard`), where the hot paths add their deltas so that
+//! they do not wait for each other's commits on one row. Readers use the
+//! `admission_now` view, the row plus its shards. What the counters mean
 //! and how the limit adapts (the control law) is decided in
 //! [`crate::machine::admission`]; this module reads and writes the rows.
 
@@ -11,6 +14,14 @@ use sqlx::AssertSqlSafe;
 
 use crate::machine::admission::{adapted_limit, Window};
 use crate::{Store, StoreError};
+
+/// How many shards each agent's counters have. The intake and fast reply
+/// statements each add to one, picked at random: with two or three
+/// statements in flight per scheduler, eight make a meeting on one row
+/// rare. [`Admission::register`] makes them; a statement that picks one not
+/// there (a row made by hand, or by an older scheduler) makes it. Readers
+/// sum whatever shards exist, so changing the number loses nothing.
+pub(crate) const SHARDS: i16 = 8;
 
 /// The agents' admission rows of a [`Store`] (see [`Store::admission`]):
 /// registered by schedulers, read by every scheduler's claim through the
@@ -110,8 +121,9 @@ pub struct Adaptation {
 
 impl Admission<'_> {
     /// Makes sure every agent in `agents` (name, shortest step deadline) has
-    /// an admission row, starting at `initial` under `ceiling`; an existing
-    /// row takes the new ceiling and deadline and keeps its counters.
+    /// an admission row and its [`SHARDS`] shards, starting at `initial`
+    /// under `ceiling`; an existing row takes the new ceiling and deadline
+    /// and keeps its counters.
     ///
     /// # Errors
     /// When the database fails.
@@ -142,19 +154,44 @@ impl Admission<'_> {
         .bind(ceiling)
         .execute(self.pool())
         .await?;
+        // Made here rather than on a hot statement's first use, whose
+        // foreign-key check would wait for a row a supervisor holds.
+        sqlx::query(
+            "INSERT INTO admission_shard (agent, shard)
+             SELECT agent, shard
+               FROM UNNEST($1::text[]) AS a(agent)
+              CROSS JOIN generate_series(0, $2::int2 - 1) AS s(shard)
+              ORDER BY agent, shard
+             ON CONFLICT (agent, shard) DO NOTHING",
+        )
+        .bind(&names)
+        .bind(SHARDS)
+        .execute(self.pool())
+        .await?;
         Ok(())
     }
 
     /// Adapts the limit of every agent whose window has run its length, by
     /// [`crate::machine::admission::adapted_limit`] (the control law, in
     /// Rust), and returns every agent's counters. The rows adapted stay
-    /// locked from their read to their write; a row another supervisor is
-    /// adapting is skipped.
+    /// locked from their read to their write, their shards folded into them
+    /// first (so the window starts with shards at zero and the peak is
+    /// exact); a row another supervisor is adapting is skipped.
     ///
     /// # Errors
     /// When the database fails.
     pub async fn adapt(self, adaptation: &Adaptation) -> Result<Vec<AgentAdmission>, StoreError> {
         let mut tx = self.pool().begin().await?;
+        let due: Vec<String> = sqlx::query_scalar(
+            "SELECT agent FROM admission
+              WHERE now() - window_started >= make_interval(secs => $1::float8 / 1000)
+              ORDER BY agent
+                FOR UPDATE SKIP LOCKED",
+        )
+        .bind(adaptation.window.as_millis() as f64)
+        .fetch_all(&mut *tx)
+        .await?;
+        fold(&mut tx, &due).await?;
         let due: Vec<DueWindow> = sqlx::query_as(
             "SELECT agent, admit_limit, initial_limit, ceiling, waiting, peak_in_flight,
                     settled - window_settled AS settled,
@@ -163,11 +200,10 @@ impl Admission<'_> {
                     queued_ms - window_queued_ms AS queued_ms,
                     slot_wait_ms - window_slot_wait_ms AS slot_wait_ms
                FROM admission
-              WHERE now() - window_started >= make_interval(secs => $1::float8 / 1000)
-              ORDER BY agent
-                FOR UPDATE SKIP LOCKED",
+              WHERE agent = ANY($1)
+              ORDER BY agent",
         )
-        .bind(adaptation.window.as_millis() as f64)
+        .bind(&due)
         .fetch_all(&mut *tx)
         .await?;
         let limits: Vec<i32> = due
@@ -186,10 +222,11 @@ impl Admission<'_> {
                   WHERE a.agent = d.agent
               RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling)
              -- The statement's own snapshot predates its update: the adapted
-             -- rows come from RETURNING.
+             -- rows come from RETURNING (exact: their shards are folded and
+             -- locked).
              SELECT * FROM adapted
              UNION ALL
-             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission
+             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission_now
               WHERE agent <> ALL($1::text[])
              ORDER BY agent",
         )
@@ -218,7 +255,7 @@ impl Admission<'_> {
                                   * interval '1 microsecond'))::float8
                        FROM order_process p
                       WHERE p.waiting_for = a.agent) AS oldest_wait_secs
-               FROM admission a
+               FROM admission_now a
               ORDER BY a.agent",
         )
         .bind(crate::machine::PRIORITY_STEP.num_microseconds())
@@ -247,11 +284,12 @@ impl Admission<'_> {
     /// edited by hand, a bug): a lost slot would otherwise be lost for
     /// good. Returns the corrections made.
     ///
-    /// Safe beside live traffic: the admission rows are locked first, and
-    /// every transition moves them in the same statement as its orders, so
-    /// the count (taken after the locks, in a statement of its own) sees
-    /// exactly the transitions whose deltas are already applied. Those
-    /// waiting for the locks apply theirs after the correction.
+    /// Safe beside live traffic: the admission rows and then their shards
+    /// are locked first (the shards folded into the rows), and every
+    /// transition moves one or the other in the same statement as its
+    /// orders, so the count (taken after the locks, in a statement of its
+    /// own) sees exactly the transitions whose deltas are already applied.
+    /// Those waiting for the locks apply theirs after the correction.
     ///
     /// # Errors
     /// When the database fails, or the rows stay locked for 200 ms.
@@ -262,9 +300,11 @@ impl Admission<'_> {
         sqlx::query("SET LOCAL lock_timeout = '200ms'")
             .execute(&mut *tx)
             .await?;
-        sqlx::query("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
-            .execute(&mut *tx)
-            .await?;
+        let agents: Vec<String> =
+            sqlx::query_scalar("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
+                .fetch_all(&mut *tx)
+                .await?;
+        fold(&mut tx, &agents).await?;
         let corrections = sqlx::query_as(AssertSqlSafe(format!(
             "WITH recount AS ({RECOUNT}),
              counted AS (
@@ -284,6 +324,51 @@ impl Admission<'_> {
         tx.commit().await?;
         Ok(corrections)
     }
+}
+
+/// Adds the shards of `agents` (whose admission rows `tx` holds) into their
+/// rows and sets them to zero, holding them until `tx` ends: the rows are
+/// then exact, and no hot statement moves them meanwhile. The rows are
+/// locked before the shards, the order every path keeps (no statement
+/// locks a shard and then a row), so this cannot deadlock.
+async fn fold(tx: &mut sqlx::PgConnection, agents: &[String]) -> Result<(), StoreError> {
+    if agents.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "SELECT 1 FROM admission_shard WHERE agent = ANY($1) ORDER BY agent, shard FOR UPDATE",
+    )
+    .bind(agents)
+    .execute(&mut *tx)
+    .await?;
+    // Each statement reads what is committed when it starts: with the shards
+    // locked above, the sums added here are exactly what is zeroed below.
+    sqlx::query(
+        "UPDATE admission a
+            SET in_flight = a.in_flight + s.in_flight,
+                peak_in_flight = GREATEST(a.peak_in_flight, s.peak_in_flight),
+                settled = a.settled + s.settled, in_flight_ms = a.in_flight_ms + s.in_flight_ms,
+                queued_ms = a.queued_ms + s.queued_ms, slot_wait_ms = a.slot_wait_ms + s.slot_wait_ms
+           FROM (SELECT agent, sum(in_flight)::int4 AS in_flight,
+                        max(peak_in_flight) AS peak_in_flight, sum(settled)::int8 AS settled,
+                        sum(in_flight_ms)::int8 AS in_flight_ms, sum(queued_ms)::int8 AS queued_ms,
+                        sum(slot_wait_ms)::int8 AS slot_wait_ms
+                   FROM admission_shard WHERE agent = ANY($1) GROUP BY agent) s
+          WHERE a.agent = s.agent",
+    )
+    .bind(agents)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE admission_shard
+            SET in_flight = 0, peak_in_flight = 0, settled = 0, in_flight_ms = 0, queued_ms = 0,
+                slot_wait_ms = 0
+          WHERE agent = ANY($1)",
+    )
+    .bind(agents)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// Every agent's counters as its orders say they are: an attempt in

@@ -636,9 +636,100 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     .await;
     assert_eq!(lined, 3);
     let counters: (i32, i32) =
-        sqlx::query_as("SELECT in_flight, waiting FROM admission WHERE agent = 'inventory'")
+        sqlx::query_as("SELECT in_flight, waiting FROM admission_now WHERE agent = 'inventory'")
             .fetch_one(env.store.pool())
             .await
             .expect("the counters");
     assert_eq!(counters, (2, 3));
+}
+
+/// The hot paths (an intake batch, a batch of replies) move an agent's
+/// admission counters in one of its shards, not in its row, so that they
+/// do not wait for each other's commits on that row (a third of their time
+/// did, issue 26): orders are stored and run to the end while another
+/// transaction holds every agent's row, as a claim or a supervisor does.
+/// The supervisors' window then folds the shards back into the rows,
+/// exactly.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows() {
+    let env = TestEnv::new().await;
+    let agents: Vec<(String, Duration)> = env
+        .steps()
+        .into_iter()
+        .map(|step| (step.agent, Duration::from_secs(10)))
+        .collect();
+    env.store
+        .admission()
+        .register(&agents, 100, 100)
+        .await
+        .expect("register the agents");
+    let mut holder = env.store.pool().begin().await.expect("a transaction");
+    sqlx::query("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .expect("hold every agent's row");
+
+    let orders: Vec<String> = (0..4).map(|n| format!("shard-{n}")).collect();
+    let left = tokio::time::timeout(
+        Duration::from_secs(20),
+        run_every_step(&env.store, &env, &orders),
+    )
+    .await
+    .expect("the batches waited for an agent's admission row");
+    assert!(left.is_empty(), "every order finished: {left:?}");
+    holder.rollback().await.expect("let the rows go");
+
+    let totals = "SELECT agent, in_flight, settled::int8, peak_in_flight FROM admission_now
+                   ORDER BY agent";
+    let counters: Vec<(String, i32, i64, i32)> = sqlx::query_as(totals)
+        .fetch_all(env.store.pool())
+        .await
+        .expect("the counters");
+    let expected: Vec<(String, i32, i64, i32)> = ["inventory", "payment", "shipping"]
+        .into_iter()
+        .map(|agent| (agent.to_owned(), 0, 4, 4))
+        .collect();
+    assert_eq!(counters, expected, "nothing in flight, four settled each");
+    let rows: Vec<(i32, i64)> =
+        sqlx::query_as("SELECT in_flight, settled FROM admission ORDER BY agent")
+            .fetch_all(env.store.pool())
+            .await
+            .expect("the rows");
+    assert_eq!(rows, vec![(0, 0); 3], "the rows themselves were not moved");
+
+    // A window ends: its shards are folded into each row, which then holds
+    // the same totals, and the shards start again from zero.
+    sqlx::query("UPDATE admission SET window_started = now() - interval '1 hour'")
+        .execute(env.store.pool())
+        .await
+        .expect("the windows are due");
+    let adaptation = sas_store::admission::Adaptation {
+        window: Duration::from_secs(1),
+        deadline_share: 0.5,
+    };
+    let adapted = env
+        .store
+        .admission()
+        .adapt(&adaptation)
+        .await
+        .expect("adapt");
+    assert_eq!(adapted.len(), 3);
+    assert!(adapted.iter().all(|agent| agent.in_flight == 0));
+    let rows: Vec<(i32, i64, i64)> = sqlx::query_as(
+        "SELECT in_flight, settled, settled - window_settled FROM admission ORDER BY agent",
+    )
+    .fetch_all(env.store.pool())
+    .await
+    .expect("the rows");
+    assert_eq!(rows, vec![(0, 4, 0); 3], "the shards folded into the rows");
+    let shards: (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE in_flight <> 0 OR settled <> 0
+                                             OR peak_in_flight <> 0 OR in_flight_ms <> 0),
+                count(DISTINCT agent)
+           FROM admission_shard",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .expect("the shards");
+    assert_eq!(shards, (24, 0, 3), "eight shards per agent, all at zero");
 }

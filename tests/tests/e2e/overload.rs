@@ -246,7 +246,7 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
     );
     // Only completions count towards the measured rate, not the attempts
     // given back unstarted: three steps of 100 orders.
-    let settled: i64 = sqlx::query_scalar("SELECT sum(settled)::int8 FROM admission")
+    let settled: i64 = sqlx::query_scalar("SELECT sum(settled)::int8 FROM admission_now")
         .fetch_one(env.store.pool())
         .await
         .unwrap();
@@ -613,7 +613,7 @@ async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
     // Once everything ended, the counters say so.
     wait_until("counters back to zero", Duration::from_secs(10), || async {
         let counters: Vec<(String, i32, i32)> =
-            sqlx::query_as("SELECT agent, in_flight, waiting FROM admission ORDER BY agent")
+            sqlx::query_as("SELECT agent, in_flight, waiting FROM admission_now ORDER BY agent")
                 .fetch_all(env.store.pool())
                 .await
                 .map_err(|e| e.to_string())?;

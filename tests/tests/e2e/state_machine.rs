@@ -439,7 +439,7 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
     })
     .collect();
     let admission = sqlx::query_as::<_, (String, i32, i32)>(
-        "SELECT agent, in_flight, waiting FROM admission ORDER BY agent",
+        "SELECT agent, in_flight, waiting FROM admission_now ORDER BY agent",
     )
     .fetch_all(pool)
     .await
@@ -715,7 +715,9 @@ async fn run_case(
             Step::Claimed { frees } => {
                 let waited_for = model.snapshot.process.waiting_for.clone();
                 if let (true, Some(agent)) = (*frees, waited_for) {
-                    sqlx::query("UPDATE admission SET in_flight = in_flight - 1 WHERE agent = $1 AND in_flight > 0")
+                    // The row alone may be at zero while a shard holds the
+                    // attempts: the total is what must stay above it.
+                    sqlx::query("UPDATE admission a SET in_flight = in_flight - 1 WHERE agent = $1 AND (SELECT n.in_flight FROM admission_now n WHERE n.agent = a.agent) > 0")
                         .bind(&agent)
                         .execute(store.pool())
                         .await

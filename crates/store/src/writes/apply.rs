@@ -209,7 +209,7 @@ impl Room {
             Some(counters) => *counters,
             None => {
                 let counters = sqlx::query_as(
-                    "SELECT in_flight, admit_limit, waiting FROM admission WHERE agent = $1",
+                    "SELECT in_flight, admit_limit, waiting FROM admission_now WHERE agent = $1",
                 )
                 .bind(agent)
                 .fetch_optional(&mut *conn)
@@ -426,10 +426,13 @@ async fn apply_all(
              UPDATE alerts SET resolved_at = now(), resolved_by = $25,
                     resolution_note = 'the order was resubmitted'
               WHERE order_id = ANY($34::text[]) AND resolved_at IS NULL),
+         -- The rare paths move the agent's row; the peak counts what its
+         -- shards hold too (crate::admission::SHARDS).
          q AS (
              UPDATE admission a
                 SET in_flight = a.in_flight + d.in_flight, waiting = a.waiting + d.waiting,
-                    peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + d.peak_rise),
+                    peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + d.peak_rise
+                        + COALESCE((SELECT sum(x.in_flight) FROM admission_shard x WHERE x.agent = a.agent), 0)),
                     settled = a.settled + d.settled, in_flight_ms = a.in_flight_ms + d.in_flight_ms,
                     queued_ms = a.queued_ms + d.queued_ms, slot_wait_ms = a.slot_wait_ms + d.slot_wait_ms
                FROM (SELECT * FROM UNNEST($35::text[], $36::int4[], $37::int4[], $38::int4[], $39::int8[],

@@ -89,7 +89,7 @@ impl Writes<'_> {
                    JOIN steps n ON n.order_id = c.order_id AND n.position = c.position + 1
                   GROUP BY n.agent),
              full_agents AS MATERIALIZED (
-                 SELECT a.agent FROM admission a JOIN wanted w ON w.agent = a.agent
+                 SELECT a.agent FROM admission_now a JOIN wanted w ON w.agent = a.agent
                   WHERE NOT (a.waiting = 0 AND a.in_flight + w.n <= a.admit_limit)),
              done AS (
                  UPDATE steps d
@@ -131,13 +131,18 @@ impl Writes<'_> {
                    FROM done LEFT JOIN next ON next.order_id = done.order_id
                   WHERE op.order_id = done.order_id
               RETURNING op.order_id, op.updated_at),
+             -- An agent's counters move in one of its shards, not in its
+             -- row, so batches rarely wait for each other's commit
+             -- (crate::admission::SHARDS). The shard is picked at random by
+             -- an uncorrelated subquery, so once per statement; one not
+             -- there yet is made. Agents without admission control have no
+             -- row and are left out. The peak is what this statement saw in
+             -- flight, plus its own delta.
              q AS (
-                 UPDATE admission a
-                    SET in_flight = a.in_flight + x.delta, settled = a.settled + x.released,
-                        peak_in_flight = GREATEST(a.peak_in_flight, a.in_flight + x.delta),
-                        in_flight_ms = a.in_flight_ms + x.in_flight_ms,
-                        queued_ms = a.queued_ms + x.queued_ms,
-                        slot_wait_ms = a.slot_wait_ms + x.slot_wait_ms
+                 INSERT INTO admission_shard AS a (agent, shard, in_flight, peak_in_flight, settled,
+                                                   in_flight_ms, queued_ms, slot_wait_ms)
+                 SELECT x.agent, (SELECT floor(random() * $9::int2)::int2), x.delta,
+                        n.in_flight + x.delta, x.released, x.in_flight_ms, x.queued_ms, x.slot_wait_ms
                    FROM (SELECT agent, sum(delta)::int4 AS delta, sum(released)::int4 AS released,
                                 sum(in_flight_ms)::int8 AS in_flight_ms,
                                 sum(LEAST(queued_ms, in_flight_ms))::int8 AS queued_ms,
@@ -148,8 +153,16 @@ impl Writes<'_> {
                                    FROM done
                                  UNION ALL
                                  SELECT agent, 1, 0, 0, 0, 0 FROM next) u
-                          GROUP BY agent ORDER BY agent) x
-                  WHERE a.agent = x.agent),
+                          GROUP BY agent) x
+                   JOIN admission_now n ON n.agent = x.agent
+                  ORDER BY x.agent
+                 ON CONFLICT (agent, shard) DO UPDATE
+                    SET in_flight = a.in_flight + EXCLUDED.in_flight,
+                        peak_in_flight = GREATEST(a.peak_in_flight, EXCLUDED.peak_in_flight),
+                        settled = a.settled + EXCLUDED.settled,
+                        in_flight_ms = a.in_flight_ms + EXCLUDED.in_flight_ms,
+                        queued_ms = a.queued_ms + EXCLUDED.queued_ms,
+                        slot_wait_ms = a.slot_wait_ms + EXCLUDED.slot_wait_ms),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
                  SELECT order_id, $6, 'step_completed', name, attempt_id, detail FROM done
@@ -190,6 +203,7 @@ impl Writes<'_> {
         .bind(actor)
         .bind(&queued_ms)
         .bind(&slot_wait_ms)
+        .bind(crate::admission::SHARDS)
         .fetch_all(self.pool())
         .await?;
         rows.iter()

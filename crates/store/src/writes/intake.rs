@@ -356,9 +356,12 @@ impl Writes<'_> {
              -- Admission: the whole batch starts if the first agent has room
              -- for it and nobody waits in its line; otherwise the whole
              -- batch joins the line (and the claims admit it in order).
+             room AS MATERIALIZED (
+                 SELECT a.agent, a.in_flight,
+                        a.waiting = 0 AND a.in_flight + (SELECT count(*) FROM o) <= a.admit_limit AS fits
+                   FROM admission_now a JOIN first ON a.agent = first.agent),
              ok AS MATERIALIZED (
-                 SELECT COALESCE((SELECT a.waiting = 0 AND a.in_flight + (SELECT count(*) FROM o) <= a.admit_limit
-                                    FROM admission a JOIN first ON a.agent = first.agent), true) AS admitted),
+                 SELECT COALESCE((SELECT fits FROM room), true) AS admitted),
              p AS (
                  INSERT INTO order_process (order_id, workflow, workflow_version, state, locked_by,
                                             reply_to, trace_id, complete_by, priority, waiting_for,
@@ -371,14 +374,25 @@ impl Writes<'_> {
                         CASE WHEN NOT ok.admitted THEN date_trunc('microseconds', now() - i.priority * interval '10 seconds') END,
                         i.correlation_id
                    FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN first CROSS JOIN ok),
+             -- Attempts started move one of the agent's shards, picked at
+             -- random once per statement (crate::admission::SHARDS) and made
+             -- if not there yet, so intake batches rarely wait for each
+             -- other's commit; orders put in line move the row's waiting
+             -- count.
              q AS (
+                 INSERT INTO admission_shard AS a (agent, shard, in_flight, peak_in_flight)
+                 SELECT room.agent, (SELECT floor(random() * $20::int2)::int2), (SELECT count(*) FROM o),
+                        room.in_flight + (SELECT count(*) FROM o)
+                   FROM room
+                  WHERE room.fits
+                 ON CONFLICT (agent, shard) DO UPDATE
+                    SET in_flight = a.in_flight + EXCLUDED.in_flight,
+                        peak_in_flight = GREATEST(a.peak_in_flight, EXCLUDED.peak_in_flight)),
+             w AS (
                  UPDATE admission a
-                    SET in_flight = a.in_flight + CASE WHEN ok.admitted THEN (SELECT count(*) FROM o) ELSE 0 END,
-                        peak_in_flight = GREATEST(a.peak_in_flight,
-                            a.in_flight + CASE WHEN ok.admitted THEN (SELECT count(*) FROM o) ELSE 0 END),
-                        waiting = a.waiting + CASE WHEN ok.admitted THEN 0 ELSE (SELECT count(*) FROM o) END
-                   FROM first CROSS JOIN ok
-                  WHERE a.agent = first.agent),
+                    SET waiting = a.waiting + (SELECT count(*) FROM o)
+                   FROM room
+                  WHERE NOT room.fits AND a.agent = room.agent),
              s AS (
                  INSERT INTO steps (order_id, position, name, agent, action, compensation, timeout_ms,
                                     idempotency_key, state, attempt, attempt_id, complete_by, request, park,
@@ -423,6 +437,7 @@ impl Writes<'_> {
         .bind(plan.version)
         .bind(&parks)
         .bind(&groups)
+        .bind(crate::admission::SHARDS)
         .fetch_all(self.pool())
         .await?;
         rows.iter()

@@ -58,7 +58,9 @@ impl Writes<'_> {
     ///
     /// `FOR UPDATE SKIP LOCKED` makes the claim atomic: two schedulers never
     /// claim the same order. The agent's admission row is locked while its
-    /// line is served, so two schedulers do not hand out the same free slots.
+    /// line is served, so two schedulers do not hand out the same free slots
+    /// (the row is read after the lock; its shards, which the hot paths
+    /// move, as committed when the statement began).
     ///
     /// # Errors
     /// When the database fails; nothing is claimed then.
@@ -76,10 +78,13 @@ impl Writes<'_> {
     async fn claim_heads(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let lines: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT agent, (admit_limit - in_flight)::int8 FROM admission
-              WHERE waiting > 0 AND in_flight < admit_limit
-              ORDER BY agent
-                FOR UPDATE",
+            "SELECT a.agent, (a.admit_limit - a.in_flight - s.in_flight)::int8
+               FROM admission a,
+                    LATERAL (SELECT COALESCE(sum(x.in_flight), 0) AS in_flight
+                               FROM admission_shard x WHERE x.agent = a.agent) s
+              WHERE a.waiting > 0 AND a.in_flight + s.in_flight < a.admit_limit
+              ORDER BY a.agent
+                FOR UPDATE OF a",
         )
         .fetch_all(&mut *tx)
         .await?;
