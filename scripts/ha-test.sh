@@ -157,7 +157,7 @@ backlog() { # what is open, for a failed wait
         WHERE p.state NOT IN ('processed', 'compensated')
         GROUP BY p.state, p.waiting_for, p.locked_by ORDER BY count(*) DESC LIMIT 20" >&2 || true
   say "admission (agent in_flight waiting limit ceiling):"
-  sql "SELECT agent || ' ' || in_flight || ' ' || waiting || ' ' || admit_limit || ' ' || ceiling FROM admission ORDER BY agent" >&2 || true
+  sql "SELECT agent || ' ' || in_flight || ' ' || waiting || ' ' || admit_limit || ' ' || ceiling FROM admission_now ORDER BY agent" >&2 || true
   say "the oldest open order's last history lines:"
   sql "SELECT h.at || ' ' || h.actor || ' ' || h.event || ' ' || coalesce(h.step, '') || ' ' || coalesce(h.detail, '')
          FROM history h WHERE h.order_id = (SELECT p.order_id FROM order_process p JOIN orders o USING (order_id)

@@ -5,8 +5,10 @@
 -- third of those statements' time was waiting for that row lock (issue 26,
 -- docs/performance.md). The intake and fast reply statements now add their
 -- deltas to one of the agent's shards, picked at random per statement, so
--- two statements rarely meet on a row. Schedulers make an agent's shards
--- when they register it, and a statement that picks one not there makes it.
+-- two statements rarely meet on a row. The shards of the agents already
+-- here are made below, schedulers make a new agent's when they register it,
+-- the supervisors' folds make any missing (a row made by hand), and a
+-- statement that picks one still missing makes it.
 --
 -- admission_shard: per agent and shard, what the hot paths added since the
 --   last fold: in_flight (may be negative: a reply releases a slot another
@@ -18,8 +20,10 @@
 --   path, operators' moves) still write the row itself.
 -- The supervisors fold the shards into the row when they adapt the limit
 -- (once a window) and when they reconcile it, locking the row and then the
--- shards; no statement locks a shard and then a row, so the two cannot
--- deadlock.
+-- shards. A hot statement locks shards and never a row, except that making
+-- a missing shard checks its row (the foreign key): only then can it and a
+-- fold wait for each other, and Postgres fails one of them (its batch is
+-- retried).
 CREATE TABLE admission_shard (
     agent          text NOT NULL REFERENCES admission (agent) ON DELETE CASCADE,
     shard          smallint NOT NULL CHECK (shard >= 0),
@@ -31,6 +35,9 @@ CREATE TABLE admission_shard (
     slot_wait_ms   bigint NOT NULL DEFAULT 0,
     PRIMARY KEY (agent, shard)
 );
+INSERT INTO admission_shard (agent, shard)
+SELECT a.agent, s.shard FROM admission a CROSS JOIN generate_series(0, 7) AS s(shard)
+ ORDER BY a.agent, s.shard;
 
 CREATE VIEW admission_now AS
 SELECT a.agent,

@@ -18,9 +18,10 @@ use crate::{Store, StoreError};
 /// How many shards each agent's counters have. The intake and fast reply
 /// statements each add to one, picked at random: with two or three
 /// statements in flight per scheduler, eight make a meeting on one row
-/// rare. [`Admission::register`] makes them; a statement that picks one not
-/// there (a row made by hand, or by an older scheduler) makes it. Readers
-/// sum whatever shards exist, so changing the number loses nothing.
+/// rare. [`Admission::register`] and the supervisors' folds make them; a
+/// statement that picks one not there yet (a row made by hand, or by an
+/// older scheduler, before the next fold) makes it. Readers sum whatever
+/// shards exist, so changing the number loses nothing.
 pub(crate) const SHARDS: i16 = 8;
 
 /// The agents' admission rows of a [`Store`] (see [`Store::admission`]):
@@ -156,19 +157,7 @@ impl Admission<'_> {
         .await?;
         // Made here rather than on a hot statement's first use, whose
         // foreign-key check would wait for a row a supervisor holds.
-        sqlx::query(
-            "INSERT INTO admission_shard (agent, shard)
-             SELECT agent, shard
-               FROM UNNEST($1::text[]) AS a(agent)
-              CROSS JOIN generate_series(0, $2::int2 - 1) AS s(shard)
-              ORDER BY agent, shard
-             ON CONFLICT (agent, shard) DO NOTHING",
-        )
-        .bind(&names)
-        .bind(SHARDS)
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        make_shards(self.pool(), &names).await
     }
 
     /// Adapts the limit of every agent whose window has run its length, by
@@ -326,15 +315,37 @@ impl Admission<'_> {
     }
 }
 
+/// Makes the [`SHARDS`] shards of each of `agents` that are missing.
+async fn make_shards<'e>(db: impl sqlx::PgExecutor<'e>, agents: &[&str]) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO admission_shard (agent, shard)
+         SELECT agent, shard
+           FROM UNNEST($1::text[]) AS a(agent)
+          CROSS JOIN generate_series(0, $2::int2 - 1) AS s(shard)
+          ORDER BY agent, shard
+         ON CONFLICT (agent, shard) DO NOTHING",
+    )
+    .bind(agents)
+    .bind(SHARDS)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
 /// Adds the shards of `agents` (whose admission rows `tx` holds) into their
 /// rows and sets them to zero, holding them until `tx` ends: the rows are
-/// then exact, and no hot statement moves them meanwhile. The rows are
-/// locked before the shards, the order every path keeps (no statement
-/// locks a shard and then a row), so this cannot deadlock.
+/// then exact, and no hot statement moves them meanwhile (one that would
+/// make a missing shard waits for the row, through its foreign key). The
+/// rows are locked before the shards, the order the hot statements keep
+/// once every shard exists, which is why the fold makes any missing first:
+/// under the row locks it holds, that cannot wait for anyone but a hot
+/// statement making the same shard.
 async fn fold(tx: &mut sqlx::PgConnection, agents: &[String]) -> Result<(), StoreError> {
     if agents.is_empty() {
         return Ok(());
     }
+    let names: Vec<&str> = agents.iter().map(String::as_str).collect();
+    make_shards(&mut *tx, &names).await?;
     sqlx::query(
         "SELECT 1 FROM admission_shard WHERE agent = ANY($1) ORDER BY agent, shard FOR UPDATE",
     )

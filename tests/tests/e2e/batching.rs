@@ -733,3 +733,102 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
     .expect("the shards");
     assert_eq!(shards, (24, 0, 3), "eight shards per agent, all at zero");
 }
+
+/// A claim serves an agent's line from its free slots, the row plus its
+/// shards. When the claim has to wait for the row (a supervisor folding the
+/// shards into it), it reads both after the wait: read in the statement
+/// that took the lock, the row would come back folded beside the shards as
+/// they were before the fold, counted twice, and the claim would start
+/// more orders than the agent has slots.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_that_waits_for_a_fold_counts_the_shards_once() {
+    let env = TestEnv::new().await;
+    let pool = env.store.pool();
+    env.store
+        .admission()
+        .register(&[("inventory".to_owned(), Duration::from_secs(10))], 4, 4)
+        .await
+        .expect("register the agent");
+    // A full agent: ten new orders join its line.
+    sqlx::query("UPDATE admission SET in_flight = 4 WHERE agent = 'inventory'")
+        .execute(pool)
+        .await
+        .expect("fill the agent");
+    let ids: Vec<String> = (0..10).map(|n| format!("fold-{n}")).collect();
+    let batch: Vec<Submission> = ids.iter().map(|id| submission(id)).collect();
+    env.store
+        .writes()
+        .insert_orders(&batch, Plan::new("order", 1, &env.steps()), "test")
+        .await;
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM order_process WHERE waiting_for = 'inventory'"
+        )
+        .await,
+        10
+    );
+    // Two slots free of four: the row counts 7 dispatched, a shard 5
+    // settled by the hot path.
+    sqlx::query("UPDATE admission SET in_flight = 7 WHERE agent = 'inventory'")
+        .execute(pool)
+        .await
+        .expect("the row");
+    sqlx::query(
+        "UPDATE admission_shard SET in_flight = -5 WHERE agent = 'inventory' AND shard = 0",
+    )
+    .execute(pool)
+    .await
+    .expect("a shard");
+
+    // A fold holds the row: the shard into the row, the shard to zero.
+    let mut fold = pool.begin().await.expect("a transaction");
+    for statement in [
+        "SELECT agent FROM admission WHERE agent = 'inventory' FOR UPDATE",
+        "UPDATE admission SET in_flight = 2 WHERE agent = 'inventory'",
+        "UPDATE admission_shard SET in_flight = 0 WHERE agent = 'inventory'",
+    ] {
+        sqlx::query(statement)
+            .execute(&mut *fold)
+            .await
+            .expect("fold");
+    }
+    let store = env.store.clone();
+    let claim = tokio::spawn(async move { store.writes().claim_ready("test", 10).await });
+    wait_until(
+        "the claim waits for the row",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+            if waiting > 0 {
+                Ok(())
+            } else {
+                Err("no backend waits for a lock".into())
+            }
+        },
+    )
+    .await;
+    fold.commit().await.expect("the fold ends");
+
+    let claimed = claim.await.expect("the claim task").expect("claim");
+    let started = claimed
+        .iter()
+        .filter(|claim| !claim.progress.dispatches.is_empty())
+        .count();
+    assert_eq!(
+        started, 2,
+        "the claim started {started} orders for 2 free slots"
+    );
+    let counters: (i32, i32) =
+        sqlx::query_as("SELECT in_flight, waiting FROM admission_now WHERE agent = 'inventory'")
+            .fetch_one(pool)
+            .await
+            .expect("the counters");
+    assert_eq!(counters, (4, 8));
+}

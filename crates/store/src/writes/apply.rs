@@ -379,6 +379,18 @@ async fn apply_all(
         return Ok(());
     }
     let rows = Rows::of(&writes);
+    if !rows.admission.agent.is_empty() {
+        // The agents' rows are locked before the statement that moves them,
+        // so that it reads their shards after any fold it would have waited
+        // for: in one statement, a row re-read after the wait beside shards
+        // read before it would count the folded shards twice in the peak.
+        sqlx::query(
+            "SELECT 1 FROM admission WHERE agent = ANY($1) ORDER BY agent FOR NO KEY UPDATE",
+        )
+        .bind(&rows.admission.agent)
+        .execute(&mut *conn)
+        .await?;
+    }
     let row = sqlx::query(
         "WITH p AS (
              UPDATE order_process o

@@ -59,8 +59,8 @@ impl Writes<'_> {
     /// `FOR UPDATE SKIP LOCKED` makes the claim atomic: two schedulers never
     /// claim the same order. The agent's admission row is locked while its
     /// line is served, so two schedulers do not hand out the same free slots
-    /// (the row is read after the lock; its shards, which the hot paths
-    /// move, as committed when the statement began).
+    /// (the row and its shards are read after the lock, in a statement of
+    /// their own).
     ///
     /// # Errors
     /// When the database fails; nothing is claimed then.
@@ -77,15 +77,20 @@ impl Writes<'_> {
     /// one transaction that holds each served agent's admission row.
     async fn claim_heads(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let lines: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT a.agent, (a.admit_limit - a.in_flight - s.in_flight)::int8
-               FROM admission a,
-                    LATERAL (SELECT COALESCE(sum(x.in_flight), 0) AS in_flight
-                               FROM admission_shard x WHERE x.agent = a.agent) s
-              WHERE a.waiting > 0 AND a.in_flight + s.in_flight < a.admit_limit
-              ORDER BY a.agent
-                FOR UPDATE OF a",
+        let lined: Vec<String> = sqlx::query_scalar(
+            "SELECT agent FROM admission WHERE waiting > 0 ORDER BY agent FOR UPDATE",
         )
+        .fetch_all(&mut *tx)
+        .await?;
+        // Read in a statement of its own, after the locks: one that waited
+        // for a supervisor's fold would otherwise see the folded row beside
+        // the shards as they were before it, counting them twice.
+        let lines: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT agent, (admit_limit - in_flight)::int8 FROM admission_now
+              WHERE agent = ANY($1) AND waiting > 0 AND in_flight < admit_limit
+              ORDER BY agent",
+        )
+        .bind(&lined)
         .fetch_all(&mut *tx)
         .await?;
         let mut ready: Vec<String> = Vec::new();
