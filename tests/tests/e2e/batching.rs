@@ -51,6 +51,14 @@ fn accepted(outcome: &Result<Intake, sas_store::StoreError>) -> Dispatch {
     }
 }
 
+/// How many of a claim's orders it started (the others joined a line).
+fn started(claimed: &[sas_store::writes::progress::Claimed]) -> usize {
+    claimed
+        .iter()
+        .filter(|claim| !claim.progress.dispatches.is_empty())
+        .count()
+}
+
 async fn count(env: &TestEnv, sql: impl sqlx::SqlSafeStr) -> i64 {
     sqlx::query_scalar(sql)
         .fetch_one(env.store.pool())
@@ -621,10 +629,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
         .claim_ready("test", 10)
         .await
         .expect("claim");
-    let started = claimed
-        .iter()
-        .filter(|claim| !claim.progress.dispatches.is_empty())
-        .count();
+    let started = started(&claimed);
     assert_eq!(
         started, 2,
         "one claim started {started} attempts under a limit of 2"
@@ -817,10 +822,7 @@ async fn a_claim_that_waits_for_a_fold_counts_the_shards_once() {
     fold.commit().await.expect("the fold ends");
 
     let claimed = claim.await.expect("the claim task").expect("claim");
-    let started = claimed
-        .iter()
-        .filter(|claim| !claim.progress.dispatches.is_empty())
-        .count();
+    let started = started(&claimed);
     assert_eq!(
         started, 2,
         "the claim started {started} orders for 2 free slots"
