@@ -66,6 +66,101 @@ async fn count(env: &TestEnv, sql: impl sqlx::SqlSafeStr) -> i64 {
         .expect("count")
 }
 
+/// Stores the orders `ids` while their first agent has no admission row
+/// (so each starts), then lets their deadlines pass and the supervisor's
+/// recovery send them back: pending, due at once, each to take a slot
+/// through the general path when claimed.
+async fn due_again(env: &TestEnv, ids: &[String]) {
+    let batch: Vec<Submission> = ids.iter().map(|id| submission(id)).collect();
+    for outcome in env
+        .store
+        .writes()
+        .insert_orders(&batch, Plan::new("order", 1, &env.steps()), "test")
+        .await
+    {
+        accepted(&outcome);
+    }
+    sqlx::query("UPDATE order_process SET complete_by = now() - interval '1 hour'")
+        .execute(env.store.pool())
+        .await
+        .expect("deadlines passed");
+    let policy = sas_store::writes::recovery::RecoveryPolicy {
+        max_failures: 3,
+        backoff: sas_runtime::Backoff::new(
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+            sas_runtime::Jitter::None,
+        ),
+        grace: Duration::ZERO,
+    };
+    let recovered = env
+        .store
+        .writes()
+        .recover_expired_with("test", &policy, 10, || 0.0)
+        .await
+        .expect("recover");
+    assert_eq!(recovered.len(), ids.len());
+    sqlx::query("UPDATE order_process SET not_before = now() - interval '1 second'")
+        .execute(env.store.pool())
+        .await
+        .expect("due");
+}
+
+/// A supervisor's fold of inventory's shards, held open: the row locked and
+/// set to `in_flight`, the shards to zero. Commit it to let it go.
+async fn hold_a_fold(
+    pool: &sqlx::PgPool,
+    in_flight: i32,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut fold = pool.begin().await.expect("a transaction");
+    sqlx::query("SELECT agent FROM admission WHERE agent = 'inventory' FOR UPDATE")
+        .execute(&mut *fold)
+        .await
+        .expect("fold");
+    sqlx::query("UPDATE admission SET in_flight = $1 WHERE agent = 'inventory'")
+        .bind(in_flight)
+        .execute(&mut *fold)
+        .await
+        .expect("fold");
+    sqlx::query("UPDATE admission_shard SET in_flight = 0 WHERE agent = 'inventory'")
+        .execute(&mut *fold)
+        .await
+        .expect("fold");
+    fold
+}
+
+/// A claim that has to wait for `fold`: started, seen waiting for a lock,
+/// then the fold committed. Returns what the claim took.
+async fn claim_behind(
+    env: &TestEnv,
+    fold: sqlx::Transaction<'static, sqlx::Postgres>,
+) -> Vec<sas_store::writes::progress::Claimed> {
+    let store = env.store.clone();
+    let claim = tokio::spawn(async move { store.writes().claim_ready("test", 10).await });
+    let pool = env.store.pool();
+    wait_until(
+        "the claim waits for the row",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+            if waiting > 0 {
+                Ok(())
+            } else {
+                Err("no backend waits for a lock".into())
+            }
+        },
+    )
+    .await;
+    fold.commit().await.expect("the fold ends");
+    claim.await.expect("the claim task").expect("claim")
+}
+
 /// Stores `orders` in one batch, then answers each step of all of them with
 /// one batch of successful replies, as many batches as the workflow has
 /// steps. Returns the requests still outstanding after that: none, when
@@ -577,43 +672,8 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     let env = TestEnv::new().await;
-    let steps = env.steps();
     let ids: Vec<String> = (0..5).map(|n| format!("room-{n}")).collect();
-    // Five orders started without admission control (no row yet), then
-    // their deadlines missed: back to pending, due at once.
-    let batch: Vec<Submission> = ids.iter().map(|id| submission(id)).collect();
-    for outcome in env
-        .store
-        .writes()
-        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
-        .await
-    {
-        accepted(&outcome);
-    }
-    sqlx::query("UPDATE order_process SET complete_by = now() - interval '1 hour'")
-        .execute(env.store.pool())
-        .await
-        .expect("deadlines passed");
-    let policy = sas_store::writes::recovery::RecoveryPolicy {
-        max_failures: 3,
-        backoff: sas_runtime::Backoff::new(
-            Duration::from_millis(1),
-            Duration::from_millis(1),
-            sas_runtime::Jitter::None,
-        ),
-        grace: Duration::ZERO,
-    };
-    let recovered = env
-        .store
-        .writes()
-        .recover_expired_with("test", &policy, 10, || 0.0)
-        .await
-        .expect("recover");
-    assert_eq!(recovered.len(), 5);
-    sqlx::query("UPDATE order_process SET not_before = now() - interval '1 second'")
-        .execute(env.store.pool())
-        .await
-        .expect("due");
+    due_again(&env, &ids).await;
     // The first step's agent takes two attempts at a time.
     sqlx::query(
         "INSERT INTO admission (agent, admit_limit, initial_limit, ceiling, deadline_ms)
@@ -787,41 +847,8 @@ async fn a_claim_that_waits_for_a_fold_counts_the_shards_once() {
     .expect("a shard");
 
     // A fold holds the row: the shard into the row, the shard to zero.
-    let mut fold = pool.begin().await.expect("a transaction");
-    for statement in [
-        "SELECT agent FROM admission WHERE agent = 'inventory' FOR UPDATE",
-        "UPDATE admission SET in_flight = 2 WHERE agent = 'inventory'",
-        "UPDATE admission_shard SET in_flight = 0 WHERE agent = 'inventory'",
-    ] {
-        sqlx::query(statement)
-            .execute(&mut *fold)
-            .await
-            .expect("fold");
-    }
-    let store = env.store.clone();
-    let claim = tokio::spawn(async move { store.writes().claim_ready("test", 10).await });
-    wait_until(
-        "the claim waits for the row",
-        Duration::from_secs(10),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(pool)
-            .await
-            .map_err(|e| e.to_string())?;
-            if waiting > 0 {
-                Ok(())
-            } else {
-                Err("no backend waits for a lock".into())
-            }
-        },
-    )
-    .await;
-    fold.commit().await.expect("the fold ends");
-
-    let claimed = claim.await.expect("the claim task").expect("claim");
+    let fold = hold_a_fold(pool, 2).await;
+    let claimed = claim_behind(&env, fold).await;
     let started = started(&claimed);
     assert_eq!(
         started, 2,
@@ -833,4 +860,46 @@ async fn a_claim_that_waits_for_a_fold_counts_the_shards_once() {
             .await
             .expect("the counters");
     assert_eq!(counters, (4, 8));
+}
+
+/// The general path (the write kernel's `apply_all`) moves an agent's row,
+/// and its peak counts the row and the shards. When it has to wait for the
+/// row (a supervisor folding the shards into it), it reads both after the
+/// wait: read in the statement that waited, the row would come back folded
+/// beside the shards as they were before the fold, and the peak would count
+/// the folded attempts twice (7 here for 4 in flight), which the law then
+/// reads as a limit in use.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_general_path_that_waits_for_a_fold_counts_the_shards_once() {
+    let env = TestEnv::new().await;
+    let pool = env.store.pool();
+    due_again(&env, &["general-fold".to_owned()]).await;
+    // The agent has room; three attempts in flight, counted by the hot
+    // path in a shard.
+    env.store
+        .admission()
+        .register(&[("inventory".to_owned(), Duration::from_secs(10))], 10, 10)
+        .await
+        .expect("register the agent");
+    sqlx::query("UPDATE admission_shard SET in_flight = 3 WHERE agent = 'inventory' AND shard = 0")
+        .execute(pool)
+        .await
+        .expect("a shard");
+
+    // A fold holds the row: the shard into the row, the shard to zero.
+    let fold = hold_a_fold(pool, 3).await;
+    // The due order is claimed through the general path, which takes a
+    // slot and so moves the row.
+    let claimed = claim_behind(&env, fold).await;
+    assert_eq!(started(&claimed), 1, "the due order started");
+    let row: (i32, i32) =
+        sqlx::query_as("SELECT in_flight, peak_in_flight FROM admission WHERE agent = 'inventory'")
+            .fetch_one(pool)
+            .await
+            .expect("the row");
+    assert_eq!(
+        row,
+        (4, 4),
+        "four in flight, and a peak of four: the folded shard counted once"
+    );
 }
