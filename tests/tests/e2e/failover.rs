@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use sas_store::machine::HistoryEvent;
 use sas_store::ProcessState;
 use sas_store::Store;
 use sas_tests::env::database_settings;
@@ -51,6 +52,11 @@ struct ProxiedScheduler {
 
 impl ProxiedScheduler {
     async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// [`ProxiedScheduler::start`] with the scheduler's `settings` too.
+    async fn start_with(settings: &[Setting]) -> Self {
         let env = TestEnv::with_step_timeout(30_000).await;
         let (sim_process, sim) = env.remote_sim(&[]).await;
         let mut processes = env.agents(1, &sim, &[]);
@@ -58,13 +64,12 @@ impl ProxiedScheduler {
         processes.push(env.supervisor(0, &[]));
         let proxy = AmqpProxy::start(&env.amqp_url).await;
         let metrics_port = free_port();
-        processes.push(env.scheduler(
-            0,
-            &[
-                Setting::AmqpUrl(proxy.url(&env.amqp_url)),
-                Setting::Listen(metrics_port),
-            ],
-        ));
+        let mut all = vec![
+            Setting::AmqpUrl(proxy.url(&env.amqp_url)),
+            Setting::Listen(metrics_port),
+        ];
+        all.extend_from_slice(settings);
+        processes.push(env.scheduler(0, &all));
         let (connection, publisher) = env.broker().await;
         wait_consuming(&env, &proxy, metrics_port).await;
         Self {
@@ -200,6 +205,95 @@ async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
     )
     .await;
     no_deadline_missed_and_each_effect_once(&env, &sim, "lost-request-1").await;
+}
+
+/// How many history lines of `order_id` say `event`.
+async fn history_count(env: &TestEnv, order_id: &str, event: HistoryEvent) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM history WHERE order_id = $1 AND event = $2")
+        .bind(order_id)
+        .bind(event.as_str())
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap()
+}
+
+/// Waits until `order_id`'s history says `event`.
+async fn wait_for_history(env: &TestEnv, order_id: &str, event: HistoryEvent) {
+    wait_until(
+        &format!("{order_id} to be {}", event.as_str()),
+        Duration::from_secs(20),
+        || async {
+            match history_count(env, order_id, event).await {
+                0 => Err("not yet".to_owned()),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
+}
+
+/// A claim took an order from its agent's line and committed, and the
+/// request it announced never reached the broker: the connection died with
+/// it unread. The claim's loop goes down with the connection, yet the
+/// order is held with a 30-second deadline, so only the copy its announcing
+/// task sends again on the next connection can start the step in time.
+/// Every agent admits one attempt at a time, and the remote takes a second
+/// a call, so the second order waits in line until the first one's reply
+/// frees the slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claims_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
+    let ProxiedScheduler {
+        env,
+        sim,
+        proxy,
+        metrics_port,
+        publisher,
+        _processes,
+        _connection,
+    } = ProxiedScheduler::start_with(&[
+        Setting::SchedulerAdmissionInitial(1),
+        Setting::SchedulerAdmissionCeiling(1),
+    ])
+    .await;
+    let slow = serde_json::json!({ "latency_ms": 1000, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0 });
+    sim.set_faults(None, slow).await.expect("slow the remote");
+    env.publish_order(&publisher, &order("claim-lost-1")).await;
+    wait_for_history(&env, "claim-lost-1", HistoryEvent::Dispatched).await;
+    env.publish_order(&publisher, &order("claim-lost-2")).await;
+    wait_for_history(&env, "claim-lost-2", HistoryEvent::Queued).await;
+    // The first order's reply still comes in, frees the slot, and a claim
+    // takes the second order; what the scheduler sends is lost.
+    proxy.drop_from_clients(true);
+    wait_for_history(&env, "claim-lost-2", HistoryEvent::Claimed).await;
+    proxy.drop_from_clients(false);
+    proxy.cut();
+
+    let started = std::time::Instant::now();
+    for id in ["claim-lost-1", "claim-lost-2"] {
+        env.wait_for_state(id, ProcessState::Processed, Duration::from_secs(20))
+            .await;
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "not the supervisor's retry after the 30 s deadline"
+    );
+    // The claimed attempt itself ran: no step of the order needed another.
+    let attempts: Vec<i32> =
+        sqlx::query_scalar("SELECT attempt FROM steps WHERE order_id = $1 ORDER BY position")
+            .bind("claim-lost-2")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap();
+    assert_eq!(attempts, vec![1, 1, 1], "one attempt per step");
+    for id in ["claim-lost-1", "claim-lost-2"] {
+        no_deadline_missed_and_each_effect_once(&env, &sim, id).await;
+    }
+    wait_for_count(
+        metrics_port,
+        "sas_republished_total",
+        "the scheduler to send again",
+    )
+    .await;
 }
 
 /// A cluster node that is down costs nothing: the URL names a node nobody
