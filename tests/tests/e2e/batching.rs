@@ -137,28 +137,28 @@ async fn claim_behind(
 ) -> Vec<sas_store::writes::progress::Claimed> {
     let store = env.store.clone();
     let claim = tokio::spawn(async move { store.writes().claim_ready("test", 10).await });
-    let pool = env.store.pool();
-    wait_until(
-        "the claim waits for the row",
-        Duration::from_secs(10),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(pool)
-            .await
-            .map_err(|e| e.to_string())?;
-            if waiting > 0 {
-                Ok(())
-            } else {
-                Err("no backend waits for a lock".into())
-            }
-        },
-    )
-    .await;
+    wait_for_a_lock(env.store.pool(), "the claim waits for the row").await;
     fold.commit().await.expect("the fold ends");
     claim.await.expect("the claim task").expect("claim")
+}
+
+/// Waits until some backend of the test's database waits for a lock.
+async fn wait_for_a_lock(pool: &sqlx::PgPool, what: &str) {
+    wait_until(what, Duration::from_secs(10), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        if waiting > 0 {
+            Ok(())
+        } else {
+            Err("no backend waits for a lock".into())
+        }
+    })
+    .await;
 }
 
 /// Stores `orders` in one batch, then answers each step of all of them with
@@ -901,5 +901,132 @@ async fn the_general_path_that_waits_for_a_fold_counts_the_shards_once() {
         row,
         (4, 4),
         "four in flight, and a peak of four: the folded shard counted once"
+    );
+}
+
+/// Whether `error` is Postgres breaking a deadlock (SQLSTATE 40P01).
+fn is_deadlock(error: &sas_store::StoreError) -> bool {
+    let database = match error {
+        sas_store::StoreError::Database(error) => error,
+        sas_store::StoreError::Shared(shared) => match shared.as_ref() {
+            sas_store::StoreError::Database(error) => error,
+            _ => return false,
+        },
+        _ => return false,
+    };
+    database
+        .as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "40P01")
+}
+
+/// The one place a hot statement and a supervisor's fold can deadlock: an
+/// agent's row made by hand has no shards, so the first hot statement to
+/// pick one makes it, and making it checks the row through the foreign
+/// key. A fold holding that row and making the same missing shard then
+/// waits for the statement, which waits for the fold. Postgres breaks the
+/// cycle within `deadlock_timeout` by failing one of them with an error
+/// its caller retries (the scheduler's intake and reply batches, the
+/// supervisor at its next window), and after the retry the order is
+/// counted once and the agent has all its shards.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_made_beside_a_fold_deadlocks_at_most_once_and_is_counted_once() {
+    let env = TestEnv::new().await;
+    let pool = env.store.pool();
+    env.store
+        .admission()
+        .register(&[("inventory".to_owned(), Duration::from_secs(10))], 10, 10)
+        .await
+        .expect("register the agent");
+    // A row made by hand: no shards.
+    sqlx::query("DELETE FROM admission_shard WHERE agent = 'inventory'")
+        .execute(pool)
+        .await
+        .expect("remove the shards");
+
+    // A fold takes the row; an intake batch picks a shard, makes it, and
+    // waits for the row through the foreign key.
+    let mut fold = pool.begin().await.expect("a transaction");
+    sqlx::query("SELECT agent FROM admission WHERE agent = 'inventory' FOR UPDATE")
+        .execute(&mut *fold)
+        .await
+        .expect("the fold locks the row");
+    let plan_steps = env.steps();
+    let store = env.store.clone();
+    let intake = tokio::spawn(async move {
+        store
+            .writes()
+            .insert_orders(
+                &[submission("fk-shard-1")],
+                Plan::new("order", 1, &plan_steps),
+                "test",
+            )
+            .await
+            .pop()
+            .expect("one outcome")
+    });
+    wait_for_a_lock(pool, "the intake waits for the row").await;
+    // The fold makes the missing shards, one of them the intake's.
+    let made = sqlx::query(
+        "INSERT INTO admission_shard (agent, shard)
+         SELECT 'inventory', shard FROM generate_series(0, 7) AS s(shard) ORDER BY shard
+         ON CONFLICT (agent, shard) DO NOTHING",
+    )
+    .execute(&mut *fold)
+    .await;
+    let folded = match made {
+        Ok(_) => fold.commit().await.map(|_| ()),
+        Err(error) => {
+            fold.rollback().await.expect("end the fold");
+            Err(error)
+        }
+    };
+    let stored = intake.await.expect("the intake task");
+    match (&folded, &stored) {
+        (Ok(()), Err(error)) => assert!(
+            is_deadlock(error) && error.is_transient(),
+            "the intake failed with a deadlock its caller retries, not {error}"
+        ),
+        (Err(error), Ok(_)) => assert_eq!(
+            error
+                .as_database_error()
+                .and_then(|db| db.code())
+                .as_deref(),
+            Some("40P01"),
+            "the fold failed with a deadlock, not {error}"
+        ),
+        other => panic!("exactly one of them fails with a deadlock: {other:?}"),
+    }
+    if stored.is_err() {
+        // What the scheduler's intake does with a transient error.
+        let again = env
+            .store
+            .writes()
+            .insert_orders(
+                &[submission("fk-shard-1")],
+                Plan::new("order", 1, &env.steps()),
+                "test",
+            )
+            .await;
+        accepted(&again[0]);
+    }
+    let in_flight: i32 =
+        sqlx::query_scalar("SELECT in_flight FROM admission_now WHERE agent = 'inventory'")
+            .fetch_one(pool)
+            .await
+            .expect("the counters");
+    assert_eq!(in_flight, 1, "the order's attempt counted once");
+    // The next fold (here a reconciliation's) makes whatever is still
+    // missing, and the recount from the orders finds nothing to correct.
+    let corrections = env.store.admission().reconcile().await.expect("reconcile");
+    assert!(corrections.is_empty(), "no drift: {corrections:?}");
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM admission_shard WHERE agent = 'inventory'"
+        )
+        .await,
+        8,
+        "eight shards"
     );
 }
