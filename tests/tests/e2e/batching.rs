@@ -1027,3 +1027,74 @@ async fn a_shard_made_beside_a_fold_deadlocks_at_most_once_and_is_counted_once()
         "eight shards"
     );
 }
+
+/// A transient failure of `dispatch`'s attempt, as its agent reports it.
+fn transient_failure(dispatch: &Dispatch) -> StepReply {
+    StepReply {
+        outcome: StepOutcome::Failed {
+            error: "the remote timed out".into(),
+            permanent: false,
+            maybe_applied: false,
+        },
+        ..success(dispatch)
+    }
+}
+
+/// A reply that has to wait for its order's lock is decided on what the
+/// holder committed. The holder here replaces the step's attempt, as a
+/// claim or a deadline's recovery does while a late reply of the old
+/// attempt arrives: read in the statement that waited for the lock, the
+/// steps were those from before the wait, the reply was taken for the
+/// current attempt's, and its guarded write failed ("a decision's guards
+/// did not hold") instead of the reply being found stale. The chaos test
+/// met it as late answers raced the claims that retried their steps.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_that_waits_for_its_order_is_decided_on_what_the_holder_committed() {
+    let env = TestEnv::new().await;
+    let pool = env.store.pool();
+    let dispatch = accepted(
+        &env.store
+            .writes()
+            .insert_orders(
+                &[submission("held-1")],
+                Plan::new("order", 1, &env.steps()),
+                "test",
+            )
+            .await[0],
+    );
+    let mut holder = pool.begin().await.expect("a transaction");
+    sqlx::query("SELECT 1 FROM order_process WHERE order_id = 'held-1' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock the order");
+    let replaced: uuid::Uuid = sqlx::query_scalar(
+        "UPDATE steps SET attempt = attempt + 1, attempt_id = gen_random_uuid()
+          WHERE order_id = 'held-1' AND position = 0 RETURNING attempt_id",
+    )
+    .fetch_one(&mut *holder)
+    .await
+    .expect("a new attempt");
+
+    let late = transient_failure(&dispatch);
+    let store = env.store.clone();
+    let reply = tokio::spawn(async move { store.writes().record_reply(&late, "test").await });
+    wait_for_a_lock(pool, "the reply waits for the order").await;
+    holder.commit().await.expect("the holder commits");
+    let outcome = reply.await.expect("the reply task");
+    assert!(
+        matches!(outcome, Ok(ReplyOutcome::Stale { .. })),
+        "the replaced attempt's reply is stale: {outcome:?}"
+    );
+    let step: (String, i32, uuid::Uuid) = sqlx::query_as(
+        "SELECT state::text, attempt, attempt_id FROM steps
+          WHERE order_id = 'held-1' AND position = 0",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("the step");
+    assert_eq!(
+        step,
+        ("running".to_owned(), 2, replaced),
+        "the holder's attempt runs on"
+    );
+}

@@ -262,12 +262,28 @@ impl Writes<'_> {
 /// order's snapshot, with the transaction's `now()`: the clock every
 /// decision of this transaction uses. Orders that do not exist are left out.
 ///
+/// The lock is taken by a statement of its own, before the read. In one
+/// statement (`… JOIN steps … FOR UPDATE OF p`), a lock that had to wait
+/// for another transaction (a claim starting the order's next attempt, a
+/// deadline's recovery) returns the order's new process row beside the
+/// steps as they were when the statement began (Postgres re-checks only
+/// the locked row): a late reply was then decided against the attempt
+/// that had just been replaced, its guarded write failed and the reply
+/// went back to its queue. Read after the lock is held, by a statement
+/// with a snapshot of its own, the steps are what the holder committed.
+///
 /// # Errors
 /// When the database fails.
 pub(crate) async fn load_snapshots(
     conn: &mut PgConnection,
     order_ids: &[&str],
 ) -> Result<(Vec<Snapshot>, DateTime<Utc>), StoreError> {
+    sqlx::query(
+        "SELECT 1 FROM order_process WHERE order_id = ANY($1) ORDER BY order_id FOR UPDATE",
+    )
+    .bind(order_ids)
+    .execute(&mut *conn)
+    .await?;
     let rows = sqlx::query(concat!(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
@@ -278,8 +294,7 @@ pub(crate) async fn load_snapshots(
            JOIN orders o ON o.order_id = p.order_id
            JOIN steps s ON s.order_id = p.order_id
           WHERE p.order_id = ANY($1)
-          ORDER BY p.order_id, s.position
-            FOR UPDATE OF p"
+          ORDER BY p.order_id, s.position"
     ))
     .bind(order_ids)
     .fetch_all(&mut *conn)
