@@ -1028,6 +1028,89 @@ async fn a_shard_made_beside_a_fold_deadlocks_at_most_once_and_is_counted_once()
     );
 }
 
+/// Successes whose next agent has no free slot are left alone by the
+/// batched reply statement (their orders must join that agent's line), and
+/// the general path puts them all in the line in one transaction: one at a
+/// time, each waited for the next agent's row behind the others' commits,
+/// and at saturation with lines that convoy made thousands of
+/// transactions wait 20 ms each (docs/performance.md). One transaction
+/// shows in the history: every line it wrote carries its clock. A repeat
+/// of a reply in the same batch still gets its own transaction, after,
+/// and is stale.
+#[tokio::test(flavor = "multi_thread")]
+async fn replies_whose_next_agent_is_full_join_its_line_together() {
+    let env = TestEnv::new().await;
+    let pool = env.store.pool();
+    let deadline = Duration::from_secs(10);
+    let admission = env.store.admission();
+    admission
+        .register(&[("inventory".to_owned(), deadline)], 10, 10)
+        .await
+        .expect("register inventory");
+    admission
+        .register(&[("payment".to_owned(), deadline)], 1, 1)
+        .await
+        .expect("register payment");
+    let ids: Vec<String> = (0..5).map(|n| format!("join-{n}")).collect();
+    let batch: Vec<Submission> = ids.iter().map(|id| submission(id)).collect();
+    let dispatches: Vec<Dispatch> = env
+        .store
+        .writes()
+        .insert_orders(&batch, Plan::new("order", 1, &env.steps()), "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect();
+    // Payment's one slot is taken.
+    sqlx::query("UPDATE admission SET in_flight = 1 WHERE agent = 'payment'")
+        .execute(pool)
+        .await
+        .expect("fill payment");
+
+    let mut replies: Vec<StepReply> = dispatches.iter().map(success).collect();
+    replies.push(success(&dispatches[0]));
+    let outcomes = env.store.writes().record_replies(&replies, "test").await;
+    for (reply, outcome) in replies.iter().zip(&outcomes).take(5) {
+        match outcome {
+            Ok(ReplyOutcome::Applied { progress, .. }) => assert!(
+                progress.dispatches.is_empty(),
+                "{} started payment without a slot",
+                reply.order_id
+            ),
+            other => panic!("{} was not applied: {other:?}", reply.order_id),
+        }
+    }
+    assert!(
+        matches!(outcomes[5], Ok(ReplyOutcome::Stale { .. })),
+        "the repeat is stale: {:?}",
+        outcomes[5]
+    );
+    let lined: (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT at) FROM history
+          WHERE event = 'waiting_for_admission' AND step = 'charge_payment'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("the history");
+    assert_eq!(
+        lined,
+        (5, 1),
+        "five orders joined payment's line, in one transaction"
+    );
+    let counters: Vec<(String, i32, i32)> = sqlx::query_as(
+        "SELECT agent, in_flight, waiting FROM admission_now
+          WHERE agent IN ('inventory', 'payment') ORDER BY agent",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("the counters");
+    assert_eq!(
+        counters,
+        vec![("inventory".to_owned(), 0, 0), ("payment".to_owned(), 1, 5)],
+        "inventory's slots back, five waiting for payment's"
+    );
+}
+
 /// A transient failure of `dispatch`'s attempt, as its agent reports it.
 fn transient_failure(dispatch: &Dispatch) -> StepReply {
     StepReply {

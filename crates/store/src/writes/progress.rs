@@ -183,8 +183,10 @@ impl Writes<'_> {
     ///
     /// Successes of forward steps, the bulk of the traffic, are applied
     /// together in one statement (at most one reply per order in it); every
-    /// other reply, and any the statement left alone, takes
-    /// [`Store::record_reply`], a transaction of its own.
+    /// other reply, and any the statement left alone, takes the general
+    /// path: one per order together in one more transaction, and a repeat
+    /// of an order already in it [`Store::record_reply`], a transaction of
+    /// its own.
     pub async fn record_replies(
         self,
         replies: &[StepReply],
@@ -228,22 +230,111 @@ impl Writes<'_> {
                 }
             }
         };
-        let outcomes = replies.iter().zip(in_fast).map(|(reply, fast)| {
-            let done = fast
-                .then(|| applied.remove(reply.order_id.as_str()))
-                .flatten();
-            async move {
-                match done {
-                    Some(done) => Ok(ReplyOutcome::Applied {
-                        progress: done.progress,
-                        step: done.step,
-                        latency_secs: done.latency_secs,
-                    }),
-                    None => self.record_reply(reply, actor).await,
+        let mut outcomes: Vec<Option<Result<ReplyOutcome, StoreError>>> = replies
+            .iter()
+            .zip(in_fast)
+            .map(|(reply, fast)| {
+                let done = fast
+                    .then(|| applied.remove(reply.order_id.as_str()))
+                    .flatten()?;
+                Some(Ok(ReplyOutcome::Applied {
+                    progress: done.progress,
+                    step: done.step,
+                    latency_secs: done.latency_secs,
+                }))
+            })
+            .collect();
+        // The replies the statement left alone take the general path: the
+        // first of each order all in one transaction, so that replies
+        // joining an agent's line do not each wait for that agent's row
+        // behind the others' commits; a repeat of an order already in it
+        // afterwards, in a transaction of its own.
+        let mut seen = HashSet::new();
+        let (together, repeats): (Vec<usize>, Vec<usize>) = (0..replies.len())
+            .filter(|&i| outcomes[i].is_none())
+            .partition(|&i| seen.insert(replies[i].order_id.as_str()));
+        let batch: Vec<&StepReply> = together.iter().map(|&i| &replies[i]).collect();
+        match self.record_replies_together(&batch, actor).await {
+            Ok(results) => {
+                for (&i, result) in together.iter().zip(results) {
+                    outcomes[i] = Some(result);
                 }
             }
-        });
-        futures_util::future::join_all(outcomes).await
+            // As above: every caller retries on its own.
+            Err(error) if error.is_transient() => {
+                let shared = Arc::new(error);
+                for &i in together.iter().chain(&repeats) {
+                    outcomes[i] = Some(Err(StoreError::Shared(shared.clone())));
+                }
+            }
+            // Nothing changed: each reply alone, so that one the database
+            // refuses fails alone.
+            Err(error) => {
+                tracing::warn!(error = %error, replies = together.len(), "the general path's transaction of a reply batch failed; applying its replies one by one");
+                let alone = together
+                    .iter()
+                    .map(|&i| self.record_reply(&replies[i], actor));
+                for (&i, result) in together
+                    .iter()
+                    .zip(futures_util::future::join_all(alone).await)
+                {
+                    outcomes[i] = Some(result);
+                }
+            }
+        }
+        let later = repeats
+            .iter()
+            .filter(|&&i| outcomes[i].is_none())
+            .map(|&i| async move { (i, self.record_reply(&replies[i], actor).await) });
+        for (i, result) in futures_util::future::join_all(later).await {
+            outcomes[i] = Some(result);
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| {
+                outcome.unwrap_or_else(|| {
+                    Err(StoreError::Invariant(
+                        "a reply of the batch was given no outcome".into(),
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// The general path for replies of distinct orders, in one transaction
+    /// of the write kernel: each order decided on its own snapshot, the
+    /// agents' slots counted across the batch ([`transition`]), all written
+    /// together. Returns one outcome per reply, in order.
+    ///
+    /// # Errors
+    /// When the transaction fails; nothing changed then.
+    async fn record_replies_together(
+        self,
+        replies: &[&StepReply],
+        actor: &str,
+    ) -> Result<Vec<Result<ReplyOutcome, StoreError>>, StoreError> {
+        if replies.is_empty() {
+            return Ok(Vec::new());
+        }
+        let by_order: HashMap<&str, &StepReply> = replies
+            .iter()
+            .map(|reply| (reply.order_id.as_str(), *reply))
+            .collect();
+        let ids: Vec<&str> = by_order.keys().copied().collect();
+        let mut tx = self.pool().begin().await?;
+        let decided = transition(&mut tx, self.store, &ids, actor, Slots::Check, |snapshot| {
+            Event::Reply(by_order[snapshot.order_id.as_str()])
+        })
+        .await?;
+        tx.commit().await?;
+        let mut decided: HashMap<String, Decided> = decided
+            .into_iter()
+            .map(|d| (d.snapshot.order_id.to_string(), d))
+            .collect();
+        Ok(replies
+            .iter()
+            .map(|reply| reply_outcome(reply, decided.remove(reply.order_id.as_str())))
+            .collect())
     }
 
     /// Applies one reply in a transaction of its own, whatever its case:
@@ -257,32 +348,37 @@ impl Writes<'_> {
         actor: &str,
     ) -> Result<ReplyOutcome, StoreError> {
         let event = Event::Reply(reply);
-        let Some(Decided {
-            snapshot,
-            decision,
-            now,
-        }) = self.transition_one(&reply.order_id, &event, actor).await?
-        else {
-            return Ok(ReplyOutcome::Stale {
-                reason: "no such order".into(),
-            });
-        };
-        match decision.verdict {
-            Verdict::Applied => {
-                let step = snapshot.step_of_attempt(reply.attempt_id);
-                let started = step.and_then(|step| step.started_at()).unwrap_or(now);
-                Ok(ReplyOutcome::Applied {
-                    progress: decision.progress,
-                    step: step.map_or_else(|| reply.step.clone(), |step| step.name.clone()),
-                    latency_secs: (now - started).num_microseconds().unwrap_or(0) as f64 / 1e6,
-                })
-            }
-            Verdict::Stale(reason) | Verdict::Unchanged(reason) => {
-                Ok(ReplyOutcome::Stale { reason })
-            }
-            other => Err(StoreError::Invariant(format!(
-                "a reply was decided as {other:?}"
-            ))),
+        let decided = self.transition_one(&reply.order_id, &event, actor).await?;
+        reply_outcome(reply, decided)
+    }
+}
+
+/// What the write kernel's decision on `reply` (`None`: its order does not
+/// exist) means for the agent that sent it.
+fn reply_outcome(reply: &StepReply, decided: Option<Decided>) -> Result<ReplyOutcome, StoreError> {
+    let Some(Decided {
+        snapshot,
+        decision,
+        now,
+    }) = decided
+    else {
+        return Ok(ReplyOutcome::Stale {
+            reason: "no such order".into(),
+        });
+    };
+    match decision.verdict {
+        Verdict::Applied => {
+            let step = snapshot.step_of_attempt(reply.attempt_id);
+            let started = step.and_then(|step| step.started_at()).unwrap_or(now);
+            Ok(ReplyOutcome::Applied {
+                progress: decision.progress,
+                step: step.map_or_else(|| reply.step.clone(), |step| step.name.clone()),
+                latency_secs: (now - started).num_microseconds().unwrap_or(0) as f64 / 1e6,
+            })
         }
+        Verdict::Stale(reason) | Verdict::Unchanged(reason) => Ok(ReplyOutcome::Stale { reason }),
+        other => Err(StoreError::Invariant(format!(
+            "a reply was decided as {other:?}"
+        ))),
     }
 }
