@@ -40,6 +40,19 @@ fn success(dispatch: &Dispatch) -> StepReply {
     }
 }
 
+/// A failure of `dispatch`'s attempt that the remote never applied (a
+/// refusal, or a call that never reached it), as its agent reports it.
+fn failure(dispatch: &Dispatch, error: &str, permanent: bool) -> StepReply {
+    StepReply {
+        outcome: StepOutcome::Failed {
+            error: error.into(),
+            permanent,
+            maybe_applied: false,
+        },
+        ..success(dispatch)
+    }
+}
+
 fn accepted(outcome: &Result<Intake, sas_store::StoreError>) -> Dispatch {
     match outcome {
         Ok(Intake::Accepted(progress)) => progress
@@ -296,12 +309,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
 
     let mut stale = success(&dispatches[2]);
     stale.attempt_id = sas_messages::AttemptId::new();
-    let mut declined = success(&dispatches[3]);
-    declined.outcome = StepOutcome::Failed {
-        error: "out of stock".into(),
-        permanent: true,
-        maybe_applied: false,
-    };
+    let declined = failure(&dispatches[3], "out of stock", true);
     let replies = vec![
         success(&dispatches[0]),
         success(&dispatches[1]),
@@ -1111,18 +1119,6 @@ async fn replies_whose_next_agent_is_full_join_its_line_together() {
     );
 }
 
-/// A transient failure of `dispatch`'s attempt, as its agent reports it.
-fn transient_failure(dispatch: &Dispatch) -> StepReply {
-    StepReply {
-        outcome: StepOutcome::Failed {
-            error: "the remote timed out".into(),
-            permanent: false,
-            maybe_applied: false,
-        },
-        ..success(dispatch)
-    }
-}
-
 /// A reply that has to wait for its order's lock is decided on what the
 /// holder committed. The holder here replaces the step's attempt, as a
 /// claim or a deadline's recovery does while a late reply of the old
@@ -1158,7 +1154,7 @@ async fn a_reply_that_waits_for_its_order_is_decided_on_what_the_holder_committe
     .await
     .expect("a new attempt");
 
-    let late = transient_failure(&dispatch);
+    let late = failure(&dispatch, "connection refused: the call never left", false);
     let store = env.store.clone();
     let reply = tokio::spawn(async move { store.writes().record_reply(&late, "test").await });
     wait_for_a_lock(pool, "the reply waits for the order").await;
