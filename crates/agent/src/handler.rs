@@ -5,7 +5,10 @@ use std::time::{Duration, Instant};
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::publish::{json_properties, Outgoing};
 use sas_broker::Publisher;
-use sas_messages::{decode, StepOutcome, StepReply, StepRequest, SCHEMA_VERSION};
+use sas_messages::{
+    decode, StepKind, StepOutcome, StepReply, StepRequest, DEFAULT_PRIORITY, MAX_PRIORITY,
+    PRIORITY_STEP, SCHEMA_VERSION, UNDO_HEAD_START,
+};
 use tracing::Instrument;
 
 use chrono::{DateTime, Utc};
@@ -82,6 +85,11 @@ impl Agent {
             });
         }
         let received = Received {
+            slot_priority: slot_priority(
+                request.kind,
+                *delivery.properties.priority(),
+                lane.started.elapsed(),
+            ),
             request,
             redelivered: delivery.redelivered,
             reply_to,
@@ -333,8 +341,8 @@ impl Agent {
         // send the undo.
         let asked = Instant::now();
         let permit = tokio::select! {
-            permit = tokio::time::timeout(left, lane.calls.acquire()) => match permit {
-                Ok(permit) => permit.expect("the semaphore is never closed"),
+            permit = tokio::time::timeout(left, lane.calls.acquire(received.slot_priority)) => match permit {
+                Ok(permit) => permit.expect("the call slots are never closed"),
                 Err(_) => {
                     tries.slot_wait += asked.elapsed();
                     return Err(tries.expired());
@@ -606,4 +614,91 @@ struct Received {
     reply_to: String,
     /// The order's trace, when the request carried one.
     trace_id: Option<String>,
+    /// Its place among the requests waiting for a call slot ([`slot_priority`]).
+    slot_priority: priority_semaphore::Priority,
+}
+
+/// A request's place among those waiting for a call slot of its lane
+/// (higher goes first), by the rule of admission's lines: the time it
+/// arrived (`arrived`, since the agent started), less [`PRIORITY_STEP`] per
+/// level of the order's priority, less [`UNDO_HEAD_START`] for a
+/// compensation (an order being undone holds what it reserved until its
+/// undo runs). The priority is the message's `priority` property; a
+/// scheduler older than the property sends none, which counts as the
+/// default. Whole seconds, so that an agent may run for decades: requests
+/// that arrive within the same second at the same level keep their order.
+///
+/// An urgent request so passes the backlog delivered before it, and a
+/// request waits behind later ones for at most [`PRIORITY_STEP`] per
+/// level. Waiting is bounded anyway: past its start-by a request answers
+/// `not_started`, and its order goes back to its line, keeping its place.
+pub fn slot_priority(
+    kind: StepKind,
+    property: Option<u8>,
+    arrived: Duration,
+) -> priority_semaphore::Priority {
+    let level = i64::from(property.unwrap_or(DEFAULT_PRIORITY).min(MAX_PRIORITY));
+    let head_start = PRIORITY_STEP.num_seconds() * level
+        + match kind {
+            StepKind::Action => 0,
+            StepKind::Compensation => UNDO_HEAD_START.num_seconds(),
+        };
+    let arrived = i64::try_from(arrived.as_secs()).unwrap_or(i64::MAX);
+    let place = head_start.saturating_sub(arrived);
+    priority_semaphore::Priority::try_from(place).unwrap_or(priority_semaphore::Priority::MIN)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sas_messages::StepKind;
+
+    use super::slot_priority;
+
+    fn at(kind: StepKind, priority: Option<u8>, secs: u64) -> i32 {
+        slot_priority(kind, priority, Duration::from_secs(secs))
+    }
+
+    #[test]
+    fn a_level_of_priority_is_worth_ten_seconds_of_waiting() {
+        let waiting = at(StepKind::Action, Some(5), 100);
+        assert!(at(StepKind::Action, Some(6), 109) > waiting);
+        assert!(at(StepKind::Action, Some(6), 111) < waiting);
+        assert!(at(StepKind::Action, Some(9), 139) > waiting);
+        // Equal places keep their arrival order (the semaphore's FIFO).
+        assert_eq!(at(StepKind::Action, Some(6), 110), waiting);
+        assert_eq!(
+            slot_priority(StepKind::Action, Some(5), Duration::from_millis(100_900)),
+            waiting,
+        );
+    }
+
+    #[test]
+    fn a_compensation_goes_before_any_forward_work() {
+        let undo = at(StepKind::Compensation, Some(0), 1_000);
+        assert!(undo > at(StepKind::Action, Some(9), 1_000));
+        assert!(undo > at(StepKind::Action, Some(9), 0));
+        assert!(undo < at(StepKind::Compensation, Some(0), 999));
+    }
+
+    #[test]
+    fn no_property_counts_as_the_default_and_out_of_range_as_the_highest() {
+        assert_eq!(
+            at(StepKind::Action, None, 7),
+            at(StepKind::Action, Some(5), 7)
+        );
+        assert_eq!(
+            at(StepKind::Action, Some(200), 7),
+            at(StepKind::Action, Some(9), 7)
+        );
+    }
+
+    #[test]
+    fn an_agent_that_ran_for_ages_still_orders_its_requests() {
+        let ages = 200 * 365 * 24 * 3600;
+        assert_eq!(at(StepKind::Action, Some(9), ages), i32::MIN);
+        let decades = 30 * 365 * 24 * 3600;
+        assert!(at(StepKind::Action, Some(9), decades) > at(StepKind::Action, Some(0), decades));
+    }
 }

@@ -41,8 +41,14 @@ pub struct Lane {
     pub circuit: CircuitBreaker,
     /// Calls to the service in flight at once from this replica (a bulkhead,
     /// apart from the broker's prefetch, so that the next requests wait here
-    /// already delivered while the service works).
-    pub calls: tokio::sync::Semaphore,
+    /// already delivered while the service works). A freed slot goes to the
+    /// most urgent request waiting ([`handler::slot_priority`]), the first
+    /// to arrive among equals: the agent's queue is first come, first
+    /// served, and this is where priority can still count.
+    pub calls: Arc<priority_semaphore::PrioritySemaphore>,
+    /// When the lane was made: requests' arrivals are counted from it to
+    /// order them for the call slots.
+    pub started: std::time::Instant,
 }
 
 /// What every request handled by one agent replica shares.
@@ -94,7 +100,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 settings.circuit.failure_threshold,
                 Duration::from_millis(settings.circuit.cool_down_ms),
             ),
-            calls: tokio::sync::Semaphore::new(settings.agent.concurrency),
+            calls: Arc::new(priority_semaphore::PrioritySemaphore::new(
+                settings.agent.concurrency,
+            )),
+            started: std::time::Instant::now(),
             name,
         }));
     }

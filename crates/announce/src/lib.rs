@@ -250,6 +250,11 @@ fn count_finished(statuses: &[OrderStatus]) {
 /// The step request of `dispatch` for its agent's queue, with
 /// `correlation_id` = attempt id and `reply_to` = the shared scheduler reply
 /// queue. It is mandatory: a missing agent queue is an error.
+///
+/// The order's priority goes in the message's `priority` property, not in
+/// the body: agents order their waits for a call slot by it, an agent
+/// older than the property reads the body unchanged, and a broker whose
+/// quorum queues honour priorities (RabbitMQ 4) would read it as well.
 pub fn request_message(
     names: &QueueNames,
     dispatch: &Dispatch,
@@ -275,6 +280,7 @@ pub fn request_message(
     let properties = json_properties(&attempt_id)
         .with_correlation_id(attempt_id.as_str().into())
         .with_reply_to(names.scheduler_replies().into())
+        .with_priority(u8::try_from(dispatch.priority).unwrap_or_default())
         .with_headers(order_headers(&dispatch.order_id, trace_id));
     Outgoing {
         exchange: String::new(),

@@ -111,7 +111,9 @@ fn info() -> Value {
             "reply_to); `reply_to` names the queue for answers; `user_id` is set by every ",
             "service to its broker user and validated by RabbitMQ, so schedulers accept ",
             "replies only from agent users; `message_id` is unique per message, except that ",
-            "every rejected status about one refused message carries the same one.\n\n",
+            "every rejected status about one refused message carries the same one; a step ",
+            "request's `priority` is its order's (0 to 9), by which agents order the requests ",
+            "waiting for their call slots.\n\n",
             "Headers: `traceparent` (W3C trace context; a client may set it on an order to ",
             "join its trace), `x-sas-order-id` on every message about an order, ",
             "`x-sas-published-at` (microseconds since the epoch, by the publishing service's ",
@@ -362,6 +364,7 @@ fn components() -> Value {
                 ("correlation_id", "the attempt_id"),
                 ("reply_to", "the scheduler reply queue"),
                 ("message_id", "the attempt_id"),
+                ("priority", "the order's priority, 0 to 9: agents start the most urgent waiting request first (absent: 5)"),
                 ("user_id", user),
             ])),
             "StepReply": message("StepReply", "What the agent learned.", reply, "OrderHeaders", properties(&[

@@ -33,7 +33,9 @@ pub use decode::{decode, DecodeError};
 pub use event::OrderEvent;
 pub use ids::{AttemptId, OrderId};
 pub use names::{headers, QueueNames};
-pub use order::{OrderLine, SubmitOrder};
+pub use order::{
+    OrderLine, SubmitOrder, DEFAULT_PRIORITY, MAX_PRIORITY, PRIORITY_STEP, UNDO_HEAD_START,
+};
 pub use status::{OrderStatus, StatusEvent};
 pub use step::{StepKind, StepOutcome, StepReply, StepRequest};
 pub use trace::TraceParent;

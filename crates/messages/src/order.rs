@@ -50,6 +50,16 @@ pub const MAX_PRIORITY: u8 = 9;
 /// that background work can ask to go after it.
 pub const DEFAULT_PRIORITY: u8 = 5;
 
+/// Levels of priority are worth this much waiting: an order of priority p
+/// goes before orders of priority p-1 that started waiting less than this
+/// before it, and never waits more than this per level behind later ones.
+/// Admission's lines and an agent's call slots both order by it.
+pub const PRIORITY_STEP: chrono::TimeDelta = chrono::TimeDelta::seconds(10);
+
+/// Compensations go before any new work of the same agent, in its line and
+/// at its call slots.
+pub const UNDO_HEAD_START: chrono::TimeDelta = chrono::TimeDelta::days(1);
+
 /// A client's order, published as JSON to [`crate::QueueNames::orders`].
 ///
 /// Unknown fields are refused: a misspelt `reply_to` would otherwise silently

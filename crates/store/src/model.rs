@@ -204,6 +204,10 @@ pub struct Dispatch {
     pub method: Option<String>,
     /// The call's path, when the step's template names one.
     pub path: Option<String>,
+    /// The order's priority (0 to 9): the request carries it, so that an
+    /// agent starts the most urgent of the requests waiting for its call
+    /// slots first.
+    pub priority: i16,
 }
 
 /// What a committed transition asks the caller to publish: the step

@@ -64,6 +64,22 @@ fn accepted(outcome: &Result<Intake, sas_store::StoreError>) -> Dispatch {
     }
 }
 
+/// Stores `batch` as orders of the plain workflow of `steps`, each
+/// accepted, and returns each one's first request.
+async fn accept_all(
+    store: &sas_store::Store,
+    batch: &[Submission],
+    steps: &[sas_store::NewStep],
+) -> Vec<Dispatch> {
+    store
+        .writes()
+        .insert_orders(batch, Plan::new("order", 1, steps), "test")
+        .await
+        .iter()
+        .map(accepted)
+        .collect()
+}
+
 /// How many of a claim's orders it started (the others joined a line).
 fn started(claimed: &[sas_store::writes::progress::Claimed]) -> usize {
     claimed
@@ -185,13 +201,7 @@ async fn run_every_step(
 ) -> Vec<Dispatch> {
     let steps = env.steps();
     let batch: Vec<Submission> = orders.iter().map(|id| submission(id)).collect();
-    let mut dispatches: Vec<Dispatch> = store
-        .writes()
-        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
-        .await
-        .iter()
-        .map(accepted)
-        .collect();
+    let mut dispatches = accept_all(store, &batch, &steps).await;
     for _ in 0..steps.len() {
         let replies: Vec<StepReply> = dispatches.iter().map(success).collect();
         dispatches = store
@@ -298,14 +308,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
     let steps = env.steps();
     let names: Vec<String> = (0..4).map(|n| format!("order-{n}")).collect();
     let batch: Vec<Submission> = names.iter().map(|n| submission(n)).collect();
-    let dispatches: Vec<Dispatch> = env
-        .store
-        .writes()
-        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
-        .await
-        .iter()
-        .map(accepted)
-        .collect();
+    let dispatches = accept_all(&env.store, &batch, &steps).await;
 
     let mut stale = success(&dispatches[2]);
     stale.attempt_id = sas_messages::AttemptId::new();
@@ -638,13 +641,7 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
         assert!(run_every_step(&services, &env, &ids).await.is_empty());
     }
     let batch: Vec<Submission> = (0..3).map(|n| submission(&format!("open-{n}"))).collect();
-    let waiting: Vec<Dispatch> = services
-        .writes()
-        .insert_orders(&batch, Plan::new("order", 1, &steps), "test")
-        .await
-        .iter()
-        .map(accepted)
-        .collect();
+    let waiting = accept_all(&services, &batch, &steps).await;
 
     let flush = || async {
         sqlx::query("SELECT pg_stat_force_next_flush()")
@@ -1176,4 +1173,52 @@ async fn a_reply_that_waits_for_its_order_is_decided_on_what_the_holder_committe
         ("running".to_owned(), 2, replaced),
         "the holder's attempt runs on"
     );
+}
+
+/// Every request of an order carries the order's priority to its agent, in
+/// the message's `priority` property, on each path that starts one: intake,
+/// the batched statement of a reply, and the general path (a compensation).
+#[tokio::test(flavor = "multi_thread")]
+async fn every_request_of_an_order_carries_its_priority_to_the_agent() {
+    let env = TestEnv::new().await;
+    let steps = env.steps();
+    let names = env.amqp().names();
+    let batch: Vec<Submission> = [("urgent-1", Some(8)), ("plain-1", None)]
+        .into_iter()
+        .map(|(order_id, priority)| {
+            let mut submission = submission(order_id);
+            submission.order.priority = priority;
+            submission
+        })
+        .collect();
+    let first = accept_all(&env.store, &batch, &steps).await;
+    let carried = |dispatch: &Dispatch| {
+        let message = sas_announce::request_message(&names, dispatch, None);
+        (dispatch.priority, *message.properties.priority())
+    };
+    assert_eq!(carried(&first[0]), (8, Some(8)), "intake");
+    assert_eq!(carried(&first[1]), (5, Some(5)), "the default");
+
+    let next = |outcome: &Result<ReplyOutcome, sas_store::StoreError>| match outcome {
+        Ok(ReplyOutcome::Applied { progress, .. }) => progress
+            .dispatches
+            .first()
+            .cloned()
+            .expect("a next request"),
+        other => panic!("expected an applied reply, got {other:?}"),
+    };
+    let replies = [success(&first[0])];
+    let outcomes = env.store.writes().record_replies(&replies, "test").await;
+    let charge = next(&outcomes[0]);
+    assert_eq!(charge.step, "charge_payment");
+    assert_eq!(carried(&charge), (8, Some(8)), "the batched statement");
+
+    let declined = failure(&charge, "card declined", true);
+    let outcome = env.store.writes().record_reply(&declined, "test").await;
+    let undo = next(&outcome);
+    assert_eq!(
+        (undo.step.as_str(), undo.kind),
+        ("reserve_stock", sas_messages::StepKind::Compensation)
+    );
+    assert_eq!(carried(&undo), (8, Some(8)), "the general path");
 }

@@ -2,6 +2,9 @@
 //! the deployment's own, credentials, answers that are too large, not JSON or
 //! hold U+0000, and an agent whose clock runs behind the database's.
 //!
+//! Also the order in which an agent serves the requests waiting for its
+//! call slots.
+//!
 //! Most tests publish a `StepRequest` straight to the agent's queue, with
 //! `reply_to` a queue of the test's own, and read the agent's `StepReply`
 //! there: the agent's decision, without a scheduler in between.
@@ -161,17 +164,28 @@ async fn send(
     reply_to: &str,
     request: &StepRequest,
 ) {
+    send_with_priority(env, publisher, agent, reply_to, request, None).await;
+}
+
+/// [`send`], with the message's `priority` property set as a scheduler
+/// sets it to the order's priority (none: as an older scheduler sends it).
+async fn send_with_priority(
+    env: &TestEnv,
+    publisher: &Publisher,
+    agent: &str,
+    reply_to: &str,
+    request: &StepRequest,
+    priority: Option<u8>,
+) {
     let names = env.amqp().names();
+    let mut properties = sas_broker::publish::json_properties(&uuid::Uuid::now_v7().to_string())
+        .with_correlation_id(request.attempt_id.to_string().as_str().into())
+        .with_reply_to(reply_to.into());
+    if let Some(priority) = priority {
+        properties = properties.with_priority(priority);
+    }
     publisher
-        .publish_json(
-            "",
-            &names.agent_requests(agent),
-            request,
-            sas_broker::publish::json_properties(&uuid::Uuid::now_v7().to_string())
-                .with_correlation_id(request.attempt_id.to_string().as_str().into())
-                .with_reply_to(reply_to.into()),
-            true,
-        )
+        .publish_json("", &names.agent_requests(agent), request, properties, true)
         .await
         .unwrap();
 }
@@ -973,4 +987,113 @@ async fn a_request_without_start_by_is_never_answered_not_started() {
     );
     assert!(calls.lock().unwrap().is_empty());
     assert!(agent.is_running());
+}
+
+/// A remote on a free port whose calls (`/gated/<action>`) record their
+/// order id in the order they arrive, then each wait for a permit of the
+/// returned gate before answering 200 with an empty object.
+async fn gated_remote() -> (u16, Arc<Mutex<Vec<String>>>, Arc<tokio::sync::Semaphore>) {
+    let calls: Arc<Mutex<Vec<String>>> = Arc::default();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let app = {
+        let (calls, gate) = (calls.clone(), gate.clone());
+        axum::Router::new().route(
+            "/gated/{action}",
+            axum::routing::post(move |body: axum::Json<serde_json::Value>| {
+                let (calls, gate) = (calls.clone(), gate.clone());
+                async move {
+                    let order_id = body["order"]["order_id"].as_str().unwrap_or("?").to_owned();
+                    calls.lock().unwrap().push(order_id);
+                    gate.acquire().await.unwrap().forget();
+                    axum::Json(serde_json::json!({}))
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (port, calls, gate)
+}
+
+/// An agent's queue is first come, first served, so its call slots are
+/// where priority can still count: a freed slot goes to a compensation
+/// first, then to the request of the most urgent order (the message's
+/// `priority` property; none counts as the default, 5), and to the first
+/// delivered among equals.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_request() {
+    let env = TestEnv::new().await;
+    let (port, calls, gate) = gated_remote().await;
+    let (_agent, ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/gated"),
+        &[Setting::AgentConcurrency(1)],
+    );
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let step = |order_id: &str, kind: StepKind, action: &str| {
+        request(
+            order_id,
+            kind,
+            action,
+            Duration::from_secs(25),
+            Duration::from_secs(30),
+        )
+    };
+    // The first request takes the one call slot and holds it.
+    send_with_priority(
+        &env,
+        &publisher,
+        "payment",
+        &reply_to,
+        &step("first", StepKind::Action, "charge"),
+        Some(5),
+    )
+    .await;
+    wait_until("the first call", Duration::from_secs(20), || async {
+        let seen = calls.lock().unwrap().clone();
+        if seen.is_empty() {
+            Err("no call yet".to_owned())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+    // The others arrive while it calls, the most urgent last.
+    let waiting = [
+        ("low-0", StepKind::Action, "charge", Some(0)),
+        ("low-1", StepKind::Action, "charge", Some(0)),
+        ("plain", StepKind::Action, "charge", None),
+        ("low-2", StepKind::Action, "charge", Some(0)),
+        ("urgent", StepKind::Action, "charge", Some(9)),
+        ("undo", StepKind::Compensation, "refund", Some(0)),
+    ];
+    for (order_id, kind, action, priority) in waiting {
+        let request = step(order_id, kind, action);
+        send_with_priority(&env, &publisher, "payment", &reply_to, &request, priority).await;
+    }
+    wait_for_metric(
+        "every request delivered and waiting for the call slot",
+        ops,
+        "sas_agent_requests_in_flight",
+        Duration::from_secs(20),
+        |n| n >= 7.0,
+    )
+    .await;
+    assert_eq!(calls.lock().unwrap().len(), 1, "one call slot, still held");
+    gate.add_permits(waiting.len() + 1);
+    for _ in 0..=waiting.len() {
+        let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
+        assert!(
+            matches!(reply.outcome, StepOutcome::Succeeded { .. }),
+            "{reply:?}"
+        );
+    }
+    assert_eq!(
+        *calls.lock().unwrap(),
+        ["first", "undo", "urgent", "plain", "low-0", "low-1", "low-2"],
+        "the order of the calls"
+    );
 }

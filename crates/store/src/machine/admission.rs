@@ -91,13 +91,8 @@ pub fn admission_delta(
     deltas
 }
 
-/// Levels of priority are worth this much waiting: an order of priority p
-/// goes before orders of priority p-1 that started waiting less than this
-/// before it, and never waits more than this per level behind later ones.
-pub const PRIORITY_STEP: chrono::TimeDelta = chrono::TimeDelta::seconds(10);
-
-/// Compensations go before any new work of the same agent.
-pub const UNDO_HEAD_START: chrono::TimeDelta = chrono::TimeDelta::days(1);
+// Who goes first, here and at an agent's call slots alike.
+pub use sas_messages::{PRIORITY_STEP, UNDO_HEAD_START};
 
 /// An order's place in an agent's line: the time it started waiting, less
 /// [`PRIORITY_STEP`] per priority level, less [`UNDO_HEAD_START`] for an undo.

@@ -65,13 +65,15 @@ impl Dispatch {
     /// The request of the attempt just started on `step` (its attempt
     /// number, id and deadline already set), with `payload` (`{order,
     /// results}`), or what the step's template builds from it; its calls
-    /// must start `start_margin` before the deadline.
+    /// must start `start_margin` before the deadline. `priority` is the
+    /// order's.
     pub fn for_step(
         order_id: &str,
         step: &StepRow,
         kind: StepKind,
         payload: serde_json::Value,
         start_margin: std::time::Duration,
+        priority: i16,
     ) -> Self {
         let complete_by = step.complete_by.unwrap_or_default();
         let dispatched_at = step.started_at().unwrap_or(complete_by);
@@ -104,6 +106,7 @@ impl Dispatch {
             payload: call.body,
             method: call.method,
             path: call.path,
+            priority,
         }
     }
 }

@@ -75,7 +75,7 @@ impl Writes<'_> {
                         AS r(order_id, attempt_id, result, next_attempt_id, detail, queued_ms,
                              slot_wait_ms)),
              p AS MATERIALIZED (
-                 SELECT op.order_id, op.reply_to, op.reply_correlation_id, op.trace_id FROM order_process op
+                 SELECT op.order_id, op.reply_to, op.reply_correlation_id, op.trace_id, op.priority FROM order_process op
                   WHERE op.order_id = ANY($1) AND op.state::text = 'processing'
                   ORDER BY op.order_id
                     FOR UPDATE),
@@ -173,7 +173,7 @@ impl Writes<'_> {
                  SELECT order_id, $6, 'processed', NULL, NULL, NULL FROM done
                   WHERE NOT EXISTS (SELECT 1 FROM next WHERE next.order_id = done.order_id))
              SELECT done.order_id, done.name AS step, done.updated_at AS at, done.latency,
-                    p.reply_to, p.reply_correlation_id, p.trace_id, process.updated_at AS finished_at,
+                    p.reply_to, p.reply_correlation_id, p.trace_id, p.priority, process.updated_at AS finished_at,
                     next.position AS next_position, next.name AS next_step, next.agent AS next_agent,
                     next.action AS next_action, next.compensation AS next_compensation,
                     next.timeout_ms AS next_timeout_ms, next.state AS next_state,
@@ -244,8 +244,15 @@ fn completed_from_row(
             let results: serde_json::Value = row.try_get("results")?;
             let results = results.as_object().into_iter().flatten();
             let payload = payload(&body, results.map(|(name, result)| (name.as_str(), result)));
-            let dispatch =
-                Dispatch::for_step(order_id, &next, StepKind::Action, payload, start_margin);
+            let priority: i16 = row.try_get("priority")?;
+            let dispatch = Dispatch::for_step(
+                order_id,
+                &next,
+                StepKind::Action,
+                payload,
+                start_margin,
+                priority,
+            );
             progress.dispatches.push(dispatch);
         }
         None => {

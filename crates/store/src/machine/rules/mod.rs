@@ -266,6 +266,7 @@ impl<'a> Draft<'a> {
             kind,
             payload,
             self.ctx.start_margin,
+            self.snapshot.priority,
         );
         self.progress.dispatches.push(dispatch);
         self.log(event, Some(&name), Some(attempt_id), Some(detail));
