@@ -131,6 +131,10 @@ pub struct StatusListener {
     pub queue: String,
     /// Arrival of each order's `processed` status.
     pub processed: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Arrival of each order's first `step_completed` status: up to it, the
+    /// order waited to be admitted and for its first call; after it, the
+    /// later steps.
+    pub first_step: Arc<Mutex<HashMap<String, Instant>>>,
     /// How long each order's `processed` status waited in this queue, ms
     /// (from its `x-sas-published-at` header): a line of the latency budget.
     pub status_wait_ms: Arc<Mutex<HashMap<String, f64>>>,
@@ -146,14 +150,27 @@ impl StatusListener {
         let connection = sas_broker::connect(&settings, "bench-status").await?;
         let (queue, mut consumer) = topology::status_consumer(&connection, &settings, None).await?;
         let processed = Arc::new(Mutex::new(HashMap::new()));
+        let first_step = Arc::new(Mutex::new(HashMap::new()));
         let status_wait_ms = Arc::new(Mutex::new(HashMap::new()));
-        let (record, record_wait) = (processed.clone(), status_wait_ms.clone());
+        let (record, record_first, record_wait) = (
+            processed.clone(),
+            first_step.clone(),
+            status_wait_ms.clone(),
+        );
         let task = tokio::spawn(async move {
             let _connection = connection;
             while let Some(Ok(delivery)) = consumer.next().await {
                 let Ok(status) = serde_json::from_slice::<OrderStatus>(&delivery.data) else {
                     continue;
                 };
+                if status.event == StatusEvent::StepCompleted {
+                    record_first
+                        .lock()
+                        .expect("lock")
+                        .entry(status.order_id.into_string())
+                        .or_insert_with(Instant::now);
+                    continue;
+                }
                 if status.event != StatusEvent::Processed {
                     continue;
                 }
@@ -173,6 +190,7 @@ impl StatusListener {
         Ok(Self {
             queue,
             processed,
+            first_step,
             status_wait_ms,
             _task: task,
         })

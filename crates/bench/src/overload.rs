@@ -6,6 +6,7 @@
 //! offered alone, at a quarter of the capacity, with no backlog to pass.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use sas_broker::Publisher;
@@ -13,7 +14,7 @@ use sas_lab::TestEnv;
 use serde_json::json;
 
 use crate::drive::{publish_with_priority, StatusListener};
-use crate::report::{percentiles, Latency, OverloadPoint};
+use crate::report::{percentiles, OverloadPoint};
 use crate::system::{start_agent, BenchSystem};
 use sas_lab::Setting;
 
@@ -25,8 +26,8 @@ const CONCURRENCY: u32 = 4;
 const ALONE_FACTOR: f64 = 0.25;
 
 /// Runs the phase with a fresh agent process: urgent orders alone first,
-/// then each factor, each offered for `offer_secs`. Returns the urgent
-/// orders' latency alone and a point per factor.
+/// then each factor, each offered for `offer_secs`. Returns the point of
+/// the urgent orders alone (the yardstick) and a point per factor.
 ///
 /// # Errors
 /// When the orders do not all end within ten minutes.
@@ -36,7 +37,7 @@ pub async fn run(
     system: &BenchSystem,
     factors: &[f64],
     offer_secs: f64,
-) -> anyhow::Result<(Latency, Vec<OverloadPoint>)> {
+) -> anyhow::Result<(OverloadPoint, Vec<OverloadPoint>)> {
     system
         .sim
         .set_faults(None, json!({"latency_ms": LATENCY_MS, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0}))
@@ -67,7 +68,7 @@ pub async fn run(
     for agent in &mut agents {
         agent.kill9().await;
     }
-    Ok((urgent_alone.latency_urgent_ms, points))
+    Ok((urgent_alone, points))
 }
 
 /// One offered load: `factor` times the `capacity` for `secs`, each order's
@@ -122,7 +123,9 @@ impl Offer {
             .wait_for_processed(arrived, Duration::from_secs(10))
             .await;
         let (urgent_ms, normal_ms) =
-            latencies_by_priority(&listener, &ids, &sent, self.priority_of);
+            latencies_by_priority(&listener.processed, &ids, &sent, self.priority_of);
+        let (urgent_first_step_ms, _) =
+            latencies_by_priority(&listener.first_step, &ids, &sent, self.priority_of);
         Ok(OverloadPoint {
             offered_factor: factor,
             orders: n,
@@ -130,6 +133,7 @@ impl Offer {
             goodput_fraction: processed as f64 / (finished - started).as_secs_f64() / capacity,
             failed_or_compensated: failed,
             latency_urgent_ms: percentiles(urgent_ms),
+            urgent_first_step_ms: percentiles(urgent_first_step_ms),
             latency_normal_ms: percentiles(normal_ms),
         })
     }
@@ -160,16 +164,17 @@ async fn all_ended(env: &TestEnv, prefix: &str) {
     }
 }
 
-/// Submit-to-processed milliseconds of each order whose `processed` status
-/// arrived, urgent and normal apart.
+/// Milliseconds from submit to the status `arrivals` recorded (the
+/// listener's `processed` or `first_step`) of each order that has one,
+/// urgent and normal apart.
 fn latencies_by_priority(
-    listener: &StatusListener,
+    arrivals: &Mutex<HashMap<String, Instant>>,
     ids: &[String],
     sent: &HashMap<String, Instant>,
     priority_of: fn(usize) -> Option<u8>,
 ) -> (Vec<f64>, Vec<f64>) {
     let (mut urgent_ms, mut normal_ms) = (Vec::new(), Vec::new());
-    let done = listener.processed.lock().expect("lock");
+    let done = arrivals.lock().expect("lock");
     for (index, id) in ids.iter().enumerate() {
         if let (Some(at), Some(end)) = (sent.get(id), done.get(id)) {
             let ms = (*end - *at).as_secs_f64() * 1000.0;

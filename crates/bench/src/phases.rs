@@ -413,7 +413,8 @@ async fn overload(
     progress: &ProgressBar,
 ) -> anyhow::Result<Report> {
     progress.set_message("overload: a slow remote offered 3x and 10x its capacity");
-    (report.overload_urgent_alone_ms, report.overload) = crate::overload::run(
+    let alone;
+    (alone, report.overload) = crate::overload::run(
         env,
         publisher,
         system,
@@ -421,6 +422,8 @@ async fn overload(
         sizes.overload_offer_secs,
     )
     .await?;
+    report.overload_urgent_alone_ms = alone.latency_urgent_ms;
+    report.overload_urgent_alone_first_step_ms = alone.urgent_first_step_ms;
     progress.inc(1);
     Ok(report)
 }

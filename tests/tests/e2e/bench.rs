@@ -70,6 +70,16 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         assert_eq!(point["failed_or_compensated"], 0, "{point}");
         let goodput = point["goodput_fraction"].as_f64().unwrap_or_default();
         assert!(goodput > 0.0 && goodput < 2.0, "{point}");
+        // An urgent order's first step is done after one 100 ms call at
+        // least, and before the order is.
+        let at = |path: &str| point.pointer(path).and_then(|v| v.as_f64()).unwrap();
+        for q in ["p50", "p99"] {
+            let (first, whole) = (
+                at(&format!("/urgent_first_step_ms/{q}")),
+                at(&format!("/latency_urgent_ms/{q}")),
+            );
+            assert!(100.0 <= first && first < whole, "{q}: {point}");
+        }
     }
     // Urgent orders alone still make three calls of 100 ms each, and with
     // no backlog to pass they take little more.
@@ -77,5 +87,10 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
     assert!(
         (300.0..1_500.0).contains(&alone),
         "urgent alone: {alone} ms"
+    );
+    let alone_first = number("/overload_urgent_alone_first_step_ms/p99");
+    assert!(
+        (100.0..alone).contains(&alone_first),
+        "urgent alone, first step: {alone_first} ms"
     );
 }
