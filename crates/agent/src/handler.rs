@@ -618,15 +618,17 @@ struct Received {
     slot_priority: priority_semaphore::Priority,
 }
 
-/// A request's place among those waiting for a call slot of its lane
-/// (higher goes first), by the rule of admission's lines: the time it
-/// arrived (`arrived`, since the agent started), less [`PRIORITY_STEP`] per
-/// level of the order's priority, less [`UNDO_HEAD_START`] for a
-/// compensation (an order being undone holds what it reserved until its
-/// undo runs). The priority is the message's `priority` property; a
-/// scheduler older than the property sends none, which counts as the
-/// default. Whole seconds, so that an agent may run for decades: requests
-/// that arrive within the same second at the same level keep their order.
+/// A request's place among those waiting for a call slot of its lane:
+/// higher goes first. It is the lines' rule (admission's `admit_key`)
+/// turned round: [`PRIORITY_STEP`] per level of the order's priority, plus
+/// [`UNDO_HEAD_START`] for a compensation (an order being undone holds what
+/// it reserved until its undo runs), less the whole seconds from the
+/// lane's start to the request's arrival (`arrived`). The priority is the
+/// message's `priority` property; a scheduler older than the property sends
+/// none, which counts as the default. Whole seconds, so that an agent may
+/// run for decades: requests that arrive within the same second at the
+/// same level are served in the order they reach the slots. A request that
+/// retries after a transient failure keeps the place it arrived with.
 ///
 /// An urgent request so passes the backlog delivered before it, and a
 /// request waits behind later ones for at most [`PRIORITY_STEP`] per

@@ -252,9 +252,8 @@ fn count_finished(statuses: &[OrderStatus]) {
 /// queue. It is mandatory: a missing agent queue is an error.
 ///
 /// The order's priority goes in the message's `priority` property, not in
-/// the body: agents order their waits for a call slot by it, an agent
-/// older than the property reads the body unchanged, and a broker whose
-/// quorum queues honour priorities (RabbitMQ 4) would read it as well.
+/// the body: agents order their waits for a call slot by it, and an agent
+/// older than the property reads the body unchanged.
 pub fn request_message(
     names: &QueueNames,
     dispatch: &Dispatch,

@@ -19,7 +19,9 @@ pub enum StepKind {
 /// One call an agent must make to its remote service.
 ///
 /// Published to [`crate::QueueNames::agent_requests`] with `correlation_id` =
-/// `attempt_id` and `reply_to` = [`crate::QueueNames::scheduler_replies`].
+/// `attempt_id`, `reply_to` = [`crate::QueueNames::scheduler_replies`] and
+/// the AMQP `priority` property = the order's priority (agents order their
+/// waits for a call slot by it).
 ///
 /// Agents refuse unknown fields: a field they do not know may change what
 /// the call must do (docs/messages.md, "Upgrades", says what follows).

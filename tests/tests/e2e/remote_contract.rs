@@ -1029,7 +1029,11 @@ async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_reques
         &env,
         "payment",
         &format!("http://127.0.0.1:{port}/gated"),
-        &[Setting::AgentConcurrency(1)],
+        // The first call is held until every request waits: no timeout.
+        &[
+            Setting::AgentConcurrency(1),
+            Setting::AgentCallTimeoutMs(30_000),
+        ],
     );
     let (connection, publisher) = env.broker().await;
     let (reply_to, mut replies) = reply_queue(&env, &connection).await;
@@ -1070,18 +1074,23 @@ async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_reques
         ("urgent", StepKind::Action, "charge", Some(9)),
         ("undo", StepKind::Compensation, "refund", Some(0)),
     ];
+    // Each waits for the slot before the next is sent, so that requests of
+    // the same place reach the slot in the order they were sent (each
+    // delivery is handled by a task of its own).
+    let mut in_flight = 1.0;
     for (order_id, kind, action, priority) in waiting {
         let request = step(order_id, kind, action);
         send_with_priority(&env, &publisher, "payment", &reply_to, &request, priority).await;
+        in_flight += 1.0;
+        wait_for_metric(
+            &format!("{order_id} delivered and waiting for the call slot"),
+            ops,
+            "sas_agent_requests_in_flight",
+            Duration::from_secs(20),
+            |n| n >= in_flight,
+        )
+        .await;
     }
-    wait_for_metric(
-        "every request delivered and waiting for the call slot",
-        ops,
-        "sas_agent_requests_in_flight",
-        Duration::from_secs(20),
-        |n| n >= 7.0,
-    )
-    .await;
     assert_eq!(calls.lock().unwrap().len(), 1, "one call slot, still held");
     gate.add_permits(waiting.len() + 1);
     for _ in 0..=waiting.len() {
