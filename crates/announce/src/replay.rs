@@ -34,8 +34,9 @@ pub enum ReplayError {
 /// Returns the queue it went to.
 ///
 /// A replay is at least once: two operators replaying the same letter at
-/// the same moment may both publish it, which the consumers absorb (intake
-/// is idempotent on the order id, requests carry idempotency keys).
+/// the same moment may both publish it, which intake absorbs (it is
+/// idempotent on the order id). Only orders are replayed: see
+/// [`NotReplayable`] for the rest.
 ///
 /// # Errors
 /// See [`ReplayError`].

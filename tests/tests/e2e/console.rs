@@ -1091,27 +1091,49 @@ fn the_quick_console_benchmark_runs_and_reports_sane_figures() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_dead_lettered_reply_is_not_replayed_because_only_agents_may_send_replies() {
-    let env = TestEnv::new().await;
-    let names = env.amqp().names();
+/// Why the store refuses to replay a dead letter from `source_queue`.
+async fn replay_refusal(
+    env: &TestEnv,
+    source_queue: &str,
+) -> (i64, sas_store::reads::dead_letters::NotReplayable) {
     let id: i64 = sqlx::query_scalar(
-        "INSERT INTO dead_letters (source_queue, reason, body) VALUES ($1, 'rejected', '{}') RETURNING id",
+        "INSERT INTO dead_letters (source_queue, reason, body) VALUES ($1, 'delivery_limit', '{}') RETURNING id",
     )
-    .bind(names.scheduler_replies())
+    .bind(source_queue)
     .fetch_one(env.store.pool())
     .await
     .unwrap();
     let refusal = env
         .store
         .reads()
-        .replay_of(id, &names)
+        .replay_of(id, &env.amqp().names())
         .await
         .unwrap()
         .unwrap_err();
+    assert!(refusal.to_string().contains("discard it"), "{refusal}");
+    (id, refusal)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_lettered_reply_is_not_replayed_because_only_agents_may_send_replies() {
+    let env = TestEnv::new().await;
+    let (id, refusal) = replay_refusal(&env, &env.amqp().names().scheduler_replies()).await;
     assert_eq!(
         refusal,
         sas_store::reads::dead_letters::NotReplayable::AgentReply(id)
     );
-    assert!(refusal.to_string().contains("discard it"), "{refusal}");
+}
+
+/// A dead-lettered step request is not replayed: the supervisor took its
+/// step over when it was dead-lettered, and a replay could land the call
+/// after the order's undo.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_lettered_step_request_is_not_replayed_because_its_order_moved_on() {
+    let env = TestEnv::new().await;
+    let queue = env.amqp().names().agent_requests("payment");
+    let (id, refusal) = replay_refusal(&env, &queue).await;
+    assert_eq!(
+        refusal,
+        sas_store::reads::dead_letters::NotReplayable::StepRequest(id)
+    );
 }

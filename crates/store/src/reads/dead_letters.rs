@@ -29,6 +29,12 @@ pub enum NotReplayable {
     /// Only the first bytes of its body were recorded.
     #[error("only part of dead letter #{0} was recorded: replaying it would send a broken message; discard it")]
     Truncated(i64),
+    /// It is a step request: when it was dead-lettered the supervisor took
+    /// its step over (retried it or undid the order), so a replay is stale
+    /// at best, and at worst makes a call that was never made land after
+    /// the order's undo.
+    #[error("dead letter #{0} is a step request: its order moved on when it was dead-lettered (the supervisor retried the step or undid the order), and a replay could make the call after the undo; discard it, and resubmit the order if it must run again")]
+    StepRequest(i64),
 }
 
 /// A dead letter that may be replayed: where to, and what.
@@ -98,8 +104,10 @@ impl Reads<'_> {
         if queue == names.scheduler_replies() {
             return Ok(Err(NotReplayable::AgentReply(id)));
         }
-        let ours = queue == names.orders() || queue.starts_with(&names.agent_requests(""));
-        if !ours {
+        if queue.starts_with(&names.agent_requests("")) {
+            return Ok(Err(NotReplayable::StepRequest(id)));
+        }
+        if queue != names.orders() {
             return Ok(Err(NotReplayable::ForeignQueue(id, queue)));
         }
         // The supervisor's note on a body over the size limit (see its dead_letters module).
