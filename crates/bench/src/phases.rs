@@ -413,8 +413,7 @@ async fn overload(
     progress: &ProgressBar,
 ) -> anyhow::Result<Report> {
     progress.set_message("overload: a slow remote offered 3x and 10x its capacity");
-    let alone;
-    (alone, report.overload) = crate::overload::run(
+    let (alone, points) = crate::overload::run(
         env,
         publisher,
         system,
@@ -422,6 +421,7 @@ async fn overload(
         sizes.overload_offer_secs,
     )
     .await?;
+    report.overload = points;
     report.overload_urgent_alone_ms = alone.latency_urgent_ms;
     report.overload_urgent_alone_first_step_ms = alone.urgent_first_step_ms;
     progress.inc(1);
