@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use sqlx::AssertSqlSafe;
 
-use crate::machine::admission::{adapted_limit, Window};
+use crate::machine::admission::{adapted_cap, adapted_limit, Window};
 use crate::{Store, StoreError};
 
 /// How many shards each agent's counters have. The intake and fast reply
@@ -88,6 +88,9 @@ pub struct AgentAdmission {
     pub waiting: i32,
     /// Attempts allowed in flight now.
     pub admit_limit: i32,
+    /// The most attempts in flight when urgent work passes a full limit
+    /// ([`crate::machine::admission::Levels`]).
+    pub admit_cap: i32,
     /// The highest the limit may go.
     pub ceiling: i32,
 }
@@ -160,9 +163,10 @@ impl Admission<'_> {
         make_shards(self.pool(), &names).await
     }
 
-    /// Adapts the limit of every agent whose window has run its length, by
-    /// [`crate::machine::admission::adapted_limit`] (the control law, in
-    /// Rust), and returns every agent's counters. The rows adapted stay
+    /// Adapts the limit and the cap of every agent whose window has run its
+    /// length, by [`crate::machine::admission::adapted_limit`] (the control
+    /// law, in Rust) and [`crate::machine::admission::adapted_cap`], and
+    /// returns every agent's counters. The rows adapted stay
     /// locked from their read to their write, their shards folded into them
     /// first (so the window starts with shards at zero and the peak is
     /// exact); a row another supervisor is adapting is skipped.
@@ -199,28 +203,34 @@ impl Admission<'_> {
             .iter()
             .map(|row| adapted_limit(&row.window(), adaptation.deadline_share))
             .collect();
+        let caps: Vec<i32> = due
+            .iter()
+            .map(|row| adapted_cap(&row.window(), adaptation.deadline_share))
+            .collect();
         let agents: Vec<&str> = due.iter().map(|row| row.agent.as_str()).collect();
         let rows = sqlx::query_as(
             "WITH adapted AS (
                  UPDATE admission a
-                    SET admit_limit = d.admit_limit, window_settled = a.settled,
+                    SET admit_limit = d.admit_limit, admit_cap = d.admit_cap,
+                        window_settled = a.settled,
                         window_in_flight_ms = a.in_flight_ms, window_queued_ms = a.queued_ms,
                         window_slot_wait_ms = a.slot_wait_ms,
                         window_started = now(), peak_in_flight = a.in_flight
-                   FROM UNNEST($1::text[], $2::int4[]) AS d(agent, admit_limit)
+                   FROM UNNEST($1::text[], $2::int4[], $3::int4[]) AS d(agent, admit_limit, admit_cap)
                   WHERE a.agent = d.agent
-              RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling)
+              RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.admit_cap, a.ceiling)
              -- The statement's own snapshot predates its update: the adapted
              -- rows come from RETURNING (exact: their shards are folded and
              -- locked).
              SELECT * FROM adapted
              UNION ALL
-             SELECT agent, in_flight, waiting, admit_limit, ceiling FROM admission_now
+             SELECT agent, in_flight, waiting, admit_limit, admit_cap, ceiling FROM admission_now
               WHERE agent <> ALL($1::text[])
              ORDER BY agent",
         )
         .bind(&agents)
         .bind(&limits)
+        .bind(&caps)
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -255,14 +265,14 @@ impl Admission<'_> {
     }
 
     /// Every agent's counters as its orders say they are (agent, in flight,
-    /// waiting; see the `RECOUNT` statement), read only: what
+    /// waiting; see [`recount`]), read only: what
     /// [`Store::reconcile_admission`] corrects the counters to.
     ///
     /// # Errors
     /// When the database fails.
     pub async fn recount(self) -> Result<Vec<(String, i32, i32)>, StoreError> {
         Ok(
-            sqlx::query_as(AssertSqlSafe(format!("{RECOUNT} ORDER BY agent")))
+            sqlx::query_as(AssertSqlSafe(format!("{} ORDER BY agent", recount())))
                 .fetch_all(self.pool())
                 .await?,
         )
@@ -295,7 +305,7 @@ impl Admission<'_> {
                 .await?;
         fold(&mut tx, &agents).await?;
         let corrections = sqlx::query_as(AssertSqlSafe(format!(
-            "WITH recount AS ({RECOUNT}),
+            "WITH recount AS ({}),
              counted AS (
                  SELECT a.agent, a.in_flight AS was_in_flight, a.waiting AS was_waiting,
                         coalesce(r.in_flight, 0) AS in_flight, coalesce(r.waiting, 0) AS waiting
@@ -306,7 +316,8 @@ impl Admission<'_> {
                FROM counted c
               WHERE a.agent = c.agent
                 AND (c.was_in_flight, c.was_waiting) IS DISTINCT FROM (c.in_flight, c.waiting)
-          RETURNING a.agent, c.was_in_flight, c.was_waiting, c.in_flight, c.waiting"
+          RETURNING a.agent, c.was_in_flight, c.was_waiting, c.in_flight, c.waiting",
+            recount()
         )))
         .fetch_all(&mut *tx)
         .await?;
@@ -388,18 +399,26 @@ async fn fold(tx: &mut sqlx::PgConnection, agents: &[String]) -> Result<(), Stor
 /// [`crate::machine::slots_held`]), a place in line for each order waiting
 /// for it. Agents with neither are left out. Pinned to the machine by the
 /// property test (`tests/tests/e2e/state_machine.rs`).
-const RECOUNT: &str = "
-    SELECT agent, sum(in_flight)::int4 AS in_flight, sum(waiting)::int4 AS waiting
-      FROM (SELECT s.agent, 1 AS in_flight, 0 AS waiting
-              FROM order_process op
-              JOIN steps s ON s.order_id = op.order_id
-               AND s.state = CASE op.state WHEN 'processing' THEN 'running'::step_state
-                                           ELSE 'compensating'::step_state END
-             WHERE op.state IN ('processing', 'compensating')
-               AND op.locked_by IS NOT NULL AND op.complete_by IS NOT NULL
-            UNION ALL
-            SELECT waiting_for, 0, 1 FROM order_process WHERE waiting_for IS NOT NULL) c
-     GROUP BY agent";
+fn recount() -> String {
+    format!(
+        "SELECT agent, sum(in_flight)::int4 AS in_flight, sum(waiting)::int4 AS waiting
+           FROM (SELECT s.agent, 1 AS in_flight, 0 AS waiting {IN_FLIGHT}
+                 UNION ALL
+                 SELECT waiting_for, 0, 1 FROM order_process WHERE waiting_for IS NOT NULL) c
+          GROUP BY agent"
+    )
+}
+
+/// The attempts in flight, one row per attempt (`s.agent`, and `op` its
+/// order), as [`crate::machine::admission::slots_held`] counts them: the
+/// FROM and WHERE clauses of a statement that counts them.
+pub(crate) const IN_FLIGHT: &str = "
+      FROM order_process op
+      JOIN steps s ON s.order_id = op.order_id
+       AND s.state = CASE op.state WHEN 'processing' THEN 'running'::step_state
+                                   ELSE 'compensating'::step_state END
+     WHERE op.state IN ('processing', 'compensating')
+       AND op.locked_by IS NOT NULL AND op.complete_by IS NOT NULL";
 
 /// An agent's counters that did not match its orders, and what they became.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]

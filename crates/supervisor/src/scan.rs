@@ -143,7 +143,7 @@ impl Supervisor {
 
     /// Adapts the agents' admission limits (see [`sas_store::admission`])
     /// and exports each agent's counters: waiting in line, admitted and in
-    /// flight, and the current limit.
+    /// flight, the current limit, and the cap urgent work passes it up to.
     async fn adapt_admission(&self) {
         let adaptation = self.settings.supervisor.adaptation();
         match self.store.admission().adapt(&adaptation).await {
@@ -154,8 +154,10 @@ impl Supervisor {
                         .set(f64::from(agent.waiting));
                     metrics::gauge!("sas_admission_in_flight", "agent" => name.clone())
                         .set(f64::from(agent.in_flight));
-                    metrics::gauge!("sas_admission_limit", "agent" => name)
+                    metrics::gauge!("sas_admission_limit", "agent" => name.clone())
                         .set(f64::from(agent.admit_limit));
+                    metrics::gauge!("sas_admission_cap", "agent" => name)
+                        .set(f64::from(agent.admit_cap));
                 }
             }
             Err(error) => tracing::debug!(error = %error, "cannot adapt admission limits"),

@@ -713,6 +713,106 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     assert_eq!(counters, (2, 3));
 }
 
+/// Urgent orders pass a limit full of less urgent attempts (issue 26):
+/// the agent serves what it holds by the lines' rule, so for an order of
+/// priority 9 only the attempts at 9 are ahead of it, and the limit counts
+/// those. What passes stays under the cap (the deadline target), and an
+/// order that has waited long enough counts at the level its wait gives it.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap() {
+    let env = TestEnv::new().await;
+    let store = &env.store;
+    sqlx::query(
+        "INSERT INTO admission (agent, admit_limit, initial_limit, ceiling, deadline_ms)
+         VALUES ('inventory', 4, 4, 100, 3000)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("an admission row");
+    let with_priority = |prefix: &str, n: usize, priority: u8| -> Vec<Submission> {
+        (0..n)
+            .map(|i| {
+                let mut order = order(&format!("{prefix}-{i}"));
+                order.priority = Some(priority);
+                Submission::new(order, sas_messages::TraceParent::new_root().trace_id)
+            })
+            .collect()
+    };
+    // Four attempts of priority 5 fill the limit; then the law cuts it to 2.
+    accept_all(store, &with_priority("busy", 4, 5), &env.steps()).await;
+    let set = |limit: i32, cap: i32| {
+        sqlx::query(
+            "UPDATE admission SET admit_limit = $1, admit_cap = $2 WHERE agent = 'inventory'",
+        )
+        .bind(limit)
+        .bind(cap)
+        .execute(store.pool())
+    };
+    set(2, 7).await.expect("cut the limit");
+    let steps = env.steps();
+    let plan = || Plan::new("order", 1, &steps);
+    // One at a time: each takes its own place in line.
+    let lined = with_priority("low", 3, 5)
+        .into_iter()
+        .chain(with_priority("urgent", 4, 9));
+    for submission in lined {
+        for outcome in store
+            .writes()
+            .insert_orders(&[submission], plan(), "test")
+            .await
+        {
+            assert!(
+                matches!(&outcome, Ok(Intake::Accepted(progress)) if progress.dispatches.is_empty()),
+                "the limit is full: {outcome:?}"
+            );
+        }
+    }
+    let claim = || async {
+        let claimed = store.writes().claim_ready("test", 10).await.expect("claim");
+        let mut ids: Vec<String> = claimed
+            .iter()
+            .filter_map(|claim| claim.progress.dispatches.first())
+            .map(|dispatch| dispatch.order_id.to_string())
+            .collect();
+        ids.sort();
+        ids
+    };
+    // Two urgent orders pass the four of priority 5 (the limit at 9 is 2);
+    // the orders of priority 5 would queue behind the four, and wait.
+    assert_eq!(claim().await, ["urgent-0", "urgent-1"]);
+    assert_eq!(
+        claim().await,
+        Vec::<String>::new(),
+        "the limit at 9 is full"
+    );
+    // A higher limit, but the cap leaves room for one attempt more.
+    set(4, 7).await.expect("raise the limit");
+    assert_eq!(claim().await, ["urgent-2"]);
+    // An order of priority 5 that has waited 40 s stands before the last
+    // urgent one in line, and holds it back: only heads pass, so the
+    // line's order, aging included, is kept.
+    set(4, 20).await.expect("raise the cap");
+    sqlx::query(
+        "UPDATE order_process SET admit_key = admit_key - interval '40 seconds'
+          WHERE order_id = 'low-2'",
+    )
+    .execute(store.pool())
+    .await
+    .expect("an old wait");
+    assert_eq!(claim().await, Vec::<String>::new());
+    // Once the limit has room, the old order goes first, and the urgent
+    // one passes the limit it fills.
+    set(8, 20).await.expect("raise the limit");
+    assert_eq!(claim().await, ["low-2"]);
+    assert_eq!(claim().await, ["urgent-3"]);
+    let counters: (i32, i32) =
+        sqlx::query_as("SELECT in_flight, waiting FROM admission_now WHERE agent = 'inventory'")
+            .fetch_one(store.pool())
+            .await
+            .expect("the counters");
+    assert_eq!(counters, (9, 2), "4 + 1 + 4 in flight, 2 low in line");
+}
+
 /// The hot paths (an intake batch, a batch of replies) move an agent's
 /// admission counters in one of its shards, not in its row, so that they
 /// do not wait for each other's commits on that row (a third of their time

@@ -7,6 +7,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 use sas_broker::lapin::options::{
     BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
 };
@@ -475,6 +477,70 @@ async fn an_agent_killed_mid_call_is_redelivered_and_its_side_effect_happens_onc
         stats.deduplicated >= 1,
         "requests of the killed agent were redelivered and deduplicated: {stats:?}"
     );
+    sim.assert_every_order_done_once().await;
+}
+
+/// An agent frozen (SIGSTOP) while it holds more requests than it calls
+/// (up to `amqp.prefetch`, 256 by default, so that a freed call slot goes
+/// to the most urgent of them) delays their orders and loses none: their
+/// deadlines send the orders back to the other replica, or the broker
+/// hands it the requests once it drops the frozen one's connection. Thawed,
+/// the agent settles what it held without doing any step twice, and no
+/// order fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_frozen_holding_a_deep_window_of_requests_delays_its_orders_and_loses_none() {
+    let env = TestEnv::with_step_timeout(8000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("inventory"), faults(100, 0.0, 0.0))
+        .await
+        .unwrap();
+    let ops = free_port();
+    let frozen = env.agent(
+        "inventory",
+        0,
+        &sim,
+        &[Setting::AgentConcurrency(1), Setting::Listen(ops)],
+    );
+    let _others = [
+        env.agent("inventory", 1, &sim, &[Setting::AgentConcurrency(1)]),
+        env.agent("payment", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_orders(&publisher, "frozen", 100).await;
+    // More than the 32 the window used to hold, one call at a time.
+    let held = wait_for_metric(
+        "the agent to hold a deep window of requests",
+        ops,
+        "sas_agent_requests_in_flight",
+        Duration::from_secs(20),
+        |held| held > 32.0,
+    )
+    .await;
+    let pid = Pid::from_raw(frozen.pid() as i32);
+    kill(pid, Signal::SIGSTOP).expect("freeze the agent");
+    env.wait_for_count(ProcessState::Processed, 100, Duration::from_secs(90))
+        .await;
+    kill(pid, Signal::SIGCONT).expect("thaw the agent");
+    // It settles what it held: answered as not started (their deadlines
+    // passed), or given back with its connection.
+    wait_for_metric(
+        "the thawed agent to settle what it held",
+        ops,
+        "sas_agent_requests_in_flight",
+        Duration::from_secs(30),
+        |in_hand| in_hand == 0.0,
+    )
+    .await;
+    for state in [ProcessState::Compensated, ProcessState::Error] {
+        assert_eq!(
+            env.count(state).await,
+            0,
+            "no order is {state} ({held} held)"
+        );
+    }
     sim.assert_every_order_done_once().await;
 }
 

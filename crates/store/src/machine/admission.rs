@@ -1,8 +1,10 @@
 //! Admission control's rules, in one place and pure: which slots an order
 //! holds ([`slots_held`]), how a decision moves the agents' counters
 //! ([`admission_delta`]), an order's place in a line ([`admit_key`]),
-//! whether an agent has room for an attempt ([`has_room`]), and how the
-//! supervisors adapt each agent's limit ([`adapted_limit`]). The store
+//! whether an agent has room for an attempt ([`has_room`]), how urgent
+//! work passes a limit full of less urgent work ([`Levels`]), and how the
+//! supervisors adapt each agent's limit and cap ([`adapted_limit`],
+//! [`adapted_cap`]). The store
 //! reads and writes the counters (`crate::admission`, the write kernel);
 //! what they mean is decided here.
 
@@ -213,18 +215,17 @@ pub const QUEUE_LEAST: f64 = 1.0;
 ///
 /// The ceiling caps it, and it never drops below one.
 pub fn adapted_limit(window: &Window, deadline_share: f64) -> i32 {
-    let seconds = window.seconds.max(0.001);
-    let rate = window.settled as f64 / seconds;
-    let target = (rate * f64::from(window.deadline_ms) / 1000.0 * deadline_share).ceil() as i64;
+    let Measured {
+        seconds,
+        target,
+        queued,
+        queue_target,
+        working,
+    } = Measured::new(window, deadline_share);
     let limit = i64::from(window.limit);
     let peak = i64::from(window.peak_in_flight);
     let measured = window.in_flight_ms > 0;
     let slots_full = measured && window.slot_wait_ms as f64 / 1000.0 / seconds >= SLOTS_FULL;
-    let in_flight = window.in_flight_ms as f64 / 1000.0 / seconds;
-    let queued = (window.queued_ms as f64 / 1000.0 / seconds).min(in_flight);
-    let held = in_flight - queued;
-    let queue_target = (held * QUEUE_SHARE).max(QUEUE_LEAST);
-    let working = (held + queue_target).ceil() as i64;
     let adapted = if slots_full {
         let proposed = if window.waiting == 0 {
             (2 * peak).max(working)
@@ -256,6 +257,123 @@ pub fn adapted_limit(window: &Window, deadline_share: f64) -> i32 {
     };
     let adapted = i64::from(window.ceiling).min(adapted.max(1));
     i32::try_from(adapted).unwrap_or(i32::MAX)
+}
+
+/// What a window measured, as [`adapted_limit`] and [`adapted_cap`] read it.
+struct Measured {
+    /// The window's length (at least a millisecond).
+    seconds: f64,
+    /// The deadline target: `rate × deadline × deadline_share` attempts.
+    target: i64,
+    /// Attempts queued at the agent on average.
+    queued: f64,
+    /// The queue the law aims at while the slots are full.
+    queue_target: f64,
+    /// What the calls and hops held plus that queue.
+    working: i64,
+}
+
+impl Measured {
+    fn new(window: &Window, deadline_share: f64) -> Self {
+        let seconds = window.seconds.max(0.001);
+        let rate = window.settled as f64 / seconds;
+        let target = (rate * f64::from(window.deadline_ms) / 1000.0 * deadline_share).ceil() as i64;
+        let in_flight = window.in_flight_ms as f64 / 1000.0 / seconds;
+        let queued = (window.queued_ms as f64 / 1000.0 / seconds).min(in_flight);
+        let held = in_flight - queued;
+        let queue_target = (held * QUEUE_SHARE).max(QUEUE_LEAST);
+        Self {
+            seconds,
+            target,
+            queued,
+            queue_target,
+            working: (held + queue_target).ceil() as i64,
+        }
+    }
+}
+
+/// The most attempts an agent may have in flight when urgent work passes
+/// its limit ([`Levels`]): what can wait and run within `deadline_share` of
+/// a step's deadline at the window's rate (the limit's own deadline
+/// target), or what the calls and hops held if more, under the ceiling.
+/// A window that measured no completions gives what the calls held (at
+/// least one attempt), so an agent nobody has measured lets nothing pass.
+pub fn adapted_cap(window: &Window, deadline_share: f64) -> i32 {
+    let measured = Measured::new(window, deadline_share);
+    let cap = measured
+        .target
+        .max(measured.working)
+        .min(i64::from(window.ceiling));
+    i32::try_from(cap.max(1)).unwrap_or(i32::MAX)
+}
+
+/// The level an undo counts at when urgent work passes a full limit: above
+/// every priority (0 to 9), as undos go first in the lines and at the call
+/// slots.
+pub const UNDO_LEVEL: i16 = 10;
+
+/// An agent's attempts in flight by level (an order's priority, or
+/// [`UNDO_LEVEL`] for an undo): how urgent work passes a full limit.
+///
+/// An agent serves the requests it holds by the lines' rule (undos first,
+/// then priority), so what stands before a new attempt at level `l` is only
+/// what is in flight at `l` or above. The limit, which keeps the attempts
+/// ahead of a new one to what keeps the call slots busy, is therefore
+/// applied per level: the head of a line at level `l` may start while
+/// fewer than the limit are in flight at `l` or above, even though the
+/// limit is full of less urgent work (at the start of an overload, the
+/// first measuring window admits up to the deadline target before the law
+/// cuts the limit, and the line would otherwise stay closed until those
+/// drain, seconds later). The cap ([`adapted_cap`]) bounds the whole, so
+/// what passes still runs within the deadline. Only heads pass, in line
+/// order, so the line's order is kept, aging included: an order that has
+/// waited long enough to stand before urgent ones holds them back until
+/// the limit has room for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Levels {
+    /// `at_or_above[l]`: attempts in flight at level `l` or above.
+    at_or_above: [i64; UNDO_LEVEL as usize + 1],
+}
+
+impl Levels {
+    /// From the attempts in flight per level (levels outside 0 to
+    /// [`UNDO_LEVEL`] are clamped into it).
+    pub fn new(in_flight: impl IntoIterator<Item = (i16, i64)>) -> Self {
+        let mut at_or_above = [0; UNDO_LEVEL as usize + 1];
+        for (level, count) in in_flight {
+            let level = level.clamp(0, UNDO_LEVEL) as usize;
+            for slot in &mut at_or_above[..=level] {
+                *slot += count;
+            }
+        }
+        Self { at_or_above }
+    }
+
+    /// The most heads [`Levels::admit`] could let pass under `limit`: as
+    /// many as undos could.
+    pub fn most(&self, limit: i32) -> i64 {
+        (i64::from(limit) - self.at_or_above[UNDO_LEVEL as usize]).max(0)
+    }
+
+    /// Admits the longest prefix of `candidates` (the levels of a line's
+    /// heads, in line order) that fits: each under `limit` at its level and
+    /// at most `room` in all (the cap less what is in flight). Counts the
+    /// ones admitted as in flight, and returns how many there are. Stops at
+    /// the first that does not fit: the ones behind it wait behind it.
+    pub fn admit(&mut self, limit: i32, room: i64, candidates: &[i16]) -> usize {
+        let mut admitted = 0;
+        for &level in candidates {
+            let level = level.clamp(0, UNDO_LEVEL) as usize;
+            if admitted as i64 >= room || self.at_or_above[level] >= i64::from(limit) {
+                break;
+            }
+            for slot in &mut self.at_or_above[..=level] {
+                *slot += 1;
+            }
+            admitted += 1;
+        }
+        admitted
+    }
 }
 
 #[cfg(test)]
@@ -428,6 +546,65 @@ mod tests {
             ..quiet
         };
         assert_eq!(adapted_limit(&idle, 0.5), 16);
+    }
+
+    #[test]
+    fn the_cap_is_the_deadline_target_or_what_the_calls_held() {
+        // 40 a second for half of 10 s.
+        assert_eq!(adapted_cap(&measured(7, 500, 250, 200), 0.5), 200);
+        // Calls that hold more than the target keep what they hold.
+        // 2 calls of 4 s a second: 8 in flight, a queue target of 4; the
+        // deadline target is 10.
+        let slow = Window {
+            settled: 2,
+            in_flight_ms: 2 * 4000,
+            queued_ms: 0,
+            slot_wait_ms: 0,
+            ..measured(7, 500, 0, 0)
+        };
+        assert_eq!(adapted_cap(&slow, 0.5), 12);
+        let low_ceiling = Window {
+            ceiling: 100,
+            ..measured(7, 500, 250, 200)
+        };
+        assert_eq!(adapted_cap(&low_ceiling, 0.5), 100);
+        // Nothing measured: nothing passes the limit.
+        let idle = Window {
+            settled: 0,
+            in_flight_ms: 0,
+            queued_ms: 0,
+            ..window()
+        };
+        assert_eq!(adapted_cap(&idle, 0.5), 1);
+    }
+
+    #[test]
+    fn urgent_work_passes_a_limit_full_of_less_urgent_work() {
+        // 190 attempts of priority 5 in flight under a limit of 7.
+        let mut levels = Levels::new([(5, 190)]);
+        assert_eq!(levels.most(7), 7);
+        // Heads of priority 9, 9, 6, then 5: the first three pass, the one
+        // at 5 would queue behind the 190, and so waits, and so does the 9
+        // behind it.
+        assert_eq!(levels.admit(7, 100, &[9, 9, 6, 5, 9]), 3);
+        // Now 2 are in flight at 9: 5 more may pass at 9.
+        assert_eq!(levels.admit(7, 100, &[9; 10]), 5);
+        assert_eq!(levels.admit(7, 100, &[9]), 0);
+        // Undos pass the urgent work, up to the limit of their own.
+        assert_eq!(levels.most(7), 7);
+        assert_eq!(levels.admit(7, 100, &[UNDO_LEVEL; 9]), 7);
+        assert_eq!(levels.most(7), 0);
+    }
+
+    #[test]
+    fn what_passes_the_limit_stays_under_the_cap() {
+        let mut levels = Levels::new([(5, 190), (UNDO_LEVEL, 2)]);
+        assert_eq!(levels.most(7), 5);
+        assert_eq!(levels.admit(7, 3, &[9; 10]), 3, "room under the cap");
+        assert_eq!(levels.admit(7, 0, &[UNDO_LEVEL]), 0);
+        // Levels out of range count as the nearest in range.
+        let clamped = Levels::new([(-1, 4), (12, 1)]);
+        assert_eq!(clamped, Levels::new([(0, 4), (UNDO_LEVEL, 1)]));
     }
 
     #[test]

@@ -12,11 +12,71 @@ use std::sync::Arc;
 
 use sas_messages::{StepOutcome, StepReply};
 
+use sqlx::AssertSqlSafe;
+
 use super::apply::{transition, Decided, Slots};
 use super::Writes;
+use crate::admission::IN_FLIGHT;
+use crate::machine::admission::{Levels, UNDO_LEVEL};
 use crate::machine::{Event, Verdict};
 use crate::model::Progress;
 use crate::StoreError;
+
+/// An agent with orders in its line, as a claim serves it.
+#[derive(sqlx::FromRow)]
+struct Line {
+    agent: String,
+    in_flight: i32,
+    admit_limit: i32,
+    admit_cap: i32,
+}
+
+/// The heads of `line`, whose limit is full, that may pass it, at most
+/// `left` ([`Levels`]): each at a level (its order's priority, or an
+/// undo's) with fewer than the limit in flight at that level or above,
+/// under the cap. Locks them, and behind them at most as many as could
+/// pass at the undo's level (the statement does not know their levels).
+async fn urgent_heads(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    line: &Line,
+    left: i64,
+) -> Result<Vec<String>, StoreError> {
+    let in_flight: Vec<(i16, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (CASE op.state WHEN 'compensating' THEN {UNDO_LEVEL} ELSE op.priority END)::int2,
+                count(*)::int8
+         {IN_FLIGHT} AND s.agent = $1
+          GROUP BY 1"
+    )))
+    .bind(&line.agent)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut levels = Levels::new(in_flight);
+    let room = i64::from(line.admit_cap - line.in_flight).min(left);
+    let most = levels.most(line.admit_limit).min(room);
+    if most <= 0 {
+        return Ok(Vec::new());
+    }
+    let heads: Vec<(String, i16)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT order_id,
+                (CASE state WHEN 'compensating' THEN {UNDO_LEVEL} ELSE priority END)::int2
+           FROM order_process
+          WHERE waiting_for = $1 AND not_before <= now()
+          ORDER BY admit_key
+          LIMIT $2
+            FOR UPDATE SKIP LOCKED"
+    )))
+    .bind(&line.agent)
+    .bind(most)
+    .fetch_all(&mut **tx)
+    .await?;
+    let candidates: Vec<i16> = heads.iter().map(|(_, level)| *level).collect();
+    let passing = levels.admit(line.admit_limit, room, &candidates);
+    Ok(heads
+        .into_iter()
+        .take(passing)
+        .map(|(order_id, _)| order_id)
+        .collect())
+}
 
 /// What became of an agent's reply.
 #[derive(Debug, Clone, PartialEq)]
@@ -74,7 +134,9 @@ impl Writes<'_> {
     }
 
     /// The heads of the agents' lines, as many as each has free slots, in
-    /// one transaction that holds each served agent's admission row.
+    /// one transaction that holds each served agent's admission row; of a
+    /// line whose limit is full, the urgent heads that may pass it
+    /// ([`Levels`]).
     async fn claim_heads(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let lined: Vec<String> = sqlx::query_scalar(
@@ -85,31 +147,37 @@ impl Writes<'_> {
         // Read in a statement of its own, after the locks: one that waited
         // for a supervisor's fold would otherwise see the folded row beside
         // the shards as they were before it, counting them twice.
-        let lines: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT agent, (admit_limit - in_flight)::int8 FROM admission_now
-              WHERE agent = ANY($1) AND waiting > 0 AND in_flight < admit_limit
+        let lines: Vec<Line> = sqlx::query_as(
+            "SELECT agent, in_flight, admit_limit, admit_cap FROM admission_now
+              WHERE agent = ANY($1) AND waiting > 0
+                AND (in_flight < admit_limit OR in_flight < admit_cap)
               ORDER BY agent",
         )
         .bind(&lined)
         .fetch_all(&mut *tx)
         .await?;
         let mut ready: Vec<String> = Vec::new();
-        for (agent, room) in lines {
+        for line in lines {
             let left = limit - ready.len() as i64;
             if left <= 0 {
                 break;
             }
-            let heads: Vec<String> = sqlx::query_scalar(
-                "SELECT order_id FROM order_process
-                  WHERE waiting_for = $1 AND not_before <= now()
-                  ORDER BY admit_key
-                  LIMIT $2
-                    FOR UPDATE SKIP LOCKED",
-            )
-            .bind(&agent)
-            .bind(room.min(left))
-            .fetch_all(&mut *tx)
-            .await?;
+            let heads = if line.in_flight < line.admit_limit {
+                let room = i64::from(line.admit_limit - line.in_flight);
+                sqlx::query_scalar(
+                    "SELECT order_id FROM order_process
+                      WHERE waiting_for = $1 AND not_before <= now()
+                      ORDER BY admit_key
+                      LIMIT $2
+                        FOR UPDATE SKIP LOCKED",
+                )
+                .bind(&line.agent)
+                .bind(room.min(left))
+                .fetch_all(&mut *tx)
+                .await?
+            } else {
+                urgent_heads(&mut tx, &line, left).await?
+            };
             ready.extend(heads);
         }
         // Each head was counted against its agent's room above.
