@@ -377,19 +377,26 @@ pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
 }
 
 /// The agents' lines: the real backlog, which admission control keeps in
-/// Postgres (the agent queues stay short however many orders wait).
+/// Postgres (the agent queues stay short however many orders wait), and
+/// the cap up to which urgent orders pass a full limit.
 fn print_admission(lines: &[sas_store::admission::AdmissionLine]) {
     println!(
-        "\n{:<14} {:>8} {:>10} {:>6} {:>8} {:>12}",
-        "AGENT", "WAITING", "IN FLIGHT", "LIMIT", "CEILING", "OLDEST WAIT"
+        "\n{:<14} {:>8} {:>10} {:>6} {:>6} {:>8} {:>12}",
+        "AGENT", "WAITING", "IN FLIGHT", "LIMIT", "CAP", "CEILING", "OLDEST WAIT"
     );
     for line in lines {
         let oldest = line
             .oldest_wait_secs
             .map_or_else(|| "-".to_owned(), |secs| format!("{secs:.1}s"));
         println!(
-            "{:<14} {:>8} {:>10} {:>6} {:>8} {:>12}",
-            line.agent, line.waiting, line.in_flight, line.admit_limit, line.ceiling, oldest
+            "{:<14} {:>8} {:>10} {:>6} {:>6} {:>8} {:>12}",
+            line.agent,
+            line.waiting,
+            line.in_flight,
+            line.admit_limit,
+            line.admit_cap,
+            line.ceiling,
+            oldest
         );
     }
 }

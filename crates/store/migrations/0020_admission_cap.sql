@@ -2,13 +2,14 @@
 --
 -- admit_cap: the most attempts an agent may have in flight when an order
 --   from its line starts past a full limit because fewer than the limit are
---   in flight at its level (its priority, aged by its wait; undos above
---   every priority) or above: agents serve what they hold by that rule, so
---   nothing less urgent stands before it. The supervisors set it with the
---   limit, every window: the deadline target (completions/s x step deadline
---   x admission_deadline_share), or what the calls held if more, under the
---   ceiling (crates/store/src/machine/admission.rs, adapted_cap). 0 until
---   then: nothing passes a limit nobody has measured.
+--   in flight at its level (its priority; undos above every priority) or
+--   above: agents serve what they hold by that rule, so nothing less urgent
+--   stands before it. The supervisors set it with the limit, every window:
+--   the deadline target (completions/s x step deadline x
+--   admission_deadline_share), or what the calls and hops held plus the
+--   queue the law aims at if more, under the ceiling
+--   (crates/store/src/machine/admission.rs, adapted_cap). 0 until then:
+--   nothing passes a limit nobody has measured.
 ALTER TABLE admission ADD COLUMN admit_cap integer NOT NULL DEFAULT 0;
 
 CREATE OR REPLACE VIEW admission_now AS

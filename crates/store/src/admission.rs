@@ -95,7 +95,7 @@ pub struct AgentAdmission {
     pub ceiling: i32,
 }
 
-/// One agent's line for operators: [`AgentAdmission`] and the oldest wait.
+/// One agent's line for operators: its counters and the oldest wait.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct AdmissionLine {
     /// The agent.
@@ -106,6 +106,10 @@ pub struct AdmissionLine {
     pub waiting: i32,
     /// Attempts allowed in flight now.
     pub admit_limit: i32,
+    /// The most in flight when urgent orders pass a full limit
+    /// ([`crate::machine::admission::Levels`]): in flight may exceed the
+    /// limit up to it.
+    pub admit_cap: i32,
     /// The highest the limit may go.
     pub ceiling: i32,
     /// Seconds the longest-waiting order of the line has waited (none when
@@ -247,7 +251,7 @@ impl Admission<'_> {
     /// When the database fails.
     pub async fn lines(self) -> Result<Vec<AdmissionLine>, StoreError> {
         let rows = sqlx::query_as(
-            "SELECT a.agent, a.in_flight, a.waiting, a.admit_limit, a.ceiling,
+            "SELECT a.agent, a.in_flight, a.waiting, a.admit_limit, a.admit_cap, a.ceiling,
                     (SELECT EXTRACT(EPOCH FROM now() - min(p.admit_key
                                 + (p.priority * $1::int8
                                    + CASE WHEN p.state = 'compensating' THEN $2::int8 ELSE 0 END)

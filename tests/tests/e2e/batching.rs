@@ -716,8 +716,9 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
 /// Urgent orders pass a limit full of less urgent attempts (issue 26):
 /// the agent serves what it holds by the lines' rule, so for an order of
 /// priority 9 only the attempts at 9 are ahead of it, and the limit counts
-/// those. What passes stays under the cap (the deadline target), and an
-/// order that has waited long enough counts at the level its wait gives it.
+/// those. What passes stays under the cap (the deadline target), and only
+/// heads pass: an order that has waited long enough to stand before the
+/// urgent ones in line holds them back until the limit has room for it.
 #[tokio::test(flavor = "multi_thread")]
 async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap() {
     let env = TestEnv::new().await;
@@ -788,12 +789,12 @@ async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap()
     // A higher limit, but the cap leaves room for one attempt more.
     set(4, 7).await.expect("raise the limit");
     assert_eq!(claim().await, ["urgent-2"]);
-    // An order of priority 5 that has waited 40 s stands before the last
+    // An order of priority 5 that has waited 50 s stands before the last
     // urgent one in line, and holds it back: only heads pass, so the
     // line's order, aging included, is kept.
     set(4, 20).await.expect("raise the cap");
     sqlx::query(
-        "UPDATE order_process SET admit_key = admit_key - interval '40 seconds'
+        "UPDATE order_process SET admit_key = admit_key - interval '50 seconds'
           WHERE order_id = 'low-2'",
     )
     .execute(store.pool())

@@ -15,6 +15,7 @@ use sas_broker::lapin::options::{
 use sas_broker::lapin::types::FieldTable;
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, wait_for_metric};
+use sas_tests::wait::wait_ready;
 use sas_tests::Setting;
 use sas_tests::{order, wait_until, TestEnv};
 use serde_json::json;
@@ -494,7 +495,7 @@ async fn an_agent_frozen_holding_a_deep_window_of_requests_delays_its_orders_and
     sim.set_faults(Some("inventory"), faults(100, 0.0, 0.0))
         .await
         .unwrap();
-    let ops = free_port();
+    let (ops, other_ops) = (free_port(), free_port());
     let frozen = env.agent(
         "inventory",
         0,
@@ -502,10 +503,19 @@ async fn an_agent_frozen_holding_a_deep_window_of_requests_delays_its_orders_and
         &[Setting::AgentConcurrency(1), Setting::Listen(ops)],
     );
     let _others = [
-        env.agent("inventory", 1, &sim, &[Setting::AgentConcurrency(1)]),
+        env.agent(
+            "inventory",
+            1,
+            &sim,
+            &[Setting::AgentConcurrency(1), Setting::Listen(other_ops)],
+        ),
         env.agent("payment", 0, &sim, &[]),
         env.agent("shipping", 0, &sim, &[]),
     ];
+    // Both consume before the first request: each is sent about half.
+    for port in [ops, other_ops] {
+        wait_ready("an inventory agent", &format!("http://127.0.0.1:{port}")).await;
+    }
     let _scheduler = env.scheduler(0, &[]);
     let _supervisor = env.supervisor(0, &[]);
     let (_connection, publisher) = env.broker().await;

@@ -186,7 +186,8 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
 /// `sasctl stats` shows the real backlog: the agents' lines, which admission
 /// control keeps in Postgres (the agent queue holds only what was admitted).
 /// With a limit of one and no agent running, one order is in flight and two
-/// wait, the oldest for as long as it has been in line.
+/// wait, the oldest for as long as it has been in line; with no supervisor,
+/// the cap up to which urgent orders pass the limit is still 0.
 #[tokio::test(flavor = "multi_thread")]
 async fn sasctl_stats_shows_each_agent_s_line() {
     let env = TestEnv::with_step_timeout(10_000).await;
@@ -232,6 +233,8 @@ async fn sasctl_stats_shows_each_agent_s_line() {
         submitted.elapsed()
     );
     assert!(line["ceiling"] == 1, "{line}");
+    // No supervisor has measured the agent: nothing passes its limit.
+    assert!(line["admit_cap"] == 0, "{line}");
     let (code, out) = env.sasctl(&["stats"]).await;
     assert_eq!(code, 0);
     let row = out
@@ -239,9 +242,14 @@ async fn sasctl_stats_shows_each_agent_s_line() {
         .find(|l| l.starts_with("inventory"))
         .unwrap_or_else(|| panic!("no inventory row: {out}"));
     let columns: Vec<&str> = row.split_whitespace().collect();
-    assert_eq!(&columns[..5], ["inventory", "2", "1", "1", "1"], "{out}");
+    // Agent, waiting, in flight, limit, cap, ceiling.
+    assert_eq!(
+        &columns[..6],
+        ["inventory", "2", "1", "1", "0", "1"],
+        "{out}"
+    );
     assert!(
-        columns[5].ends_with('s'),
+        columns[6].ends_with('s'),
         "the oldest wait in seconds: {out}"
     );
     assert!(out.contains("OLDEST WAIT"), "{out}");

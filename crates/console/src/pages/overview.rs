@@ -231,7 +231,7 @@ fn agents_lines(overview: &Overview) -> Markup {
                         td { (line.agent) }
                         td.num data-field="waiting" { (line.waiting) }
                         td.num data-field="in_flight" { (line.in_flight) }
-                        td.num data-field="limit" title={ "ceiling " (line.ceiling) } { (line.admit_limit) }
+                        td.num data-field="limit" title={ "ceiling " (line.ceiling) ", cap " (line.admit_cap) " (urgent orders pass a full limit up to it)" } { (line.admit_limit) }
                         td.num data-field="oldest_wait" {
                             @match line.oldest_wait_secs {
                                 Some(secs) => { (format!("{secs:.1} s")) }

@@ -295,7 +295,8 @@ impl Measured {
 /// The most attempts an agent may have in flight when urgent work passes
 /// its limit ([`Levels`]): what can wait and run within `deadline_share` of
 /// a step's deadline at the window's rate (the limit's own deadline
-/// target), or what the calls and hops held if more, under the ceiling.
+/// target), or, if more, what the calls and hops held plus the queue the
+/// law aims at (the bound [`adapted_limit`] keeps too), under the ceiling.
 /// A window that measured no completions gives what the calls held (at
 /// least one attempt), so an agent nobody has measured lets nothing pass.
 pub fn adapted_cap(window: &Window, deadline_share: f64) -> i32 {
@@ -325,7 +326,10 @@ pub const UNDO_LEVEL: i16 = 10;
 /// first measuring window admits up to the deadline target before the law
 /// cuts the limit, and the line would otherwise stay closed until those
 /// drain, seconds later). The cap ([`adapted_cap`]) bounds the whole, so
-/// what passes still runs within the deadline. Only heads pass, in line
+/// what passes still runs within the deadline. It counts where the agents
+/// hold what is in flight (their `amqp.prefetch` times their replicas above
+/// the cap); what they do not hold waits in the broker's queue, first come,
+/// first served, as it did before. Only heads pass, in line
 /// order, so the line's order is kept, aging included: an order that has
 /// waited long enough to stand before urgent ones holds them back until
 /// the limit has room for it.

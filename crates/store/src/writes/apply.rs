@@ -45,8 +45,10 @@ pub(crate) enum Slots {
     /// A decision that would start an attempt is checked for a free slot
     /// first ([`decide_admitted`]); without one the order waits in line.
     Check,
-    /// Each order was counted against its agent's free slots when it was
-    /// locked (the heads of the agents' lines): decided as it comes.
+    /// Each order was admitted when it was locked (the heads of the agents'
+    /// lines: counted against the free slots, or passing a full limit by
+    /// its level, [`crate::machine::admission::Levels`]): decided as it
+    /// comes.
     Held,
 }
 

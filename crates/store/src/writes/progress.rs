@@ -22,6 +22,10 @@ use crate::machine::{Event, Verdict};
 use crate::model::Progress;
 use crate::StoreError;
 
+/// The most heads of a full line one claim reads to let pass: the claims
+/// that follow, as replies free slots, take the next.
+const PASSING_AT_ONCE: i64 = 32;
+
 /// An agent with orders in its line, as a claim serves it.
 #[derive(sqlx::FromRow)]
 struct Line {
@@ -34,8 +38,9 @@ struct Line {
 /// The heads of `line`, whose limit is full, that may pass it, at most
 /// `left` ([`Levels`]): each at a level (its order's priority, or an
 /// undo's) with fewer than the limit in flight at that level or above,
-/// under the cap. Locks them, and behind them at most as many as could
-/// pass at the undo's level (the statement does not know their levels).
+/// under the cap. Reads the heads first, and locks only those that pass
+/// (each still in the line: a head that left it meanwhile, or that another
+/// transaction holds, is not started).
 async fn urgent_heads(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     line: &Line,
@@ -52,7 +57,7 @@ async fn urgent_heads(
     .await?;
     let mut levels = Levels::new(in_flight);
     let room = i64::from(line.admit_cap - line.in_flight).min(left);
-    let most = levels.most(line.admit_limit).min(room);
+    let most = levels.most(line.admit_limit).min(room).min(PASSING_AT_ONCE);
     if most <= 0 {
         return Ok(Vec::new());
     }
@@ -62,8 +67,7 @@ async fn urgent_heads(
            FROM order_process
           WHERE waiting_for = $1 AND not_before <= now()
           ORDER BY admit_key
-          LIMIT $2
-            FOR UPDATE SKIP LOCKED"
+          LIMIT $2"
     )))
     .bind(&line.agent)
     .bind(most)
@@ -71,11 +75,23 @@ async fn urgent_heads(
     .await?;
     let candidates: Vec<i16> = heads.iter().map(|(_, level)| *level).collect();
     let passing = levels.admit(line.admit_limit, room, &candidates);
-    Ok(heads
-        .into_iter()
-        .take(passing)
-        .map(|(order_id, _)| order_id)
-        .collect())
+    if passing == 0 {
+        return Ok(Vec::new());
+    }
+    let passing: Vec<&str> = heads[..passing]
+        .iter()
+        .map(|(order_id, _)| order_id.as_str())
+        .collect();
+    Ok(sqlx::query_scalar(
+        "SELECT order_id FROM order_process
+          WHERE order_id = ANY($1) AND waiting_for = $2
+          ORDER BY admit_key
+            FOR UPDATE SKIP LOCKED",
+    )
+    .bind(&passing)
+    .bind(&line.agent)
+    .fetch_all(&mut **tx)
+    .await?)
 }
 
 /// What became of an agent's reply.
@@ -111,8 +127,9 @@ impl Writes<'_> {
     /// Claims up to `limit` orders that are ready to run for `actor`, and
     /// starts each one's next attempt, in one transaction: first the heads of
     /// the agents' lines, as many as each agent has free slots (in
-    /// `admit_key` order: undo first, then by priority and waiting time),
-    /// then orders back from the supervisor's backoff and compensations
+    /// `admit_key` order: undo first, then by priority and waiting time), or
+    /// of a full line those that pass it by their level ([`Levels`]), then
+    /// orders back from the supervisor's backoff and compensations
     /// nobody holds, which take a slot if one is free and otherwise join
     /// their agent's line.
     ///
@@ -180,7 +197,8 @@ impl Writes<'_> {
             };
             ready.extend(heads);
         }
-        // Each head was counted against its agent's room above.
+        // Each head was counted against its agent's room, or passed its
+        // full limit by its level, above.
         self.start_claimed(tx, &ready, actor, true).await
     }
 
