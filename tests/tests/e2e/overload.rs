@@ -558,10 +558,17 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
     .execute(store.pool())
     .await
     .unwrap();
-    assert_eq!(
-        limit(store.admission().adapt(&adaptation).await.unwrap()),
-        15
-    );
+    let adapted = store.admission().adapt(&adaptation).await.unwrap();
+    assert_eq!(limit(adapted.clone()), 15);
+    // The cap urgent orders may pass the limit up to is the deadline target
+    // (1,000 a second for half of 10 s), under the ceiling, and it is
+    // stored with the limit.
+    assert_eq!(adapted[0].admit_cap, 1000);
+    let cap: i32 = sqlx::query_scalar("SELECT admit_cap FROM admission WHERE agent = 'fast'")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(cap, 1000);
     // The next window measures from here.
     let measured: (i64, i64, i64) = sqlx::query_as(
         "SELECT in_flight_ms - window_in_flight_ms, queued_ms - window_queued_ms,
