@@ -49,6 +49,11 @@ struct Cli {
     /// for tuning admission control.
     #[arg(long)]
     overload_only: bool,
+    /// One order in this many of the overload phase's 3x and 10x loads is
+    /// urgent (priority 9). At the default, 10, urgent orders alone ask
+    /// for the whole remote at 10x; 20 leaves them half of it.
+    #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..))]
+    urgent_every: u16,
     /// Instead of the phases, the soak: this many orders at --soak-rate
     /// with retention set to --soak-retention-secs, sampled every 10 s
     /// (database size, rows per table, throughput, memory).
@@ -167,6 +172,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         latency_rate: cli.latency_rate,
         throughput_only: cli.throughput_only,
         overload_only: cli.overload_only,
+        urgent_every: usize::from(cli.urgent_every),
     };
     let report = phases::run_all(sizes, options, &progress).await?;
     progress.finish_with_message("done");

@@ -37,6 +37,7 @@ pub async fn run(
     system: &BenchSystem,
     factors: &[f64],
     offer_secs: f64,
+    urgent_every: usize,
 ) -> anyhow::Result<(OverloadPoint, Vec<OverloadPoint>)> {
     system
         .sim
@@ -51,7 +52,7 @@ pub async fn run(
         factor: ALONE_FACTOR,
         capacity,
         secs: offer_secs,
-        priority_of: |_| Some(9),
+        urgent_every: 1,
     };
     let urgent_alone = alone.run(env, publisher, "over-alone-").await?;
     let mut points = Vec::new();
@@ -61,7 +62,7 @@ pub async fn run(
             factor,
             capacity,
             secs: offer_secs,
-            priority_of: urgent,
+            urgent_every,
         };
         points.push(offer.run(env, publisher, &prefix).await?);
     }
@@ -71,13 +72,13 @@ pub async fn run(
     Ok((urgent_alone, points))
 }
 
-/// One offered load: `factor` times the `capacity` for `secs`, each order's
-/// priority by its index.
+/// One offered load: `factor` times the `capacity` for `secs`, one order in
+/// `urgent_every` urgent (priority 9), the rest with none.
 struct Offer {
     factor: f64,
     capacity: f64,
     secs: f64,
-    priority_of: fn(usize) -> Option<u8>,
+    urgent_every: usize,
 }
 
 impl Offer {
@@ -90,6 +91,8 @@ impl Offer {
         prefix: &str,
     ) -> anyhow::Result<OverloadPoint> {
         let (factor, capacity) = (self.factor, self.capacity);
+        let every = self.urgent_every.max(1);
+        let priority_of = |index: usize| (index % every == every - 1).then_some(9);
         let rate = capacity * factor;
         let n = (rate * self.secs) as usize;
         let ids: Vec<String> = (0..n).map(|i| format!("{prefix}{i}")).collect();
@@ -101,7 +104,7 @@ impl Offer {
             &ids,
             rate,
             Some(&listener.queue),
-            self.priority_of,
+            priority_of,
         )
         .await;
         tokio::time::timeout(Duration::from_secs(600), all_ended(env, prefix))
@@ -123,26 +126,22 @@ impl Offer {
             .wait_for_processed(arrived, Duration::from_secs(10))
             .await;
         let (urgent_ms, normal_ms) =
-            latencies_by_priority(&listener.processed, &ids, &sent, self.priority_of);
+            latencies_by_priority(&listener.processed, &ids, &sent, priority_of);
         let (urgent_first_step_ms, _) =
-            latencies_by_priority(&listener.first_step, &ids, &sent, self.priority_of);
+            latencies_by_priority(&listener.first_step, &ids, &sent, priority_of);
         Ok(OverloadPoint {
             offered_factor: factor,
             orders: n,
             capacity_orders_per_sec: capacity,
             goodput_fraction: processed as f64 / (finished - started).as_secs_f64() / capacity,
             failed_or_compensated: failed,
+            urgent_every: every,
+            urgent_orders: (0..n).filter(|&index| priority_of(index).is_some()).count(),
             latency_urgent_ms: percentiles(urgent_ms),
             urgent_first_step_ms: percentiles(urgent_first_step_ms),
             latency_normal_ms: percentiles(normal_ms),
         })
     }
-}
-
-/// The priority of the order at `index`: one in ten is urgent (9), the
-/// rest have none.
-fn urgent(index: usize) -> Option<u8> {
-    (index % 10 == 9).then_some(9)
 }
 
 /// Returns once every order whose id starts with `prefix` has ended,
@@ -171,7 +170,7 @@ fn latencies_by_priority(
     arrivals: &Mutex<HashMap<String, Instant>>,
     ids: &[String],
     sent: &HashMap<String, Instant>,
-    priority_of: fn(usize) -> Option<u8>,
+    priority_of: impl Fn(usize) -> Option<u8>,
 ) -> (Vec<f64>, Vec<f64>) {
     let (mut urgent_ms, mut normal_ms) = (Vec::new(), Vec::new());
     let done = arrivals.lock().expect("lock");

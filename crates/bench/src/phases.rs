@@ -1,6 +1,6 @@
 //! The phases of one benchmark run, in order.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
@@ -52,6 +52,8 @@ pub struct Options {
     pub throughput_only: bool,
     /// Skip from the warm-up straight to the overload phase.
     pub overload_only: bool,
+    /// One order in this many of the overload phase's loads is urgent.
+    pub urgent_every: usize,
 }
 
 /// Messages the scheduler has seen go through the quorum queues (orders,
@@ -108,7 +110,7 @@ pub async fn run_all(
         for agent in &mut system.agents {
             agent.kill9().await;
         }
-        return overload(&env, &publisher, &system, sizes, report, progress).await;
+        return overload(&env, &publisher, &system, sizes, options, report, progress).await;
     }
 
     saturation(&env, &publisher, &system, sizes, &mut report, progress).await?;
@@ -127,7 +129,7 @@ pub async fn run_all(
     }
     scaling(&env, &publisher, &mut system, sizes, &mut report, progress).await?;
     recovery(&env, &publisher, &system, sizes, &mut report, progress).await?;
-    overload(&env, &publisher, &system, sizes, report, progress).await
+    overload(&env, &publisher, &system, sizes, options, report, progress).await
 }
 
 /// The calibrations: the broker's and Postgres's own limits, against which
@@ -246,6 +248,8 @@ async fn latency(
     // A queue of its own, so no status left from saturation is ahead in line.
     let listener = StatusListener::start(env).await?;
     let before = budget::Reading::take(system.scheduler_port, &system.agent_ports).await;
+    let cpu_before = cpu_secs_by_program();
+    let started = (Instant::now(), std::time::SystemTime::now());
     let sent = publish(
         env,
         publisher,
@@ -255,19 +259,14 @@ async fn latency(
     )
     .await;
     wait_processed(env, "lat-", count, Duration::from_secs(300)).await?;
+    // Read as the last order ends, before the waits below idle the machine.
+    let busy_secs = started.0.elapsed().as_secs_f64();
+    report.latency_cpu_ms_per_order = cpu_per_order(&cpu_before, count);
     listener
         .wait_for_processed(count, Duration::from_secs(10))
         .await;
-    let samples: Vec<f64> = {
-        let processed = listener.processed.lock().expect("lock");
-        sent.iter()
-            .filter_map(|(id, at)| {
-                processed
-                    .get(id)
-                    .map(|done| (*done - *at).as_secs_f64() * 1000.0)
-            })
-            .collect()
-    };
+    let timeline = timeline(&sent, &listener.processed.lock().expect("lock"));
+    let samples: Vec<f64> = timeline.iter().map(|[_, ms]| *ms).collect();
     let after = budget::Reading::take(system.scheduler_port, &system.agent_ports).await;
     let client = {
         let waits = listener.status_wait_ms.lock().expect("lock");
@@ -287,9 +286,46 @@ async fn latency(
     );
     report.latency_mean_ms = client.mean_latency_ms;
     report.latency_ms = percentiles(samples);
+    report.latency_timeline = timeline;
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    report.latency_cpu_busy = report.latency_cpu_ms_per_order.values().sum::<f64>() * count as f64
+        / 1000.0
+        / busy_secs
+        / cores as f64;
+    // The first publish is scheduled at the phase's start (its `sent` is a
+    // little later: the publish itself).
+    let first = sent.values().min().map_or(started.0, |first| *first);
+    report.latency_timeline_started_unix_ms = (started.1 + (first - started.0))
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        });
     report.latency_rate_orders_per_sec = rate;
     progress.inc(1);
     Ok(())
+}
+
+/// Each processed order as `[sent, ms]` (see [`Report::latency_timeline`]),
+/// in the order sent.
+fn timeline(
+    sent: &HashMap<String, Instant>,
+    processed: &HashMap<String, Instant>,
+) -> Vec<[f64; 2]> {
+    let Some(first) = sent.values().min() else {
+        return Vec::new();
+    };
+    let mut timeline: Vec<[f64; 2]> = sent
+        .iter()
+        .filter_map(|(id, at)| {
+            let done = processed.get(id)?;
+            Some([
+                (*at - *first).as_secs_f64(),
+                (*done - *at).as_secs_f64() * 1000.0,
+            ])
+        })
+        .collect();
+    timeline.sort_by(|a, b| a[0].total_cmp(&b[0]));
+    timeline
 }
 
 /// Scaling: the throughput with each number of agent processes while the
@@ -409,6 +445,7 @@ async fn overload(
     publisher: &Publisher,
     system: &BenchSystem,
     sizes: Sizes,
+    options: Options,
     mut report: Report,
     progress: &ProgressBar,
 ) -> anyhow::Result<Report> {
@@ -419,6 +456,7 @@ async fn overload(
         system,
         &[3.0, 10.0],
         sizes.overload_offer_secs,
+        options.urgent_every,
     )
     .await?;
     report.overload = points;
@@ -426,4 +464,31 @@ async fn overload(
     report.overload_urgent_alone_first_step_ms = alone.urgent_first_step_ms;
     progress.inc(1);
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timeline_is_each_processed_order_in_the_order_sent() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let sent: HashMap<String, Instant> = [("b", 10), ("a", 0), ("c", 20)]
+            .into_iter()
+            .map(|(id, ms)| (id.to_owned(), at(ms)))
+            .collect();
+        // "c" never finished: it has no latency to show.
+        let processed: HashMap<String, Instant> = [("a", 50), ("b", 30)]
+            .into_iter()
+            .map(|(id, ms)| (id.to_owned(), at(ms)))
+            .collect();
+        let timeline = timeline(&sent, &processed);
+        let rounded: Vec<(u64, u64)> = timeline
+            .iter()
+            .map(|[sent, ms]| ((sent * 1000.0).round() as u64, ms.round() as u64))
+            .collect();
+        assert_eq!(rounded, [(0, 50), (10, 20)]);
+        assert!(super::timeline(&HashMap::new(), &processed).is_empty());
+    }
 }

@@ -41,6 +41,10 @@ pub struct OverloadPoint {
     pub goodput_fraction: f64,
     /// Orders that ended compensated or in error (target 0).
     pub failed_or_compensated: i64,
+    /// One order in this many was urgent (priority 9); the rest had none.
+    pub urgent_every: usize,
+    /// How many of the orders were urgent.
+    pub urgent_orders: usize,
     /// Submit to processed of priority-9 orders (one in ten), ms.
     pub latency_urgent_ms: Latency,
     /// Submit to the first step's completion of the same orders, ms: the
@@ -97,6 +101,16 @@ pub struct Report {
     pub latency_mean_ms: f64,
     /// Where the latency phase's time went, stage by stage (see `budget.rs`).
     pub latency_budget: Vec<BudgetLine>,
+    /// Every order of the latency phase as `[sent, ms]`: seconds from the
+    /// phase's first publish, and its submit-to-processed latency, in the
+    /// order sent. The percentiles say how slow the tail is; this says
+    /// when it happened, so a stall (a tail bunched in time) can be told
+    /// from a spread (a tail scattered through the phase).
+    pub latency_timeline: Vec<[f64; 2]>,
+    /// When the latency phase's first order was published, as milliseconds
+    /// since the UNIX epoch: lays the timeline beside samples taken outside
+    /// the benchmark (`top`, `pg_stat_activity`).
+    pub latency_timeline_started_unix_ms: u64,
     /// Throughput by agent processes, remote service at 50 ms.
     pub scaling: Vec<ScalingPoint>,
     /// Throughput with the most agents over the single agent's, divided by the agent ratio.
@@ -122,6 +136,14 @@ pub struct Report {
     /// services, Postgres, RabbitMQ, the benchmark's own client): where the
     /// time goes.
     pub cpu_ms_per_order: BTreeMap<String, f64>,
+    /// The same during the latency phase, at its lower rate: smaller batches
+    /// cost more per order, and this times the rate is how busy the machine
+    /// was while the latency was measured.
+    pub latency_cpu_ms_per_order: BTreeMap<String, f64>,
+    /// The share of the machine's cores the system under test used through
+    /// the latency phase (`latency_cpu_ms_per_order` × rate ÷ cores): near 1,
+    /// an order's time is mostly waiting for a core.
+    pub latency_cpu_busy: f64,
 }
 
 impl Report {
@@ -195,19 +217,12 @@ impl Report {
             "efficiency vs broker limit",
             format!("{:.2}", self.efficiency),
         );
-        if !self.cpu_ms_per_order.is_empty() {
-            let total: f64 = self.cpu_ms_per_order.values().sum();
-            let parts: Vec<String> = self
-                .cpu_ms_per_order
-                .iter()
-                .map(|(program, ms)| format!("{program} {ms:.2}"))
-                .collect();
-            row(
-                out,
-                "cpu ms per order (saturation)",
-                format!("{total:.2}: {}", parts.join(", ")),
-            );
-        }
+        cpu_row(
+            out,
+            "cpu ms per order (saturation)",
+            &self.cpu_ms_per_order,
+            "",
+        );
     }
 
     /// Latency: the percentiles at the rate the phase used.
@@ -222,6 +237,12 @@ impl Report {
                 "p50 {:.1}  p95 {:.1}  p99 {:.1}",
                 self.latency_ms.p50, self.latency_ms.p95, self.latency_ms.p99
             ),
+        );
+        cpu_row(
+            out,
+            "cpu ms per order (latency phase)",
+            &self.latency_cpu_ms_per_order,
+            &format!("; the machine {:.0}% busy", self.latency_cpu_busy * 100.0),
         );
     }
 
@@ -297,8 +318,11 @@ impl Report {
             row(
                 out,
                 &format!(
-                    "overload {:.0}x ({} orders, capacity {:.0}/s)",
-                    point.offered_factor, point.orders, point.capacity_orders_per_sec
+                    "overload {:.0}x ({} orders, 1 in {} urgent, capacity {:.0}/s)",
+                    point.offered_factor,
+                    point.orders,
+                    point.urgent_every,
+                    point.capacity_orders_per_sec
                 ),
                 format!(
                     "goodput {:.2}  failed {}  urgent p50/p99 {:.0}/{:.0} ms ({:.1}x alone; first step done p99 {:.0} ms)  normal p50/p99 {:.0}/{:.0} ms",
@@ -326,6 +350,24 @@ impl Report {
             );
         }
     }
+}
+
+/// CPU per order by program, with the total first (nothing when no CPU was
+/// read), and `after` behind it.
+fn cpu_row(out: &mut String, name: &str, cpu: &BTreeMap<String, f64>, after: &str) {
+    if cpu.is_empty() {
+        return;
+    }
+    let total: f64 = cpu.values().sum();
+    let parts: Vec<String> = cpu
+        .iter()
+        .map(|(program, ms)| format!("{program} {ms:.2}"))
+        .collect();
+    row(
+        out,
+        name,
+        format!("{total:.2}: {}{after}", parts.join(", ")),
+    );
 }
 
 /// One line of the table: the name in a column wide enough for the

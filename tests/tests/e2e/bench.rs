@@ -10,12 +10,22 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
     // sas-bench makes its own envs, in its own process.
     let _alone = ServerGuard::exclusive_blocking();
     let out = std::env::temp_dir().join(format!("sas-bench-{}.json", std::process::id()));
+    let unix_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as f64
+    };
+    let began = unix_ms();
+    // One order in 5 urgent, not the default 10, to see the option reach
+    // the phase.
     let status = std::process::Command::new(bin_dir().join("sas-bench"))
-        .args(["--quick", "--out"])
+        .args(["--quick", "--urgent-every", "5", "--out"])
         .arg(&out)
         .status()
         .expect("run sas-bench (cargo build --workspace --bins builds it)");
     assert!(status.success());
+    let ended = unix_ms();
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
@@ -54,6 +64,31 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         number("/latency_ms/p99"),
     );
     assert!(0.0 < p50 && p50 <= p95 && p95 <= p99, "{p50} {p95} {p99}");
+    // The timeline holds the orders the percentiles were taken from, in
+    // the order sent, from the first publish on.
+    let timeline: Vec<(f64, f64)> = report["latency_timeline"]
+        .as_array()
+        .expect("latency_timeline")
+        .iter()
+        .map(|point| (point[0].as_f64().unwrap(), point[1].as_f64().unwrap()))
+        .collect();
+    assert!(timeline.len() >= 30, "{} orders", timeline.len());
+    assert_eq!(timeline[0].0, 0.0);
+    assert!(timeline.windows(2).all(|pair| pair[0].0 <= pair[1].0));
+    let slowest = timeline.iter().map(|(_, ms)| *ms).fold(0.0, f64::max);
+    assert!(p99 <= slowest && timeline.iter().all(|(_, ms)| *ms > 0.0));
+    let started = number("/latency_timeline_started_unix_ms");
+    assert!(
+        (began..ended).contains(&started),
+        "{began} {started} {ended}"
+    );
+    // The latency phase's CPU, and how busy it kept the machine.
+    for program in ["scheduler", "agent", "postgres", "rabbitmq"] {
+        let cpu = number(&format!("/latency_cpu_ms_per_order/{program}"));
+        assert!(cpu > 0.0 && cpu < 1000.0, "{program}: {cpu} ms per order");
+    }
+    let busy = number("/latency_cpu_busy");
+    assert!(busy > 0.0 && busy < 1.5, "busy {busy}");
     let scaling = report["scaling"].as_array().unwrap();
     assert!(scaling.len() >= 2);
     assert!(scaling
@@ -68,6 +103,9 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
     assert_eq!(overload.len(), 2, "{report}");
     for point in overload {
         assert_eq!(point["failed_or_compensated"], 0, "{point}");
+        assert_eq!(point["urgent_every"], 5, "{point}");
+        let orders = point["orders"].as_u64().unwrap();
+        assert_eq!(point["urgent_orders"].as_u64(), Some(orders / 5), "{point}");
         let goodput = point["goodput_fraction"].as_f64().unwrap_or_default();
         assert!(goodput > 0.0 && goodput < 2.0, "{point}");
         // An urgent order's first step is done after one 100 ms call at
