@@ -45,7 +45,7 @@ pub struct OverloadPoint {
     pub urgent_every: usize,
     /// How many of the orders were urgent.
     pub urgent_orders: usize,
-    /// Submit to processed of priority-9 orders (one in ten), ms.
+    /// Submit to processed of the priority-9 orders (one in `urgent_every`), ms.
     pub latency_urgent_ms: Latency,
     /// Submit to the first step's completion of the same orders, ms: the
     /// part of their latency spent waiting to be admitted and for a call
@@ -137,12 +137,13 @@ pub struct Report {
     /// time goes.
     pub cpu_ms_per_order: BTreeMap<String, f64>,
     /// The same during the latency phase, at its lower rate: smaller batches
-    /// cost more per order, and this times the rate is how busy the machine
-    /// was while the latency was measured.
+    /// cost more per order there.
     pub latency_cpu_ms_per_order: BTreeMap<String, f64>,
     /// The share of the machine's cores the system under test used through
-    /// the latency phase (`latency_cpu_ms_per_order` × rate ÷ cores): near 1,
-    /// an order's time is mostly waiting for a core.
+    /// the latency phase: its CPU seconds (`latency_cpu_ms_per_order` × the
+    /// phase's orders ÷ 1000) ÷ the seconds from the first publish to the
+    /// last order processed ÷ the cores. Near 1, an order's time is mostly
+    /// waiting for a core.
     pub latency_cpu_busy: f64,
 }
 

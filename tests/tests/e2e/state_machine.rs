@@ -969,9 +969,7 @@ async fn run_case(
                 .lock()
                 .expect("coverage lock")
                 .insert("a full agent's line left alone".into());
-        } else if matches!(step, Step::Claimed { .. })
-            && model.snapshot.process.waiting_for.is_some()
-        {
+        } else if claimed && passing.is_none() && model.snapshot.process.waiting_for.is_some() {
             covered
                 .lock()
                 .expect("coverage lock")
@@ -1098,8 +1096,9 @@ fn compare(
 /// the sequence stays random.
 ///
 /// By `case % 8`: 0, an order refused at its first step, then resubmitted;
-/// 4, an order in a full agent's line, claimed with its slot freed or left
-/// alone (both on the plain workflow); 1, a wait ended by its event; 3, a
+/// 4, an order in a full agent's line, claimed with its slot freed, or not
+/// freed: left alone, or let pass where the cap is 2 (`case % 3 == 0`:
+/// cases 12, 60, 108... by construction), all on the plain workflow; 1, a wait ended by its event; 3, a
 /// wait timed out (each meaning in turn); 2, a group member completed
 /// beside one in flight; 6, a member refused beside one in flight. Where a
 /// path needs room (1, 3, 6) or a full agent (4), the prefix sets the
