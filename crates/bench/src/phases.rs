@@ -265,7 +265,10 @@ async fn latency(
     listener
         .wait_for_processed(count, Duration::from_secs(10))
         .await;
-    let timeline = timeline(&sent, &listener.processed.lock().expect("lock"));
+    // The timeline's origin: the first publish (a little after the phase's
+    // start, by the publish itself).
+    let first = sent.values().min().copied().unwrap_or(started.0);
+    let timeline = timeline(&sent, &listener.processed.lock().expect("lock"), first);
     let samples: Vec<f64> = timeline.iter().map(|[_, ms]| *ms).collect();
     let after = budget::Reading::take(system.scheduler_port, &system.agent_ports).await;
     let client = {
@@ -292,9 +295,6 @@ async fn latency(
         / 1000.0
         / busy_secs
         / cores as f64;
-    // The first publish is scheduled at the phase's start (its `sent` is a
-    // little later: the publish itself).
-    let first = sent.values().min().map_or(started.0, |first| *first);
     report.latency_timeline_started_unix_ms = (started.1 + (first - started.0))
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| {
@@ -306,20 +306,18 @@ async fn latency(
 }
 
 /// Each processed order as `[sent, ms]` (see [`Report::latency_timeline`]),
-/// in the order sent.
+/// `sent` in seconds from `first`, in the order sent.
 fn timeline(
     sent: &HashMap<String, Instant>,
     processed: &HashMap<String, Instant>,
+    first: Instant,
 ) -> Vec<[f64; 2]> {
-    let Some(first) = sent.values().min() else {
-        return Vec::new();
-    };
     let mut timeline: Vec<[f64; 2]> = sent
         .iter()
         .filter_map(|(id, at)| {
             let done = processed.get(id)?;
             Some([
-                (*at - *first).as_secs_f64(),
+                (*at - first).as_secs_f64(),
                 (*done - *at).as_secs_f64() * 1000.0,
             ])
         })
@@ -483,12 +481,12 @@ mod tests {
             .into_iter()
             .map(|(id, ms)| (id.to_owned(), at(ms)))
             .collect();
-        let timeline = timeline(&sent, &processed);
+        let timeline = timeline(&sent, &processed, start);
         let rounded: Vec<(u64, u64)> = timeline
             .iter()
             .map(|[sent, ms]| ((sent * 1000.0).round() as u64, ms.round() as u64))
             .collect();
         assert_eq!(rounded, [(0, 50), (10, 20)]);
-        assert!(super::timeline(&HashMap::new(), &processed).is_empty());
+        assert!(super::timeline(&HashMap::new(), &processed, start).is_empty());
     }
 }
