@@ -96,6 +96,15 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         let cpu = number(&format!("/latency_cpu_ms_per_order/{program}"));
         assert!(cpu > 0.0 && cpu < 1000.0, "{program}: {cpu} ms per order");
     }
+    // What the bare messages and commits cost RabbitMQ and Postgres alone
+    // at that rate: some CPU, measured, for each.
+    for program in ["rabbitmq", "postgres"] {
+        let floor = number(&format!("/latency_floor_cpu_ms_per_order/{program}"));
+        assert!(
+            floor > 0.0 && floor < 1000.0,
+            "{program}: floor {floor} ms per order"
+        );
+    }
     let busy = number("/latency_cpu_busy");
     // A share of the cores: never above all of them (a little slack for
     // the CPU read just outside the phase's clock).
