@@ -1,7 +1,7 @@
 //! The machine's own limits, measured the same run: persistent, confirmed
 //! messages through one quorum queue and back, and single-row commits; and
-//! what the same bare work costs RabbitMQ and Postgres in CPU at a given
-//! rate, the floor under the system's own figures there.
+//! what the same bare work, paced at a given rate, costs RabbitMQ and
+//! Postgres in CPU.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -135,31 +135,71 @@ pub async fn broker_limit(env: &TestEnv, messages: usize) -> anyhow::Result<f64>
 
 /// RabbitMQ's CPU milliseconds per message when persistent, confirmed
 /// messages go through one quorum queue at `per_sec`, evenly spaced, each
-/// consumed and acknowledged on its own, for `seconds`: what the broker
-/// costs for bare messages at that rate, where batches are as small as the
-/// system's.
+/// consumed and acknowledged on its own, for `seconds` ([`Pace`]): what
+/// the broker costs for bare messages at that rate, each in a batch of its
+/// own as far as the pace allows.
+///
+/// # Errors
+/// When the rate or duration is not positive, the broker fails, or the
+/// messages could not keep the pace.
 pub async fn broker_cpu_at(env: &TestEnv, per_sec: f64, seconds: f64) -> anyhow::Result<f64> {
-    let mut calibration = CalibrationQueue::open(env, "bench.floor").await?;
-    let messages = paced_count(per_sec, seconds);
+    let pace = Pace::new(per_sec, seconds)?;
+    let mut calibration = CalibrationQueue::open(env, "bench.bare").await?;
     let before = cpu_secs_by_program();
     let started = tokio::time::Instant::now();
-    let (consumed, published) = tokio::join!(
-        consume(&mut calibration.consumer, messages),
-        publish(&calibration.publisher, &calibration.queue, messages, |i| {
-            Some(started + Duration::from_secs_f64(i as f64 / per_sec))
-        }),
-    );
-    consumed?;
-    published?;
+    tokio::try_join!(
+        consume(&mut calibration.consumer, pace.items),
+        publish(
+            &calibration.publisher,
+            &calibration.queue,
+            pace.items,
+            |i| { Some(pace.due(started, i)) }
+        ),
+    )?;
     let used = cpu_used(&before, "rabbitmq");
+    pace.kept(started)?;
     calibration.close().await?;
-    Ok(used * 1000.0 / messages as f64)
+    Ok(used * 1000.0 / pace.items as f64)
 }
 
-/// How many of a paced calibration's items: `per_sec` for `seconds`, at
-/// least 10.
-fn paced_count(per_sec: f64, seconds: f64) -> usize {
-    ((per_sec * seconds).round() as usize).max(10)
+/// An even pace for a calibration: `per_sec` items for `seconds`, at least
+/// 10 items (so a very low rate takes longer).
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    per_sec: f64,
+    items: usize,
+}
+
+impl Pace {
+    fn new(per_sec: f64, seconds: f64) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            per_sec.is_finite() && per_sec > 0.0 && seconds.is_finite() && seconds > 0.0,
+            "a paced calibration needs a positive, finite rate and duration (got {per_sec}/s for {seconds} s)"
+        );
+        Ok(Self {
+            per_sec,
+            items: ((per_sec * seconds).round() as usize).max(10),
+        })
+    }
+
+    /// When item `i` is due, the first at `started`.
+    fn due(&self, started: tokio::time::Instant, i: usize) -> tokio::time::Instant {
+        started + Duration::from_secs_f64(i as f64 / self.per_sec)
+    }
+
+    /// Fails when the items took much longer than the pace planned: the
+    /// calibration then measured a backlog, not the rate.
+    fn kept(&self, started: tokio::time::Instant) -> anyhow::Result<()> {
+        let planned = (self.items - 1) as f64 / self.per_sec;
+        let took = started.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            took <= planned * 1.25 + 0.5,
+            "could not keep a pace of {:.0}/s: {} items took {took:.1} s, planned {planned:.1} s",
+            self.per_sec,
+            self.items
+        );
+        Ok(())
+    }
 }
 
 /// CPU seconds `program` used since `before` ([`cpu_secs_by_program`]).
@@ -224,19 +264,29 @@ pub async fn postgres_limit(env: &TestEnv, seconds: f64) -> anyhow::Result<f64> 
 }
 
 /// Postgres's CPU milliseconds per commit when single-row updates are
-/// committed at `per_sec`, evenly spaced, from 4 connections, for
-/// `seconds`: what Postgres costs for a bare commit at that rate.
+/// committed at `per_sec`, evenly spaced, from up to 4 connections opened
+/// beforehand, for `seconds` ([`Pace`]): what Postgres costs for a bare
+/// commit at that rate.
+///
+/// # Errors
+/// When the rate or duration is not positive, Postgres fails, or the
+/// commits could not keep the pace.
 pub async fn postgres_cpu_at(env: &TestEnv, per_sec: f64, seconds: f64) -> anyhow::Result<f64> {
-    let pool = counter_table(env, 4).await?;
-    let commits = paced_count(per_sec, seconds);
+    const CONNECTIONS: u32 = 4;
+    let pace = Pace::new(per_sec, seconds)?;
+    let pool = counter_table(env, CONNECTIONS).await?;
+    // Every connection opened before the clock starts: a backend's start
+    // is not a commit's cost.
+    let opened =
+        futures_util::future::try_join_all((0..CONNECTIONS).map(|_| pool.acquire())).await?;
+    drop(opened);
     let before = cpu_secs_by_program();
     let started = tokio::time::Instant::now();
-    stream::iter(0..commits)
+    stream::iter(0..pace.items)
         .map(|i| {
             let pool = &pool;
             async move {
-                tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / per_sec))
-                    .await;
+                tokio::time::sleep_until(pace.due(started, i)).await;
                 sqlx::query(COUNTER_UPDATE)
                     .bind((i % 64) as i32)
                     .execute(pool)
@@ -247,6 +297,7 @@ pub async fn postgres_cpu_at(env: &TestEnv, per_sec: f64, seconds: f64) -> anyho
         .try_for_each(|_| std::future::ready(Ok(())))
         .await?;
     let used = cpu_used(&before, "postgres");
+    pace.kept(started)?;
     drop_counter_table(pool).await?;
-    Ok(used * 1000.0 / commits as f64)
+    Ok(used * 1000.0 / pace.items as f64)
 }

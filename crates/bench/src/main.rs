@@ -127,6 +127,12 @@ fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut sizes = if cli.quick { QUICK } else { FULL };
+    if let Some(rate) = cli.latency_rate {
+        anyhow::ensure!(
+            rate.is_finite() && rate > 0.0,
+            "--latency-rate must be a positive number of orders a second, got {rate}"
+        );
+    }
     if let Some(secs) = cli.latency_secs {
         anyhow::ensure!(secs > 0.0, "--latency-secs must be positive, got {secs}");
         sizes.latency_secs = secs;
