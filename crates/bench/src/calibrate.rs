@@ -120,14 +120,13 @@ async fn publish(
 pub async fn broker_limit(env: &TestEnv, messages: usize) -> anyhow::Result<f64> {
     let mut calibration = CalibrationQueue::open(env, "bench.calibration").await?;
     let started = Instant::now();
-    let (consumed, published) = tokio::join!(
+    // A publish that fails ends the wait for the deliveries too.
+    tokio::try_join!(
         consume(&mut calibration.consumer, messages),
         publish(&calibration.publisher, &calibration.queue, messages, |_| {
             None
         }),
-    );
-    consumed?;
-    published?;
+    )?;
     let rate = messages as f64 / started.elapsed().as_secs_f64();
     calibration.close().await?;
     Ok(rate)
@@ -153,7 +152,7 @@ pub async fn broker_cpu_at(env: &TestEnv, per_sec: f64, seconds: f64) -> anyhow:
             &calibration.publisher,
             &calibration.queue,
             pace.items,
-            |i| { Some(pace.due(started, i)) }
+            |i| Some(pace.due(started, i))
         ),
     )?;
     let used = cpu_used(&before, "rabbitmq");
