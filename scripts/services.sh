@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Makes sure RabbitMQ (127.0.0.1:5672) and PostgreSQL (127.0.0.1:5432) are
-# running, installing them from Debian's packages when they are missing.
-# Safe to run again: it does nothing when both are up.
+# running, installing them from Debian's packages when they are missing, and
+# that `make` is there for the build (jemalloc, the scheduler's and the
+# agents' allocator, is built by its configure script and make).
+# Safe to run again: it does nothing when all are there.
 set -euo pipefail
 
 as_root() {
@@ -25,6 +27,12 @@ install_packages() {
   [ -n "$apt_updated" ] || { as_root apt-get update -qq; apt_updated=1; }
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
+
+# make, for jemalloc's build (crates/runtime/src/allocator.rs)
+if ! command -v make >/dev/null 2>&1; then
+  echo "services.sh: installing make from Debian's packages"
+  install_packages make
+fi
 
 # PostgreSQL
 if ! port_open 5432; then

@@ -4,6 +4,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+sas_runtime::use_jemalloc!();
+
 /// Serves one agent queue: calls the remote service for each step request
 /// (retries within the deadline, idempotency key, circuit breaker) and replies.
 #[derive(Debug, Parser)]

@@ -1,5 +1,7 @@
 //! What every service binary does the same way.
 //!
+//! - [`allocator`]: jemalloc for the services that carry the load
+//!   ([`use_jemalloc!`]).
 //! - [`backoff`]: the one growing, jittered wait between tries;
 //!   [`periodic`]: the one periodic loop, with a tick tests can call.
 //! - [`batch`]: group commit, many callers' items in one statement.
@@ -12,6 +14,7 @@
 //! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
 //!   operations endpoint, run until a signal, exit code.
 
+pub mod allocator;
 pub mod backoff;
 pub mod batch;
 pub mod login_limit;

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+sas_runtime::use_jemalloc!();
+
 /// Runs the order workflow: intake of submitted orders, one step at a time
 /// through the agents, compensation when an order cannot complete.
 #[derive(Debug, Parser)]

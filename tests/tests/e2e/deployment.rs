@@ -1890,3 +1890,33 @@ fn the_promql_reader_finds_metrics_selectors_and_grouping_labels() {
     });
     assert!(bad_label.is_err(), "a label the metric lacks is refused");
 }
+
+/// The services that carry the load run on jemalloc with the settings
+/// `sas_runtime::use_jemalloc!` gives it (one arena, pages returned after a
+/// second): asked through jemalloc's own environment variable, each prints
+/// them as it exits (a binary on glibc's malloc prints nothing).
+#[test]
+fn the_scheduler_and_the_agents_allocate_with_jemalloc_in_one_arena() {
+    let stats = |binary: &str| {
+        let output = std::process::Command::new(bin_dir().join(binary))
+            .arg("--version")
+            .env("_RJEM_MALLOC_CONF", "stats_print:true")
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {binary}: {e}"));
+        assert!(output.status.success(), "{binary} --version fails");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    for binary in ["scheduler", "agent"] {
+        let printed = stats(binary);
+        for setting in [
+            "opt.narenas: 1\n",
+            "opt.dirty_decay_ms: 1000 ",
+            "opt.muzzy_decay_ms: 0 ",
+        ] {
+            assert!(
+                printed.contains(setting),
+                "{binary} is not on jemalloc with {setting:?}:\n{printed}"
+            );
+        }
+    }
+}
