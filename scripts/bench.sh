@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
-cargo build --release --workspace --bins
+# Only what the benchmarks run: the release build optimises each program whole.
+cargo build --release -p sas-bench -p scheduler -p agent -p supervisor -p remote-sim -p sas-console
 if [ "${1:-}" = console ]; then
   shift
   exec target/release/sas-console-bench --out target/bench/console.json "$@"
