@@ -12,10 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
-# What the demo and the benchmarks run, not the whole workspace: the release
-# build optimises each program whole. The same list in demo.sh and bench.sh,
-# so that one reuses the other's build (another list unifies other features).
-cargo build --release -p scheduler -p agent -p supervisor -p remote-sim -p sasctl -p sas-console -p sas-bench
+scripts/build-release.sh
 if [ "${1:-}" = console ]; then
   shift
   exec target/release/sas-console-bench --out target/bench/console.json "$@"

@@ -12,10 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
-# What the demo and the benchmarks run, not the whole workspace: the release
-# build optimises each program whole. The same list in demo.sh and bench.sh,
-# so that one reuses the other's build (another list unifies other features).
-cargo build --release -p scheduler -p agent -p supervisor -p remote-sim -p sasctl -p sas-console -p sas-bench
+scripts/build-release.sh
 bin=target/release
 logs=target/demo
 mkdir -p "$logs"
