@@ -14,6 +14,7 @@ use tracing::Instrument;
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 
+use crate::circuit::Permit;
 use crate::remote::{bounded_text, check_request, CallResult};
 use crate::{Agent, Lane};
 
@@ -233,7 +234,7 @@ impl Agent {
         let message = Outgoing {
             exchange: String::new(),
             routing_key: received.reply_to.clone(),
-            body: serde_json::to_vec(&reply).expect("wire types always serialize"),
+            body: reply_body(reply, self.settings.amqp.max_message_bytes),
             properties,
             mandatory: true,
         };
@@ -263,7 +264,7 @@ impl Agent {
             let Some(left) = self.time_left(deadlines.start_by) else {
                 return tries.expired();
             };
-            if !lane.circuit.allow() {
+            let Some(permit) = lane.circuit.allow() else {
                 if let Err(finished) = self
                     .wait_for_circuit(lane, left, tries, connection_lost)
                     .await
@@ -271,7 +272,10 @@ impl Agent {
                     return finished;
                 }
                 continue;
-            }
+            };
+            // Every way out of the call hands its outcome to the permit; a
+            // return without one drops it, which hands a probe back to the
+            // circuit (the next call probes).
             let result = match self
                 .call_once(lane, received, &deadlines, left, tries, connection_lost)
                 .await
@@ -281,7 +285,7 @@ impl Agent {
             };
             let class = result.class();
             metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => class).increment(1);
-            let (error, logged) = match tries.settle(lane, result) {
+            let (error, logged) = match tries.settle(permit, result) {
                 Ok(finished) => return finished,
                 Err(unsettled) => unsettled,
             };
@@ -490,16 +494,32 @@ impl Tries {
     }
 
     /// What one call's result settles: `Ok` with how the request ends (a
-    /// success, a refusal), or `Err` with the error to retry after and
-    /// whether it was logged already. Records the result on the circuit.
-    fn settle(&mut self, lane: &Lane, result: CallResult) -> Result<Finished, (String, bool)> {
+    /// success, a refusal, an answer it cannot use), or `Err` with the
+    /// error to retry after and whether it was logged already. Records the
+    /// result on the circuit through the call's `permit`: a service that
+    /// answered is up, whatever it answered.
+    fn settle(
+        &mut self,
+        permit: Permit<'_>,
+        result: CallResult,
+    ) -> Result<Finished, (String, bool)> {
         match result {
             CallResult::Succeeded(result) => {
-                lane.circuit.record_success();
+                permit.succeeded();
                 Ok(Finished::Reply(StepOutcome::Succeeded { result }))
             }
+            CallResult::AppliedButUnusable(error) => {
+                // The service answered: not a failure of the service.
+                permit.succeeded();
+                self.maybe_applied = true;
+                Ok(Finished::Reply(StepOutcome::Failed {
+                    error,
+                    permanent: true,
+                    maybe_applied: true,
+                }))
+            }
             CallResult::Refused(error) => {
-                lane.circuit.record_success();
+                permit.succeeded();
                 let error = if self.maybe_applied {
                     bounded_text(&format!(
                         "{error} (after an earlier call whose outcome is unknown: {})",
@@ -515,7 +535,7 @@ impl Tries {
                 }))
             }
             CallResult::Transient { error, certificate } => {
-                lane.circuit.record_failure();
+                permit.failed();
                 if certificate {
                     // One clear line per failure, naming the URL.
                     tracing::warn!(error = %error, attempt = self.attempt, "TLS certificate of the remote service not accepted; nothing was sent");
@@ -524,7 +544,7 @@ impl Tries {
             }
             CallResult::InProgress(error) => {
                 // The service answered: it is up, and busy with this key.
-                lane.circuit.record_success();
+                permit.succeeded();
                 self.maybe_applied = true;
                 Err((error, false))
             }
@@ -533,9 +553,9 @@ impl Tries {
                 service_failed,
             } => {
                 if service_failed {
-                    lane.circuit.record_failure();
+                    permit.failed();
                 } else {
-                    lane.circuit.record_success();
+                    permit.succeeded();
                 }
                 self.maybe_applied = true;
                 Err((error, false))
@@ -582,6 +602,55 @@ impl Tries {
         } else {
             Finished::Expired
         }
+    }
+}
+
+/// The reply as its message body, within `limit` bytes
+/// (`amqp.max_message_bytes`): the scheduler dead-letters a larger one
+/// unread, and the outcome would be lost.
+///
+/// It fits as it is but for a setting out of proportion: a success carries
+/// at most `agent.max_answer_bytes` of JSON as written ([`crate::remote`]
+/// checks it), which settings keep to a quarter of the limit; a failure's
+/// text is at most [`crate::remote::MAX_ERROR_CHARS`] characters (about
+/// 3 KB once escaped, at worst: six bytes for a control character); the
+/// ids and names are the request's own. Should it not fit all the same (an
+/// `amqp.max_message_bytes` of a few KB), it is not sent as it is: a
+/// success becomes a permanent failure that may have been applied (an
+/// action's order is undone), and a text is cut until the reply fits.
+pub fn reply_body(mut reply: StepReply, limit: usize) -> Vec<u8> {
+    let body = serde_json::to_vec(&reply).expect("wire types always serialize");
+    if body.len() <= limit {
+        return body;
+    }
+    tracing::warn!(
+        bytes = body.len(),
+        limit,
+        "the reply is over amqp.max_message_bytes; sending a shorter one"
+    );
+    if matches!(reply.outcome, StepOutcome::Succeeded { .. }) {
+        reply.outcome = StepOutcome::Failed {
+            error: format!(
+                "the answer makes a reply of {} bytes, over amqp.max_message_bytes ({limit}): the call may have been applied, and its answer cannot be carried; lower agent.max_answer_bytes",
+                body.len()
+            ),
+            permanent: true,
+            maybe_applied: true,
+        };
+    }
+    loop {
+        let body = serde_json::to_vec(&reply).expect("wire types always serialize");
+        let text = match &mut reply.outcome {
+            StepOutcome::Failed { error, .. } => error,
+            StepOutcome::NotStarted { reason } => reason,
+            // Replaced above: nothing left to shorten.
+            StepOutcome::Succeeded { .. } => return body,
+        };
+        let chars = text.chars().count();
+        if body.len() <= limit || chars == 0 {
+            return body;
+        }
+        *text = text.chars().take(chars / 2).collect();
     }
 }
 
@@ -656,7 +725,77 @@ mod tests {
 
     use sas_messages::StepKind;
 
-    use super::slot_priority;
+    use super::{reply_body, slot_priority};
+    use sas_messages::{StepOutcome, StepReply};
+
+    fn reply(outcome: StepOutcome) -> StepReply {
+        StepReply {
+            schema_version: sas_messages::SCHEMA_VERSION,
+            order_id: "o-1".into(),
+            step: "charge_payment".into(),
+            attempt_id: sas_messages::AttemptId::new(),
+            agent_id: "payment-0".into(),
+            outcome,
+            queued_ms: None,
+            slot_wait_ms: None,
+        }
+    }
+
+    fn sent(body: &[u8]) -> StepOutcome {
+        serde_json::from_slice::<StepReply>(body).unwrap().outcome
+    }
+
+    #[test]
+    fn a_reply_that_fits_is_sent_as_it_is() {
+        let outcome = StepOutcome::Succeeded {
+            result: serde_json::json!({"id": "x".repeat(16_000)}),
+        };
+        let body = reply_body(reply(outcome.clone()), 65_536);
+        assert_eq!(sent(&body), outcome);
+        // The longest failure text, of the widest characters to escape,
+        // fits a 64 KiB limit many times over.
+        let error = "\u{1}".repeat(crate::remote::MAX_ERROR_CHARS) + "…";
+        let outcome = StepOutcome::Failed {
+            error,
+            permanent: true,
+            maybe_applied: true,
+        };
+        let body = reply_body(reply(outcome.clone()), 65_536);
+        assert!(body.len() < 4_000, "{}", body.len());
+        assert_eq!(sent(&body), outcome);
+    }
+
+    #[test]
+    fn a_reply_over_the_message_limit_is_never_sent_as_it_is() {
+        let success = StepOutcome::Succeeded {
+            result: serde_json::json!({"id": "x".repeat(2_000)}),
+        };
+        let body = reply_body(reply(success), 1_024);
+        assert!(body.len() <= 1_024, "{}", body.len());
+        match sent(&body) {
+            StepOutcome::Failed {
+                error,
+                permanent: true,
+                maybe_applied: true,
+            } => assert!(error.starts_with("the answer makes a reply of"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        let failure = StepOutcome::Failed {
+            error: "é".repeat(500),
+            permanent: false,
+            maybe_applied: true,
+        };
+        let body = reply_body(reply(failure), 1_024);
+        assert!(body.len() <= 1_024, "{}", body.len());
+        match sent(&body) {
+            StepOutcome::Failed {
+                error,
+                permanent: false,
+                maybe_applied: true,
+            } => assert!(error.starts_with("éé") && error.chars().count() < 500),
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn at(kind: StepKind, priority: Option<u8>, secs: u64) -> i32 {
         slot_priority(kind, priority, Duration::from_secs(secs))

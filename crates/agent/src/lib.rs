@@ -8,7 +8,8 @@
 //! request only after the broker confirmed the reply.
 //!
 //! - [`remote`]: the HTTP call and how its answers are classified.
-//! - [`circuit`]: the circuit breaker around the remote service.
+//! - [`circuit`]: the circuit breaker around the remote service (its gauges
+//!   set again every [`CIRCUIT_TICK`]).
 //! - [`handler`]: one request, from delivery to acknowledgement.
 //! - [`clock`]: this agent's estimate of the database clock.
 
@@ -107,6 +108,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             name,
         }));
     }
+    tokio::spawn(publish_circuits(lanes.clone(), shutdown.clone()));
     let agent = Arc::new(Agent {
         id,
         clock: Clock::new(settings.agent.clock_offset_ms),
@@ -123,6 +125,24 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         })
         .await;
     Ok(())
+}
+
+/// How often each lane's circuit gauges are set again
+/// ([`CircuitBreaker::publish`]), so that `sas_circuit_open_seconds` keeps
+/// counting while no call decides anything.
+pub const CIRCUIT_TICK: Duration = Duration::from_secs(1);
+
+/// Sets the circuit gauges of `lanes` every [`CIRCUIT_TICK`] until
+/// `shutdown`: a circuit that stays out of closed shows it, growing, even
+/// when no request comes to ask it.
+async fn publish_circuits(lanes: Vec<Arc<Lane>>, shutdown: CancellationToken) {
+    let Ok(()) = sas_runtime::every(CIRCUIT_TICK, &shutdown, || {
+        for lane in &lanes {
+            lane.circuit.publish();
+        }
+        std::future::ready(Ok::<_, std::convert::Infallible>(sas_runtime::Next::Wait))
+    })
+    .await;
 }
 
 impl Agent {

@@ -1,19 +1,34 @@
 //! Calling the remote service, and how its answers are classified.
 //!
-//! Every answer falls in one of five classes ([`CallResult`]); docs/configuration.md's
+//! Every answer falls in one of six classes ([`CallResult`], named as in
+//! the metric `sas_agent_calls_total{class}`); docs/configuration.md's
 //! "Remote answers" table is the same mapping:
 //!
 //! | answer | class |
 //! |---|---|
-//! | 2xx with a JSON body (at most `agent.max_answer_bytes`) | succeeded |
-//! | 404 to a compensation | succeeded: nothing to undo |
-//! | any other 4xx but 408, 409, 425, 429 | refused: nothing applied |
-//! | connect error (refused, DNS, TLS handshake, certificate), 408, 425, 429 | transient: nothing applied |
-//! | 409 | in progress: retry the same key later |
-//! | timeout or reset after sending, any 5xx, 1xx/3xx, a 2xx whose body is not JSON, too large or cut | outcome unknown: may have been applied |
+//! | 2xx with a JSON body of at most `agent.max_answer_bytes` (as read, and as written again) | `succeeded` |
+//! | 2xx with a body over `agent.max_answer_bytes` | `applied_unusable`: fails for good, may have been applied (an action's order is undone; an undo's ends in error) |
+//! | any 4xx but 408, 409, 425, 429 to an action | `refused`: nothing applied |
+//! | any 4xx but 408, 409, 425, 429 to a compensation, 404 included | `refused`: the undo is not proven (the order ends in error with an alert) |
+//! | connect error (refused, DNS, TLS handshake, certificate), 408, 425, 429 | `transient`: nothing applied |
+//! | 409 | `in_progress`: retry the same key later |
+//! | timeout or reset after sending, any 5xx, 1xx/3xx, a 2xx whose body is not JSON, empty or cut | `unknown`: may have been applied |
 //!
 //! A 503 too: a gateway can answer it after the service behind it took the
 //! request, so it is never read as "nothing applied".
+//!
+//! "Undone" needs proof: a 404 to an undo proves only that something
+//! answered 404 at that URL (a misspelt or renamed route, an ingress
+//! without the route, a service that has not seen the action yet), not
+//! that the action was undone, so it is a refusal like any other 4xx. The
+//! state machine sends an undo only for a step whose action did or may have
+//! happened.
+//!
+//! A 2xx answer over `agent.max_answer_bytes` (at most a quarter of
+//! `amqp.max_message_bytes`) is not retried: the service answered, the same
+//! key would get the same answer, and a result that large would not fit in
+//! the reply, or in the later requests that carry it beside the order and
+//! the other steps' results.
 //!
 //! reqwest tells a connect error (nothing was sent: the TCP connection or
 //! the TLS handshake failed) apart from one after the request went out; only
@@ -38,7 +53,14 @@ pub const MAX_ERROR_CHARS: usize = 500;
 pub enum CallResult {
     /// Applied (or already applied under this key): the service's answer.
     Succeeded(serde_json::Value),
-    /// Refused for good: nothing applied, and retrying cannot help.
+    /// A 2xx answer the agent cannot carry: its body is over
+    /// `agent.max_answer_bytes`. The action was (or may have been) applied,
+    /// and asking again gets the same answer: a permanent failure that may
+    /// have been applied, so the order is undone. The service answered, so
+    /// it does not count against the circuit.
+    AppliedButUnusable(String),
+    /// Refused for good: retrying cannot help. Of an action, nothing was
+    /// applied; of a compensation, the undo is not proven.
     Refused(String),
     /// The call did not reach the service (or it said nothing was applied
     /// and to come back later): retry.
@@ -62,10 +84,13 @@ pub enum CallResult {
 }
 
 impl CallResult {
-    /// The class name, for logs and metrics.
+    /// The class name, for logs and the metric `sas_agent_calls_total{class}`:
+    /// `succeeded`, `applied_unusable`, `refused`, `transient`,
+    /// `in_progress` or `unknown`.
     pub fn class(&self) -> &'static str {
         match self {
             Self::Succeeded(_) => "succeeded",
+            Self::AppliedButUnusable(_) => "applied_unusable",
             Self::Refused(_) => "refused",
             Self::Transient { .. } => "transient",
             Self::InProgress(_) => "in_progress",
@@ -353,7 +378,8 @@ async fn read_bounded(response: &mut reqwest::Response, limit: usize) -> Body {
     }
 }
 
-/// Classifies an answer with `status` and `body` to a request of `kind`.
+/// Classifies an answer with `status` and `body` to a request of `kind`;
+/// `limit` is `agent.max_answer_bytes`.
 pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize) -> CallResult {
     if (200..300).contains(&status) {
         return match body {
@@ -367,6 +393,13 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
                                 "U+0000 in the remote's answer was replaced by U+FFFD".into(),
                             );
                         }
+                    }
+                    // What travels on is the value written again, which can
+                    // be longer than what was read (`1e15` is written in
+                    // full): bounded alike.
+                    let written = serde_json::to_vec(&value).map_or(usize::MAX, |v| v.len());
+                    if written > limit {
+                        return too_large(url, status, kind, &format!("a JSON body of {written} bytes once written again, over {limit} bytes"));
                     }
                     CallResult::Succeeded(value)
                 }
@@ -383,10 +416,7 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
                     service_failed: false,
                 },
             },
-            Body::TooLarge => CallResult::Unknown {
-                error: format!("{url} answered {status} with a body over agent.max_answer_bytes ({limit} bytes); it may have been applied"),
-                service_failed: false,
-            },
+            Body::TooLarge => too_large(url, status, kind, &format!("a body of over {limit} bytes")),
             Body::Cut(error) => CallResult::Unknown {
                 error: bounded_text(&format!("{url} answered {status} but its body was cut ({error}); it may have been applied")),
                 service_failed: true,
@@ -401,14 +431,13 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
     let message = bounded_text(&format!("{url} answered {status}: {text}"));
     match status {
         409 => CallResult::InProgress(message),
-        404 if kind == StepKind::Compensation => CallResult::Succeeded(serde_json::json!({
-            "nothing_to_undo": true,
-            "remote_answer": message,
-        })),
         408 | 425 | 429 => CallResult::Transient {
             error: message,
             certificate: false,
         },
+        400..=499 if kind == StepKind::Compensation => {
+            CallResult::Refused(undo_refused(url, status, &text))
+        }
         400..=499 => CallResult::Refused(message),
         500..=599 => CallResult::Unknown {
             error: format!("{message} (it may have been applied)"),
@@ -421,6 +450,57 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
             service_failed: false,
         },
     }
+}
+
+/// Longest URL quoted in an error text, in characters: the text must keep
+/// room for what happened and what to do within [`MAX_ERROR_CHARS`].
+const QUOTED_URL_CHARS: usize = 160;
+
+/// Longest piece of an answer's body quoted in an error text, in characters.
+const QUOTED_BODY_CHARS: usize = 120;
+
+/// A 2xx answer over `agent.max_answer_bytes`, `what` saying how large:
+/// applied (or maybe), unusable, and the same again if asked again.
+fn too_large(url: &str, status: u16, kind: StepKind, what: &str) -> CallResult {
+    let url = clipped(url, QUOTED_URL_CHARS);
+    let text = match kind {
+        StepKind::Action => format!(
+            "{url} answered {status} with {what} (agent.max_answer_bytes); the action may have been applied; the order is undone; shorten the answer or raise agent.max_answer_bytes (at most a quarter of amqp.max_message_bytes)"
+        ),
+        StepKind::Compensation => format!(
+            "{url} answered {status} to the undo with {what} (agent.max_answer_bytes); the undo may have been applied, but its answer cannot be kept to prove it; check the action at the remote, then resubmit the order or resolve its alert; shorten the answer or raise agent.max_answer_bytes (at most a quarter of amqp.max_message_bytes)"
+        ),
+    };
+    CallResult::AppliedButUnusable(bounded_text(&text))
+}
+
+/// The refusal of an undo answered `status` (a 4xx) with `body`: it names
+/// the URL, the status and the answer, and says that it proves nothing
+/// undone.
+fn undo_refused(url: &str, status: u16, body: &str) -> String {
+    let url = clipped(url, QUOTED_URL_CHARS);
+    let body = match body.trim() {
+        "" => "an empty body".to_owned(),
+        body => format!("\"{}\"", clipped(body, QUOTED_BODY_CHARS)),
+    };
+    let why = if status == 404 {
+        "a 404 does not prove the action was undone (a misspelt or renamed route, or an ingress without it, answers 404 too)"
+    } else {
+        "the undo was refused; nothing proves the action was undone"
+    };
+    bounded_text(&format!(
+        "{url} answered {status} to the undo, with {body}: {why}; check the compensation's route and the action at the remote, undo it by hand if need be, then resubmit the order or resolve its alert"
+    ))
+}
+
+/// At most `max` characters of `text`, with `…` when cut.
+fn clipped(text: &str, max: usize) -> String {
+    if text.chars().nth(max).is_none() {
+        return text.to_owned();
+    }
+    let mut out: String = text.chars().take(max).collect();
+    out.push('…');
+    out
 }
 
 /// `text` made safe for a reply: U+0000 replaced, at most
@@ -477,12 +557,11 @@ mod tests {
     }
 
     #[test]
-    fn a_2xx_that_is_not_json_empty_too_large_or_cut_has_an_unknown_outcome() {
+    fn a_2xx_that_is_not_json_empty_or_cut_has_an_unknown_outcome() {
         for body in [
             Body::Complete(b"<html>ok</html>".to_vec()),
             Body::Complete(vec![0xff, 0x00, 0x81]),
             Body::Complete(Vec::new()),
-            Body::TooLarge,
             Body::Cut("reset".into()),
         ] {
             let result = classify(URL, 200, StepKind::Action, body.clone(), 1000);
@@ -491,6 +570,44 @@ mod tests {
                 "{body:?}: {result:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_2xx_over_the_answer_limit_was_applied_and_fails_for_good() {
+        for kind in [StepKind::Action, StepKind::Compensation] {
+            let result = classify(URL, 200, kind, Body::TooLarge, 1000);
+            assert_eq!(result.class(), "applied_unusable", "{kind:?}");
+            let CallResult::AppliedButUnusable(error) = result else {
+                panic!("{kind:?}: {result:?}")
+            };
+            assert!(error.starts_with(&format!("{URL} answered 200")), "{error}");
+            assert!(error.contains("over 1000 bytes"), "{error}");
+            assert!(error.contains("agent.max_answer_bytes"), "{error}");
+            assert!(error.contains("may have been applied"), "{error}");
+            assert!(error.chars().count() <= MAX_ERROR_CHARS, "{error}");
+            match kind {
+                StepKind::Action => assert!(error.contains("the order is undone"), "{error}"),
+                StepKind::Compensation => {
+                    assert!(error.contains("to the undo"), "{error}");
+                    assert!(!error.contains("the order is undone"), "{error}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_2xx_whose_json_grows_past_the_limit_once_written_again_is_unusable_too() {
+        // 5 bytes each as read, 19 as written again: 1000 bytes read, 3800
+        // in the reply.
+        let numbers = vec!["9e15"; 199].join(",");
+        let body = format!("[{numbers}]");
+        assert!(body.len() <= 1000);
+        let result = answer(200, body.as_bytes());
+        let CallResult::AppliedButUnusable(error) = result else {
+            panic!("{result:?}")
+        };
+        assert!(error.contains("once written again"), "{error}");
+        assert_eq!(answer(200, b"[9e15]").class(), "succeeded");
     }
 
     #[test]
@@ -508,18 +625,78 @@ mod tests {
     }
 
     #[test]
-    fn a_404_to_a_compensation_means_nothing_to_undo() {
+    fn a_404_to_a_compensation_is_a_refusal_that_proves_nothing_undone() {
         let result = classify(
             URL,
             404,
             StepKind::Compensation,
-            Body::Complete(b"{}".to_vec()),
+            Body::Complete(b"{\"error\":\"no route\"}".to_vec()),
             1000,
         );
-        match result {
-            CallResult::Succeeded(value) => assert_eq!(value["nothing_to_undo"], true),
-            other => panic!("{other:?}"),
+        let CallResult::Refused(error) = result else {
+            panic!("a 404 to an undo must be refused for good, got {result:?}")
+        };
+        assert!(error.contains(URL), "names the route: {error}");
+        assert!(error.contains("404"), "{error}");
+        assert!(error.contains("no route"), "the answer: {error}");
+        assert!(
+            error.contains("does not prove the action was undone"),
+            "{error}"
+        );
+        assert!(!error.contains("nothing_to_undo"), "{error}");
+        assert!(error.chars().count() <= MAX_ERROR_CHARS + 1, "{error}");
+    }
+
+    #[test]
+    fn every_4xx_refusal_of_an_undo_names_the_route_and_proves_nothing_undone() {
+        let undo = |status: u16, body: &[u8]| {
+            classify(
+                URL,
+                status,
+                StepKind::Compensation,
+                Body::Complete(body.to_vec()),
+                1000,
+            )
+        };
+        for status in [400, 401, 403, 410, 422] {
+            let CallResult::Refused(error) = undo(status, b"gone") else {
+                panic!("{status}")
+            };
+            assert!(
+                error.starts_with(&format!("{URL} answered {status} to the undo")),
+                "{error}"
+            );
+            assert!(error.contains("\"gone\""), "{error}");
+            assert!(
+                error.contains("nothing proves the action was undone"),
+                "{error}"
+            );
         }
+        for status in [408, 425, 429] {
+            assert_eq!(undo(status, b"later").class(), "transient", "{status}");
+        }
+        assert_eq!(undo(409, b"busy").class(), "in_progress");
+        // A long route and a long answer leave the verdict in the text.
+        let long_url = format!("http://remote/{}", "r".repeat(600));
+        let result = classify(
+            &long_url,
+            404,
+            StepKind::Compensation,
+            Body::Complete("x".repeat(5000).into_bytes()),
+            1000,
+        );
+        let CallResult::Refused(error) = result else {
+            panic!("{result:?}")
+        };
+        assert!(error.chars().count() <= MAX_ERROR_CHARS + 1, "{error}");
+        assert!(
+            error.contains("does not prove the action was undone"),
+            "{error}"
+        );
+        let CallResult::Refused(empty) = undo(404, b"") else {
+            panic!()
+        };
+        assert!(empty.contains("with an empty body"), "{empty}");
     }
 
     #[test]
@@ -682,7 +859,7 @@ mod tests {
             remote_client_key_file: String::new(),
             remote_auth_header: crate::settings::Secret::new("Bearer s3cret"),
             remote_headers: remote_headers.into(),
-            max_answer_bytes: 65536,
+            max_answer_bytes: 16384,
             start_margin_ms: 1000,
             clock_offset_ms: 0,
             call_timeout_ms: 5000,

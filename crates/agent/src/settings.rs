@@ -56,7 +56,11 @@ pub struct AgentSettings {
     /// have their own setting (`Authorization`: `remote_auth_header`) are
     /// refused. Not a secret (credentials belong in `remote_auth_header`).
     pub remote_headers: String,
-    /// Largest answer body read from the remote service, in bytes.
+    /// Largest answer body read from the remote service, in bytes (as read,
+    /// and as written again). A 2xx answer over it fails for good and may
+    /// have been applied. At most a quarter of `amqp.max_message_bytes`
+    /// ([`MAX_ANSWER_SHARE`]): the reply carries the answer, and later
+    /// requests carry it beside the order and the other steps' results.
     pub max_answer_bytes: usize,
     /// Without a `start_by` in the request, no call starts later than
     /// `complete_by` minus this, in milliseconds.
@@ -132,6 +136,12 @@ impl AgentSettings {
         self.remote_url.replace("{agent}", name)
     }
 }
+
+/// `agent.max_answer_bytes` may be at most `amqp.max_message_bytes` divided
+/// by this: an answer travels in the agent's reply, then in the later
+/// requests of its order beside the order itself and the other steps'
+/// results, each a message under the broker's limit.
+pub const MAX_ANSWER_SHARE: usize = 4;
 
 /// Headers `agent.remote_headers` may not name, each with what to do instead.
 const RESERVED_HEADERS: [(&str, &str); 6] = [
@@ -326,6 +336,13 @@ impl Validate for Settings {
         if agent.max_answer_bytes < 64 {
             return Err("agent.max_answer_bytes must be at least 64".into());
         }
+        let most = self.amqp.max_message_bytes / MAX_ANSWER_SHARE;
+        if agent.max_answer_bytes > most {
+            return Err(format!(
+                "agent.max_answer_bytes ({}) must be at most a quarter of amqp.max_message_bytes ({}), {most}: the reply that carries an answer, and the later requests that carry it beside the order and the other steps' results, must fit under the message limit, or the scheduler dead-letters them and the result is lost; lower agent.max_answer_bytes, or raise amqp.max_message_bytes on every service",
+                agent.max_answer_bytes, self.amqp.max_message_bytes
+            ));
+        }
         if agent.start_margin_ms >= 3_600_000 {
             return Err("agent.start_margin_ms must be below an hour".into());
         }
@@ -366,6 +383,33 @@ mod tests {
             .iter()
             .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
             .collect()
+    }
+
+    /// The compiled-in defaults, as a service loads them.
+    fn defaults() -> Settings {
+        sas_runtime::load_settings(DEFAULTS, None).expect("the defaults are valid")
+    }
+
+    #[test]
+    fn an_answer_limit_over_a_quarter_of_the_message_limit_is_refused_naming_both_keys() {
+        let mut settings = defaults();
+        assert_eq!(settings.agent.max_answer_bytes, 16_384);
+        settings.agent.max_answer_bytes = settings.amqp.max_message_bytes / 4;
+        assert_eq!(settings.validate(), Ok(()));
+        for (answer, message) in [(16_385, 65_536), (65_536, 65_536), (4_096, 16_000)] {
+            settings.agent.max_answer_bytes = answer;
+            settings.amqp.max_message_bytes = message;
+            let error = settings.validate().unwrap_err();
+            assert!(
+                error.starts_with(&format!("agent.max_answer_bytes ({answer})")),
+                "{error}"
+            );
+            assert!(
+                error.contains(&format!("amqp.max_message_bytes ({message})")),
+                "{error}"
+            );
+            assert!(error.contains("reply"), "says why: {error}");
+        }
     }
 
     #[test]

@@ -488,7 +488,19 @@ async fn bad_answers_each_get_a_clear_decision_and_nothing_crashes() {
         } => assert!(error.contains(needle), "{action}: {error}"),
         other => panic!("{action}: expected an unknown outcome, got {other:?}"),
     };
-    maybe_applied("oversized", "max_answer_bytes");
+    match &outcomes["oversized"] {
+        StepOutcome::Failed {
+            error,
+            permanent: true,
+            maybe_applied: true,
+        } => assert!(
+            error.contains("agent.max_answer_bytes"),
+            "oversized: {error}"
+        ),
+        other => panic!(
+            "oversized: expected a permanent failure that may have been applied, got {other:?}"
+        ),
+    }
     maybe_applied("binary", "not JSON");
     maybe_applied("empty", "empty body");
     match &outcomes["nul"] {
@@ -1105,4 +1117,143 @@ async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_reques
         ["first", "undo", "urgent", "plain", "low-0", "low-1", "low-2"],
         "the order of the calls"
     );
+}
+
+/// A remote on a free port whose calls (`/big/<action>`) are counted and
+/// answered 200 with a JSON object of exactly `size` bytes (with its
+/// Content-Length).
+async fn big_answer_remote(size: usize) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+    let (head, tail) = (r#"{"id":""#, r#""}"#);
+    let body = format!("{head}{}{tail}", "x".repeat(size - head.len() - tail.len()));
+    assert_eq!(body.len(), size);
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = {
+        let calls = calls.clone();
+        axum::Router::new().route(
+            "/big/{action}",
+            axum::routing::post(move || {
+                let (calls, body) = (calls.clone(), body.clone());
+                async move {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    ([("content-type", "application/json")], body)
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (port, calls)
+}
+
+/// The first characters of an outcome, for a failure message (a success
+/// may carry 65,000 bytes).
+fn outline(outcome: &StepOutcome) -> String {
+    format!("{outcome:?}").chars().take(300).collect()
+}
+
+/// 65,000 bytes of valid JSON fit under the broker's 64 KiB message limit,
+/// but the reply carrying them would not, and neither would the later
+/// requests that carry them beside the order: the scheduler would
+/// dead-letter them and the result would be lost. So an action answered
+/// 2xx with a body over `agent.max_answer_bytes` (16 KiB by default) fails
+/// for good at once, saying it may have been applied (the order is
+/// undone), instead of being retried until start-by.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_action_answered_with_65000_bytes_of_json_fails_for_good_at_once_as_maybe_applied() {
+    let env = TestEnv::new().await;
+    let (port, calls) = big_answer_remote(65_000).await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let (mut agent, _ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/big"),
+        &[Setting::AgentRetryBaseMs(100)],
+    );
+    let request = request(
+        "big-1",
+        StepKind::Action,
+        "charge",
+        Duration::from_secs(15),
+        Duration::from_secs(20),
+    );
+    let sent = std::time::Instant::now();
+    send(&env, &publisher, "payment", &reply_to, &request).await;
+    let reply = next_reply(&mut replies, Duration::from_secs(30)).await;
+    let took = sent.elapsed();
+    assert_eq!(reply.attempt_id, request.attempt_id);
+    match &reply.outcome {
+        StepOutcome::Failed {
+            error,
+            permanent: true,
+            maybe_applied: true,
+        } => {
+            assert!(error.contains("agent.max_answer_bytes"), "{error}");
+            assert!(error.contains("may have been applied"), "{error}");
+        }
+        other => panic!(
+            "expected a permanent failure that may have been applied, got {}",
+            outline(other)
+        ),
+    }
+    // At once: one call, answered long before start-by (15 s), not
+    // retried until then.
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the answer was called for again"
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "the reply took {took:?}: retried until start-by?"
+    );
+    assert!(agent.is_running());
+}
+
+/// A 404 to an undo proves only that the route answered 404 (a misspelt
+/// or renamed route, an ingress), not that the action was undone: it is a
+/// refusal for good, whose text names the URL, the status and the answer,
+/// never "nothing to undo".
+#[tokio::test(flavor = "multi_thread")]
+async fn a_404_to_an_undo_is_a_refusal_naming_the_route_never_nothing_to_undo() {
+    let env = TestEnv::new().await;
+    let (port, calls) = bad_remote().await;
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, mut replies) = reply_queue(&env, &connection).await;
+    let (mut agent, _ops) = agent(
+        &env,
+        "payment",
+        &format!("http://127.0.0.1:{port}/bad"),
+        &[],
+    );
+    // The bad remote has no such route: its fallback answers 404.
+    let undo = request(
+        "undo-404",
+        StepKind::Compensation,
+        "refnud",
+        Duration::from_secs(8),
+        Duration::from_secs(10),
+    );
+    send(&env, &publisher, "payment", &reply_to, &undo).await;
+    let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
+    assert_eq!(reply.attempt_id, undo.attempt_id);
+    match &reply.outcome {
+        StepOutcome::Failed {
+            error,
+            permanent: true,
+            ..
+        } => {
+            let url = format!("http://127.0.0.1:{port}/bad/refnud");
+            assert!(error.contains(&url), "names the route: {error}");
+            assert!(error.contains("404"), "{error}");
+            assert!(
+                error.contains("does not prove the action was undone"),
+                "{error}"
+            );
+        }
+        other => panic!("expected a refusal for good, got {}", outline(other)),
+    }
+    assert_eq!(calls.lock().unwrap().len(), 1, "refused at once");
+    assert!(agent.is_running());
 }
