@@ -25,6 +25,66 @@ pub const QUEUE_NAME_PATTERN: &str = "^[^\\u0000-\\u001F\\u007F]+$";
 pub fn is_queue_name(name: &str) -> bool {
     (1..=255).contains(&name.len()) && !name.bytes().any(|b| b.is_ascii_control())
 }
+
+/// Longest message property intake keeps with an order (`correlation_id`,
+/// `reply_to`), in bytes: an AMQP short string's limit, so that nothing
+/// stored is longer than what the broker can carry back.
+pub const MAX_PROPERTY_BYTES: usize = 255;
+
+/// The first control character of `text` (any [`char::is_control`]:
+/// U+0000 to U+001F and U+007F to U+009F) and its byte offset, if it has
+/// one. Intake refuses a message property it would store or echo that has
+/// one: Postgres `text` cannot hold U+0000, and one such value failed the
+/// batched statement of every order beside it.
+pub fn first_control_character(text: &str) -> Option<(usize, char)> {
+    text.char_indices().find(|(_, c)| c.is_control())
+}
+
+/// Where `object` (an order's `attributes`) holds U+0000 (NUL) in a string
+/// or a key, as a JSON Pointer, if it does: `jsonb` cannot hold that
+/// character, so intake refuses such an order rather than fail the batched
+/// statement of every order beside it. Other control characters (a
+/// newline in an address) are stored as they are. The pointer's segments
+/// are escaped as in RFC 6901 and their control characters written as
+/// `\0`, `\n`, ..., so that the pointer itself can be stored in a reason.
+pub fn first_nul(object: &serde_json::Map<String, serde_json::Value>) -> Option<String> {
+    fn segment(key: &str) -> String {
+        key.chars().fold(String::new(), |mut out, c| {
+            match c {
+                '~' => out.push_str("~0"),
+                '/' => out.push_str("~1"),
+                c if c.is_control() => out.extend(c.escape_debug()),
+                c => out.push(c),
+            }
+            out
+        })
+    }
+    fn in_object(
+        object: &serde_json::Map<String, serde_json::Value>,
+        path: &str,
+    ) -> Option<String> {
+        object.iter().find_map(|(key, value)| {
+            let here = format!("{path}/{}", segment(key));
+            if key.contains('\0') {
+                return Some(here);
+            }
+            in_value(value, &here)
+        })
+    }
+    fn in_value(value: &serde_json::Value, path: &str) -> Option<String> {
+        match value {
+            serde_json::Value::String(text) if text.contains('\0') => Some(path.to_owned()),
+            serde_json::Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(index, item)| in_value(item, &format!("{path}/{index}"))),
+            serde_json::Value::Object(object) => in_object(object, path),
+            _ => None,
+        }
+    }
+    in_object(object, "")
+}
+
 /// The workflow an order follows when it names none.
 pub const DEFAULT_WORKFLOW: &str = "order";
 /// What [`SubmitOrder::validate`] accepts as a workflow name, for the JSON
@@ -323,6 +383,34 @@ mod tests {
         order.workflow = Some("return".into());
         order.validate().unwrap();
         assert_eq!(sample().workflow(), DEFAULT_WORKFLOW);
+    }
+
+    #[test]
+    fn a_control_character_is_found_with_its_byte_offset_whatever_its_kind() {
+        assert_eq!(first_control_character("c-\u{0}31"), Some((2, '\0')));
+        assert_eq!(first_control_character("é\t"), Some((2, '\t')));
+        assert_eq!(first_control_character("del\u{7f}"), Some((3, '\u{7f}')));
+        assert_eq!(first_control_character("c1\u{85}"), Some((2, '\u{85}')));
+        for clean in ["", "ord-1", "sas.client.alice.é-1", "a b\u{a0}c"] {
+            assert_eq!(first_control_character(clean), None, "{clean:?}");
+        }
+    }
+
+    #[test]
+    fn a_nul_in_the_attributes_is_found_by_its_pointer_and_other_control_characters_are_not() {
+        let object = |value: serde_json::Value| match value {
+            serde_json::Value::Object(map) => map,
+            other => panic!("not an object: {other}"),
+        };
+        let nested = object(serde_json::json!({
+            "note": "line\none",
+            "address": { "lines": ["1 Main St", "flat\u{0}2"] }
+        }));
+        assert_eq!(first_nul(&nested).as_deref(), Some("/address/lines/1"));
+        let key = object(serde_json::json!({ "a/b": { "x~\u{0}": 1 } }));
+        assert_eq!(first_nul(&key).as_deref(), Some("/a~1b/x~0\\0"));
+        let clean = object(serde_json::json!({ "note": "tab\there", "n": [1, null, true] }));
+        assert_eq!(first_nul(&clean), None);
     }
 
     #[test]

@@ -2,16 +2,54 @@
 
 use sas_broker::consume::{Consumed, Delivery};
 use sas_broker::Publisher;
+use sas_messages::order::{first_control_character, first_nul, MAX_PROPERTY_BYTES};
 use sas_messages::{decode, SubmitOrder};
 use sas_store::writes::intake::{Intake, Submission};
 
 use crate::{stopping, Scheduler};
 
+/// Why intake refuses to store the message property `name` (one it keeps
+/// with the order: `correlation_id`, `reply_to`), if it does: a control
+/// character (Postgres `text` cannot hold U+0000, and a status message
+/// echoes the property to the client), or more than
+/// [`MAX_PROPERTY_BYTES`] (an AMQP short string cannot be longer, so this
+/// holds whatever built the message). The reason names the property and
+/// where, never the value itself: it is stored with the dead letter.
+fn property_refusal(name: &str, value: &str) -> Option<String> {
+    if let Some((at, character)) = first_control_character(value) {
+        return Some(format!(
+            "the {name} property holds a control character (U+{:04X} at byte {at}); name it with printable characters",
+            u32::from(character)
+        ));
+    }
+    if value.len() > MAX_PROPERTY_BYTES {
+        return Some(format!(
+            "the {name} property is {} bytes long; keep it to at most {MAX_PROPERTY_BYTES} bytes",
+            value.len()
+        ));
+    }
+    None
+}
+
+/// Why intake refuses the order for its `attributes`, if it does: they
+/// hold U+0000 in a string or a key, which `jsonb` cannot store (one such
+/// order failed the batched statement of every order beside it, and came
+/// back on every delivery of its message).
+fn attributes_refusal(order: &SubmitOrder) -> Option<String> {
+    let at = first_nul(order.attributes.as_ref()?)?;
+    Some(format!(
+        "attributes hold a NUL character (U+0000) at {at}, which the state store cannot keep; send the text without it"
+    ))
+}
+
 impl Scheduler {
     /// Handles one message of the orders queue.
     ///
     /// Invalid input is answered `rejected` on the `reply_to` it named (see
-    /// [`crate::refusal`]) and dead-lettered with the reason. A valid order is stored
+    /// [`crate::refusal`]) and dead-lettered with the reason: so is an order
+    /// whose stored properties or attributes Postgres would refuse, before
+    /// it joins a batch (see `property_refusal` and `attributes_refusal`).
+    /// A valid order is stored
     /// with its process record and its first step started, in one statement
     /// (together with the orders other handlers hold at the same moment)
     /// idempotent on the order id; the message is acknowledged only after
@@ -31,13 +69,28 @@ impl Scheduler {
         if let Err(error) = order.validate() {
             return self.refuse(&delivery, publisher, error.to_string()).await;
         }
+        if let Some(reason) = attributes_refusal(&order) {
+            return self.refuse(&delivery, publisher, reason).await;
+        }
         if let Err(reason) = self.workflows.entry_for(&order) {
             return self.refuse(&delivery, publisher, reason).await;
         }
         // RabbitMQ's request/reply convention: reply_to and correlation_id as
         // message properties (the body's reply_to wins when both are set).
+        // Both are stored with the order, so each is checked here: a value
+        // Postgres refuses would fail the batched statement of every order
+        // beside it, and come back on every delivery of its message.
         let reply_to_property = delivery.reply_to();
         let correlation_id = delivery.correlation_id();
+        let stored = [
+            ("correlation_id", correlation_id),
+            ("reply_to", reply_to_property),
+        ];
+        for (name, value) in stored {
+            if let Some(reason) = value.and_then(|value| property_refusal(name, value)) {
+                return self.refuse(&delivery, publisher, reason).await;
+            }
+        }
         if let Some(reason) = self.reply_to_refusal(&order, reply_to_property) {
             return self.refuse(&delivery, publisher, reason).await;
         }
@@ -140,5 +193,63 @@ impl Scheduler {
                 Err(Consumed::Requeue)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_property_with_a_control_character_is_refused_naming_the_property_and_where() {
+        assert_eq!(
+            property_refusal("correlation_id", "c-\u{0}31").as_deref(),
+            Some("the correlation_id property holds a control character (U+0000 at byte 2); name it with printable characters")
+        );
+        for (value, shown) in [
+            ("q\u{7f}", "U+007F at byte 1"),
+            ("é\u{85}", "U+0085 at byte 2"),
+            ("tab\there", "U+0009 at byte 3"),
+        ] {
+            let reason = property_refusal("reply_to", value).expect("refused");
+            assert!(
+                reason.starts_with("the reply_to property") && reason.contains(shown),
+                "{reason}"
+            );
+            assert!(!reason.contains(value), "the value is not quoted: {reason}");
+        }
+    }
+
+    #[test]
+    fn a_stored_property_over_255_bytes_is_refused_and_a_printable_one_is_kept() {
+        let long = "é".repeat(128);
+        assert_eq!(
+            property_refusal("correlation_id", &long).as_deref(),
+            Some("the correlation_id property is 256 bytes long; keep it to at most 255 bytes")
+        );
+        for kept in ["", "c-1", "ord-1:é ü", &"x".repeat(MAX_PROPERTY_BYTES)] {
+            assert_eq!(property_refusal("correlation_id", kept), None, "{kept:?}");
+        }
+    }
+
+    #[test]
+    fn attributes_with_a_nul_are_refused_naming_where_and_other_orders_are_not() {
+        let mut order: SubmitOrder = serde_json::from_value(serde_json::json!({
+            "schema_version": 1, "order_id": "o-1", "customer_id": "c-1",
+            "items": [{"sku": "s", "quantity": 1}], "amount_cents": 1, "currency": "EUR",
+        }))
+        .unwrap();
+        assert_eq!(attributes_refusal(&order), None, "no attributes");
+        let attributes = |value: serde_json::Value| match value {
+            serde_json::Value::Object(map) => Some(map),
+            _ => None,
+        };
+        order.attributes = attributes(serde_json::json!({ "note": "two\nlines" }));
+        assert_eq!(attributes_refusal(&order), None, "a newline is stored");
+        order.attributes = attributes(serde_json::json!({ "lines": ["a", "b\u{0}"] }));
+        assert_eq!(
+            attributes_refusal(&order).as_deref(),
+            Some("attributes hold a NUL character (U+0000) at /lines/1, which the state store cannot keep; send the text without it")
+        );
     }
 }

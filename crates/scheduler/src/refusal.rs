@@ -2,9 +2,10 @@
 //!
 //! Intake refuses what it can never store: a message that is malformed, of
 //! another schema version, with an unknown field or an invalid value, over
-//! the size limit, or an order id already used with other content. Before it
-//! is dead-lettered (as before), its client hears why, so that no client
-//! waits for ever:
+//! the size limit, with a `correlation_id` or `reply_to` property holding a
+//! control character or attributes holding U+0000, or an order id already
+//! used with other content. Before it is dead-lettered (as before), its
+//! client hears why, so that no client waits for ever:
 //!
 //! - **Where.** The body's `reply_to` when the body is a JSON object that
 //!   names a usable one, else the `reply_to` property (always readable, even
@@ -14,7 +15,8 @@
 //! - **What.** An [`OrderStatus`] of event `rejected`, the reason in
 //!   `detail` (at most [`MAX_DETAIL`] bytes), the `order_id` the body
 //!   carried (`""` when it had none as a string of at most 255 bytes), and
-//!   the message's `correlation_id` property.
+//!   the message's `correlation_id` property, as it came (a short string
+//!   can carry any character; only the store cannot).
 //! - **How.** Default exchange, mandatory, confirmed: a queue that does not
 //!   exist is reported by the broker (the message comes back) and counted,
 //!   never waited on. Whatever happens to the answer, the message is

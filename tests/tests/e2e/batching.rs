@@ -1323,3 +1323,202 @@ async fn every_request_of_an_order_carries_its_priority_to_the_agent() {
     );
     assert_eq!(carried(&undo), (8, Some(8)), "the general path");
 }
+
+/// The first log line of `service` that says a batched intake statement
+/// failed and its orders were stored one by one, if any.
+fn intake_fallback_line(service: &sas_tests::Service) -> Option<String> {
+    std::fs::read_to_string(&service.log)
+        .unwrap_or_else(|e| panic!("read {}: {e}", service.log.display()))
+        .lines()
+        .find(|line| line.contains("storing its orders one by one"))
+        .map(str::to_owned)
+}
+
+/// Publishes 64 orders at once, all before the scheduler starts so that it
+/// takes them in batches: 63 good ones with their own `correlation_id`
+/// property (stored with the order), and `bad`, published with `bad_body`
+/// and `bad_properties` and the client's queue as its `reply_to` property.
+/// Then checks that only `bad` is refused, once: answered `rejected` on
+/// the client's queue with its correlation id and a reason holding
+/// `reason`, dead-lettered and recorded with that reason, not stored;
+/// that the 63 others are processed; and that they were stored by batched
+/// statements (more than one order per intake batch, and no batched
+/// statement failed into one statement per order).
+async fn only_the_bad_order_of_a_batch_is_refused(
+    bad_body: &[u8],
+    bad_properties: BasicProperties,
+    reason: &str,
+) {
+    let env = TestEnv::new().await;
+    let (connection, publisher) = env.broker().await;
+    let names = env.amqp().names();
+    let (client_queue, channel) = env
+        .client_queue(&connection, "sas.client.guest.batch")
+        .await;
+    let bad = "batch-31";
+    let bad_correlation = bad_properties.correlation_id().clone();
+    for i in 0..64 {
+        let order_id = format!("batch-{i}");
+        let (body, properties) = if order_id == bad {
+            (
+                bad_body.to_vec(),
+                bad_properties
+                    .clone()
+                    .with_reply_to(client_queue.as_str().into()),
+            )
+        } else {
+            (
+                serde_json::to_vec(&order(&order_id)).unwrap(),
+                BasicProperties::default().with_correlation_id(format!("c-{i}").into()),
+            )
+        };
+        publisher
+            .publish(
+                "",
+                &names.orders(),
+                &body,
+                properties.with_delivery_mode(2),
+                true,
+            )
+            .await
+            .expect("the broker confirms the order");
+    }
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let ops = sas_tests::process::free_port();
+    let mut scheduler = env.scheduler(0, &[sas_tests::Setting::Listen(ops)]);
+
+    env.wait_for_count(ProcessState::Processed, 63, Duration::from_secs(90))
+        .await;
+    env.wait_for_dead_letters(1, Duration::from_secs(30)).await;
+    let letters = env
+        .store
+        .reads()
+        .dead_letters(100)
+        .await
+        .expect("read the dead letters");
+    assert_eq!(letters.len(), 1, "one dead letter: {letters:?}");
+    let letter = &letters[0];
+    assert!(
+        letter.reason.contains(reason),
+        "the dead letter's reason names the property: {:?}",
+        letter.reason
+    );
+    assert_eq!(letter.order_id.as_deref(), Some(bad), "{letter:?}");
+    assert_eq!(
+        letter.source_queue.as_deref(),
+        Some(names.orders().as_str())
+    );
+    assert_eq!(
+        env.state_of(bad).await,
+        None,
+        "the refused order is not stored"
+    );
+    assert_eq!(
+        env.count(ProcessState::Processed).await,
+        63,
+        "every good order is processed, the refused one is not"
+    );
+
+    // Its client heard once, with its correlation id as it sent it.
+    let answer = wait_until("the rejected answer", Duration::from_secs(10), || async {
+        channel
+            .basic_get(
+                client_queue.as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| "nothing yet".to_owned())
+    })
+    .await;
+    let status: sas_messages::OrderStatus =
+        serde_json::from_slice(&answer.delivery.data).expect("a status message");
+    assert_eq!(status.event, sas_messages::StatusEvent::Rejected);
+    assert_eq!(status.order_id, bad);
+    assert!(
+        status
+            .detail
+            .as_deref()
+            .unwrap_or_default()
+            .contains(reason),
+        "{status:?}"
+    );
+    assert_eq!(
+        answer.delivery.properties.correlation_id(),
+        &bad_correlation
+    );
+    assert!(
+        channel
+            .basic_get(
+                client_queue.as_str().into(),
+                BasicGetOptions { no_ack: true }
+            )
+            .await
+            .expect("get")
+            .is_none(),
+        "answered once"
+    );
+
+    // The good orders went through batched statements: the intake batches
+    // held exactly them, more than one a statement, and no batched statement
+    // failed into one statement per order.
+    let sample = |part: &str| format!("sas_batch_items_{part}{{batch=\"intake\"}}");
+    let (items, batches) = (
+        sas_tests::process::metric(ops, &sample("sum")).await,
+        sas_tests::process::metric(ops, &sample("count")).await,
+    );
+    eprintln!("intake batches: {items:?} orders in {batches:?} statements");
+    assert_eq!(
+        items,
+        Some(63.0),
+        "the intake batches held the 63 good orders once each ({batches:?} batches)"
+    );
+    assert!(
+        batches.is_some_and(|n| n < 63.0),
+        "the good orders shared statements: {batches:?} batches"
+    );
+    assert_eq!(
+        intake_fallback_line(&scheduler),
+        None,
+        "a batched intake statement failed (log {})",
+        scheduler.log.display()
+    );
+    assert!(scheduler.is_running());
+}
+
+/// Postgres `text` cannot hold U+0000: before intake refused it, the
+/// property failed the batched statement of every order beside it (which
+/// were then stored one statement each), and the order came back on every
+/// delivery until the queue's delivery limit dead-lettered it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_whose_correlation_id_holds_a_nul_is_refused_alone_and_its_batch_is_stored_in_one_statement(
+) {
+    only_the_bad_order_of_a_batch_is_refused(
+        &serde_json::to_vec(&order("batch-31")).unwrap(),
+        BasicProperties::default().with_correlation_id("c-\u{0}31".into()),
+        "the correlation_id property holds a control character (U+0000 at byte 2)",
+    )
+    .await;
+}
+
+/// `jsonb` cannot hold U+0000 either: an order whose `attributes` hold one
+/// is refused at intake, naming where, and its batch goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_whose_attributes_hold_a_nul_is_refused_alone_and_its_batch_is_stored_in_one_statement(
+) {
+    let mut bad = order("batch-31");
+    let mut attributes = serde_json::Map::new();
+    attributes.insert(
+        "address".into(),
+        serde_json::json!({ "lines": ["1 Main St", "flat\u{0}2"] }),
+    );
+    bad.attributes = Some(attributes);
+    only_the_bad_order_of_a_batch_is_refused(
+        &serde_json::to_vec(&bad).unwrap(),
+        BasicProperties::default().with_correlation_id("c-31".into()),
+        "attributes hold a NUL character (U+0000) at /address/lines/1",
+    )
+    .await;
+}
