@@ -7,9 +7,12 @@
 //! what only the tests need is here:
 //!
 //! - [`browser`]: headless chromium through chromedriver, and screenshots.
+//! - [`http_proxy`]: an HTTP proxy before a remote service that holds chosen calls and delivers them late, after their caller hung up.
 //! - [`postgres_pair`]: a throwaway Postgres primary and its standby.
 //! - [`proxy`]: a proxy in front of RabbitMQ that swallows confirms and cuts connections.
 //! - [`status_events`]: a client's status messages, read until one event.
+//! - [`strict_remote`]: a strict payment API (refunds by the charge's id, answers late, 409 while in progress).
+//! - [`tcp_delay`]: a TCP proxy that slows every round trip (a service's link to Postgres).
 
 pub use sas_lab::*;
 
@@ -39,8 +42,11 @@ pub fn disposition_of(letters: &serde_json::Value, id: i64) -> serde_json::Value
 }
 
 pub mod browser;
+pub mod http_proxy;
 pub mod postgres_pair;
 pub mod proxy;
+pub mod strict_remote;
+pub mod tcp_delay;
 
 /// Reads status messages from `consumer` until one of event `until`, and
 /// returns their events in order.

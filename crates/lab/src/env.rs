@@ -262,7 +262,16 @@ impl TestEnv {
     /// # Panics
     /// When RabbitMQ cannot be reached.
     pub async fn broker(&self) -> (Connection, Publisher) {
-        let settings = self.amqp();
+        self.broker_with(self.amqp()).await
+    }
+
+    /// [`TestEnv::broker`] with `settings` (a test that runs its services
+    /// with another `amqp.delivery_limit` must declare the queues with it:
+    /// it is a queue argument).
+    ///
+    /// # Panics
+    /// When RabbitMQ cannot be reached.
+    pub async fn broker_with(&self, settings: AmqpSettings) -> (Connection, Publisher) {
         let connection = sas_broker::connect(&settings, &format!("{}-test", self.id))
             .await
             .expect("connect to RabbitMQ");
@@ -412,6 +421,10 @@ pub fn database_settings(url: &str) -> DatabaseSettings {
         ssl_mode: SslMode::Prefer,
         ssl_root_cert: String::new(),
         index_plans: false,
+        // Tests hold locks in transactions of their own on purpose, for
+        // longer than a service may.
+        idle_in_transaction_timeout_ms: 600_000,
+        keepalive_secs: 10,
     }
 }
 

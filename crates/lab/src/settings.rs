@@ -56,6 +56,10 @@ settings! {
     AmqpReconnectMaxMs(u64) => "SAS_AMQP__RECONNECT_MAX_MS",
     /// `amqp.operation_timeout_ms`: how long one broker operation may take.
     AmqpOperationTimeoutMs(u64) => "SAS_AMQP__OPERATION_TIMEOUT_MS",
+    /// `amqp.delivery_limit`: returns of a message before RabbitMQ
+    /// dead-letters it (every service must say the same: it is a queue
+    /// argument).
+    AmqpDeliveryLimit(u32) => "SAS_AMQP__DELIVERY_LIMIT",
     /// `amqp.status_exchange`: whether status messages also go to the
     /// status exchange.
     AmqpStatusExchange(bool) => "SAS_AMQP__STATUS_EXCHANGE",
