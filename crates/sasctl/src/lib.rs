@@ -150,6 +150,8 @@ impl Target {
             ssl_root_cert: String::new(),
             // Ad hoc queries: the planner's own choice.
             index_plans: false,
+            idle_in_transaction_timeout_ms: 5_000,
+            keepalive_secs: 10,
         };
         settings.validate().map_err(anyhow::Error::msg)?;
         Ok(Store::connect_lazy(&settings, "sasctl")?)

@@ -90,7 +90,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         .context("the deadline margins do not fit the workflow")?;
     let store = Store::connect_lazy(&settings.database, &id)
         .context("database settings")?
-        .with_start_margin(settings.deadlines.start_margin());
+        .with_deadlines(settings.deadlines)
+        .with_max_request_bytes(settings.amqp.max_message_bytes);
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,

@@ -10,8 +10,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use sqlx::AssertSqlSafe;
-
 use crate::machine::admission::{adapted_cap, adapted_limit, Window};
 use crate::{Store, StoreError};
 
@@ -57,6 +55,9 @@ struct DueWindow {
     in_flight_ms: i64,
     queued_ms: i64,
     slot_wait_ms: i64,
+    /// When the window began: the new limit is written only if it still
+    /// did (another supervisor may have adapted the row meanwhile).
+    window_started: chrono::DateTime<chrono::Utc>,
 }
 
 impl DueWindow {
@@ -170,39 +171,25 @@ impl Admission<'_> {
     /// Adapts the limit and the cap of every agent whose window has run its
     /// length, by [`crate::machine::admission::adapted_limit`] (the control
     /// law, in Rust) and [`crate::machine::admission::adapted_cap`], and
-    /// returns every agent's counters. The rows adapted stay
-    /// locked from their read to their write, their shards folded into them
-    /// first (so the window starts with shards at zero and the peak is
-    /// exact); a row another supervisor is adapting is skipped.
+    /// returns every agent's counters.
+    ///
+    /// Two statements, and no lock held between them (migration 0021): the
+    /// first (`sas_admission_fold_due`) locks the due rows, skipping one
+    /// another supervisor holds, folds their shards and returns their
+    /// windows; the second writes each new limit and starts the next window,
+    /// only where the window it was computed for is still the row's. A
+    /// supervisor stopped between the two holds nothing; what the hot
+    /// paths add to the shards meanwhile counts in the next window.
     ///
     /// # Errors
     /// When the database fails.
     pub async fn adapt(self, adaptation: &Adaptation) -> Result<Vec<AgentAdmission>, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        let due: Vec<String> = sqlx::query_scalar(
-            "SELECT agent FROM admission
-              WHERE now() - window_started >= make_interval(secs => $1::float8 / 1000)
-              ORDER BY agent
-                FOR UPDATE SKIP LOCKED",
-        )
-        .bind(adaptation.window.as_millis() as f64)
-        .fetch_all(&mut *tx)
-        .await?;
-        fold(&mut tx, &due).await?;
-        let due: Vec<DueWindow> = sqlx::query_as(
-            "SELECT agent, admit_limit, initial_limit, ceiling, waiting, peak_in_flight,
-                    settled - window_settled AS settled,
-                    GREATEST(EXTRACT(EPOCH FROM now() - window_started), 0)::float8 AS seconds,
-                    deadline_ms, in_flight_ms - window_in_flight_ms AS in_flight_ms,
-                    queued_ms - window_queued_ms AS queued_ms,
-                    slot_wait_ms - window_slot_wait_ms AS slot_wait_ms
-               FROM admission
-              WHERE agent = ANY($1)
-              ORDER BY agent",
-        )
-        .bind(&due)
-        .fetch_all(&mut *tx)
-        .await?;
+        let due: Vec<DueWindow> =
+            sqlx::query_as("SELECT * FROM sas_admission_fold_due($1::float8, $2)")
+                .bind(adaptation.window.as_millis() as f64)
+                .bind(SHARDS)
+                .fetch_all(self.pool())
+                .await?;
         let limits: Vec<i32> = due
             .iter()
             .map(|row| adapted_limit(&row.window(), adaptation.deadline_share))
@@ -212,6 +199,8 @@ impl Admission<'_> {
             .map(|row| adapted_cap(&row.window(), adaptation.deadline_share))
             .collect();
         let agents: Vec<&str> = due.iter().map(|row| row.agent.as_str()).collect();
+        let started: Vec<chrono::DateTime<chrono::Utc>> =
+            due.iter().map(|row| row.window_started).collect();
         let rows = sqlx::query_as(
             "WITH adapted AS (
                  UPDATE admission a
@@ -220,24 +209,25 @@ impl Admission<'_> {
                         window_in_flight_ms = a.in_flight_ms, window_queued_ms = a.queued_ms,
                         window_slot_wait_ms = a.slot_wait_ms,
                         window_started = now(), peak_in_flight = a.in_flight
-                   FROM UNNEST($1::text[], $2::int4[], $3::int4[]) AS d(agent, admit_limit, admit_cap)
-                  WHERE a.agent = d.agent
-              RETURNING a.agent, a.in_flight, a.waiting, a.admit_limit, a.admit_cap, a.ceiling)
-             -- The statement's own snapshot predates its update: the adapted
-             -- rows come from RETURNING (exact: their shards are folded and
-             -- locked).
-             SELECT * FROM adapted
-             UNION ALL
-             SELECT agent, in_flight, waiting, admit_limit, admit_cap, ceiling FROM admission_now
-              WHERE agent <> ALL($1::text[])
-             ORDER BY agent",
+                   FROM UNNEST($1::text[], $2::int4[], $3::int4[], $4::timestamptz[])
+                        AS d(agent, admit_limit, admit_cap, window_started)
+                  WHERE a.agent = d.agent AND a.window_started = d.window_started
+              RETURNING a.agent, a.admit_limit, a.admit_cap)
+             -- The statement's own snapshot predates its update: the new
+             -- limits come from RETURNING.
+             SELECT n.agent, n.in_flight, n.waiting,
+                    COALESCE(d.admit_limit, n.admit_limit) AS admit_limit,
+                    COALESCE(d.admit_cap, n.admit_cap) AS admit_cap, n.ceiling
+               FROM admission_now n
+               LEFT JOIN adapted d ON d.agent = n.agent
+              ORDER BY n.agent",
         )
         .bind(&agents)
         .bind(&limits)
         .bind(&caps)
-        .fetch_all(&mut *tx)
+        .bind(&started)
+        .fetch_all(self.pool())
         .await?;
-        tx.commit().await?;
         Ok(rows)
     }
 
@@ -269,16 +259,20 @@ impl Admission<'_> {
     }
 
     /// Every agent's counters as its orders say they are (agent, in flight,
-    /// waiting; see [`recount`]), read only: what
-    /// [`Store::reconcile_admission`] corrects the counters to.
+    /// waiting; the `admission_recount` view of migration 0021, the
+    /// machine's [`crate::machine::slots_held`], pinned to it by the
+    /// property test), read only: what [`Admission::reconcile`] corrects the
+    /// counters to.
     ///
     /// # Errors
     /// When the database fails.
     pub async fn recount(self) -> Result<Vec<(String, i32, i32)>, StoreError> {
         Ok(
-            sqlx::query_as(AssertSqlSafe(format!("{} ORDER BY agent", recount())))
-                .fetch_all(self.pool())
-                .await?,
+            sqlx::query_as(
+                "SELECT agent, in_flight, waiting FROM admission_recount ORDER BY agent",
+            )
+            .fetch_all(self.pool())
+            .await?,
         )
     }
 
@@ -287,46 +281,24 @@ impl Admission<'_> {
     /// edited by hand, a bug): a lost slot would otherwise be lost for
     /// good. Returns the corrections made.
     ///
-    /// Safe beside live traffic: the admission rows and then their shards
-    /// are locked first (the shards folded into the rows), and every
-    /// transition moves one or the other in the same statement as its
-    /// orders, so the count (taken after the locks, in a statement of its
-    /// own) sees exactly the transitions whose deltas are already applied.
-    /// Those waiting for the locks apply theirs after the correction.
+    /// One call (`sas_admission_reconcile`, migration 0021), safe beside
+    /// live traffic: the admission rows and then their shards are locked
+    /// first (the shards folded into the rows), and every transition moves
+    /// one or the other in the same statement as its orders, so the count
+    /// (taken after the locks, in a statement of its own) sees exactly the
+    /// transitions whose deltas are already applied. Those waiting for the
+    /// locks apply theirs after the correction. Being one statement, it
+    /// holds no lock past its own end, whatever happens to the supervisor.
     ///
     /// # Errors
     /// When the database fails, or the rows stay locked for 200 ms.
     pub async fn reconcile(self) -> Result<Vec<Correction>, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        // Never a long wait for live traffic, nor a deadlock: a supervisor
-        // that cannot lock every row at once tries again later.
-        sqlx::query("SET LOCAL lock_timeout = '200ms'")
-            .execute(&mut *tx)
-            .await?;
-        let agents: Vec<String> =
-            sqlx::query_scalar("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
-                .fetch_all(&mut *tx)
-                .await?;
-        fold(&mut tx, &agents).await?;
-        let corrections = sqlx::query_as(AssertSqlSafe(format!(
-            "WITH recount AS ({}),
-             counted AS (
-                 SELECT a.agent, a.in_flight AS was_in_flight, a.waiting AS was_waiting,
-                        coalesce(r.in_flight, 0) AS in_flight, coalesce(r.waiting, 0) AS waiting
-                   FROM admission a
-                   LEFT JOIN recount r ON r.agent = a.agent)
-             UPDATE admission a
-                SET in_flight = c.in_flight, waiting = c.waiting
-               FROM counted c
-              WHERE a.agent = c.agent
-                AND (c.was_in_flight, c.was_waiting) IS DISTINCT FROM (c.in_flight, c.waiting)
-          RETURNING a.agent, c.was_in_flight, c.was_waiting, c.in_flight, c.waiting",
-            recount()
-        )))
-        .fetch_all(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(corrections)
+        Ok(
+            sqlx::query_as("SELECT * FROM sas_admission_reconcile($1) ORDER BY agent")
+                .bind(SHARDS)
+                .fetch_all(self.pool())
+                .await?,
+        )
     }
 }
 
@@ -345,72 +317,6 @@ async fn make_shards<'e>(db: impl sqlx::PgExecutor<'e>, agents: &[&str]) -> Resu
     .execute(db)
     .await?;
     Ok(())
-}
-
-/// Adds the shards of `agents` (whose admission rows `tx` holds) into their
-/// rows and sets them to zero, holding them until `tx` ends: the rows are
-/// then exact, and no hot statement moves them meanwhile (one that would
-/// make a missing shard waits for the row, through its foreign key). The
-/// rows are locked before the shards, the order the hot statements keep
-/// once every shard exists, which is why the fold makes any missing first:
-/// under the row locks it holds, that cannot wait for anyone but a hot
-/// statement making the same shard.
-async fn fold(tx: &mut sqlx::PgConnection, agents: &[String]) -> Result<(), StoreError> {
-    if agents.is_empty() {
-        return Ok(());
-    }
-    let names: Vec<&str> = agents.iter().map(String::as_str).collect();
-    make_shards(&mut *tx, &names).await?;
-    sqlx::query(
-        "SELECT 1 FROM admission_shard WHERE agent = ANY($1) ORDER BY agent, shard FOR UPDATE",
-    )
-    .bind(agents)
-    .execute(&mut *tx)
-    .await?;
-    // Each statement reads what is committed when it starts: with the shards
-    // locked above, the sums added here are exactly what is zeroed below.
-    sqlx::query(
-        "UPDATE admission a
-            SET in_flight = a.in_flight + s.in_flight,
-                peak_in_flight = GREATEST(a.peak_in_flight, s.peak_in_flight),
-                settled = a.settled + s.settled, in_flight_ms = a.in_flight_ms + s.in_flight_ms,
-                queued_ms = a.queued_ms + s.queued_ms, slot_wait_ms = a.slot_wait_ms + s.slot_wait_ms
-           FROM (SELECT agent, sum(in_flight)::int4 AS in_flight,
-                        max(peak_in_flight) AS peak_in_flight, sum(settled)::int8 AS settled,
-                        sum(in_flight_ms)::int8 AS in_flight_ms, sum(queued_ms)::int8 AS queued_ms,
-                        sum(slot_wait_ms)::int8 AS slot_wait_ms
-                   FROM admission_shard WHERE agent = ANY($1) GROUP BY agent) s
-          WHERE a.agent = s.agent",
-    )
-    .bind(agents)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "UPDATE admission_shard
-            SET in_flight = 0, peak_in_flight = 0, settled = 0, in_flight_ms = 0, queued_ms = 0,
-                slot_wait_ms = 0
-          WHERE agent = ANY($1)",
-    )
-    .bind(agents)
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
-}
-
-/// Every agent's counters as its orders say they are: an attempt in
-/// flight for each order held with a deadline whose current step (running
-/// forward, or compensating) is the agent's (the machine's
-/// [`crate::machine::slots_held`]), a place in line for each order waiting
-/// for it. Agents with neither are left out. Pinned to the machine by the
-/// property test (`tests/tests/e2e/state_machine.rs`).
-fn recount() -> String {
-    format!(
-        "SELECT agent, sum(in_flight)::int4 AS in_flight, sum(waiting)::int4 AS waiting
-           FROM (SELECT s.agent, 1 AS in_flight, 0 AS waiting {IN_FLIGHT}
-                 UNION ALL
-                 SELECT waiting_for, 0, 1 FROM order_process WHERE waiting_for IS NOT NULL) c
-          GROUP BY agent"
-    )
 }
 
 /// The attempts in flight, one row per attempt (`s.agent`, and `op` its

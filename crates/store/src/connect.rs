@@ -49,10 +49,35 @@ pub struct DatabaseSettings {
     /// halves Postgres's CPU per order.
     #[serde(default = "default_true")]
     pub index_plans: bool,
+    /// How long a session may sit idle inside a transaction before Postgres
+    /// ends it (`idle_in_transaction_session_timeout`), in milliseconds. A
+    /// service stopped (SIGSTOP, a paused container, a frozen VM) between
+    /// two statements of a transaction holds its locks until then: with the
+    /// admission rows, every claim of those agents waits. The services'
+    /// transactions never wait on anything but the database between their
+    /// statements, so this may be short.
+    #[serde(default = "default_idle_in_transaction_timeout_ms")]
+    pub idle_in_transaction_timeout_ms: u64,
+    /// TCP keepalives of the server's end of each connection
+    /// (`tcp_keepalives_idle`, seconds; probes then every third of it,
+    /// three of them): a service whose host died or was cut off is found
+    /// out in about twice this, and its session and locks ended. (A stopped
+    /// process's kernel still answers keepalives: the idle timeout above
+    /// covers that case. sqlx sets no keepalive on the client's end.)
+    #[serde(default = "default_keepalive_secs")]
+    pub keepalive_secs: u64,
 }
 
 fn default_true() -> bool {
     true
+}
+
+fn default_idle_in_transaction_timeout_ms() -> u64 {
+    5_000
+}
+
+fn default_keepalive_secs() -> u64 {
+    10
 }
 
 /// TLS to Postgres (`database.ssl_mode`), with libpq's `sslmode` names in
@@ -171,6 +196,20 @@ impl DatabaseSettings {
                     .into(),
             );
         }
+        if self.idle_in_transaction_timeout_ms < 1_000 {
+            return Err(format!(
+                "database.idle_in_transaction_timeout_ms ({}) must be at least 1000: a busy \
+                 service may pause between two statements of a transaction for some hundred \
+                 milliseconds, and Postgres would end its session",
+                self.idle_in_transaction_timeout_ms
+            ));
+        }
+        if self.keepalive_secs < 3 {
+            return Err(format!(
+                "database.keepalive_secs ({}) must be at least 3",
+                self.keepalive_secs
+            ));
+        }
         Ok(())
     }
 
@@ -202,6 +241,19 @@ impl DatabaseSettings {
             // statements for 0.2 to 0.8 s of CPU. Measured: that took most
             // of Postgres's CPU at saturation (docs/performance.md).
             ("jit", "off".to_owned()),
+            // A session stopped inside a transaction is ended, and its locks
+            // released (see idle_in_transaction_timeout_ms).
+            (
+                "idle_in_transaction_session_timeout",
+                format!("{}ms", self.idle_in_transaction_timeout_ms),
+            ),
+            // The server's end of the connection probes a silent client.
+            ("tcp_keepalives_idle", self.keepalive_secs.to_string()),
+            (
+                "tcp_keepalives_interval",
+                (self.keepalive_secs / 3).max(1).to_string(),
+            ),
+            ("tcp_keepalives_count", "3".to_owned()),
         ];
         if self.index_plans {
             for planner in ["enable_seqscan", "enable_hashjoin", "enable_mergejoin"] {
@@ -216,10 +268,20 @@ impl DatabaseSettings {
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
-    /// How long before an attempt's deadline agents stop starting calls
-    /// (the `start_by` of every request this store dispatches).
-    start_margin: Duration,
+    /// The deadline margins of the decisions taken through this store: how
+    /// long before an attempt's deadline agents stop starting calls (the
+    /// `start_by` of every request it dispatches), and how long after it an
+    /// undo of an action whose outcome is unknown waits (see
+    /// [`crate::machine::undo`]).
+    deadlines: crate::DeadlineSettings,
+    /// The largest step request the decisions taken through this store may
+    /// build (`amqp.max_message_bytes`).
+    max_request_bytes: usize,
 }
+
+/// The largest step request a store builds unless told otherwise: the
+/// default of `amqp.max_message_bytes`.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 65_536;
 
 impl Store {
     /// Opens a pool. Connections are made lazily, so a service starts (and
@@ -239,14 +301,27 @@ impl Store {
             .connect_lazy_with(settings.connect_options(application_name)?);
         Ok(Self {
             pool,
-            start_margin: crate::DeadlineSettings::default().start_margin(),
+            deadlines: crate::DeadlineSettings::default(),
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         })
     }
 
-    /// This store with `margin` as the start margin of the requests it
-    /// dispatches (see [`crate::timing`]).
-    pub fn with_start_margin(mut self, margin: Duration) -> Self {
-        self.start_margin = margin;
+    /// This store building step requests of at most `bytes` (the
+    /// deployment's `amqp.max_message_bytes`): a larger one is refused where
+    /// it is built, with the reason, instead of by the broker or an agent.
+    pub fn with_max_request_bytes(mut self, bytes: usize) -> Self {
+        self.max_request_bytes = bytes;
+        self
+    }
+
+    /// This store deciding with the deployment's `[deadlines]`: the start
+    /// margin of the requests it dispatches and the grace before an undo
+    /// (see [`crate::timing`]). Services that start attempts or undos (the
+    /// scheduler, the supervisor) must pass theirs; a store left with the
+    /// defaults (an operator's tool) only hands compensations to a claim,
+    /// and the claiming scheduler's grace decides when each undo goes.
+    pub fn with_deadlines(mut self, deadlines: crate::DeadlineSettings) -> Self {
+        self.deadlines = deadlines;
         self
     }
 
@@ -275,14 +350,26 @@ impl Store {
             now,
             actor,
             next_attempt_id: sas_messages::AttemptId::new(),
-            start_margin: self.start_margin,
+            start_margin: self.deadlines.start_margin(),
+            grace: self.deadlines.grace(),
+            max_request_bytes: self.max_request_bytes,
             closed: None,
         }
     }
 
+    /// The largest step request this store builds.
+    pub(crate) fn max_request_bytes(&self) -> usize {
+        self.max_request_bytes
+    }
+
     /// The start margin of the requests this store dispatches.
     pub(crate) fn start_margin(&self) -> Duration {
-        self.start_margin
+        self.deadlines.start_margin()
+    }
+
+    /// The grace before an undo of an action whose outcome is unknown.
+    pub(crate) fn grace(&self) -> Duration {
+        self.deadlines.grace()
     }
 
     /// The underlying pool. Private to this crate in the services: every
@@ -412,6 +499,8 @@ mod tests {
             ssl_mode,
             ssl_root_cert: String::new(),
             index_plans: false,
+            idle_in_transaction_timeout_ms: 5_000,
+            keepalive_secs: 10,
         }
     }
 

@@ -65,11 +65,15 @@ impl StoreError {
                 // (serialization, deadlock), 57: operator intervention
                 // (admin shutdown, query canceled), 53: insufficient resources;
                 // 25006: a write on a read-only server (a primary demoted
-                // under a connection during a failover).
+                // under a connection during a failover); 25P03: the session
+                // sat idle in a transaction past
+                // idle_in_transaction_session_timeout (the process was
+                // stopped) and Postgres ended it.
                 ["08", "40", "57", "53"]
                     .iter()
                     .any(|class| code.starts_with(class))
                     || code == "25006"
+                    || code == "25P03"
             }),
             _ => false,
         }

@@ -20,6 +20,18 @@
 //! no order. With no identities configured (both lists empty) everyone is
 //! trusted, as before user ids were checked.
 //!
+//! A dead letter is read before it is judged:
+//! - a trusted reply that still reads as the reply of its attempt (its
+//!   `correlation_id` is its attempt id) is applied as the reply it is: a
+//!   success that went round the reply queue's delivery limit (our own
+//!   requeues count towards it: a scheduler stopping, or waiting out a
+//!   database outage past RabbitMQ's `consumer_timeout`) completes its step
+//!   and keeps its result, instead of compensating the order;
+//! - a request an agent dead-lettered itself (with our reason) was refused
+//!   unread: no call was made for it, so its attempt applied nothing;
+//! - anything else leaves its attempt's outcome unknown, and the order is
+//!   compensated once no call of it can still land.
+//!
 //! Every record is bounded: at most `amqp.max_message_bytes` of the body
 //! (the size is in the reason) and short header values.
 
@@ -48,11 +60,18 @@ pub struct Judged {
     pub label: String,
     /// Whether it may settle its order's step.
     pub may_settle: bool,
+    /// A request its agent dead-lettered itself, unread: no call was made
+    /// for its attempt.
+    pub no_call: bool,
     /// How many bytes of the body to record.
     pub kept_bytes: usize,
 }
 
+/// A header value as it may be recorded and logged: at most
+/// [`MAX_HEADER_CHARS`] characters, without U+0000 (which Postgres text
+/// cannot hold: a client's `message_id` with one would fail the record).
 fn bounded(value: String) -> String {
+    let value = sas_messages::storable::storable_text(&value);
     match value.char_indices().nth(MAX_HEADER_CHARS) {
         Some((cut, _)) => format!("{}...", &value[..cut]),
         None => value,
@@ -113,16 +132,18 @@ pub fn judge(delivery: &Delivery, amqp: &ServiceAmqpSettings, names: &QueueNames
             order_id: None,
             label: UNTRUSTED_LABEL.to_owned(),
             may_settle: false,
+            no_call: false,
             kept_bytes: size.min(limit),
         };
     }
+    let from_agent_queue = claimed_source
+        .as_deref()
+        .is_some_and(|source| source.starts_with(&names.agent_requests("")));
     let may_settle = match claimed_source.as_deref() {
         Some(source) if source == names.scheduler_replies() => {
             amqp.accepts_reply_from(origin.as_deref())
         }
-        Some(source) if source.starts_with(&names.agent_requests("")) => {
-            amqp.is_service(origin.as_deref())
-        }
+        Some(_) if from_agent_queue => amqp.is_service(origin.as_deref()),
         _ => false,
     };
     Judged {
@@ -131,6 +152,10 @@ pub fn judge(delivery: &Delivery, amqp: &ServiceAmqpSettings, names: &QueueNames
         source: claimed_source,
         order_id: claimed_order,
         may_settle,
+        // Only an agent consumes an agent's queue, and it dead-letters a
+        // request (with our reason) only before any call: unreadable, too
+        // large, naming no call it may make, or without reply_to.
+        no_call: from_agent_queue && our_reason.is_some(),
         kept_bytes: size.min(limit),
     }
 }
@@ -172,8 +197,7 @@ impl Supervisor {
                 if let (true, Some(order_id), Some(source)) =
                     (judged.may_settle, &judged.order_id, &judged.source)
                 {
-                    self.settle(order_id, source, &delivery, &judged.reason)
-                        .await;
+                    self.settle(order_id, source, &delivery, &judged).await;
                 }
                 Consumed::Ack
             }
@@ -191,11 +215,15 @@ impl Supervisor {
 impl Supervisor {
     /// Settles the order of a dead-lettered step request or reply, which
     /// would otherwise wait for its deadline only to be retried into the
-    /// same failure. A dead-lettered submission needs nothing: either it was
-    /// never stored, or its order runs normally.
-    async fn settle(&self, order_id: &str, source: &str, delivery: &Delivery, reason: &str) {
+    /// same failure: a reply that can still be read is applied as the
+    /// reply it is ([`Supervisor::apply_dead_reply`]); anything else
+    /// settles its attempt as dead-lettered. A dead-lettered submission
+    /// needs nothing: either it was never stored, or its order runs
+    /// normally.
+    async fn settle(&self, order_id: &str, source: &str, delivery: &Delivery, judged: &Judged) {
         let agent_queue = self.names.agent_requests("");
-        if !(source.starts_with(&agent_queue) || source == self.names.scheduler_replies()) {
+        let is_reply = source == self.names.scheduler_replies();
+        if !(source.starts_with(&agent_queue) || is_reply) {
             return;
         }
         let Some(attempt_id) = delivery
@@ -204,14 +232,22 @@ impl Supervisor {
         else {
             return;
         };
+        if is_reply && self.apply_dead_reply(order_id, attempt_id, delivery).await {
+            return;
+        }
+        let reason = judged.reason.as_str();
         let settled = sas_runtime::retry_transient(
             &self.shutdown,
             "settling a dead-lettered order",
             |e: &sas_store::StoreError| e.is_transient(),
             || {
-                self.store
-                    .writes()
-                    .settle_dead_letter(order_id, attempt_id, reason, &self.id)
+                self.store.writes().settle_dead_letter(
+                    order_id,
+                    attempt_id,
+                    reason,
+                    judged.no_call,
+                    &self.id,
+                )
             },
         )
         .await;
@@ -223,6 +259,62 @@ impl Supervisor {
             Some(Ok(None)) | None => {}
             Some(Err(error)) => {
                 tracing::error!(order_id, error = %error, "cannot settle a dead-lettered order")
+            }
+        }
+    }
+}
+
+impl Supervisor {
+    /// Applies a dead-lettered reply of attempt `attempt_id` of order
+    /// `order_id` as the reply it is, when it still reads as one: it decodes
+    /// within `amqp.max_message_bytes`, names that order and attempt, and
+    /// its publisher was judged an agent. A success then completes its step
+    /// with its result, as the scheduler would have. Returns whether it was
+    /// read (applied, or found stale); false leaves the dead letter to
+    /// settle its attempt as unreadable.
+    async fn apply_dead_reply(
+        &self,
+        order_id: &str,
+        attempt_id: sas_messages::AttemptId,
+        delivery: &Delivery,
+    ) -> bool {
+        let reply: sas_messages::StepReply = match sas_messages::decode(
+            &delivery.body,
+            self.settings.amqp.max_message_bytes,
+        ) {
+            Ok(reply) => reply,
+            Err(error) => {
+                tracing::warn!(order_id, correlation_id = %attempt_id, error = %error, "dead-lettered reply cannot be read: its attempt is settled as dead-lettered");
+                return false;
+            }
+        };
+        if reply.attempt_id != attempt_id || reply.order_id.as_str() != order_id {
+            tracing::warn!(order_id, correlation_id = %attempt_id, "dead-lettered reply names another order or attempt than its headers: settled as dead-lettered");
+            return false;
+        }
+        let applied = sas_runtime::retry_transient(
+            &self.shutdown,
+            "applying a dead-lettered reply",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || self.store.writes().record_reply(&reply, &self.id),
+        )
+        .await;
+        match applied {
+            Some(Ok(sas_store::writes::progress::ReplyOutcome::Applied { progress, .. })) => {
+                metrics::counter!("sas_dead_replies_applied_total").increment(1);
+                tracing::warn!(order_id, correlation_id = %attempt_id, step = %reply.step, "dead-lettered reply applied as the reply it is");
+                self.announce(&progress).await;
+                true
+            }
+            Some(Ok(sas_store::writes::progress::ReplyOutcome::Stale { reason })) => {
+                tracing::info!(order_id, correlation_id = %attempt_id, reason = %reason, "dead-lettered reply is stale: nothing to settle");
+                true
+            }
+            // Stopping, as for any settlement: the order's deadline covers it.
+            None => true,
+            Some(Err(error)) => {
+                tracing::error!(order_id, correlation_id = %attempt_id, error = %error, "cannot apply a dead-lettered reply; its order waits for its deadline");
+                true
             }
         }
     }

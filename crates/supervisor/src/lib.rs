@@ -54,7 +54,11 @@ pub struct Supervisor {
 /// When the settings are unusable. Outages are waited out.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let id = sas_runtime::instance_id("supervisor", &settings.supervisor.id);
-    let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
+    // Its deadlines decide when an undo may be sent after a dead letter.
+    let store = Store::connect_lazy(&settings.database, &id)
+        .context("database settings")?
+        .with_deadlines(settings.deadlines)
+        .with_max_request_bytes(settings.amqp.max_message_bytes);
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
     sas_runtime::ops::serve(
         &settings.http.listen,

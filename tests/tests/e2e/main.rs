@@ -42,6 +42,9 @@
 //!   Postgres.
 //! - [`state_machine`]: the store's SQL paths held to the pure state
 //!   machine.
+//! - [`undo_proof`]: no undo before its action may have landed, on every
+//!   road to one, and "undone" only with proof, against remotes whose late
+//!   actions are real.
 //! - [`traces`]: OpenTelemetry: one order's spans make one trace across the
 //!   services.
 //! - [`waits`]: steps that wait for an event or a time, the orders'
@@ -69,5 +72,6 @@ mod sasctl_operate;
 mod security;
 mod state_machine;
 mod traces;
+mod undo_proof;
 mod waits;
 mod workflows;

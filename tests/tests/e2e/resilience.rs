@@ -769,7 +769,13 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     let first = env
         .store
         .writes()
-        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-0")
+        .settle_dead_letter(
+            "dead-twice",
+            attempt,
+            "delivery_limit",
+            false,
+            "supervisor-0",
+        )
         .await
         .unwrap();
     assert!(first.is_some(), "the order is undone");
@@ -782,7 +788,13 @@ async fn a_dead_letter_delivered_twice_settles_its_order_once() {
     let second = env
         .store
         .writes()
-        .settle_dead_letter("dead-twice", attempt, "delivery_limit", "supervisor-1")
+        .settle_dead_letter(
+            "dead-twice",
+            attempt,
+            "delivery_limit",
+            false,
+            "supervisor-1",
+        )
         .await
         .unwrap();
     assert!(second.is_none(), "nothing changes twice");
@@ -907,11 +919,28 @@ async fn an_operator_cancels_a_running_order_and_everything_it_did_is_undone_aft
                 && h.step.as_deref() == Some("charge_payment")
         })
         .expect("the charge was refunded");
+    // The charge in flight was undone only once its answer came (kept, and
+    // before its deadline: no need to wait for it then).
+    let answered = history
+        .iter()
+        .find(|h| {
+            h.event == HistoryEvent::StepCompleted
+                && h.step.as_deref() == Some("charge_payment")
+                && h.detail
+                    .as_deref()
+                    .is_some_and(|d| d.contains("after the order's compensation began"))
+        })
+        .expect("the charge's answer, after the cancel, is kept");
+    assert!(
+        refund.at >= answered.at,
+        "refund at {} before the charge's answer ({})",
+        refund.at,
+        answered.at
+    );
     let timeout = chrono::Duration::milliseconds(env.step_timeout_ms as i64);
     assert!(
-        refund.at >= charge.at + timeout,
-        "refund at {} before the charge's deadline",
-        refund.at
+        refund.at < charge.at + timeout,
+        "the refund waited for the charge's deadline although its answer had come"
     );
     // Every effect applied was undone, each once.
     let effects = system.sim.effects_by_order().await;
@@ -996,4 +1025,327 @@ async fn a_channel_the_broker_closes_does_not_cost_the_session_its_connection() 
         shutdown.cancel();
     };
     tokio::join!(running, check);
+}
+
+/// A charge of `order_id` for the payment agent, published straight to its
+/// queue with `reply_to` the test's queue: no call starts after `start_in`
+/// from now, none runs past `complete_in`.
+async fn send_charge(
+    env: &TestEnv,
+    publisher: &sas_broker::Publisher,
+    reply_to: &str,
+    order_id: &str,
+    (start_in, complete_in): (Duration, Duration),
+) -> sas_messages::StepRequest {
+    let now = chrono::Utc::now();
+    let request = sas_messages::StepRequest {
+        schema_version: sas_messages::SCHEMA_VERSION,
+        order_id: order_id.into(),
+        step: "charge_payment".into(),
+        kind: sas_messages::StepKind::Action,
+        action: "charge".into(),
+        attempt_id: uuid::Uuid::now_v7().into(),
+        attempt: 1,
+        idempotency_key: format!("{order_id}:charge_payment"),
+        complete_by: now + chrono::Duration::from_std(complete_in).unwrap(),
+        start_by: Some(now + chrono::Duration::from_std(start_in).unwrap()),
+        dispatched_at: Some(now),
+        payload: json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
+        method: None,
+        path: None,
+    };
+    let properties = sas_broker::publish::json_properties(&uuid::Uuid::now_v7().to_string())
+        .with_correlation_id(request.attempt_id.to_string().as_str().into())
+        .with_reply_to(reply_to.into());
+    publisher
+        .publish_json(
+            "",
+            &env.amqp().names().agent_requests("payment"),
+            &request,
+            properties,
+            true,
+        )
+        .await
+        .unwrap();
+    request
+}
+
+/// Has the broker close the connection of the process whose connection
+/// name holds `id` (as a network cut would).
+async fn close_broker_connection_of(id: &str) {
+    let listing = tokio::process::Command::new("rabbitmqctl")
+        .args(["list_connections", "pid", "client_properties", "-q"])
+        .output()
+        .await
+        .expect("rabbitmqctl");
+    let listing = String::from_utf8_lossy(&listing.stdout).into_owned();
+    let pid = listing
+        .lines()
+        .find(|line| line.contains(id))
+        .and_then(|line| line.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the connection of {id} is listed: {listing}"))
+        .to_owned();
+    let closed = tokio::process::Command::new("rabbitmqctl")
+        .args(["close_connection", &pid, "test: connection cut"])
+        .status()
+        .await
+        .expect("rabbitmqctl");
+    assert!(closed.success(), "rabbitmqctl close_connection failed");
+}
+
+/// The probe of a half-open circuit can end without an outcome: here the
+/// broker drops the agent's connection while the probe's call hangs, so
+/// the call is abandoned (its request goes back to the queue). That probe
+/// is handed back, and the next call is the next probe: once the service
+/// is back the circuit closes and orders are processed again. Before, the
+/// circuit stayed half-open until the agent restarted: every request
+/// waited for a probe that never came, and expired.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_probe_abandoned_without_an_outcome_lets_the_next_call_probe_and_the_circuit_closes() {
+    // Alone on the broker: rabbitmqctl closes a connection of its own.
+    let env = TestEnv::exclusive(3000).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(0, 1.0, 0.0))
+        .await
+        .unwrap();
+    let port = free_port();
+    let agent_id = format!("{}-payment", env.id);
+    let mut payment = env.agent(
+        "payment",
+        0,
+        &sim,
+        &[
+            Setting::Listen(port),
+            Setting::AgentId(agent_id.clone()),
+            Setting::CircuitFailureThreshold(2),
+            Setting::CircuitCoolDownMs(1000),
+            // The hanging probe must not time out before its connection is cut.
+            Setting::AgentCallTimeoutMs(60_000),
+        ],
+    );
+    let (connection, publisher) = env.broker().await;
+    let (reply_to, channel) = env.client_queue(&connection, "test-replies").await;
+    let mut replies = sas_tests::consume(&channel, &reply_to, "test").await;
+    // One charge with a long window: its calls fail (503), the circuit
+    // opens, and the request waits in the agent for the probe.
+    let charge = send_charge(
+        &env,
+        &publisher,
+        &reply_to,
+        "probe-1",
+        (Duration::from_secs(50), Duration::from_secs(60)),
+    )
+    .await;
+    let gauge = r#"sas_circuit_state{agent="payment"}"#;
+    wait_for_metric(
+        "the circuit to open",
+        port,
+        gauge,
+        Duration::from_secs(20),
+        |n| n == 1.0,
+    )
+    .await;
+    // The service now applies the charge and answers two minutes later:
+    // the probe's call hangs.
+    sim.set_faults(Some("payment"), faults(120_000, 0.0, 0.0))
+        .await
+        .unwrap();
+    wait_until(
+        "the probe's call to hang at the remote",
+        Duration::from_secs(20),
+        || async {
+            let state = metric(port, gauge).await;
+            let applied = sim
+                .side_effects()
+                .await
+                .map_err(|e| e.to_string())?
+                .iter()
+                .any(|entry| entry.key == charge.idempotency_key);
+            if state == Some(2.0) && applied {
+                Ok(())
+            } else {
+                Err(format!("circuit {state:?}, charge applied: {applied}"))
+            }
+        },
+    )
+    .await;
+    // The service is healthy again (the hanging answer still hangs), and
+    // the broker drops the agent's connection: the probe's call is
+    // abandoned without an outcome.
+    sim.set_faults(Some("payment"), faults(0, 0.0, 0.0))
+        .await
+        .unwrap();
+    close_broker_connection_of(&agent_id).await;
+    wait_for_metric(
+        "the circuit to close again after the abandoned probe",
+        port,
+        gauge,
+        Duration::from_secs(20),
+        |n| n == 0.0,
+    )
+    .await;
+    // The redelivered charge was the next probe: answered from the
+    // remote's record of the key, applied once.
+    let reply = tokio::time::timeout(Duration::from_secs(20), replies.next())
+        .await
+        .expect("a reply in time")
+        .expect("the consumer is open")
+        .expect("a delivery");
+    let reply: sas_messages::StepReply = serde_json::from_slice(&reply.data).unwrap();
+    assert_eq!(reply.attempt_id, charge.attempt_id);
+    assert!(
+        matches!(reply.outcome, sas_messages::StepOutcome::Succeeded { .. }),
+        "{:?}",
+        reply.outcome
+    );
+    let applied = sim.applied_per_key().await.unwrap();
+    assert_eq!(
+        applied.get(&charge.idempotency_key),
+        Some(&1),
+        "{applied:?}"
+    );
+    assert_eq!(
+        metric(port, r#"sas_circuit_open_seconds{agent="payment"}"#).await,
+        Some(0.0),
+        "closed: no time out of closed"
+    );
+    // New orders go through.
+    let _others = [
+        env.agent("inventory", 0, &sim, &[]),
+        env.agent("shipping", 0, &sim, &[]),
+    ];
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    env.publish_orders(&publisher, "after-probe", 3).await;
+    env.wait_for_count(ProcessState::Processed, 3, Duration::from_secs(60))
+        .await;
+    assert!(payment.is_running());
+}
+
+/// Publishes `orders` orders named `<prefix>-<n>` and waits until every one
+/// is processed, within `within`.
+async fn orders_go_through(env: &TestEnv, prefix: &str, orders: usize, within: Duration) {
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..orders {
+        env.publish_order(&publisher, &order(&format!("{prefix}-{n}")))
+            .await;
+    }
+    for n in 0..orders {
+        env.wait_for_state(&format!("{prefix}-{n}"), ProcessState::Processed, within)
+            .await;
+    }
+}
+
+/// An operator's session (psql, a tool) stopped inside a transaction that
+/// holds every shard of the first agent's admission counters, as a stopped
+/// service inside a fold would: every intake statement of that agent waits
+/// for it. The database ends such a session after its idle timeout
+/// (migration 0021 sets it on the database; the services set their own),
+/// and intake goes on; before, it waited as long as the session stayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_stopped_inside_a_transaction_on_the_admission_shards_stalls_intake_only_until_the_database_ends_it(
+) {
+    use sqlx::Connection as _;
+    let env = TestEnv::new().await;
+    let _system = env.system(1).await;
+    orders_go_through(&env, "before", 1, Duration::from_secs(30)).await;
+    // A session as psql opens it: no options of ours.
+    let mut stopped = sqlx::PgConnection::connect(&env.database_url)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut stopped).await.unwrap();
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM admission_shard WHERE agent = 'inventory' FOR UPDATE) s",
+    )
+    .fetch_one(&mut stopped)
+    .await
+    .unwrap();
+    assert_eq!(held, 8, "every shard of the first agent is held");
+    let started = Instant::now();
+    // 15 s of the database's idle timeout, and the orders' own time.
+    orders_go_through(&env, "after", 5, Duration::from_secs(45)).await;
+    eprintln!(
+        "orders went through {:?} after the session stopped",
+        started.elapsed()
+    );
+    // The database ended the stopped session: it holds nothing any more.
+    let error = sqlx::query("SELECT 1")
+        .execute(&mut stopped)
+        .await
+        .expect_err("the stopped session was ended");
+    eprintln!("the stopped session's next statement: {error}");
+}
+
+/// A supervisor stopped (SIGSTOP) at any moment of its admission work never
+/// holds the agents' admission rows or shards while it is stopped: its
+/// adaptations and reconciliations are single statements (migration 0021),
+/// which the server runs to their end whatever the client does. A proxy
+/// slows each of its round trips to Postgres by 150 ms, so that it is
+/// caught inside that work; each time, it is stopped and orders must go
+/// through within 10 s. Before, it was caught between the statements of a
+/// transaction holding the rows and shards, and intake waited for as long
+/// as it stayed stopped.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_supervisor_stopped_inside_its_admission_work_holds_nothing_and_orders_go_on() {
+    let env = TestEnv::new().await;
+    let proxy =
+        sas_tests::tcp_delay::DelayProxy::start("127.0.0.1:5432", Duration::from_millis(150)).await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &[]);
+    let slow_url = proxy.postgres_url(&env.database_url);
+    let supervisor = env.supervisor(
+        0,
+        &[
+            Setting::DatabaseUrl(slow_url),
+            Setting::SupervisorAdmissionWindowMs(300),
+        ],
+    );
+    let pid = Pid::from_raw(supervisor.pid() as i32);
+    orders_go_through(&env, "warm", 1, Duration::from_secs(30)).await;
+    for round in 0..4 {
+        // Caught while a statement of its admission work runs, or between
+        // two of a transaction.
+        let (state, query) = wait_until(
+            "the supervisor inside its admission work",
+            Duration::from_secs(30),
+            || async {
+                let busy: Option<(String, String)> = sqlx::query_as(
+                    "SELECT state, query FROM pg_stat_activity
+                      WHERE application_name LIKE 'supervisor-0%'
+                        AND (state = 'idle in transaction'
+                             OR (state = 'active' AND query ILIKE '%admission%'))
+                      LIMIT 1",
+                )
+                .fetch_optional(env.store.pool())
+                .await
+                .map_err(|e| e.to_string())?;
+                busy.ok_or_else(|| "not yet".to_owned())
+            },
+        )
+        .await;
+        kill(pid, Signal::SIGSTOP).expect("stop the supervisor");
+        eprintln!("round {round}: supervisor stopped while {state}: {query}");
+        orders_go_through(
+            &env,
+            &format!("stopped-{round}"),
+            3,
+            Duration::from_secs(10),
+        )
+        .await;
+        // While stopped it holds no lock on the admission tables.
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE a.application_name LIKE 'supervisor-0%'
+                AND l.relation IN ('admission'::regclass, 'admission_shard'::regclass)",
+        )
+        .fetch_one(env.store.pool())
+        .await
+        .unwrap();
+        assert_eq!(
+            held, 0,
+            "round {round}: the stopped supervisor holds admission locks"
+        );
+        kill(pid, Signal::SIGCONT).expect("let the supervisor go on");
+    }
 }

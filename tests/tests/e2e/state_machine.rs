@@ -32,6 +32,7 @@ use sas_messages::{
 };
 use sas_store::machine::moves::plan_move;
 use sas_store::machine::park::{MailboxEvent, OnTimeout, Park};
+use sas_store::machine::undo::undo_not_before;
 use sas_store::machine::{
     decide, slots_held, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
     RecoveryPolicy, Snapshot, StepRow, Verdict,
@@ -93,6 +94,8 @@ enum Step {
     DeadlineMissed,
     DeadLettered {
         target: Target,
+        /// The agent refused the request unread: no call was made.
+        no_call: bool,
     },
     /// A claim; first, with `frees`, another order's attempt at the agent
     /// this order waits for settles and gives its slot back.
@@ -130,7 +133,8 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
             .prop_map(|(target, answer, path)| Step::Reply { target, answer, path }),
         1 => path.prop_map(|path| Step::Repeat { path }),
         2 => Just(Step::DeadlineMissed),
-        1 => target.prop_map(|target| Step::DeadLettered { target }),
+        1 => (target.clone(), proptest::bool::ANY)
+            .prop_map(|(target, no_call)| Step::DeadLettered { target, no_call }),
         2 => proptest::bool::ANY.prop_map(|frees| Step::Claimed { frees }),
         1 => Just(Step::Resubmitted),
         1 => Just(Step::Cancelled),
@@ -157,6 +161,37 @@ fn policy() -> RecoveryPolicy {
         ),
         grace: std::time::Duration::from_millis(500),
     }
+}
+
+/// The machine's promise, checked for every event in every state: an undo
+/// is sent only once no call of the action it undoes can still land
+/// ([`undo_not_before`] of its step as the event found it is past), on
+/// every road to compensation (a refusal, a deadline, a cancel, a dead
+/// letter, a resubmission, a group member's refusal).
+fn no_undo_before_its_action_may_have_landed(
+    label: &str,
+    before: &Snapshot,
+    decision: &Decision,
+    ctx: &Context<'_>,
+) -> Result<(), String> {
+    for dispatch in &decision.progress.dispatches {
+        if dispatch.kind != StepKind::Compensation {
+            continue;
+        }
+        let step = before
+            .steps
+            .iter()
+            .find(|step| step.name == dispatch.step)
+            .expect("the undone step is the order's");
+        if let Some(at) = undo_not_before(step, ctx.grace).filter(|at| *at > ctx.now) {
+            return Err(format!(
+                "{label}: the undo of {} was sent at {}, before {at}, while its action {:?} \
+                 (deadline {:?}) could still land",
+                step.name, ctx.now, step.state, step.complete_by
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One history row as compared: who, and the line.
@@ -663,6 +698,8 @@ async fn run_case(
         actor: INTAKE,
         next_attempt_id: attempt,
         start_margin: DeadlineSettings::default().start_margin(),
+        grace: DeadlineSettings::default().grace(),
+        max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
         closed: None,
     };
     let decision = model.decide(&Event::Submitted, &ctx, None);
@@ -765,7 +802,7 @@ async fn run_case(
             _ => {}
         }
         let dead_letter = match step {
-            Step::DeadLettered { target } => Some(model.attempt(*target, index).0),
+            Step::DeadLettered { target, .. } => Some(model.attempt(*target, index).0),
             _ => None,
         };
         let sent = match step {
@@ -809,12 +846,13 @@ async fn run_case(
                     .map_err(|e| e.to_string())?;
                 one_or_none(recovered.into_iter().map(|r| r.progress).collect())
             }
-            (Step::DeadLettered { .. }, _) => store
+            (Step::DeadLettered { no_call, .. }, _) => store
                 .writes()
                 .settle_dead_letter(
                     &order_id,
                     dead_letter.unwrap_or_default(),
                     "poison",
+                    *no_call,
                     SUPERVISOR,
                 )
                 .await
@@ -907,6 +945,8 @@ async fn run_case(
             actor,
             next_attempt_id,
             start_margin: DeadlineSettings::default().start_margin(),
+            grace: DeadlineSettings::default().grace(),
+            max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
             closed: None,
         };
         let event = match (step, &event_reply) {
@@ -917,9 +957,10 @@ async fn run_case(
                 policy: &policy,
                 jitter: 0.5,
             },
-            (Step::DeadLettered { .. }, _) => Event::DeadLettered {
+            (Step::DeadLettered { no_call, .. }, _) => Event::DeadLettered {
                 attempt_id: dead_letter.unwrap_or_default(),
                 reason: "poison",
+                no_call: *no_call,
             },
             (Step::Claimed { .. }, _) => Event::Claimed,
             (Step::Resubmitted, _) => Event::Resubmitted { earlier },
@@ -981,6 +1022,7 @@ async fn run_case(
             Returned::NotApplied
         } else {
             let decision = model.decide(&event, &ctx, passing.as_deref());
+            no_undo_before_its_action_may_have_landed(&label, &model.snapshot, &decision, &ctx)?;
             model.record(&decision, actor);
             expected(&decision)
         };

@@ -260,7 +260,7 @@ fn recorded(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_group_runs_side_by_side_and_a_member_refused_has_the_others_undone_after_their_call() {
-    use sas_store::machine::HistoryEvent::{CompensationDispatched, Dispatched};
+    use sas_store::machine::HistoryEvent::{CompensationDispatched, Dispatched, StepCompleted};
     let env = TestEnv::with_step_timeout(4000).await;
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let slow = |ms: u64| {
@@ -305,8 +305,9 @@ async fn a_group_runs_side_by_side_and_a_member_refused_has_the_others_undone_af
     );
 
     // The charge is declined at once while the shipment is still in flight:
-    // the shipment is undone, but only after its attempt's deadline, and
-    // the reservation after it.
+    // the shipment is undone, but only once its answer came (or, without
+    // one, after its attempt's deadline and the grace), and the
+    // reservation after it.
     sim.set_faults(Some("payment"), slow(0)).await.unwrap();
     let mut declined = order("declined-1");
     declined.amount_cents = 50_000_000;
@@ -323,11 +324,30 @@ async fn a_group_runs_side_by_side_and_a_member_refused_has_the_others_undone_af
         states,
         ["compensated", "failed", "compensated", "not_started"]
     );
-    let shipped = recorded(&detail, Dispatched, "create_shipment");
+    let shipped = recorded(&detail, StepCompleted, "create_shipment");
     let undo = recorded(&detail, CompensationDispatched, "create_shipment");
     assert!(
-        undo >= shipped + chrono::Duration::milliseconds(4000),
-        "the cancel was sent at {undo}, before the shipment's deadline (dispatched {shipped})"
+        undo >= shipped,
+        "the cancel was sent at {undo}, before the shipment's answer came ({shipped})"
+    );
+    // That answer came after the compensation began, and was kept: the
+    // cancel did not wait for the shipment's deadline.
+    let answer = detail
+        .history
+        .iter()
+        .find(|h| h.event == StepCompleted && h.step.as_deref() == Some("create_shipment"))
+        .expect("the shipment's answer is in the history");
+    assert!(
+        answer
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("after the order's compensation began")),
+        "{answer:?}"
+    );
+    let dispatched = recorded(&detail, Dispatched, "create_shipment");
+    assert!(
+        undo < dispatched + chrono::Duration::milliseconds(4000),
+        "the cancel waited for the deadline although the answer had come"
     );
     assert_eq!(
         sim.applied_keys("declined-1").await,

@@ -6,11 +6,17 @@
 //! A template is JSON in which a string may hold placeholders `${/pointer}`
 //! (RFC 6901 JSON pointers into `{order, attributes, results}`):
 //! - a string that is one placeholder and nothing else becomes the value it
-//!   points at, of any JSON type (`null` when nothing is there);
+//!   points at, of any JSON type;
 //! - a placeholder inside a longer string is replaced by the value's text
-//!   (a string as it is, anything else as compact JSON, nothing for `null`
-//!   or a missing value);
-//! - in the path, each replaced value is percent-encoded as one segment.
+//!   (a string as it is, anything else as compact JSON, nothing for `null`);
+//! - in the path, each replaced value is percent-encoded as one segment,
+//!   which must not be empty.
+//!
+//! A placeholder that finds nothing (a missing attribute, a result that
+//! never came: the charge id of a charge that timed out), or an empty or
+//! `null` value in the path, refuses to render ([`Unrendered`]): a request
+//! is never sent with a hole in it (`DELETE /charges/` would be answered
+//! 404 and read as "nothing to undo"; `{"charge": null}` is no refund).
 //!
 //! Each order keeps its steps' templates with its plan (the `steps.request`
 //! column), so a changed workflow file never changes an order already
@@ -83,6 +89,11 @@ pub struct Rendered {
     pub path: Option<String>,
 }
 
+/// Why a template could not render: the placeholder and where it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unrendered(pub String);
+
 /// One piece of a templated string.
 #[derive(Debug, PartialEq)]
 enum Piece<'a> {
@@ -121,56 +132,78 @@ fn pieces(text: &str) -> Result<Vec<Piece<'_>>, String> {
 }
 
 /// The text a value leaves inside a longer string.
-fn text_of(value: Option<&Value>) -> String {
+fn text_of(value: &Value) -> String {
     match value {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(text)) => text.clone(),
-        Some(other) => other.to_string(),
+        Value::Null => String::new(),
+        Value::String(text) => text.clone(),
+        other => other.to_string(),
     }
+}
+
+/// The value `pointer` finds in `context`, or why there is none.
+fn found<'v>(context: &'v Value, pointer: &str, place: &str) -> Result<&'v Value, Unrendered> {
+    context.pointer(pointer).ok_or_else(|| {
+        Unrendered(format!(
+            "placeholder ${{{pointer}}} in the {place} finds no value in the order, its attributes or the results so far"
+        ))
+    })
 }
 
 /// `template` with its placeholders replaced from `context`.
-fn render_value(template: &Value, context: &Value) -> Value {
-    match template {
+fn render_value(template: &Value, context: &Value) -> Result<Value, Unrendered> {
+    Ok(match template {
         Value::String(text) => match pieces(text).as_deref() {
-            Ok([Piece::Pointer(pointer)]) => context.pointer(pointer).cloned().unwrap_or_default(),
-            Ok(pieces) => Value::String(
-                pieces
-                    .iter()
-                    .map(|piece| match piece {
-                        Piece::Text(text) => (*text).to_owned(),
-                        Piece::Pointer(pointer) => text_of(context.pointer(pointer)),
-                    })
-                    .collect(),
-            ),
+            Ok([Piece::Pointer(pointer)]) => found(context, pointer, "body")?.clone(),
+            Ok(pieces) => {
+                let mut out = String::new();
+                for piece in pieces {
+                    match piece {
+                        Piece::Text(text) => out.push_str(text),
+                        Piece::Pointer(pointer) => {
+                            out.push_str(&text_of(found(context, pointer, "body")?));
+                        }
+                    }
+                }
+                Value::String(out)
+            }
             // Checked when the workflow was loaded; kept as written otherwise.
             Err(_) => template.clone(),
         },
-        Value::Array(items) => items.iter().map(|v| render_value(v, context)).collect(),
+        Value::Array(items) => items
+            .iter()
+            .map(|v| render_value(v, context))
+            .collect::<Result<_, _>>()?,
         Value::Object(fields) => Value::Object(
             fields
                 .iter()
-                .map(|(name, value)| (name.clone(), render_value(value, context)))
-                .collect(),
+                .map(|(name, value)| Ok((name.clone(), render_value(value, context)?)))
+                .collect::<Result<_, Unrendered>>()?,
         ),
         other => other.clone(),
-    }
+    })
 }
 
 /// `path` with each placeholder replaced by its value, percent-encoded.
-fn render_path(path: &str, context: &Value) -> String {
-    match pieces(path) {
-        Ok(pieces) => pieces
-            .iter()
-            .map(|piece| match piece {
-                Piece::Text(text) => (*text).to_owned(),
-                Piece::Pointer(pointer) => {
-                    utf8_percent_encode(&text_of(context.pointer(pointer)), SEGMENT).to_string()
+fn render_path(path: &str, context: &Value) -> Result<String, Unrendered> {
+    let Ok(pieces) = pieces(path) else {
+        return Ok(path.to_owned());
+    };
+    let mut out = String::new();
+    for piece in pieces {
+        match piece {
+            Piece::Text(text) => out.push_str(text),
+            Piece::Pointer(pointer) => {
+                let text = text_of(found(context, pointer, "path")?);
+                if text.is_empty() {
+                    return Err(Unrendered(format!(
+                        "placeholder ${{{pointer}}} in the path {path:?} finds an empty value: the path would have an empty segment"
+                    )));
                 }
-            })
-            .collect(),
-        Err(_) => path.to_owned(),
+                out.push_str(&utf8_percent_encode(&text, SEGMENT).to_string());
+            }
+        }
     }
+    Ok(out)
 }
 
 /// Whether `c` may stand in a path as written: RFC 3986's `pchar` and `/`,
@@ -197,16 +230,24 @@ pub fn context_of(payload: &Value) -> Value {
 impl CallTemplate {
     /// The call this template makes for `payload`, the default body
     /// (`{order, results}`) it reads from and sends when it has no body.
-    pub fn render(&self, payload: Value) -> Rendered {
+    ///
+    /// # Errors
+    /// [`Unrendered`] when a placeholder finds no value, or an empty one in
+    /// the path (see the module docs).
+    pub fn render(&self, payload: Value) -> Result<Rendered, Unrendered> {
         let context = context_of(&payload);
-        Rendered {
+        let path = match self.path.as_deref() {
+            Some(path) => Some(render_path(path, &context)?),
+            None => None,
+        };
+        Ok(Rendered {
             method: self.method.clone(),
-            path: self.path.as_deref().map(|path| render_path(path, &context)),
+            path,
             body: match &self.body {
-                Some(body) => render_value(body, &context),
+                Some(body) => render_value(body, &context)?,
                 None => payload,
             },
-        }
+        })
     }
 
     /// Every JSON pointer the template reads, for the workflow's checks.
@@ -283,7 +324,7 @@ mod tests {
                 "order_id": "o/1",
                 "customer_id": "c-7",
                 "amount_cents": 1999,
-                "attributes": { "channel": "web", "address": { "zip": "75001" } }
+                "attributes": { "channel": "web", "address": { "zip": "75001" }, "gift": null, "empty": "" }
             },
             "results": { "reserve_stock": { "reservation_id": "r-9" } }
         })
@@ -296,20 +337,20 @@ mod tests {
                 "amount": "${/order/amount_cents}",
                 "address": "${/attributes/address}",
                 "note": "order ${/order/order_id} via ${/attributes/channel} (${/attributes/address})",
-                "missing": "${/attributes/coupon}",
-                "gone": "x${/attributes/coupon}y",
+                "none": "${/attributes/gift}",
+                "gone": "x${/attributes/gift}y",
                 "list": ["${/results/reserve_stock/reservation_id}", 3, true]
             })),
             ..CallTemplate::default()
         };
-        let rendered = template.render(payload());
+        let rendered = template.render(payload()).unwrap();
         assert_eq!(
             rendered.body,
             json!({
                 "amount": 1999,
                 "address": { "zip": "75001" },
                 "note": "order o/1 via web ({\"zip\":\"75001\"})",
-                "missing": null,
+                "none": null,
                 "gone": "xy",
                 "list": ["r-9", 3, true]
             })
@@ -323,7 +364,7 @@ mod tests {
             method: Some("PUT".into()),
             ..CallTemplate::default()
         };
-        let rendered = template.render(payload());
+        let rendered = template.render(payload()).unwrap();
         assert_eq!(rendered.body, payload());
         assert_eq!(rendered.method.as_deref(), Some("PUT"));
     }
@@ -334,11 +375,49 @@ mod tests {
             path: Some("/customers/${/order/customer_id}/orders/${/order/order_id}".into()),
             ..CallTemplate::default()
         };
-        let rendered = template.render(payload());
+        let rendered = template.render(payload()).unwrap();
         assert_eq!(
             rendered.path.as_deref(),
             Some("/customers/c-7/orders/o%2F1")
         );
+    }
+
+    #[test]
+    fn a_placeholder_that_finds_nothing_refuses_to_render_never_leaving_a_hole() {
+        let refund = |path: &str, body: Value| CallTemplate {
+            method: Some("DELETE".into()),
+            path: Some(path.into()),
+            body: Some(body),
+        };
+        // The charge's result never came: no id to refund.
+        for (template, expected) in [
+            (
+                refund("/charges/${/results/charge_payment/id}", json!({})),
+                "${/results/charge_payment/id} in the path finds no value",
+            ),
+            (
+                refund("/charges/${/attributes/gift}", json!({})),
+                "finds an empty value",
+            ),
+            (
+                refund("/charges/${/attributes/empty}", json!({})),
+                "empty segment",
+            ),
+            (
+                refund(
+                    "/refunds",
+                    json!({"charge": "${/results/charge_payment/id}"}),
+                ),
+                "${/results/charge_payment/id} in the body finds no value",
+            ),
+            (
+                refund("/refunds", json!({"note": ["for ${/attributes/coupon}"]})),
+                "${/attributes/coupon} in the body finds no value",
+            ),
+        ] {
+            let error = template.render(payload()).unwrap_err();
+            assert!(error.0.contains(expected), "{error}");
+        }
     }
 
     #[test]

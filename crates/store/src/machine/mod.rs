@@ -18,6 +18,8 @@
 //! - [`names`]: history events and alert kinds.
 //! - [`dispatch`]: the one constructor of a step request, with its key,
 //!   payload, deadline and history detail.
+//! - [`undo`]: when a step may be undone, the one rule every road to
+//!   compensation follows.
 //! - `rules`: the decisions, one function per event.
 
 pub mod admission;
@@ -29,6 +31,7 @@ pub mod park;
 mod rules;
 #[cfg(test)]
 mod tests;
+pub mod undo;
 
 use std::time::Duration;
 
@@ -282,6 +285,10 @@ pub enum Event<'a> {
         attempt_id: AttemptId,
         /// Why it was dead-lettered.
         reason: &'a str,
+        /// The message was a request its agent dead-lettered unread: no
+        /// call was made for the attempt. False for RabbitMQ's delivery
+        /// limit (an agent may have died mid-call) and for replies.
+        no_call: bool,
     },
     /// An operator put a failed or compensated order back.
     Resubmitted {
@@ -310,6 +317,14 @@ pub struct Context<'a> {
     /// How long before its deadline a new attempt's calls must have started
     /// (see [`crate::timing`]).
     pub start_margin: Duration,
+    /// How long after an attempt's deadline a call of it may still land
+    /// (`deadlines.grace_ms`): no undo of an action whose outcome is
+    /// unknown is sent before (see [`undo::undo_not_before`]).
+    pub grace: Duration,
+    /// The largest message the broker and the agents take
+    /// (`amqp.max_message_bytes`): a request that would be larger is not
+    /// built (see [`dispatch::Unbuilt`]).
+    pub max_request_bytes: usize,
     /// An agent with no slot free for this decision: an attempt for it is
     /// not started, the order waits in that agent's line instead.
     pub closed: Option<&'a str>,

@@ -109,6 +109,7 @@ pub fn plan_move(
                     old.name
                 )));
             }
+            keeps_its_undo(old, definition, to)?;
             row.state = old.state;
             row.attempt = old.attempt;
             row.attempt_id = old.attempt_id;
@@ -158,6 +159,44 @@ pub fn plan_move(
         steps: rows,
         detail,
     })
+}
+
+/// Whether step `old` did, or may have done, its action at the remote: it
+/// completed, its undo is under way, a call of it may be in flight or land
+/// late (a call step running, or in backoff), or it failed after a call
+/// whose outcome is unknown.
+fn may_have_acted(old: &StepRow) -> bool {
+    match old.state {
+        StepState::Completed | StepState::Compensating => true,
+        StepState::Running => old.park.is_none(),
+        StepState::Failed => old.maybe_applied,
+        StepState::NotStarted | StepState::Compensated => false,
+    }
+}
+
+/// A step that did or may have done its action keeps the undo it owes
+/// under its new definition `new` (of version `to`): a compensation if it
+/// had one, and the same agent, whose service holds the effect to undo.
+///
+/// # Errors
+/// [`Unsafe`] naming the step and what it would lose.
+fn keeps_its_undo(old: &StepRow, new: &NewStep, to: i32) -> Result<(), Unsafe> {
+    if !may_have_acted(old) {
+        return Ok(());
+    }
+    if old.compensation.is_some() && new.compensation.is_none() {
+        return Err(Unsafe(format!(
+            "step {:?} did (or may have done) its action and has no compensation in version {to}: it would lose its undo",
+            old.name
+        )));
+    }
+    if old.agent != new.agent {
+        return Err(Unsafe(format!(
+            "step {:?} did (or may have done) its action at {}, and version {to} gives it to {}: its effect could not be undone (nor a late call of it known)",
+            old.name, old.agent, new.agent
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -274,6 +313,35 @@ mod tests {
         ];
         let error = plan_move(&parked(), &v1, &mapping, (1, 3)).unwrap_err();
         assert!(error.0.contains("two steps"), "{error}");
+        // The reservation completed: its undo is owed where it happened.
+        let undo_dropped = [
+            step("reserve", "inventory", None, None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &undo_dropped, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("would lose its undo"), "{error}");
+        let elsewhere = [
+            step("reserve", "warehouse", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &elsewhere, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("gives it to warehouse"), "{error}");
+        // A charge in backoff (its call may still land) keeps its agent too,
+        // while a step never started may go anywhere.
+        let mut backoff = parked();
+        backoff.steps[1].state = StepState::Completed;
+        backoff.steps[2].state = StepState::Running;
+        backoff.steps[2].attempt = 1;
+        let to_other_psp = [
+            step("reserve", "inventory", Some("release"), None),
+            step("approval", "", None, Some(approval())),
+            step("charge", "payments-v2", Some("refund"), None),
+        ];
+        let error = plan_move(&backoff, &to_other_psp, &BTreeMap::new(), (1, 3)).unwrap_err();
+        assert!(error.0.contains("step \"charge\""), "{error}");
+        plan_move(&parked(), &to_other_psp, &BTreeMap::new(), (1, 3)).unwrap();
         let mut running = parked();
         running.process.state = ProcessState::Processing;
         let error = plan_move(&running, &v1, &BTreeMap::new(), (1, 3)).unwrap_err();

@@ -88,6 +88,15 @@ stored_names! {
         TransientFailure = "transient_failure",
         /// The order started undoing its steps.
         CompensationStarted = "compensation_started",
+        /// The next undo waits: its step's action may still land until its
+        /// attempt's deadline plus the grace period (see
+        /// [`crate::machine::undo`]). The order is held by nobody until then.
+        UndoWaits = "undo_waits",
+        /// An answer to an action given up when compensation began: what it
+        /// says of the action is kept (a refusal or a call never made leaves
+        /// nothing to undo; an outcome still unknown stays to be undone).
+        /// A late success is recorded as `step_completed`.
+        LateAnswer = "late_answer",
         /// A step missed its deadline and will be retried after a backoff.
         RetryScheduled = "retry_scheduled",
         /// A compensation missed its deadline and will be retried after a backoff.
@@ -140,6 +149,10 @@ stored_names! {
         CompensationDeadLettered = "compensation_dead_lettered",
         /// A wait step whose timeout means failure saw no event in time.
         WaitTimedOut = "wait_timed_out",
+        /// A step's request could not be built (a template placeholder that
+        /// finds no value, a request over the message limit): nothing was
+        /// sent.
+        RequestNotBuilt = "request_not_built",
     }
 }
 

@@ -58,6 +58,8 @@ fn ctx(now: DateTime<Utc>) -> Context<'static> {
         actor: SCHEDULER,
         next_attempt_id: attempt(99),
         start_margin: Duration::from_secs(1),
+        grace: Duration::from_secs(2),
+        max_request_bytes: crate::connect::DEFAULT_MAX_REQUEST_BYTES,
         closed: None,
     }
 }
@@ -273,6 +275,7 @@ fn every_state_meets_every_event() {
             Event::DeadLettered {
                 attempt_id: current,
                 reason: "poison",
+                no_call: false,
             },
             Event::Resubmitted { earlier: 0 },
             Event::Cancelled {
@@ -356,6 +359,168 @@ fn a_success_starts_the_next_step_with_the_results_so_far() {
         [HistoryEvent::StepCompleted, HistoryEvent::Dispatched]
     );
     assert_eq!(decision.history[0].detail.as_deref(), Some("by agent-1"));
+}
+
+#[test]
+fn an_undo_carries_the_result_of_its_own_step_only() {
+    let (mut snapshot, _) = order_in(ProcessState::Compensating);
+    // The reservation and the charge completed; the charge is undone first.
+    step(&mut snapshot, 1, StepState::Completed, 2);
+    snapshot.process.locked_by = None;
+    let decision = decide(&snapshot, &Event::Claimed, &ctx(t(60)));
+    let undo = &decision.progress.dispatches[0];
+    assert_eq!(undo.step, "charge_payment");
+    assert_eq!(
+        undo.payload["results"],
+        serde_json::json!({ "charge_payment": { "id": "r-1" } })
+    );
+    assert_eq!(undo.payload["order"], snapshot.body);
+}
+
+/// The order whose charge refunds with `DELETE /charges/{id}`, the id
+/// read from the charge's result.
+fn refunding_by_id() -> Snapshot {
+    let mut steps = workflow();
+    steps[1].calls = Some(crate::machine::call::StepCalls {
+        action: None,
+        compensation: Some(crate::machine::call::CallTemplate {
+            method: Some("DELETE".into()),
+            path: Some("/charges/${/results/charge_payment/id}".into()),
+            body: None,
+        }),
+    });
+    Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1" }),
+        None,
+        None,
+        5,
+        &steps,
+        t(0),
+    )
+}
+
+#[test]
+fn an_undo_whose_template_finds_no_value_is_never_sent_and_the_order_ends_in_error() {
+    // The charge timed out: maybe applied, and no id came back.
+    let mut snapshot = refunding_by_id();
+    snapshot.process.state = ProcessState::Compensating;
+    step(&mut snapshot, 0, StepState::Completed, 1);
+    step(&mut snapshot, 1, StepState::Running, 2);
+    snapshot.steps[1].maybe_applied = true;
+    let decision = decide(&snapshot, &Event::Claimed, &ctx(t(60)));
+    assert!(decision.progress.dispatches.is_empty(), "{decision:#?}");
+    let alert = decision.alert.as_ref().expect("an alert");
+    assert_eq!(alert.kind, AlertKind::RequestNotBuilt);
+    assert!(
+        alert
+            .message
+            .contains("the undo of step charge_payment was not sent")
+            && alert.message.contains("${/results/charge_payment/id}"),
+        "{}",
+        alert.message
+    );
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Error);
+    // Resubmitting it resumes the compensation with a fresh undo key.
+    assert_eq!(snapshot.steps[1].state, StepState::Compensating);
+    assert!(snapshot.steps[1].undo_refused);
+    let resubmitted = decide(&snapshot, &Event::Resubmitted { earlier: 0 }, &ctx(t(61)));
+    assert_eq!(
+        resubmitted.verdict,
+        Verdict::Resubmitted(ResubmitAction::CompensationResumed)
+    );
+    // With its result known (an answer kept), the same undo names the charge.
+    let mut snapshot = refunding_by_id();
+    snapshot.process.state = ProcessState::Compensating;
+    step(&mut snapshot, 0, StepState::Completed, 1);
+    step(&mut snapshot, 1, StepState::Completed, 2);
+    let decision = decide(&snapshot, &Event::Claimed, &ctx(t(60)));
+    let undo = &decision.progress.dispatches[0];
+    assert_eq!(
+        (undo.method.as_deref(), undo.path.as_deref()),
+        (Some("DELETE"), Some("/charges/r-1"))
+    );
+}
+
+#[test]
+fn an_action_whose_request_cannot_be_built_is_refused_unsent_and_the_order_undone() {
+    let mut steps = workflow();
+    steps[1].calls = Some(crate::machine::call::StepCalls {
+        action: Some(crate::machine::call::CallTemplate {
+            method: None,
+            path: Some("/accounts/${/attributes/account}/charges".into()),
+            body: None,
+        }),
+        compensation: None,
+    });
+    let mut snapshot = Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1" }),
+        None,
+        None,
+        5,
+        &steps,
+        t(0),
+    );
+    snapshot.process.state = ProcessState::Processing;
+    step(&mut snapshot, 0, StepState::Running, 1);
+    snapshot.process.locked_by = Some(SCHEDULER.into());
+    let ok = reply(attempt(1), succeeded());
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
+    let kinds: Vec<(&str, StepKind)> = decision
+        .progress
+        .dispatches
+        .iter()
+        .map(|d| (d.step.as_str(), d.kind))
+        .collect();
+    assert_eq!(kinds, [("reserve_stock", StepKind::Compensation)]);
+    assert_eq!(
+        decision.alert.as_ref().map(|a| a.kind),
+        Some(AlertKind::RequestNotBuilt)
+    );
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Failed);
+    assert_eq!(snapshot.steps[1].attempt, 0, "no attempt was started");
+    assert!(!snapshot.steps[1].needs_undo());
+}
+
+#[test]
+fn a_request_over_the_message_limit_is_refused_where_it_is_built() {
+    let (mut snapshot, current) = order_in(ProcessState::Processing);
+    // The reservation and the charge answered 9 kB each: the shipment's
+    // request would carry both.
+    snapshot.steps[0].result = Some(serde_json::json!({ "note": "r".repeat(9_000) }));
+    let big = reply(
+        current,
+        StepOutcome::Succeeded {
+            result: serde_json::json!({ "receipt": "x".repeat(9_000) }),
+        },
+    );
+    let small = Context {
+        max_request_bytes: 16_384,
+        ..ctx(t(3))
+    };
+    let decision = decide(&snapshot, &Event::Reply(&big), &small);
+    let alert = decision.alert.as_ref().expect("an alert");
+    assert_eq!(alert.kind, AlertKind::RequestNotBuilt);
+    assert!(
+        alert.message.contains("over the 16384-byte limit")
+            && alert
+                .message
+                .contains("the request of step create_shipment was not sent"),
+        "{}",
+        alert.message
+    );
+    // Nothing went to shipping; the charge's refund, carrying only its own
+    // result, fits and goes.
+    let sent: Vec<(&str, StepKind)> = decision
+        .progress
+        .dispatches
+        .iter()
+        .map(|d| (d.step.as_str(), d.kind))
+        .collect();
+    assert_eq!(sent, [("charge_payment", StepKind::Compensation)]);
 }
 
 #[test]
@@ -479,13 +644,137 @@ fn a_cancelled_order_waits_for_its_step_in_flight_before_undoing() {
     let process = decision.process.unwrap();
     assert_eq!(process.state, ProcessState::Compensating);
     assert_eq!(process.locked_by, None);
-    // The charge in flight may still land until its deadline.
-    assert_eq!(process.not_before, t(7));
+    // The charge in flight may still land until its deadline plus the grace.
+    assert_eq!(process.not_before, t(9));
     assert_eq!(decision.history[0].event, HistoryEvent::Cancelled);
     assert_eq!(
         decision.history[0].detail.as_deref(),
         Some("cancelled by scheduler-1: fraud")
     );
+}
+
+/// The order in `Processing` with its charge (attempt 2, deadline t(7)) in
+/// flight, cancelled at t(3): compensating, held by nobody until t(9).
+fn cancelled_during_the_charge() -> (Snapshot, AttemptId) {
+    let (mut snapshot, charge) = order_in(ProcessState::Processing);
+    let decision = decide(&snapshot, &Event::Cancelled { reason: "fraud" }, &ctx(t(3)));
+    snapshot.apply(&decision);
+    (snapshot, charge)
+}
+
+#[test]
+fn a_dead_lettered_request_of_a_lone_step_is_undone_only_after_its_deadline_and_the_grace() {
+    let (snapshot, charge) = order_in(ProcessState::Processing);
+    let dead = Event::DeadLettered {
+        attempt_id: charge,
+        reason: "rejected by RabbitMQ: delivery_limit",
+        no_call: false,
+    };
+    let decision = decide(&snapshot, &dead, &ctx(t(3)));
+    let mut snapshot = snapshot;
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Compensating);
+    // Its call may have left on a connection that then died: it may land
+    // until its deadline (t(7)) plus the grace.
+    assert_eq!(
+        (
+            snapshot.process.locked_by.as_deref(),
+            snapshot.process.not_before
+        ),
+        (None, t(9))
+    );
+    assert!(snapshot.steps[1].maybe_applied);
+    let early = decide(&snapshot, &Event::Claimed, &ctx(t(8)));
+    assert!(matches!(early.verdict, Verdict::Unchanged(_)));
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(9)));
+    let undo = claimed.progress.dispatches.first().expect("the refund");
+    assert_eq!(
+        (undo.step.as_str(), undo.kind),
+        ("charge_payment", StepKind::Compensation)
+    );
+}
+
+#[test]
+fn a_request_its_agent_refused_unread_leaves_its_step_nothing_to_undo() {
+    let (snapshot, charge) = order_in(ProcessState::Processing);
+    let dead = Event::DeadLettered {
+        attempt_id: charge,
+        reason: "message of 70000 bytes is over the limit",
+        no_call: true,
+    };
+    let decision = decide(&snapshot, &dead, &ctx(t(3)));
+    let mut snapshot = snapshot;
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Failed);
+    assert!(!snapshot.steps[1].needs_undo());
+    // The reservation's outcome is known: its undo may go at once.
+    assert_eq!(snapshot.process.not_before, t(3));
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(3)));
+    let undo = claimed.progress.dispatches.first().expect("the release");
+    assert_eq!(undo.step, "reserve_stock");
+}
+
+#[test]
+fn a_late_success_after_a_cancel_is_kept_and_its_undo_goes_at_once_with_its_result() {
+    let (mut snapshot, charge) = cancelled_during_the_charge();
+    assert_eq!(snapshot.process.not_before, t(9));
+    let late = reply(
+        charge,
+        StepOutcome::Succeeded {
+            result: serde_json::json!({ "id": "ch_1" }),
+        },
+    );
+    let decision = decide(&snapshot, &Event::Reply(&late), &ctx(t(5)));
+    assert_eq!(decision.verdict, Verdict::Applied, "{decision:#?}");
+    assert!(
+        decision.progress.dispatches.is_empty(),
+        "held by nobody: a claim undoes it"
+    );
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Completed);
+    assert_eq!(snapshot.process.not_before, t(5));
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(5)));
+    let undo = claimed.progress.dispatches.first().expect("the refund");
+    assert_eq!(
+        (undo.step.as_str(), undo.kind),
+        ("charge_payment", StepKind::Compensation)
+    );
+    assert_eq!(
+        undo.payload["results"]["charge_payment"],
+        serde_json::json!({ "id": "ch_1" }),
+        "the refund names the charge it undoes"
+    );
+}
+
+#[test]
+fn a_late_refusal_after_a_cancel_leaves_nothing_to_undo_for_its_step() {
+    let (mut snapshot, charge) = cancelled_during_the_charge();
+    let late = reply(charge, failed(true));
+    let decision = decide(&snapshot, &Event::Reply(&late), &ctx(t(5)));
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[1].state, StepState::Failed);
+    assert!(decision
+        .history
+        .iter()
+        .any(|line| line.event == HistoryEvent::LateAnswer));
+    // Only the reservation is left to undo, and at once.
+    assert_eq!(snapshot.process.not_before, t(5));
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(5)));
+    assert_eq!(claimed.progress.dispatches[0].step, "reserve_stock");
+    // A late outcome that stays unknown keeps the step to undo, after its
+    // deadline and the grace.
+    let (mut snapshot, charge) = cancelled_during_the_charge();
+    let unknown = reply(
+        charge,
+        StepOutcome::Failed {
+            error: "timed out".into(),
+            permanent: false,
+            maybe_applied: true,
+        },
+    );
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&unknown), &ctx(t(5))));
+    assert!(snapshot.steps[1].maybe_applied);
+    assert_eq!(snapshot.process.not_before, t(9));
 }
 
 #[test]
@@ -557,9 +846,28 @@ fn a_refusal_after_an_unknown_outcome_is_still_undone() {
     let mut snapshot = snapshot;
     snapshot.apply(&decision);
     assert!(snapshot.steps[1].maybe_applied);
-    // The retry of the same key is refused: the first call may still have landed.
+    // The retry of the same key is refused: the first call may still have
+    // landed, and may land until the attempt's deadline (t(7)) plus the
+    // grace: the refund waits until then.
     let refused = reply(current, failed(true));
     let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(4)));
+    assert!(decision.progress.dispatches.is_empty(), "{decision:#?}");
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Compensating);
+    assert_eq!(
+        (
+            snapshot.process.locked_by.as_deref(),
+            snapshot.process.not_before
+        ),
+        (None, t(9))
+    );
+    assert!(decision
+        .history
+        .iter()
+        .any(|line| line.event == HistoryEvent::UndoWaits));
+    let early = decide(&snapshot, &Event::Claimed, &ctx(t(8)));
+    assert!(matches!(early.verdict, Verdict::Unchanged(_)));
+    let decision = decide(&snapshot, &Event::Claimed, &ctx(t(9)));
     let dispatch = decision.progress.dispatches.into_iter().next().unwrap();
     assert_eq!(
         (dispatch.step.as_str(), dispatch.kind),
@@ -1245,16 +1553,32 @@ fn a_member_refused_beside_one_in_flight_undoes_it_only_after_its_deadline() {
     snapshot.apply(&decision);
     assert_eq!(snapshot.process.state, ProcessState::Compensating);
     assert_eq!(snapshot.process.locked_by, None);
-    // The shipment started at t(3) with 8 s: nothing before t(11).
-    assert_eq!(snapshot.process.not_before, t(11));
+    // The shipment started at t(3) with 8 s, and 2 s of grace: nothing
+    // before t(13).
+    assert_eq!(snapshot.process.not_before, t(13));
     assert_eq!(snapshot.steps[1].state, StepState::Failed);
-    // The shipment's late success is stale: it is undone all the same.
-    let late = reply(ship, succeeded());
-    let stale = decide(&snapshot, &Event::Reply(&late), &ctx(t(6)));
-    assert!(matches!(stale.verdict, Verdict::Stale(_)));
-    let early = decide(&snapshot, &Event::Claimed, &ctx(t(10)));
+    let early = decide(&snapshot, &Event::Claimed, &ctx(t(12)));
     assert!(matches!(early.verdict, Verdict::Unchanged(_)));
-    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(11)));
+    // Without an answer, the claim at t(13) undoes the shipment.
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(13)));
+    let undo = claimed.progress.dispatches.first().expect("an undo");
+    assert_eq!(
+        (undo.step.as_str(), undo.kind),
+        ("create_shipment", StepKind::Compensation)
+    );
+    // The shipment's late success is kept: its result is the undo's to
+    // read, and the undo may go at once.
+    let late = reply(ship, succeeded());
+    let kept = decide(&snapshot, &Event::Reply(&late), &ctx(t(6)));
+    assert_eq!(kept.verdict, Verdict::Applied, "{kept:#?}");
+    snapshot.apply(&kept);
+    assert_eq!(snapshot.steps[2].state, StepState::Completed);
+    assert_eq!(
+        snapshot.steps[2].result,
+        Some(serde_json::json!({ "id": "new" }))
+    );
+    assert_eq!(snapshot.process.not_before, t(6));
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(6)));
     let undo = claimed.progress.dispatches.first().expect("an undo");
     assert_eq!(
         (undo.step.as_str(), undo.kind),

@@ -16,7 +16,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::Writes;
-use crate::machine::dispatch::payload;
+use crate::machine::dispatch::{payload, payload_budget};
 use crate::machine::{status, storable};
 use crate::model::{Dispatch, Progress};
 use crate::step_columns::NEXT;
@@ -104,10 +104,24 @@ impl Writes<'_> {
                     -- starts several steps: the general path decides them.
                     -- (A group's member that answers beside one in flight
                     -- fails the guards above: an earlier step not completed,
-                    -- or a later one completed or next in its group.)
+                    -- or a later one completed or next in its group.) So
+                    -- does a next step whose template may find no value.
                     AND NOT EXISTS (SELECT 1 FROM steps e
                                      WHERE e.order_id = d.order_id AND e.position = d.position + 1
-                                       AND (e.park IS NOT NULL OR e.step_group IS NOT NULL))
+                                       AND (e.park IS NOT NULL OR e.step_group IS NOT NULL
+                                            OR e.request IS NOT NULL))
+                    -- A next request whose default payload ({order, results})
+                    -- may be over the message limit takes the general path,
+                    -- which refuses it with the reason. Measured on jsonb's
+                    -- text, which is never shorter than compact JSON.
+                    AND (NOT EXISTS (SELECT 1 FROM steps e
+                                      WHERE e.order_id = d.order_id AND e.position = d.position + 1)
+                         OR (SELECT octet_length(o.body::text) FROM orders o WHERE o.order_id = d.order_id)
+                            + octet_length(r.result::text)
+                            + COALESCE((SELECT sum(octet_length(e.result::text)) FROM steps e
+                                         WHERE e.order_id = d.order_id AND e.position <> d.position
+                                           AND e.result IS NOT NULL), 0)
+                            <= $10)
               RETURNING d.order_id, d.position, d.name, d.agent, d.updated_at, r.attempt_id, r.result,
                         r.next_attempt_id, r.detail, r.queued_ms, r.slot_wait_ms,
                         EXTRACT(EPOCH FROM now() - (d.complete_by - make_interval(secs => d.timeout_ms::float8 / 1000)))::float8 AS latency),
@@ -204,23 +218,26 @@ impl Writes<'_> {
         .bind(&queued_ms)
         .bind(&slot_wait_ms)
         .bind(crate::admission::SHARDS)
+        .bind(i64::try_from(payload_budget(self.store.max_request_bytes())).unwrap_or(i64::MAX))
         .fetch_all(self.pool())
         .await?;
+        let limits = (self.start_margin(), self.store.max_request_bytes());
         rows.iter()
             .map(|row| {
                 let order_id: String = row.try_get("order_id")?;
-                let completed = completed_from_row(&order_id, row, self.start_margin())?;
+                let completed = completed_from_row(&order_id, row, limits)?;
                 Ok((order_id, completed))
             })
             .collect()
     }
 }
 
-/// What one row of the fast statement says was done to `order_id`.
+/// What one row of the fast statement says was done to `order_id`, with
+/// the start margin and the largest request of the requests it builds.
 fn completed_from_row(
     order_id: &str,
     row: &sqlx::postgres::PgRow,
-    start_margin: std::time::Duration,
+    (start_margin, max_request_bytes): (std::time::Duration, usize),
 ) -> Result<Completed, StoreError> {
     let step: String = row.try_get("step")?;
     let at: DateTime<Utc> = row.try_get("at")?;
@@ -245,6 +262,9 @@ fn completed_from_row(
             let results = results.as_object().into_iter().flatten();
             let payload = payload(&body, results.map(|(name, result)| (name.as_str(), result)));
             let priority: i16 = row.try_get("priority")?;
+            // The statement let through only next steps without a template
+            // whose payload fits: a request that cannot be built here is a
+            // bug, and its step is left to its deadline.
             let dispatch = Dispatch::for_step(
                 order_id,
                 &next,
@@ -252,7 +272,14 @@ fn completed_from_row(
                 payload,
                 start_margin,
                 priority,
-            );
+                max_request_bytes,
+            )
+            .map_err(|unbuilt| {
+                StoreError::Invariant(format!(
+                    "order {order_id}: the fast path started step {} whose request it cannot build: {unbuilt}",
+                    next.name
+                ))
+            })?;
             progress.dispatches.push(dispatch);
         }
         None => {

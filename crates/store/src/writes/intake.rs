@@ -81,6 +81,8 @@ struct Batch<'a> {
     steps: &'a [NewStep],
     actor: &'a str,
     start_margin: std::time::Duration,
+    grace: std::time::Duration,
+    max_request_bytes: usize,
 }
 
 impl Batch<'_> {
@@ -112,6 +114,8 @@ impl Batch<'_> {
             actor: self.actor,
             next_attempt_id: attempt_id.into(),
             start_margin: self.start_margin,
+            grace: self.grace,
+            max_request_bytes: self.max_request_bytes,
             // Not admitted: the first agent had no room, and the statement
             // put the order in its line.
             closed: (!admitted).then(|| self.steps[0].agent.as_str()),
@@ -188,6 +192,8 @@ impl Writes<'_> {
             steps,
             actor,
             start_margin: self.start_margin(),
+            grace: self.store.grace(),
+            max_request_bytes: self.store.max_request_bytes(),
         };
         // One submission per order id goes into the statement; a repeat in
         // the same batch is checked afterwards, like any duplicate.

@@ -92,9 +92,11 @@ impl Writes<'_> {
     /// Settles the order a dead-lettered step request or reply belonged to
     /// (see [`Event::DeadLettered`]): a message that kept failing its
     /// consumer will fail again, so a forward run is compensated and a
-    /// compensation ends in error with an operator alert. A dead letter for
-    /// an attempt that is no longer current changes nothing. Returns the
-    /// status messages to send, if anything changed.
+    /// compensation ends in error with an operator alert. `no_call` says
+    /// the message is a request its agent dead-lettered unread (no call was
+    /// made for it). A dead letter for an attempt that is no longer current
+    /// changes nothing. Returns the status messages to send, if anything
+    /// changed.
     ///
     /// # Errors
     /// When the database fails.
@@ -103,9 +105,14 @@ impl Writes<'_> {
         order_id: &str,
         attempt_id: AttemptId,
         reason: &str,
+        no_call: bool,
         actor: &str,
     ) -> Result<Option<Progress>, StoreError> {
-        let event = Event::DeadLettered { attempt_id, reason };
+        let event = Event::DeadLettered {
+            attempt_id,
+            reason,
+            no_call,
+        };
         let decided = self.transition_one(order_id, &event, actor).await?;
         Ok(decided
             .map(|d| d.decision)

@@ -3,10 +3,11 @@
 //! order moves on when all of them completed.
 //!
 //! - A member's success while others are in flight only completes it.
-//! - A member refused for good starts the compensation, but no undo is sent
-//!   before the deadlines of the members still in flight: the order waits,
-//!   held by nobody, until the latest of them (as a cancel does), so an undo
-//!   never reaches a remote service before the action it undoes.
+//! - A member refused for good starts the compensation, but no undo of a
+//!   member still in flight is sent before its deadline plus the grace
+//!   period ([`crate::machine::undo`]): the order waits, held by nobody (as
+//!   after a cancel), so an undo never reaches a remote service before the
+//!   action it undoes. A member's answer that comes meanwhile is kept.
 //! - A member whose attempt never started, or failed for now, leaves the
 //!   others running; the members not completed start again together.
 //! - The order's deadline is its latest member's: the supervisor acts when
@@ -59,11 +60,20 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
     if let Some(&waits) = closed {
         return draft.wait_for_slot(waits, StepKind::Action);
     }
+    // Every member's request is built before any starts: one that cannot
+    // be is refused, and the group does not start.
+    let mut calls = Vec::with_capacity(starting.len());
     for (k, &i) in starting.iter().enumerate() {
         let attempt_id = member_attempt_id(draft.ctx.next_attempt_id, k);
-        draft.start_call(i, StepKind::Action, attempt_id);
+        match draft.prepare_call(i, StepKind::Action, attempt_id) {
+            Ok(call) => calls.push((i, call)),
+            Err(unbuilt) => return draft.refuse_unbuilt(i, StepKind::Action, &unbuilt),
+        }
     }
-    draft.process.complete_by = in_flight_until(draft, None);
+    for (i, (started, dispatch)) in calls {
+        draft.start_call(i, StepKind::Action, started, dispatch);
+    }
+    draft.process.complete_by = in_flight_until(draft);
 }
 
 /// Whether a member of step `index`'s group other than it has a forward
@@ -74,24 +84,12 @@ pub(super) fn others_in_flight(draft: &Draft<'_>, index: usize) -> bool {
             .any(|i| i != index && draft.steps[i].state == StepState::Running)
 }
 
-/// The latest deadline of the forward attempts in flight, leaving out step
-/// `except`: no undo may be sent before it.
-pub(super) fn in_flight_until(draft: &Draft<'_>, except: Option<usize>) -> Option<DateTime<Utc>> {
+/// The latest deadline of the forward attempts in flight: the group's.
+fn in_flight_until(draft: &Draft<'_>) -> Option<DateTime<Utc>> {
     draft
         .steps
         .iter()
-        .enumerate()
-        .filter(|&(i, s)| Some(i) != except && s.state == StepState::Running)
-        .filter_map(|(_, s)| s.complete_by)
+        .filter(|s| s.state == StepState::Running)
+        .filter_map(|s| s.complete_by)
         .max()
-}
-
-/// A member refused for good while others are in flight: compensation
-/// starts, held by nobody until the latest of their deadlines, when a claim
-/// sends the first undo (the members in flight count as done).
-pub(super) fn compensate_after_in_flight(draft: &mut Draft<'_>, index: usize) {
-    let until = in_flight_until(draft, Some(index)).unwrap_or(draft.ctx.now);
-    draft.process.locked_by = None;
-    draft.process.complete_by = None;
-    draft.process.not_before = until.max(draft.ctx.now);
 }

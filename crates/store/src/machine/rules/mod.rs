@@ -19,7 +19,8 @@ use chrono::{DateTime, Utc};
 
 use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 
-use super::dispatch::{attempt_detail, operation, payload};
+use super::dispatch::{attempt_detail, operation, payload, Unbuilt};
+use super::undo::undo_not_before;
 use super::{
     admission_delta, admit_key, status, AdmissionDelta, AlertKind, Context, Decision, Event,
     HistoryEvent, HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
@@ -37,9 +38,11 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
         Event::DeadlineMissed { policy, jitter } => {
             deadline::deadline_missed(&mut draft, policy, jitter)
         }
-        Event::DeadLettered { attempt_id, reason } => {
-            dead_letter::dead_lettered(&mut draft, attempt_id, reason)
-        }
+        Event::DeadLettered {
+            attempt_id,
+            reason,
+            no_call,
+        } => dead_letter::dead_lettered(&mut draft, attempt_id, reason, no_call),
         Event::Resubmitted { earlier } => operator::resubmitted(&mut draft, earlier),
         Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
         Event::EventArrived => park::event_arrived(&mut draft),
@@ -209,16 +212,61 @@ impl<'a> Draft<'a> {
                 }
                 (next, StepKind::Action)
             }
-            ProcessState::Compensating => (
-                self.steps.iter().rposition(StepRow::needs_undo),
-                StepKind::Compensation,
-            ),
+            ProcessState::Compensating => {
+                let next = self.steps.iter().rposition(StepRow::needs_undo);
+                let waits = next.and_then(|index| Some((index, self.undo_waits_until(index)?)));
+                if let Some((index, at)) = waits {
+                    return self.undo_later(index, at);
+                }
+                (next, StepKind::Compensation)
+            }
             _ => return,
         };
         match next {
             Some(index) => self.start_attempt(index, kind),
             None => self.finish_order(),
         }
+    }
+
+    /// When the undo of step `index` may be sent, if that is later than
+    /// now ([`undo_not_before`]).
+    fn undo_waits_until(&self, index: usize) -> Option<DateTime<Utc>> {
+        undo_not_before(&self.steps[index], self.ctx.grace).filter(|at| *at > self.ctx.now)
+    }
+
+    /// The undo of step `index` may not be sent before `at`: the order
+    /// waits for it held by nobody, and a claim then sends it.
+    fn undo_later(&mut self, index: usize, at: DateTime<Utc>) {
+        self.release_to_claim(at);
+        let name = self.steps[index].name.clone();
+        let detail = format!(
+            "its action may still land until {at} (its attempt's deadline plus the grace period): the undo waits until then"
+        );
+        self.log(HistoryEvent::UndoWaits, Some(&name), None, Some(detail));
+    }
+
+    /// Hands the compensation to a claim: held by nobody, with no deadline
+    /// and out of any line, due when its next undo may be sent ([`super::undo`]'s
+    /// rule, now at the earliest).
+    fn compensate_later(&mut self) {
+        let waits = self
+            .steps
+            .iter()
+            .rposition(StepRow::needs_undo)
+            .and_then(|index| Some((index, self.undo_waits_until(index)?)));
+        match waits {
+            Some((index, at)) => self.undo_later(index, at),
+            None => self.release_to_claim(self.ctx.now),
+        }
+    }
+
+    /// The order held by nobody, out of any line, claimable from `at`.
+    fn release_to_claim(&mut self, at: DateTime<Utc>) {
+        self.process.locked_by = None;
+        self.process.complete_by = None;
+        self.process.waiting_for = None;
+        self.process.admit_key = None;
+        self.process.not_before = at;
     }
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
@@ -228,24 +276,51 @@ impl<'a> Draft<'a> {
         if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
             return self.wait_for_slot(index, kind);
         }
-        self.start_call(index, kind, self.ctx.next_attempt_id);
+        match self.prepare_call(index, kind, self.ctx.next_attempt_id) {
+            Ok((started, dispatch)) => self.start_call(index, kind, started, dispatch),
+            Err(unbuilt) => self.refuse_unbuilt(index, kind, &unbuilt),
+        }
     }
 
-    /// Starts attempt `attempt_id` of step `index`'s call: the step in
-    /// flight with its deadline, the order held with it, the request to
-    /// send.
-    fn start_call(&mut self, index: usize, kind: StepKind, attempt_id: AttemptId) {
-        let now = self.ctx.now;
-        self.change_step(index, |step| {
-            step.state = match kind {
-                StepKind::Action => StepState::Running,
-                StepKind::Compensation => StepState::Compensating,
-            };
-            step.attempt += 1;
-            step.attempt_id = Some(attempt_id);
-            step.complete_by =
-                Some(now + chrono::Duration::milliseconds(i64::from(step.timeout_ms)));
-        });
+    /// Attempt `attempt_id` of step `index`'s call as it would start now:
+    /// the step in flight with its deadline, and the request to send; or
+    /// why that request cannot be built (nothing may be sent then).
+    fn prepare_call(
+        &self,
+        index: usize,
+        kind: StepKind,
+        attempt_id: AttemptId,
+    ) -> Result<(StepRow, Dispatch), Unbuilt> {
+        let mut started = self.steps[index].clone();
+        started.state = match kind {
+            StepKind::Action => StepState::Running,
+            StepKind::Compensation => StepState::Compensating,
+        };
+        started.attempt += 1;
+        started.attempt_id = Some(attempt_id);
+        started.complete_by =
+            Some(self.ctx.now + chrono::Duration::milliseconds(i64::from(started.timeout_ms)));
+        let results = self
+            .steps
+            .iter()
+            .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
+        let payload = payload(&self.snapshot.body, results);
+        let dispatch = Dispatch::for_step(
+            &self.snapshot.order_id,
+            &started,
+            kind,
+            payload,
+            self.ctx.start_margin,
+            self.snapshot.priority,
+            self.ctx.max_request_bytes,
+        )?;
+        Ok((started, dispatch))
+    }
+
+    /// Starts a call [`Draft::prepare_call`] prepared: the step in flight,
+    /// the order held with it, the request to send.
+    fn start_call(&mut self, index: usize, kind: StepKind, started: StepRow, dispatch: Dispatch) {
+        self.change_step(index, |step| *step = started);
         let step = &self.steps[index];
         self.process.complete_by = step.complete_by;
         self.process.locked_by = Some(self.ctx.actor.to_owned());
@@ -254,22 +329,54 @@ impl<'a> Draft<'a> {
             StepKind::Compensation => HistoryEvent::CompensationDispatched,
         };
         let detail = attempt_detail(step.attempt, &step.agent, operation(step, kind));
-        let name = step.name.clone();
-        let results = self
-            .steps
-            .iter()
-            .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
-        let payload = payload(&self.snapshot.body, results);
-        let dispatch = Dispatch::for_step(
-            &self.snapshot.order_id,
-            &self.steps[index],
-            kind,
-            payload,
-            self.ctx.start_margin,
-            self.snapshot.priority,
-        );
+        let (name, attempt_id) = (step.name.clone(), step.attempt_id);
         self.progress.dispatches.push(dispatch);
-        self.log(event, Some(&name), Some(attempt_id), Some(detail));
+        self.log(event, Some(&name), attempt_id, Some(detail));
+    }
+
+    /// The request of step `index`'s next attempt of `kind` could not be
+    /// built (a template with a hole, a request too large): nothing is
+    /// sent, and an alert names the step and why. An action is refused as
+    /// the remote would refuse it, and the order undone; an undo leaves the
+    /// order in error with its compensation to finish by hand (or resumed
+    /// by an operator once the cause is fixed).
+    fn refuse_unbuilt(&mut self, index: usize, kind: StepKind, unbuilt: &Unbuilt) {
+        let name = self.steps[index].name.clone();
+        let order_id = self.snapshot.order_id.clone();
+        match kind {
+            StepKind::Action => {
+                let reason = format!("the request of step {name} was not sent: {unbuilt}");
+                self.change_step(index, |step| {
+                    step.state = StepState::Failed;
+                    step.last_error = Some(reason.clone());
+                });
+                self.alert = Some(NewAlert {
+                    kind: AlertKind::RequestNotBuilt,
+                    message: format!("order {order_id}: {reason}; the order is undone"),
+                });
+                self.start_compensation(Some(&name), None, &reason);
+                self.advance();
+            }
+            StepKind::Compensation => {
+                let reason = format!("the undo of step {name} was not sent: {unbuilt}");
+                self.change_step(index, |step| {
+                    step.state = StepState::Compensating;
+                    step.undo_refused = true;
+                    step.last_error = Some(reason.clone());
+                });
+                let message = format!(
+                    "order {order_id}: {reason}; undo it by hand, or fix the cause and resubmit the order to resume its compensation"
+                );
+                self.fail(Failure {
+                    step: Some(&name),
+                    attempt_id: None,
+                    kind: AlertKind::RequestNotBuilt,
+                    detail: reason.clone(),
+                    last_error: &reason,
+                    message: &message,
+                });
+            }
+        }
     }
 
     /// No slot of the step's agent is free: the order waits in that agent's

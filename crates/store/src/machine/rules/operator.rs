@@ -4,7 +4,7 @@ use sas_messages::StatusEvent;
 
 use super::Draft;
 use crate::machine::dispatch::resubmitted_key;
-use crate::machine::{HistoryEvent, ProcessRow, ResubmitAction, Verdict};
+use crate::machine::{HistoryEvent, ResubmitAction, Verdict};
 use crate::model::{ProcessState, StepState};
 
 /// An operator put an order that ended `error` or `compensated` back: a
@@ -53,12 +53,10 @@ pub(super) fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
         }
         (ProcessState::Pending, ResubmitAction::WorkflowRestarted)
     };
-    // Held by nobody and due now: a scheduler claims it at its next claim.
+    // Held by nobody: a scheduler claims it at its next claim, a resumed
+    // compensation once its next undo may be sent.
     draft.process.state = reopened;
-    draft.process.locked_by = None;
-    draft.process.complete_by = None;
     draft.process.failure_count = 0;
-    draft.process.not_before = draft.ctx.now;
     draft.resolve_alerts = true;
     draft.log(
         HistoryEvent::Resubmitted,
@@ -66,34 +64,32 @@ pub(super) fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
         None,
         Some(action.as_str().to_owned()),
     );
+    if reopened == ProcessState::Compensating {
+        draft.compensate_later();
+    } else {
+        draft.release_to_claim(draft.ctx.now);
+    }
     draft.verdict = Verdict::Resubmitted(action);
 }
 
-/// An operator cancelled a running order: it is compensated. The undo of a
-/// step in flight waits for that attempt's deadline, so it never reaches the
-/// remote service before the action it undoes.
+/// An operator cancelled a running order: it is compensated, by a claim.
+/// The undo of a step in flight waits for that attempt's deadline plus the
+/// grace period ([`crate::machine::undo`]), so it never reaches the remote
+/// service before the action it undoes.
 pub(super) fn cancelled(draft: &mut Draft<'_>, reason: &str) {
     let state = draft.process.state;
     if !matches!(state, ProcessState::Pending | ProcessState::Processing) {
         draft.verdict = Verdict::Refused(state);
         return;
     }
-    let now = draft.ctx.now;
     // A wait step has no call in flight: it ends here, and what was done
     // before it is undone at once.
     super::park::end_waits(draft, &format!("cancelled by {}", draft.ctx.actor));
-    let in_flight = super::group::in_flight_until(draft, None);
     let why = format!("cancelled by {}: {reason}", draft.ctx.actor);
-    draft.process = ProcessRow {
-        state: ProcessState::Compensating,
-        locked_by: None,
-        complete_by: None,
-        failure_count: 0,
-        not_before: in_flight.map_or(now, |by| by.max(now)),
-        last_error: Some(why.clone()),
-        waiting_for: None,
-        admit_key: None,
-    };
+    draft.process.state = ProcessState::Compensating;
+    draft.process.failure_count = 0;
+    draft.process.last_error = Some(why.clone());
     draft.log(HistoryEvent::Cancelled, None, None, Some(why.clone()));
+    draft.compensate_later();
     draft.notify(StatusEvent::Compensating, None, Some(&why));
 }

@@ -19,18 +19,105 @@ pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
             return draft.stale(reply, format!("order is {other}, no attempt is awaited"));
         }
     };
-    let Some(index) = draft
-        .steps
-        .iter()
-        .position(|s| s.attempt_id == Some(reply.attempt_id) && s.state == expected)
-    else {
-        let reason = format!(
-            "attempt {} is not the step's current attempt (order {state})",
-            reply.attempt_id
-        );
-        return draft.stale(reply, reason);
+    let current = |expected: StepState| {
+        draft
+            .steps
+            .iter()
+            .position(|s| s.attempt_id == Some(reply.attempt_id) && s.state == expected)
     };
-    answered(draft, index, reply);
+    if let Some(index) = current(expected) {
+        return answered(draft, index, reply);
+    }
+    // The answer to an action in flight when the order was given up: kept,
+    // so that the undo knows what to undo, and when.
+    if let Some(index) = (state == ProcessState::Compensating)
+        .then(|| current(StepState::Running))
+        .flatten()
+        .filter(|&index| draft.steps[index].park.is_none())
+    {
+        return late_answer(draft, index, reply);
+    }
+    let reason = format!(
+        "attempt {} is not the step's current attempt (order {state})",
+        reply.attempt_id
+    );
+    draft.stale(reply, reason);
+}
+
+/// An answer to action `index`, given up when the order's compensation
+/// began (a cancel, a group member's refusal, a dead letter): its attempt
+/// was still current. What it says is kept: a success completes the step
+/// with its result (the undo may name what it undoes, and may go at once);
+/// a refusal or a call never made leaves nothing to undo (unless an earlier
+/// attempt may have applied it); an unknown outcome marks it maybe applied.
+/// A compensation waiting for this step's deadline is then due as the
+/// answer allows.
+fn late_answer(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
+    let name = draft.steps[index].name.clone();
+    let by = format!(
+        "by {}, after the order's compensation began",
+        reply.agent_id
+    );
+    match &reply.outcome {
+        StepOutcome::Succeeded { result } => {
+            draft.change_step(index, |step| {
+                step.state = StepState::Completed;
+                step.result = Some(storable(result));
+                step.last_error = None;
+            });
+            draft.log(
+                HistoryEvent::StepCompleted,
+                Some(&name),
+                Some(reply.attempt_id),
+                Some(format!("{by}: its result is kept for the undo")),
+            );
+        }
+        StepOutcome::Failed {
+            error,
+            permanent,
+            maybe_applied,
+        } => {
+            let error = storable_text(error);
+            draft.change_step(index, |step| {
+                step.maybe_applied |= *maybe_applied;
+                if *permanent {
+                    step.state = StepState::Failed;
+                }
+                step.last_error = Some(error.clone());
+            });
+            let what = if *permanent && !draft.steps[index].maybe_applied {
+                "refused, nothing to undo"
+            } else if *permanent {
+                "refused after a call whose outcome is unknown: still undone"
+            } else {
+                "failed for now: still undone after its deadline"
+            };
+            draft.log(
+                HistoryEvent::LateAnswer,
+                Some(&name),
+                Some(reply.attempt_id),
+                Some(format!("{by}: {what}: {error}")),
+            );
+        }
+        StepOutcome::NotStarted { reason } => {
+            let reason = storable_text(reason);
+            draft.change_step(index, |step| {
+                if !step.maybe_applied {
+                    step.state = StepState::NotStarted;
+                }
+                step.last_error = Some(format!("not started: {reason}"));
+            });
+            draft.log(
+                HistoryEvent::LateAnswer,
+                Some(&name),
+                Some(reply.attempt_id),
+                Some(format!("{by}: no call was made: {reason}")),
+            );
+        }
+    }
+    if draft.process.locked_by.is_none() {
+        draft.compensate_later();
+    }
 }
 
 /// A reply to the current attempt of step `index`: a success completes the
@@ -148,9 +235,8 @@ fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, 
         });
         let reason = format!("step {name} failed: {}", storable_text(error));
         draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
-        if super::group::others_in_flight(draft, index) {
-            return super::group::compensate_after_in_flight(draft, index);
-        }
+        // A member of its group still in flight is undone first, once its
+        // call can no longer land: until then the order waits.
         draft.advance();
         return;
     }
