@@ -163,7 +163,7 @@ mod tests {
             prefix: String::new(),
             prefetch: 1,
             operation_timeout_ms: 1_000,
-            delivery_limit: 3,
+            delivery_limit: 20,
             max_message_bytes: 65_536,
             reconnect_base_ms: 100,
             reconnect_max_ms: 1_000,

@@ -189,6 +189,16 @@ pub async fn declare_work_queue(
     name: &str,
 ) -> Result<(), BrokerError> {
     declare_queue(channel, settings, name, QueueKind::Work).await?;
+    declare_its_exchange(channel, settings, name).await
+}
+
+/// The exchange clients publish to a work queue through, for the orders and
+/// events queues: declared and bound to it.
+async fn declare_its_exchange(
+    channel: &Channel,
+    settings: &AmqpSettings,
+    name: &str,
+) -> Result<(), BrokerError> {
     let names = settings.names();
     if name == names.orders() || name == names.events() {
         // Clients publish to the exchange of the same name, never to the
@@ -305,6 +315,60 @@ pub async fn status_consumer(
     Ok((queue.name().to_string(), consumer))
 }
 
+/// Declares queue `name` of `kind` on `channel`; when it exists with other
+/// arguments (an earlier version's delivery limit: arguments cannot change
+/// once a queue exists), uses it as it is, with a warning saying how to
+/// change it, on a new channel (RabbitMQ closed the first). Returns the
+/// channel to go on with.
+///
+/// # Errors
+/// When the declaration is refused for another reason, the queue is not
+/// there after all, or the broker does not answer in time.
+async fn declare_or_keep(
+    connection: &Connection,
+    channel: Channel,
+    settings: &AmqpSettings,
+    name: &str,
+    kind: QueueKind,
+) -> Result<Channel, BrokerError> {
+    let error = match declare_queue(&channel, settings, name, kind).await {
+        Ok(()) => return Ok(channel),
+        Err(error) if is_inequivalent_argument(&error) => error,
+        Err(error) => return Err(error),
+    };
+    tracing::warn!(queue = %name, error = %error, delivery_limit = settings.delivery_limit, "the queue exists with other arguments than these settings give it (amqp.delivery_limit); using it as it is. To give it the new delivery limit, delete the queue once it is empty and start a service again (a delivery-limit policy cannot raise it: RabbitMQ takes the lower of the two; deploy/README.md, Bounds)");
+    let timeout = settings.operation_timeout();
+    let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
+    timed(
+        "checking a queue",
+        timeout,
+        channel.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        ),
+    )
+    .await?;
+    Ok(channel)
+}
+
+/// Whether `error` is RabbitMQ refusing a declaration because the queue
+/// exists with other arguments (406 PRECONDITION_FAILED, "inequivalent arg").
+fn is_inequivalent_argument(error: &BrokerError) -> bool {
+    match error {
+        BrokerError::Amqp { source, .. } => match source.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => {
+                amqp.get_id() == 406 && amqp.get_message().as_str().contains("inequivalent arg")
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 /// Declares the common topology and the work queues `queues` on a channel of
 /// its own, every step within the operation timeout: what each service does
 /// on every new connection.
@@ -317,10 +381,27 @@ pub async fn declare(
     queues: &[String],
 ) -> Result<(), BrokerError> {
     let timeout = settings.operation_timeout();
-    let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
-    declare_common(&channel, settings).await?;
+    let mut channel = timed("opening a channel", timeout, connection.create_channel()).await?;
+    let names = settings.names();
+    let exchange = names.dead_letter_exchange();
+    declare_exchange(&channel, settings, &exchange, ExchangeKind::Fanout).await?;
+    for (queue, kind) in [
+        (names.dead_letters(), QueueKind::Kept),
+        (names.dead_letter_records(), QueueKind::Record),
+    ] {
+        channel = declare_or_keep(connection, channel, settings, &queue, kind).await?;
+        bind(&channel, settings, &queue, &exchange, "").await?;
+    }
+    declare_exchange(
+        &channel,
+        settings,
+        &names.status_exchange(),
+        ExchangeKind::Topic,
+    )
+    .await?;
     for queue in queues {
-        declare_work_queue(&channel, settings, queue).await?;
+        channel = declare_or_keep(connection, channel, settings, queue, QueueKind::Work).await?;
+        declare_its_exchange(&channel, settings, queue).await?;
     }
     let _ = timed(
         "closing a channel",

@@ -111,6 +111,10 @@ impl TestEnv {
             Setting::AmqpReconnectBaseMs(100),
             Setting::AmqpReconnectMaxMs(1000),
             Setting::AmqpOperationTimeoutMs(5000),
+            // The tests' queues (declared by `TestEnv::broker` too) keep a
+            // delivery limit of 3, so that a poison message is dead-lettered
+            // after four deliveries.
+            Setting::AmqpDeliveryLimit(3),
             Setting::DatabaseUrl(self.database_url.clone()),
             Setting::DatabaseAcquireTimeoutMs(2000),
             Setting::Listen(0),

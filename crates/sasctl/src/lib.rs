@@ -126,7 +126,9 @@ impl Target {
             prefix: self.prefix.clone(),
             prefetch: 64,
             operation_timeout_ms: 10_000,
-            delivery_limit: 3,
+            // The services' default; a queue they declared with another
+            // limit is used as it is (topology::declare).
+            delivery_limit: 20,
             max_message_bytes: 65_536,
             reconnect_base_ms: 200,
             reconnect_max_ms: 5_000,

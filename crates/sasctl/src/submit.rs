@@ -153,9 +153,7 @@ pub(crate) async fn open_publisher(
     let connection = sas_broker::connect(settings, "sasctl")
         .await
         .context("cannot connect to RabbitMQ")?;
-    let channel = connection.create_channel().await?;
-    topology::declare_common(&channel, settings).await?;
-    topology::declare_work_queue(&channel, settings, queue).await?;
+    topology::declare(&connection, settings, &[queue.to_owned()]).await?;
     let publisher = Publisher::open(&connection, settings.operation_timeout()).await?;
     Ok((connection, publisher))
 }

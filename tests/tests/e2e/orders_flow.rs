@@ -438,3 +438,32 @@ async fn services_starting_together_on_an_empty_database_apply_the_migrations_on
         );
     }
 }
+
+/// Queues an earlier version declared with another delivery limit (a queue
+/// argument, which RabbitMQ never changes once the queue exists) are used as
+/// they are, with a warning saying how to change the limit: a deployment
+/// upgraded to a new `amqp.delivery_limit` keeps running. Before, every
+/// service failed its declarations and waited for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn queues_declared_with_another_delivery_limit_are_used_as_they_are() {
+    let env = TestEnv::new().await;
+    let (_connection, publisher) = env
+        .broker_with(sas_broker::AmqpSettings {
+            delivery_limit: 7,
+            ..env.amqp()
+        })
+        .await;
+    let system = env.system(1).await;
+    env.publish_order(&publisher, &order("upgraded-1")).await;
+    env.wait_for_state(
+        "upgraded-1",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
+    let log = system.schedulers[0].log_text();
+    assert!(
+        log.contains("exists with other arguments") && log.contains("delivery-limit"),
+        "the scheduler warns about the queue it uses as it is"
+    );
+}
