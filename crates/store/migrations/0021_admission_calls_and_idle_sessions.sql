@@ -71,6 +71,11 @@ LANGUAGE plpgsql AS $$
 DECLARE
     due text[];
 BEGIN
+    -- The rows are held while the shards are locked: never wait long for a
+    -- shard (a hot statement commits in milliseconds; a session stopped
+    -- holding one is ended by its idle timeout), or claims would wait for
+    -- the rows meanwhile. The next window tries again.
+    PERFORM set_config('lock_timeout', '200ms', true);
     SELECT array_agg(d.agent ORDER BY d.agent) INTO due
       FROM (SELECT a.agent FROM admission a
              WHERE now() - a.window_started >= make_interval(secs => window_ms / 1000)

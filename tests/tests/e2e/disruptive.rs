@@ -340,3 +340,193 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         stats.hangs,
     );
 }
+
+/// The chaos of late actions: a strict remote without tombstones (an action
+/// that lands after its undo stays applied), charges held on their way past
+/// their step's deadline at random times (a proxy that forwards them after
+/// the agent hung up), payment agents killed -9 with a delivery limit of 1
+/// (their requests are dead-lettered), operators cancelling orders at
+/// random, and shipments refused beside the charges in a parallel group.
+/// Every order ends; every effect is applied once; no undo lands before its
+/// action; a processed order undid nothing, and a compensated one undid
+/// every action it applied. An order may end in `error` (an undo answered
+/// 404, no proof), never `compensated` with an action standing.
+/// `SAS_CHAOS_LATE_ORDERS` orders (default 300), seeded by `SAS_CHAOS_SEED`.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_late_actions_are_undone_only_after_they_landed() {
+    use sas_tests::http_proxy::HoldProxy;
+    let orders: usize = std::env::var("SAS_CHAOS_LATE_ORDERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let seed: u64 = std::env::var("SAS_CHAOS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("late chaos: {orders} orders, SAS_CHAOS_SEED={seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let env = TestEnv::exclusive(1500).await;
+    let limit = Setting::AmqpDeliveryLimit(1);
+    let workflow = format!(
+        "name = \"order\"\nversion = 1\n{}{}{}",
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
+        env.call_step(
+            ("charge_payment", "payment", "charge", "refund"),
+            Some("pay_and_ship")
+        ),
+        env.call_step(
+            ("create_shipment", "shipping", "ship", "cancel"),
+            Some("pay_and_ship")
+        ),
+    );
+    let mut scheduler_settings = env.workflows(&[("order.toml", &workflow)]).to_vec();
+    // A held charge lands within its deadline plus the grace.
+    let grace = Setting::DeadlinesGraceMs(1500);
+    scheduler_settings.extend([grace.clone(), limit.clone()]);
+    let (_sim_process, sim) = env
+        .remote_sim(&[Setting::SimSeed(seed), Setting::SimFaultsLatencyMs(10)])
+        .await;
+    sim.set_provider(serde_json::json!({
+        "mode": "strict", "late_action": "apply", "late_answer_rate": 0.1, "late_answer_ms": 2500
+    }))
+    .await
+    .unwrap();
+    let refusing = serde_json::json!({ "latency_ms": 10, "transient_fault_rate": 0.0,
+                                       "permanent_fault_rate": 0.15, "hang_rate": 0.0 });
+    sim.set_faults(Some("shipping"), refusing).await.unwrap();
+    let proxy = HoldProxy::start(sim.base_url()).await;
+    let quick = [limit.clone(), Setting::CircuitFailureThreshold(1000)];
+    let mut payment_settings = quick.to_vec();
+    payment_settings.push(Setting::AgentRemoteUrl(format!("{}/payment", proxy.url())));
+    let mut payments: Vec<Service> = (0..2)
+        .map(|i| env.agent("payment", i, &sim, &payment_settings))
+        .collect();
+    let _others: Vec<Service> = ["inventory", "shipping"]
+        .into_iter()
+        .map(|agent| env.agent(agent, 0, &sim, &quick))
+        .collect();
+    let _scheduler = env.scheduler(0, &scheduler_settings);
+    let _supervisor = env.supervisor(0, &[grace, limit]);
+    let (_connection, publisher) = env
+        .broker_with(sas_broker::AmqpSettings {
+            delivery_limit: 1,
+            ..env.amqp()
+        })
+        .await;
+    let ids: Vec<String> = (0..orders).map(|n| format!("late-{n}")).collect();
+    let started = Instant::now();
+    let mut cancels = 0;
+    let mut kills = 0;
+    let mut published = 0;
+    while published < ids.len() || started.elapsed() < Duration::from_secs(20) {
+        if published < ids.len() {
+            for id in &ids[published..(published + 10).min(ids.len())] {
+                env.publish_order(&publisher, &order(id)).await;
+            }
+            published = (published + 10).min(ids.len());
+        }
+        match rng.random_range(0..10) {
+            0..=3 => {
+                // One of the latest: most likely still running.
+                let victim = &ids[rng.random_range(published.saturating_sub(20)..published)];
+                let cancelled = env
+                    .store
+                    .writes()
+                    .cancel(victim, "chaos", "chaos-operator")
+                    .await
+                    .unwrap();
+                cancels += usize::from(matches!(
+                    cancelled,
+                    sas_store::writes::operator::Cancel::Cancelled(_)
+                ));
+            }
+            4 => {
+                let agent = &mut payments[rng.random_range(0..2)];
+                agent.kill9().await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(100..400))).await;
+                env.restart(agent).await;
+                kills += 1;
+            }
+            5..=6 => proxy.hold("POST", "/payment/charge", Duration::from_millis(2000)),
+            _ => proxy.clear_holds(),
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(100..300))).await;
+    }
+    proxy.clear_holds();
+    let terminal = wait_until("every order to end", Duration::from_secs(240), || async {
+        let counts = env
+            .store
+            .reads()
+            .count_by_state()
+            .await
+            .map_err(|e| e.to_string())?;
+        let ended: i64 = counts
+            .iter()
+            .filter(|(s, _)| s.is_terminal())
+            .map(|(_, n)| n)
+            .sum();
+        if ended == orders as i64 {
+            Ok(counts)
+        } else {
+            Err(format!("{counts:?}"))
+        }
+    })
+    .await;
+    // Each effect once (effects_by_order asserts it), no undo before its action.
+    let by_order = sim.effects_by_order().await;
+    sim.assert_no_undo_before_its_action().await;
+    let states: HashMap<String, ProcessState> =
+        sqlx::query_as::<_, (String, ProcessState)>("SELECT order_id, state FROM order_process")
+            .fetch_all(env.store.pool())
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(states.len(), orders, "no order lost");
+    for (order_id, state) in &states {
+        let (forward, undone) = by_order.get(order_id).copied().unwrap_or((0, 0));
+        match state {
+            ProcessState::Processed => assert!(
+                forward == 3 && undone == 0,
+                "{order_id} processed with {forward} effects and {undone} undone"
+            ),
+            ProcessState::Compensated => assert_eq!(
+                forward, undone,
+                "{order_id} compensated with {forward} effects and {undone} undone"
+            ),
+            _ => {}
+        }
+    }
+    // The roads were taken.
+    let late = proxy
+        .journal()
+        .iter()
+        .filter(|p| p.held_for.is_some() && p.client_connected == Some(false))
+        .count();
+    let letters = env.store.reads().dead_letters(1000).await.unwrap().len();
+    let refused_beside: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM history WHERE event = 'compensation_started' AND step = 'create_shipment'",
+    )
+    .fetch_one(env.store.pool())
+    .await
+    .unwrap();
+    let count = |state: ProcessState| {
+        terminal
+            .iter()
+            .find(|(s, _)| *s == state)
+            .map_or(0, |(_, n)| *n)
+    };
+    eprintln!(
+        "late chaos: seed {seed}, {orders} orders in {:.0?}: {} processed, {} compensated, {} error; \
+         {cancels} cancels, {kills} kills, {letters} dead letters, {refused_beside} shipments refused beside a charge, \
+         {late} charges landed after their agent hung up",
+        started.elapsed(),
+        count(ProcessState::Processed),
+        count(ProcessState::Compensated),
+        count(ProcessState::Error),
+    );
+    assert!(
+        cancels > 0 && refused_beside > 0 && late > 0,
+        "every road was taken"
+    );
+}

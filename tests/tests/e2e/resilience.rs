@@ -1310,11 +1310,17 @@ async fn a_supervisor_stopped_inside_its_admission_work_holds_nothing_and_orders
             "the supervisor inside its admission work",
             Duration::from_secs(30),
             || async {
+                // Between two statements of a transaction that holds the
+                // admission tables, or running a statement on them.
                 let busy: Option<(String, String)> = sqlx::query_as(
-                    "SELECT state, query FROM pg_stat_activity
-                      WHERE application_name LIKE 'supervisor-0%'
-                        AND (state = 'idle in transaction'
-                             OR (state = 'active' AND query ILIKE '%admission%'))
+                    "SELECT a.state, a.query FROM pg_stat_activity a
+                      WHERE a.application_name LIKE 'supervisor-0%'
+                        AND ((a.state = 'idle in transaction'
+                              AND EXISTS (SELECT 1 FROM pg_locks l
+                                           WHERE l.pid = a.pid
+                                             AND l.relation IN ('admission'::regclass,
+                                                                'admission_shard'::regclass)))
+                             OR (a.state = 'active' AND a.query ILIKE '%admission%'))
                       LIMIT 1",
                 )
                 .fetch_optional(env.store.pool())

@@ -134,6 +134,8 @@ async fn an_operators_cancel_while_the_charge_is_held_refunds_it_only_after_it_l
         .await;
     assert_eq!(code, 0, "{out}");
     let state = ended(&env, "held-cancel", Duration::from_secs(30)).await;
+    // The held charge has landed before the ledger is read.
+    proxy.wait_forwarded(1, Duration::from_secs(10)).await;
     assert_eq!(state, ProcessState::Compensated);
     charged_then_refunded(&sim, "held-cancel").await;
     let history = env.store.reads().history("held-cancel").await.unwrap();
@@ -192,6 +194,7 @@ async fn a_dead_lettered_request_whose_call_is_held_is_refunded_only_after_it_la
     proxy.clear_holds();
     let _payment = payment_through(&env, &sim, &proxy, &[limit]);
     let state = ended(&env, "held-dead", Duration::from_secs(30)).await;
+    proxy.wait_forwarded(2, Duration::from_secs(10)).await;
     assert_eq!(state, ProcessState::Compensated);
     charged_then_refunded(&sim, "held-dead").await;
     let letters = env.store.reads().dead_letters(10).await.unwrap();
@@ -236,6 +239,7 @@ async fn a_group_member_refused_while_the_charge_is_held_has_it_refunded_only_af
     let (_connection, publisher) = env.broker().await;
     env.publish_order(&publisher, &order("held-group")).await;
     let state = ended(&env, "held-group", Duration::from_secs(30)).await;
+    proxy.wait_forwarded(1, Duration::from_secs(10)).await;
     assert_eq!(state, ProcessState::Compensated);
     charged_then_refunded(&sim, "held-group").await;
     assert_eq!(
@@ -392,4 +396,184 @@ async fn a_charge_answered_after_compensation_began_is_refunded_by_its_real_id()
                     .is_some_and(|d| d.contains("after the order's compensation began"))),
         "the charge's answer came after compensation began and was kept: {history:#?}"
     );
+}
+
+/// A success reply that goes round the reply queue past its delivery limit
+/// (here: no scheduler is up, and a consumer hands it back four times, as
+/// schedulers stopping or waiting out a database outage do) is
+/// dead-lettered by RabbitMQ. The supervisor reads it before it judges it:
+/// a reply of the order's current attempt, from an agent, is applied as the
+/// reply it is, its result kept, and the order runs on to `processed`.
+/// Before, any dead-lettered reply compensated its order and lost the
+/// result of the step that had succeeded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_lettered_success_reply_is_applied_and_the_order_runs_on() {
+    use futures_util::StreamExt as _;
+    use sas_broker::lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+    use sas_broker::lapin::types::FieldTable;
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    // The reservation takes 1.5 s: time to stop the scheduler first.
+    sim.set_faults(Some("inventory"), faults(1500, false))
+        .await
+        .unwrap();
+    let _agents = env.agents(1, &sim, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let mut scheduler = env.scheduler(0, &[]);
+    let (connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("dead-reply")).await;
+    env.wait_stored("dead-reply", Duration::from_secs(20)).await;
+    scheduler.kill9().await;
+    // A consumer of the reply queue that hands the reply back each time.
+    let names = env.amqp().names();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .basic_qos(1, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            names.scheduler_replies().into(),
+            "handing-back".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    // Delivery limit 3: the fourth return dead-letters it.
+    for _ in 0..4 {
+        let delivery = tokio::time::timeout(Duration::from_secs(20), consumer.next())
+            .await
+            .expect("the reply comes (back)")
+            .unwrap()
+            .unwrap();
+        delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    drop(consumer);
+    let _ = channel.close(200, "done".into()).await;
+    // The supervisor applied it and sent the charge; a scheduler takes the
+    // replies again from here.
+    let applied_by = wait_until(
+        "the supervisor to apply the dead-lettered reply",
+        Duration::from_secs(20),
+        || async {
+            let history = env
+                .store
+                .reads()
+                .history("dead-reply")
+                .await
+                .map_err(|e| e.to_string())?;
+            history
+                .iter()
+                .find(|h| {
+                    h.event == HistoryEvent::StepCompleted
+                        && h.step.as_deref() == Some("reserve_stock")
+                })
+                .map(|h| h.actor.clone())
+                .ok_or_else(|| format!("{:?}", history.iter().map(|h| h.event).collect::<Vec<_>>()))
+        },
+    )
+    .await;
+    assert_eq!(applied_by, "supervisor-0");
+    let _scheduler = env.scheduler(1, &[]);
+    env.wait_for_state(
+        "dead-reply",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
+    let detail = env.detail("dead-reply").await;
+    assert!(
+        detail.steps[0].result.is_some(),
+        "the reservation's result is kept"
+    );
+    let letters = env.store.reads().dead_letters(10).await.unwrap();
+    assert!(
+        letters
+            .iter()
+            .any(|l| l.order_id.as_deref() == Some("dead-reply")
+                && l.reason.contains("delivery_limit")),
+        "{letters:?}"
+    );
+    sim.assert_every_order_done_once().await;
+}
+
+/// A remote whose reservation and charge each answer 30 kB of JSON
+/// (`/inventory/*`, `/payment/*`, `/shipping/*`, every operation applied),
+/// counting the calls by path.
+async fn wordy_remote() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::extract::Path;
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = calls.clone();
+    let app = axum::Router::new().route(
+        "/{service}/{operation}",
+        axum::routing::post(move |Path((service, operation)): Path<(String, String)>| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push(format!("{service}/{operation}"));
+                let pad = if matches!(operation.as_str(), "reserve" | "charge") {
+                    "x".repeat(30_000)
+                } else {
+                    String::new()
+                };
+                axum::Json(json!({ "id": format!("{operation}-1"), "pad": pad }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, calls)
+}
+
+/// Good answers too large to carry (30 kB, over `agent.max_answer_bytes`)
+/// end the order cleanly: the agent refuses the reservation's answer for
+/// good as maybe applied, the order is compensated, the reservation is
+/// released once, nothing is dead-lettered. Before, two such answers made
+/// the shipment's request, and every undo, too large for the broker: the
+/// order ended in error, and a resubmission failed the same way.
+#[tokio::test(flavor = "multi_thread")]
+async fn answers_too_large_to_carry_end_the_order_undone_not_broken() {
+    let env = TestEnv::new().await;
+    let (url, calls) = wordy_remote().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents: Vec<Service> = ["inventory", "payment", "shipping"]
+        .into_iter()
+        .map(|agent| {
+            env.agent(
+                agent,
+                0,
+                &sim,
+                &[Setting::AgentRemoteUrl(format!("{url}/{agent}"))],
+            )
+        })
+        .collect();
+    let _scheduler = env.scheduler(0, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("wordy")).await;
+    let state = ended(&env, "wordy", Duration::from_secs(30)).await;
+    assert_eq!(state, ProcessState::Compensated);
+    assert_eq!(
+        *calls.lock().unwrap(),
+        ["inventory/reserve", "inventory/release"],
+        "the reservation answered too much, and was undone once"
+    );
+    let history = env.store.reads().history("wordy").await.unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|h| h.event == HistoryEvent::CompensationStarted
+                && h.detail
+                    .as_deref()
+                    .is_some_and(|d| d.contains("agent.max_answer_bytes"))),
+        "the compensation says why: {history:#?}"
+    );
+    assert!(env.store.reads().dead_letters(10).await.unwrap().is_empty());
 }

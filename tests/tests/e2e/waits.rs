@@ -549,6 +549,59 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
         out.contains("\"reserve_stock\" did (or may have done) its action"),
         "{out}"
     );
+    // Nor may a move keep the reservation but drop its undo, or give it to
+    // another service: the stock it reserved would never be released.
+    for (version, what, agent, compensation) in [
+        (4, "would lose its undo", "inventory", None),
+        (5, "gives it to warehouse", "warehouse", Some("release")),
+    ] {
+        let mut plan = env.steps();
+        plan[0].agent = agent.into();
+        plan[0].compensation = compensation.map(str::to_owned);
+        plan[1].name = "charge".into();
+        plan.insert(
+            1,
+            sas_store::NewStep {
+                name: "approval".into(),
+                agent: String::new(),
+                action: "approved".into(),
+                compensation: None,
+                timeout: Duration::from_secs(60),
+                calls: None,
+                park: Some(sas_store::machine::park::Park::Event {
+                    event: "approved".into(),
+                    on_timeout: sas_store::machine::park::OnTimeout::Compensate,
+                    correlation_key: None,
+                }),
+                group: None,
+            },
+        );
+        env.store
+            .writes()
+            .register_plans(&[sas_store::Plan::new("order", version, &plan)])
+            .await
+            .unwrap();
+        let to = version.to_string();
+        let (code, out) = env
+            .sasctl(&[
+                "orders",
+                "move",
+                "--workflow",
+                "order",
+                "--from",
+                "2",
+                "--to",
+                &to,
+                "--confirm",
+                "0",
+            ])
+            .await;
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            out.contains("0 moved, 3 refused") && out.contains(what),
+            "version {version}: {out}"
+        );
+    }
 
     for (n, id) in ids.iter().enumerate() {
         assert_moved_to_version_2(&env, id).await;

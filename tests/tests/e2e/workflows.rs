@@ -369,3 +369,59 @@ async fn a_group_runs_side_by_side_and_a_member_refused_has_the_others_undone_af
     let counters = env.store.admission().recount().await.unwrap();
     assert!(counters.is_empty(), "{counters:?}");
 }
+
+/// The operation a step's call reaches at remote-sim: its template's path's
+/// last segment, or its action (or compensation) by default.
+fn operation_called(step: &toml::Table, operation: &str, template: &str) -> Option<String> {
+    let named = step.get(operation)?.as_str()?.to_owned();
+    let path = step
+        .get(template)
+        .and_then(|t| t.get("path"))
+        .and_then(toml::Value::as_str);
+    Some(path.map_or(named, |path| {
+        path.rsplit('/').next().unwrap_or_default().to_owned()
+    }))
+}
+
+/// Every shipped workflow calls, for each step, an action remote-sim's
+/// service has, and undoes it with that action's own compensation: a
+/// misspelt compensation (`refnud`) would be answered 404 at the first
+/// undo, which now ends the order in error; this finds it before any order
+/// runs.
+#[test]
+fn every_shipped_workflow_calls_operations_the_simulated_services_have_in_pairs() {
+    let folder = repo_root().join("workflows");
+    let mut checked = 0;
+    for file in std::fs::read_dir(&folder).unwrap() {
+        let path = file.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let workflow: toml::Table = text.parse().unwrap();
+        for step in workflow["steps"].as_array().unwrap() {
+            let step = step.as_table().unwrap();
+            let Some(agent) = step.get("agent").and_then(toml::Value::as_str) else {
+                continue;
+            };
+            let action = operation_called(step, "action", "request").unwrap();
+            let (_, pairs) = remote_sim::routes::SERVICES
+                .iter()
+                .find(|(service, _)| *service == agent)
+                .unwrap_or_else(|| panic!("{}: no service {agent}", path.display()));
+            let (_, undo) = pairs
+                .iter()
+                .find(|(known, _)| *known == action)
+                .unwrap_or_else(|| panic!("{}: {agent} has no action {action}", path.display()));
+            if let Some(compensation) =
+                operation_called(step, "compensation", "compensation_request")
+            {
+                assert_eq!(
+                    compensation,
+                    *undo,
+                    "{}: {agent}.{action} is undone by {undo}, not {compensation}",
+                    path.display()
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 9, "the shipped workflows' call steps: {checked}");
+}
