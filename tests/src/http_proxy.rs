@@ -156,19 +156,11 @@ impl HoldProxy {
             journal: Mutex::new(Vec::new()),
             release: watch::Sender::new(0),
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy");
-        let url = format!(
-            "http://{}",
-            listener.local_addr().expect("the proxy's address")
-        );
         let app = axum::Router::new()
             .fallback(relay)
             .with_state(shared.clone());
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (port, server) = crate::serve_locally(app).await;
+        let url = format!("http://127.0.0.1:{port}");
         Self {
             url,
             shared,
@@ -463,10 +455,8 @@ mod tests {
                 )
             }
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        (url, seen)
+        let (port, _) = crate::serve_locally(app).await;
+        (format!("http://127.0.0.1:{port}"), seen)
     }
 
     fn client(timeout: Duration) -> reqwest::Client {

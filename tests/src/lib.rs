@@ -72,6 +72,23 @@ pub async fn status_events(
     events
 }
 
+/// Serves `app` on a free port of 127.0.0.1, in a task of its own, for as
+/// long as the test runs (or until the task is aborted): a test's own fake
+/// of a remote service. Returns the port and the task.
+///
+/// # Panics
+/// When no port can be bound.
+pub async fn serve_locally(app: axum::Router) -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a port of 127.0.0.1");
+    let port = listener.local_addr().expect("the bound address").port();
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (port, server)
+}
+
 /// The workspace's root folder, where the files the tests read against the
 /// code live (README.md, deploy/, examples/, contract/).
 ///

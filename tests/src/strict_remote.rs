@@ -144,19 +144,11 @@ impl StrictPayments {
             answer_after: Mutex::new(answer_after),
             book: Mutex::new(Book::default()),
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the payment stub");
-        let url = format!(
-            "http://{}",
-            listener.local_addr().expect("the payment stub's address")
-        );
         let app = axum::Router::new()
             .fallback(serve)
             .with_state(shared.clone());
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (port, server) = crate::serve_locally(app).await;
+        let url = format!("http://127.0.0.1:{port}");
         Self {
             url,
             shared,

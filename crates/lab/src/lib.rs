@@ -32,7 +32,7 @@ pub use env::{database_settings, TestEnv};
 pub use process::Service;
 pub use servers::ServerGuard;
 pub use settings::Setting;
-pub use verbs::{consume, wait_for_state_in};
+pub use verbs::{consume, hand_back, wait_for_state_in};
 pub use wait::wait_until;
 
 /// Makes rustls on ring the process's crypto provider (reqwest is built

@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use sas_broker::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+use sas_broker::lapin::options::{
+    BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
+};
 use sas_broker::lapin::types::FieldTable;
 use sas_broker::lapin::{Channel, Connection, Consumer};
 use sas_broker::Publisher;
@@ -143,6 +145,49 @@ pub async fn wait_for_state_in(
         }
     })
     .await;
+}
+
+/// Plays a consumer of `queue` that takes the next message `times` times
+/// and hands it back each time (a nack with requeue), as a consumer that
+/// crashes on it, or services that stop while they hold it, do: each
+/// return counts towards the queue's delivery limit, so `limit + 1` times
+/// makes RabbitMQ dead-letter it.
+///
+/// # Panics
+/// When RabbitMQ refuses, or no message comes within 20 s.
+pub async fn hand_back(connection: &Connection, queue: &str, times: usize) {
+    use futures_util::StreamExt as _;
+    let channel = connection.create_channel().await.expect("a channel");
+    channel
+        .basic_qos(1, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "handing-back".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    for _ in 0..times {
+        let delivery = tokio::time::timeout(Duration::from_secs(20), consumer.next())
+            .await
+            .expect("the message comes (back)")
+            .expect("the consumer is open")
+            .expect("a delivery");
+        let requeued = delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .expect("nack");
+        assert!(requeued, "the message was not handed back to the queue");
+    }
+    drop(consumer);
+    let _ = channel.close(200, "handed back".into()).await;
 }
 
 /// A consumer of `queue` on `channel` that acknowledges nothing (the

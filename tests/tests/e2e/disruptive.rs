@@ -198,6 +198,30 @@ async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
     outage_during_load(&env, "pg-", outage).await;
 }
 
+/// Waits (4 minutes at most) until all `orders` orders have ended, and
+/// returns how many are in each state.
+async fn every_order_ended(env: &TestEnv, orders: usize) -> Vec<(ProcessState, i64)> {
+    wait_until("every order to end", Duration::from_secs(240), || async {
+        let counts = env
+            .store
+            .reads()
+            .count_by_state()
+            .await
+            .map_err(|e| e.to_string())?;
+        let ended: i64 = counts
+            .iter()
+            .filter(|(s, _)| s.is_terminal())
+            .map(|(_, n)| n)
+            .sum();
+        if ended == orders as i64 {
+            Ok(counts)
+        } else {
+            Err(format!("{counts:?}"))
+        }
+    })
+    .await
+}
+
 /// At least 1,000 orders (`SAS_CHAOS_ORDERS`) under load while processes of
 /// every kind are killed with -9 and restarted at random (seeded by
 /// `SAS_CHAOS_SEED`, printed so that a failure can be replayed), and the
@@ -271,25 +295,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     };
     tokio::join!(publishing, chaos);
 
-    let terminal = wait_until("every order to end", Duration::from_secs(240), || async {
-        let counts = env
-            .store
-            .reads()
-            .count_by_state()
-            .await
-            .map_err(|e| e.to_string())?;
-        let ended: i64 = counts
-            .iter()
-            .filter(|(s, _)| s.is_terminal())
-            .map(|(_, n)| n)
-            .sum();
-        if ended == orders as i64 {
-            Ok(counts)
-        } else {
-            Err(format!("{counts:?}"))
-        }
-    })
-    .await;
+    let terminal = every_order_ended(&env, orders).await;
     let count = |state: ProcessState| {
         terminal
             .iter()
@@ -453,25 +459,7 @@ async fn chaos_late_actions_are_undone_only_after_they_landed() {
         tokio::time::sleep(Duration::from_millis(rng.random_range(100..300))).await;
     }
     proxy.clear_holds();
-    let terminal = wait_until("every order to end", Duration::from_secs(240), || async {
-        let counts = env
-            .store
-            .reads()
-            .count_by_state()
-            .await
-            .map_err(|e| e.to_string())?;
-        let ended: i64 = counts
-            .iter()
-            .filter(|(s, _)| s.is_terminal())
-            .map(|(_, n)| n)
-            .sum();
-        if ended == orders as i64 {
-            Ok(counts)
-        } else {
-            Err(format!("{counts:?}"))
-        }
-    })
-    .await;
+    let terminal = every_order_ended(&env, orders).await;
     // Each effect once (effects_by_order asserts it), no undo before its action.
     let by_order = sim.effects_by_order().await;
     sim.assert_no_undo_before_its_action().await;

@@ -433,9 +433,7 @@ async fn bad_remote() -> (u16, Calls) {
             record(&c0, &format!("other {uri}"));
             StatusCode::NOT_FOUND
         });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (port, _) = sas_tests::serve_locally(app).await;
     (port, calls)
 }
 
@@ -787,9 +785,7 @@ async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_fo
             }),
         )
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (port, _) = sas_tests::serve_locally(app).await;
 
     let agent_id = format!("{}-cut", env.id);
     let (mut agent_process, _ops) = agent(
@@ -1022,9 +1018,7 @@ async fn gated_remote() -> (u16, Arc<Mutex<Vec<String>>>, Arc<tokio::sync::Semap
             }),
         )
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (port, _) = sas_tests::serve_locally(app).await;
     (port, calls, gate)
 }
 
@@ -1140,9 +1134,7 @@ async fn big_answer_remote(size: usize) -> (u16, Arc<std::sync::atomic::AtomicUs
             }),
         )
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (port, _) = sas_tests::serve_locally(app).await;
     (port, calls)
 }
 

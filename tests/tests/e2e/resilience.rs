@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use sas_broker::lapin::options::{
-    BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
-};
+use sas_broker::lapin::options::QueueDeclareOptions;
 use sas_broker::lapin::types::FieldTable;
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, metric, wait_for_metric};
@@ -568,42 +566,10 @@ async fn a_poison_request_is_dead_lettered_recorded_and_its_order_undone() {
     let (connection, publisher) = env.broker().await;
     env.publish_order(&publisher, &order("poison-1")).await;
 
-    let names = env.amqp().names();
-    let channel = connection.create_channel().await.unwrap();
-    channel
-        .basic_qos(1, BasicQosOptions::default())
-        .await
-        .unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            names.agent_requests("payment").into(),
-            "crashing".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
     // Delivery limit 3: the fourth return dead-letters it. Stop there, so the
     // compensation's refund reaches the real agent started below.
-    let mut deliveries = 0;
-    while deliveries < 4 {
-        let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
-            .await
-            .expect("the request comes back")
-            .unwrap()
-            .unwrap();
-        deliveries += 1;
-        let requeued = delivery
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        assert!(requeued, "the request was not handed back to the queue");
-    }
-    drop(consumer);
-    let _ = channel.close(200, "done".into()).await;
+    let names = env.amqp().names();
+    sas_tests::hand_back(&connection, &names.agent_requests("payment"), 4).await;
 
     // RabbitMQ dead-lettered it; the supervisor recorded it and had the order undone.
     let _payment = env.agent("payment", 0, &sim, &[]);

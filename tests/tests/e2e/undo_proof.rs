@@ -408,9 +408,6 @@ async fn a_charge_answered_after_compensation_began_is_refunded_by_its_real_id()
 /// result of the step that had succeeded.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_lettered_success_reply_is_applied_and_the_order_runs_on() {
-    use futures_util::StreamExt as _;
-    use sas_broker::lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
-    use sas_broker::lapin::types::FieldTable;
     let env = TestEnv::new().await;
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     // The reservation takes 1.5 s: time to stop the scheduler first.
@@ -424,39 +421,10 @@ async fn a_dead_lettered_success_reply_is_applied_and_the_order_runs_on() {
     env.publish_order(&publisher, &order("dead-reply")).await;
     env.wait_stored("dead-reply", Duration::from_secs(20)).await;
     scheduler.kill9().await;
-    // A consumer of the reply queue that hands the reply back each time.
+    // A consumer of the reply queue that hands the reply back each time:
+    // with a delivery limit of 3, the fourth return dead-letters it.
     let names = env.amqp().names();
-    let channel = connection.create_channel().await.unwrap();
-    channel
-        .basic_qos(1, BasicQosOptions::default())
-        .await
-        .unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            names.scheduler_replies().into(),
-            "handing-back".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    // Delivery limit 3: the fourth return dead-letters it.
-    for _ in 0..4 {
-        let delivery = tokio::time::timeout(Duration::from_secs(20), consumer.next())
-            .await
-            .expect("the reply comes (back)")
-            .unwrap()
-            .unwrap();
-        delivery
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-    }
-    drop(consumer);
-    let _ = channel.close(200, "done".into()).await;
+    sas_tests::hand_back(&connection, &names.scheduler_replies(), 4).await;
     // The supervisor applied it and sent the charge; a scheduler takes the
     // replies again from here.
     let applied_by = wait_until(
@@ -526,10 +494,8 @@ async fn wordy_remote() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, calls)
+    let (port, _) = sas_tests::serve_locally(app).await;
+    (format!("http://127.0.0.1:{port}"), calls)
 }
 
 /// Good answers too large to carry (30 kB, over `agent.max_answer_bytes`)

@@ -522,60 +522,44 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("3 moved"), "{out}");
 
-    // An unsafe move: version 3 has no reservation, which completed.
-    let v3: Vec<sas_store::NewStep> = env.steps().into_iter().skip(1).collect();
-    env.store
-        .writes()
-        .register_plans(&[sas_store::Plan::new("order", 3, &v3)])
-        .await
-        .unwrap();
-    let (code, out) = env
-        .sasctl(&[
-            "orders",
-            "move",
-            "--workflow",
-            "order",
-            "--from",
-            "2",
-            "--to",
-            "3",
-            "--confirm",
-            "0",
-        ])
-        .await;
-    assert_eq!(code, 0, "{out}");
-    assert!(out.contains("0 moved, 3 refused"), "{out}");
-    assert!(
-        out.contains("\"reserve_stock\" did (or may have done) its action"),
-        "{out}"
-    );
-    // Nor may a move keep the reservation but drop its undo, or give it to
-    // another service: the stock it reserved would never be released.
-    for (version, what, agent, compensation) in [
-        (4, "would lose its undo", "inventory", None),
-        (5, "gives it to warehouse", "warehouse", Some("release")),
-    ] {
+    // Unsafe moves: version 3 has no reservation, which completed; 4 keeps
+    // it without its undo, 5 gives it to another service: the stock it
+    // reserved would never be released.
+    let approval = sas_store::NewStep {
+        name: "approval".into(),
+        agent: String::new(),
+        action: "approved".into(),
+        compensation: None,
+        timeout: Duration::from_secs(60),
+        calls: None,
+        park: Some(sas_store::machine::park::Park::Event {
+            event: "approved".into(),
+            on_timeout: sas_store::machine::park::OnTimeout::Compensate,
+            correlation_key: None,
+        }),
+        group: None,
+    };
+    let kept = |agent: &str, compensation: Option<&str>| {
         let mut plan = env.steps();
         plan[0].agent = agent.into();
         plan[0].compensation = compensation.map(str::to_owned);
         plan[1].name = "charge".into();
-        plan.insert(
-            1,
-            sas_store::NewStep {
-                name: "approval".into(),
-                agent: String::new(),
-                action: "approved".into(),
-                compensation: None,
-                timeout: Duration::from_secs(60),
-                calls: None,
-                park: Some(sas_store::machine::park::Park::Event {
-                    event: "approved".into(),
-                    on_timeout: sas_store::machine::park::OnTimeout::Compensate,
-                    correlation_key: None,
-                }),
-                group: None,
-            },
-        );
+        plan.insert(1, approval.clone());
+        plan
+    };
+    for (version, plan, what) in [
+        (
+            3,
+            env.steps().into_iter().skip(1).collect(),
+            "\"reserve_stock\" did (or may have done) its action",
+        ),
+        (4, kept("inventory", None), "would lose its undo"),
+        (
+            5,
+            kept("warehouse", Some("release")),
+            "gives it to warehouse",
+        ),
+    ] {
         env.store
             .writes()
             .register_plans(&[sas_store::Plan::new("order", version, &plan)])

@@ -662,17 +662,22 @@ fn cancelled_during_the_charge() -> (Snapshot, AttemptId) {
     (snapshot, charge)
 }
 
-#[test]
-fn a_dead_lettered_request_of_a_lone_step_is_undone_only_after_its_deadline_and_the_grace() {
-    let (snapshot, charge) = order_in(ProcessState::Processing);
+/// The order in `Processing` whose charge's request was dead-lettered at
+/// t(3): refused unread by its agent (`no_call`) or not.
+fn charge_dead_lettered(no_call: bool) -> Snapshot {
+    let (mut snapshot, charge) = order_in(ProcessState::Processing);
     let dead = Event::DeadLettered {
         attempt_id: charge,
-        reason: "rejected by RabbitMQ: delivery_limit",
-        no_call: false,
+        reason: "dead-lettered",
+        no_call,
     };
-    let decision = decide(&snapshot, &dead, &ctx(t(3)));
-    let mut snapshot = snapshot;
-    snapshot.apply(&decision);
+    snapshot.apply(&decide(&snapshot, &dead, &ctx(t(3))));
+    snapshot
+}
+
+#[test]
+fn a_dead_lettered_request_of_a_lone_step_is_undone_only_after_its_deadline_and_the_grace() {
+    let snapshot = charge_dead_lettered(false);
     assert_eq!(snapshot.process.state, ProcessState::Compensating);
     // Its call may have left on a connection that then died: it may land
     // until its deadline (t(7)) plus the grace.
@@ -696,15 +701,7 @@ fn a_dead_lettered_request_of_a_lone_step_is_undone_only_after_its_deadline_and_
 
 #[test]
 fn a_request_its_agent_refused_unread_leaves_its_step_nothing_to_undo() {
-    let (snapshot, charge) = order_in(ProcessState::Processing);
-    let dead = Event::DeadLettered {
-        attempt_id: charge,
-        reason: "message of 70000 bytes is over the limit",
-        no_call: true,
-    };
-    let decision = decide(&snapshot, &dead, &ctx(t(3)));
-    let mut snapshot = snapshot;
-    snapshot.apply(&decision);
+    let snapshot = charge_dead_lettered(true);
     assert_eq!(snapshot.steps[1].state, StepState::Failed);
     assert!(!snapshot.steps[1].needs_undo());
     // The reservation's outcome is known: its undo may go at once.
