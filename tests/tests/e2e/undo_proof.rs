@@ -543,3 +543,65 @@ async fn answers_too_large_to_carry_end_the_order_undone_not_broken() {
     );
     assert!(env.store.reads().dead_letters(10).await.unwrap().is_empty());
 }
+
+/// An order whose first step's request cannot be built (its template reads
+/// an attribute the order does not have) is refused by the machine at
+/// intake: nothing is sent, the order ends compensated at once with a
+/// `request_not_built` alert naming the placeholder, and an order that has
+/// the attribute, in the same batch, runs. Before, the intake statement
+/// started the step the machine would not send, and the order waited for
+/// its deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_whose_first_request_has_a_hole_is_refused_at_intake_with_an_alert() {
+    let env = TestEnv::with_step_timeout(10_000).await;
+    let reserve = format!(
+        "{}[steps.request.body]\nwarehouse = \"${{/attributes/warehouse}}\"\n\n",
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None)
+    );
+    let workflow = format!(
+        "name = \"order\"\nversion = 1\n{reserve}{}{}",
+        env.call_step(("charge_payment", "payment", "charge", "refund"), None),
+        env.call_step(("create_shipment", "shipping", "ship", "cancel"), None),
+    );
+    let scheduler_settings = env.workflows(&[("order.toml", &workflow)]);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    let mut with = order("with-warehouse");
+    with.attributes = Some(serde_json::from_value(json!({ "warehouse": "lyon" })).unwrap());
+    env.publish_order(&publisher, &order("no-warehouse")).await;
+    env.publish_order(&publisher, &with).await;
+    // Both in one intake batch: the scheduler starts with them waiting.
+    let _scheduler = env.scheduler(0, &scheduler_settings);
+    let started = std::time::Instant::now();
+    let state = ended(&env, "no-warehouse", Duration::from_secs(20)).await;
+    assert_eq!(state, ProcessState::Compensated);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "refused at once, not at its deadline"
+    );
+    let history = env.store.reads().history("no-warehouse").await.unwrap();
+    assert!(
+        !history.iter().any(|h| h.event == HistoryEvent::Dispatched),
+        "nothing was sent: {history:#?}"
+    );
+    let alerts = env.store.reads().alerts(false, 10).await.unwrap();
+    let alert = alerts
+        .iter()
+        .find(|a| a.order_id.as_deref() == Some("no-warehouse"))
+        .expect("an alert");
+    assert_eq!(alert.kind, AlertKind::RequestNotBuilt);
+    assert!(
+        alert.message.contains("${/attributes/warehouse}"),
+        "{}",
+        alert.message
+    );
+    env.wait_for_state(
+        "with-warehouse",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(sim.applied_keys("no-warehouse").await.is_empty());
+}

@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::Writes;
 use crate::machine::{decide, Context, Event, Snapshot};
-use crate::model::{NewStep, Plan, Progress};
+use crate::model::{Dispatch, NewStep, Plan, Progress};
 use crate::StoreError;
 
 /// What became of a submitted order.
@@ -86,6 +86,29 @@ struct Batch<'a> {
 }
 
 impl Batch<'_> {
+    /// Whether submission `index`'s first request can be built as its first
+    /// attempt would send it (its template finds every value, it is not too
+    /// large): only then may the single statement start it.
+    fn first_request_builds(&self, index: usize) -> bool {
+        let order_id = &self.submissions[index].order.order_id;
+        let mut first = crate::machine::StepRow::new(order_id, 0, &self.steps[0]);
+        first.state = crate::model::StepState::Running;
+        first.attempt = 1;
+        first.attempt_id = Some(sas_messages::AttemptId::new());
+        first.complete_by = Some(Utc::now());
+        let payload = crate::machine::dispatch::payload(&self.bodies[index], std::iter::empty());
+        Dispatch::for_step(
+            order_id,
+            &first,
+            sas_messages::StepKind::Action,
+            payload,
+            self.start_margin,
+            i16::from(self.submissions[index].order.priority()),
+            self.max_request_bytes,
+        )
+        .is_ok()
+    }
+
     /// What to publish for submission `index`, stored by the statement at
     /// `received_at` with its first attempt `attempt_id`. The statement wrote
     /// what the state machine decides for a submission (the property test
@@ -202,13 +225,26 @@ impl Writes<'_> {
             .filter(|&i| seen.insert(submissions[i].order.order_id.as_str()))
             .collect();
         let attempt_ids: Vec<Uuid> = distinct.iter().map(|_| Uuid::now_v7()).collect();
-        let (mut stored, mut failed) = if steps[0].park.is_some() {
-            match self.insert_parking(&batch, &distinct).await {
-                Ok(decided) => (decided, HashMap::new()),
-                Err(error) => return every(error),
-            }
+        // The single statement starts the first step as the machine would
+        // when its request can be built; a workflow that starts with a
+        // wait, or a first request that cannot be built (a template with a
+        // hole, a request too large), takes the write kernel, where the
+        // machine decides.
+        let (fast, slow): (Vec<usize>, Vec<usize>) = if steps[0].park.is_some() {
+            (Vec::new(), distinct.clone())
         } else {
-            match self.store_distinct(&batch, &distinct, &attempt_ids).await {
+            distinct
+                .iter()
+                .partition(|&&index| batch.first_request_builds(index))
+        };
+        let fast_ids: Vec<Uuid> = fast
+            .iter()
+            .map(|index| attempt_ids[distinct.iter().position(|i| i == index).unwrap_or(0)])
+            .collect();
+        let (mut stored, mut failed) = if fast.is_empty() {
+            (HashMap::new(), HashMap::new())
+        } else {
+            match self.store_distinct(&batch, &fast, &fast_ids).await {
                 Ok((started, failed)) => (
                     started
                         .into_iter()
@@ -221,6 +257,12 @@ impl Writes<'_> {
                 Err(error) => return every(StoreError::Database(error)),
             }
         };
+        if !slow.is_empty() {
+            match self.insert_through_machine(&batch, &slow).await {
+                Ok(decided) => stored.extend(decided),
+                Err(error) => return every(error),
+            }
+        }
         let mut outcomes = Vec::with_capacity(submissions.len());
         for (index, submission) in submissions.iter().enumerate() {
             let order_id = &submission.order.order_id;
@@ -456,18 +498,19 @@ impl Writes<'_> {
             .collect()
     }
 
-    /// Stores the submissions at `distinct` of a workflow whose first step
-    /// waits (for an event or a time), in one transaction: each order, its
-    /// process record and its steps as they are before intake (pending,
+    /// Stores the submissions at `distinct` in one transaction: each order,
+    /// its process record and its steps as they are before intake (pending,
     /// nothing started), then the state machine's intake through the write
-    /// kernel, which parks it (or uses at once an event already in its
-    /// mailbox). Slower than the single statement of a workflow that starts
-    /// with a call, and only for such workflows. Returns what each stored
-    /// order publishes; orders already stored are left out.
+    /// kernel. For a workflow whose first step waits (for an event or a
+    /// time), which the machine parks (or ends at once with an event already
+    /// in its mailbox), and for an order whose first request cannot be built
+    /// (the machine refuses it, and the order is undone with an alert).
+    /// Slower than the single statement, and only for those. Returns what
+    /// each stored order publishes; orders already stored are left out.
     ///
     /// # Errors
     /// When the database fails: nothing is stored.
-    async fn insert_parking(
+    async fn insert_through_machine(
         self,
         batch: &Batch<'_>,
         distinct: &[usize],
