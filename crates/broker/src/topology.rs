@@ -273,7 +273,16 @@ pub async fn status_consumer(
 ) -> Result<(String, lapin::Consumer), BrokerError> {
     let timeout = settings.operation_timeout();
     let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
-    declare_common(&channel, settings).await?;
+    // The status exchange alone: the dead-letter queues may exist with
+    // another delivery limit than this client's settings give
+    // ([`declare`] keeps them as they are), and a watcher needs none of them.
+    declare_exchange(
+        &channel,
+        settings,
+        &settings.names().status_exchange(),
+        ExchangeKind::Topic,
+    )
+    .await?;
     let queue = timed(
         "declaring a status queue",
         timeout,
