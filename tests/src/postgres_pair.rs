@@ -96,6 +96,18 @@ impl PostgresPair {
         );
     }
 
+    /// Stops the standby (a fast shutdown): what the primary commits from
+    /// now on is on the primary alone.
+    pub fn stop_standby(&self) {
+        let data = self.dir.join("standby");
+        self.postgres("pg_ctl", &["-D", path(&data), "-m", "fast", "-w", "stop"]);
+    }
+
+    /// Starts the standby again (after [`PostgresPair::stop_standby`]).
+    pub fn start_standby(&self) {
+        self.start_cluster("standby", self.standby_port);
+    }
+
     /// Promotes the standby to primary, and waits until it takes writes.
     pub fn promote_standby(&self) {
         let data = self.dir.join("standby");

@@ -2,17 +2,25 @@
 //! side is passed on after a fixed delay (in order: a slow link, not a
 //! lossy one). Put between a service and Postgres, it stretches every round
 //! trip, so that a test can catch the service between two statements of a
-//! transaction, as a process stopped there would be.
+//! transaction, as a process stopped there would be. It can also be the
+//! route to whichever Postgres is primary, as HAProxy is: new connections
+//! go to the upstream it was last pointed at ([`DelayProxy::point_at`]),
+//! and [`DelayProxy::cut`] closes those open, as a failover does.
 
 use std::time::Duration;
 
+use std::sync::{Arc, Mutex};
+
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 /// A running delaying proxy; it stops accepting when dropped.
 pub struct DelayProxy {
     /// The port it listens on (127.0.0.1).
     pub port: u16,
+    upstream: Arc<Mutex<String>>,
+    cuts: watch::Sender<u64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -25,10 +33,14 @@ impl DelayProxy {
     pub async fn start(upstream: &str, delay: Duration) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("local address").port();
-        let upstream = upstream.to_owned();
+        let upstream = Arc::new(Mutex::new(upstream.to_owned()));
+        let cuts = watch::Sender::new(0);
+        let (target, watching) = (upstream.clone(), cuts.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let upstream = upstream.clone();
+                let upstream = target.lock().expect("the upstream").clone();
+                let mut cut = watching.subscribe();
+                cut.mark_unchanged();
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(&upstream).await else {
                         return;
@@ -40,11 +52,31 @@ impl DelayProxy {
                     tokio::select! {
                         () = relay(client_read, server_write, delay) => {}
                         () = relay(server_read, client_write, delay) => {}
+                        _ = cut.changed() => {}
                     }
                 });
             }
         });
-        Self { port, accept }
+        Self {
+            port,
+            upstream,
+            cuts,
+            accept,
+        }
+    }
+
+    /// New connections go to `upstream` (`host:port`) from now on.
+    ///
+    /// # Panics
+    /// When a thread panicked holding the upstream.
+    pub fn point_at(&self, upstream: &str) {
+        *self.upstream.lock().expect("the upstream") = upstream.to_owned();
+    }
+
+    /// Closes every connection open through the proxy (new ones are
+    /// accepted).
+    pub fn cut(&self) {
+        self.cuts.send_modify(|cuts| *cuts += 1);
     }
 
     /// `url` (a Postgres URL) pointed at the proxy instead of its host.

@@ -41,17 +41,20 @@ pub struct SoakSample {
     pub rss_mib: Vec<(String, f64)>,
 }
 
-/// The settings the soak gives every service: retention `secs` short, and
+/// The settings the soak gives every service: retention `secs` short,
 /// remote-sim forgetting idempotency keys four times that long after it
 /// decided them, so that the simulator's memory levels off like the
 /// services'. The soak's remote is lenient and never fails, so no call is
-/// retried that long after its first one.
-pub fn settings(secs: u64) -> [Setting; 4] {
+/// retried that long after its first one. The schedulers remember the
+/// orders they acknowledged for half of `secs`: an order retention deleted
+/// must not look lost to their audit.
+pub fn settings(secs: u64) -> [Setting; 5] {
     [
         Setting::RetentionFinishedSecs(secs),
         Setting::RetentionDeadLettersSecs(secs),
         Setting::RetentionIntervalMs(1000),
         Setting::SimKeysKeptSecs(secs * 4),
+        Setting::SchedulerAcknowledgedAuditSecs(secs / 2),
     ]
 }
 

@@ -103,6 +103,9 @@ settings! {
     SchedulerAdmissionCeiling(u32) => "SAS_SCHEDULER__ADMISSION_CEILING",
     /// `scheduler.drain_ms`: how long SIGTERM waits for work in hand.
     SchedulerDrainMs(u64) => "SAS_SCHEDULER__DRAIN_MS",
+    /// `scheduler.acknowledged_audit_secs`: how long acknowledged order
+    /// ids are remembered, to check after a failover.
+    SchedulerAcknowledgedAuditSecs(u64) => "SAS_SCHEDULER__ACKNOWLEDGED_AUDIT_SECS",
     /// `supervisor.id`: the supervisor's name in history.
     SupervisorId(String) => "SAS_SUPERVISOR__ID",
     /// `supervisor.interval_ms`: how often missed deadlines are scanned for.

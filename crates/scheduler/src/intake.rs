@@ -107,7 +107,13 @@ impl Scheduler {
                 metrics::counter!("sas_orders_received_total").increment(1);
                 tracing::info!(order_id = %order.order_id, trace_id = %trace_id, redelivered = delivery.redelivered, "order received");
                 match self.announce(Some(publisher), &progress).await {
-                    Ok(()) => Consumed::Ack,
+                    Ok(()) => {
+                        let keep = std::time::Duration::from_secs(
+                            self.settings.scheduler.acknowledged_audit_secs,
+                        );
+                        self.acknowledged.record(&order.order_id, keep);
+                        Consumed::Ack
+                    }
                     Err(error) => {
                         // Committed, and not confirmed even on a later
                         // connection within the request's start window (or

@@ -11,6 +11,7 @@
 //! one durable reply queue, and the store's row locks make sure no two of them
 //! change the same order at once.
 
+pub mod audit;
 pub mod catalog;
 pub mod claim;
 pub mod events;
@@ -70,6 +71,9 @@ pub struct Scheduler {
     pub claim_wake: tokio::sync::Notify,
     /// When a claim last took an order (see [`Scheduler::slot_freed`]).
     pub last_claimed: claim::LastClaimed,
+    /// The orders it acknowledged lately, checked against the database
+    /// after it lost its connections ([`audit`]).
+    pub acknowledged: audit::Acknowledged,
 }
 
 /// Runs a scheduler until `shutdown`, then drains in-flight messages.
@@ -131,7 +135,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         answered: refusal::Answered::default(),
         claim_wake: tokio::sync::Notify::new(),
         last_claimed: claim::LastClaimed::default(),
+        acknowledged: audit::Acknowledged::default(),
     });
+    tokio::spawn(audit::run(scheduler.clone()));
     session
         .run(shutdown, |connection, publisher| {
             let scheduler = scheduler.clone();

@@ -58,6 +58,16 @@ pub struct SchedulerSettings {
     pub admission_initial: i32,
     /// The most attempts in flight per agent the limit may ever reach.
     pub admission_ceiling: i32,
+    /// How long the scheduler remembers the orders it acknowledged, in
+    /// seconds, to check them against the database whenever its pool
+    /// replaced connections it lost (after a failover): 0 checks nothing. See
+    /// [`crate::audit`].
+    #[serde(default = "default_acknowledged_audit_secs")]
+    pub acknowledged_audit_secs: u64,
+}
+
+fn default_acknowledged_audit_secs() -> u64 {
+    60
 }
 
 impl Validate for Settings {
@@ -70,6 +80,12 @@ impl Validate for Settings {
         }
         if self.scheduler.claim_interval_ms == 0 {
             return Err("scheduler.claim_interval_ms must be positive".into());
+        }
+        if self.scheduler.acknowledged_audit_secs > 3600 {
+            return Err(
+                "scheduler.acknowledged_audit_secs must be at most 3600: the scheduler keeps every order id it acknowledged that long in memory"
+                    .into(),
+            );
         }
         if !(1..=1000).contains(&self.scheduler.claim_batch) {
             return Err("scheduler.claim_batch must be between 1 and 1000".into());

@@ -277,6 +277,11 @@ pub struct Store {
     /// The largest step request the decisions taken through this store may
     /// build (`amqp.max_message_bytes`).
     max_request_bytes: usize,
+    /// Connections the pool has opened so far: a new one after the first
+    /// means the pool lost connections (a failover, a database restart) and
+    /// what was committed before may be worth checking
+    /// ([`Store::connections_opened`]).
+    connections_opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The largest step request a store builds unless told otherwise: the
@@ -293,17 +298,43 @@ impl Store {
         settings: &DatabaseSettings,
         application_name: &str,
     ) -> Result<Self, StoreError> {
+        let connections_opened = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let opened = connections_opened.clone();
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(Duration::from_millis(settings.acquire_timeout_ms))
             .test_before_acquire(false)
-            .after_connect(|connection, _| Box::pin(refuse_standby(connection)))
+            .after_connect(move |connection, _| {
+                let opened = opened.clone();
+                Box::pin(async move {
+                    refuse_standby(connection).await?;
+                    opened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Ok(())
+                })
+            })
             .connect_lazy_with(settings.connect_options(application_name)?);
         Ok(Self {
             pool,
             deadlines: crate::DeadlineSettings::default(),
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            connections_opened,
         })
+    }
+
+    /// How many connections to a primary the pool has opened so far. Less
+    /// those open now, it says how many the pool closed: when it replaced
+    /// connections it lost (a failover, a database or proxy restart), the
+    /// scheduler checks that the primary it reaches holds what it
+    /// acknowledged (its audit of acknowledged orders).
+    pub fn connections_opened(&self) -> u64 {
+        self.connections_opened
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many connections the pool holds now (those being opened
+    /// included): with [`Store::connections_opened`], how many it closed.
+    pub fn connections_open(&self) -> u32 {
+        self.pool.size()
     }
 
     /// This store building step requests of at most `bytes` (the

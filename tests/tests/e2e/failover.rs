@@ -321,6 +321,22 @@ async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
     .await;
 }
 
+/// A primary and its streaming standby, with database `sas` created on the
+/// primary.
+async fn pair_with_database() -> PostgresPair {
+    let pair = tokio::task::spawn_blocking(PostgresPair::start)
+        .await
+        .expect("start a primary and its standby");
+    let mut admin = sqlx::PgConnection::connect(&pair.primary_url("postgres"))
+        .await
+        .expect("connect to the primary");
+    sqlx::query("CREATE DATABASE sas")
+        .execute(&mut admin)
+        .await
+        .expect("create the database");
+    pair
+}
+
 /// A scheduler whose database URL reaches only a standby (as after a
 /// failover, before the routing follows) is not ready and writes nothing
 /// there: its migrations and an order that arrives wait. Once the primary
@@ -329,17 +345,8 @@ async fn a_node_that_is_down_is_skipped_for_the_next_one_in_the_list() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_service_that_reaches_only_a_standby_waits_until_it_is_promoted() {
     let env = TestEnv::new().await;
-    let pair = tokio::task::spawn_blocking(PostgresPair::start)
-        .await
-        .expect("start a primary and its standby");
     // Created on the primary, the database reaches the standby by replication.
-    let mut admin = sqlx::PgConnection::connect(&pair.primary_url("postgres"))
-        .await
-        .expect("connect to the primary");
-    sqlx::query("CREATE DATABASE sas")
-        .execute(&mut admin)
-        .await
-        .expect("create the database");
+    let pair = pair_with_database().await;
     wait_until(
         "the database to reach the standby",
         Duration::from_secs(20),
@@ -490,4 +497,124 @@ async fn an_agent_sends_a_nacked_reply_again_without_handing_its_request_back() 
     for (key, count) in sim.applied_per_key().await.unwrap() {
         assert_eq!(count, 1, "{key} applied {count} times");
     }
+}
+
+/// An asynchronous standby that was behind when its primary crashed lost
+/// the orders committed (and acknowledged) in between, and nothing in the
+/// promoted database says they ever existed. The scheduler remembers what
+/// it acknowledged: once its pool reaches the promoted standby (through a
+/// proxy standing in for HAProxy), it raises one `orders_lost` alert naming
+/// exactly those orders, and not the one the standby had.
+#[tokio::test(flavor = "multi_thread")]
+async fn orders_a_failover_lost_after_they_were_acknowledged_are_named_in_an_alert() {
+    let env = TestEnv::new().await;
+    let pair = pair_with_database().await;
+    let primary = format!("127.0.0.1:{}", pair.primary_port);
+    let route = sas_tests::tcp_delay::DelayProxy::start(&primary, Duration::ZERO).await;
+    let port = free_port();
+    let scheduler = env.scheduler(
+        0,
+        &[
+            Setting::DatabaseUrl(route.postgres_url(&pair.primary_url("sas"))),
+            Setting::Listen(port),
+        ],
+    );
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("kept-1")).await;
+    wait_for_order(&pair.standby_url("sas"), "kept-1", "the standby").await;
+
+    // From now on the primary commits alone.
+    let pair = tokio::task::spawn_blocking(move || {
+        pair.stop_standby();
+        pair
+    })
+    .await
+    .expect("stop the standby");
+    let lost = ["lost-1", "lost-2", "lost-3"];
+    for id in lost {
+        env.publish_order(&publisher, &order(id)).await;
+    }
+    for id in lost {
+        wait_for_order(&pair.primary_url("sas"), id, "the primary").await;
+    }
+    // Acknowledged: the scheduler remembers all four.
+    wait_until(
+        "the scheduler to acknowledge the orders",
+        Duration::from_secs(20),
+        || async {
+            let remembered = metric(port, "sas_audit_acknowledged_orders").await;
+            (remembered.unwrap_or(0.0) >= 4.0)
+                .then_some(())
+                .ok_or_else(|| format!("{remembered:?}"))
+        },
+    )
+    .await;
+    let pair = tokio::task::spawn_blocking(move || {
+        pair.crash_primary();
+        pair.start_standby();
+        pair.promote_standby();
+        pair
+    })
+    .await
+    .expect("crash the primary and promote the standby");
+    route.point_at(&format!("127.0.0.1:{}", pair.standby_port));
+    route.cut();
+    let promoted = Store::connect_lazy(&database_settings(&pair.standby_url("sas")), "sas-tests")
+        .expect("store settings");
+
+    let alert = wait_until(
+        "an orders_lost alert on the promoted standby",
+        Duration::from_secs(30),
+        || async {
+            let alerts = promoted
+                .reads()
+                .alerts(false, 100)
+                .await
+                .map_err(|e| e.to_string())?;
+            alerts
+                .into_iter()
+                .find(|alert| alert.kind == sas_store::machine::AlertKind::OrdersLost)
+                .ok_or_else(|| "no alert yet".to_owned())
+        },
+    )
+    .await;
+    assert!(alert.order_id.is_none(), "{alert:?}");
+    assert!(
+        alert
+            .message
+            .starts_with("3 orders scheduler-0 acknowledged"),
+        "{}",
+        alert.message
+    );
+    for id in lost {
+        assert!(alert.message.contains(id), "{id}: {}", alert.message);
+    }
+    assert!(!alert.message.contains("kept-1"), "{}", alert.message);
+    assert_eq!(metric(port, "sas_orders_lost_total").await, Some(3.0));
+    assert!(
+        scheduler.log_text().contains("lost-2"),
+        "the log names every lost order"
+    );
+}
+
+/// Waits until the database at `url` (a primary or a standby) holds order
+/// `order_id`.
+async fn wait_for_order(url: &str, order_id: &str, what: &str) {
+    wait_until(
+        &format!("{order_id} on {what}"),
+        Duration::from_secs(20),
+        || async {
+            let mut connection = sqlx::PgConnection::connect(url)
+                .await
+                .map_err(|e| e.to_string())?;
+            let held: Option<String> =
+                sqlx::query_scalar("SELECT order_id FROM orders WHERE order_id = $1")
+                    .bind(order_id)
+                    .fetch_optional(&mut connection)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            held.map(drop).ok_or_else(|| "not yet".to_owned())
+        },
+    )
+    .await;
 }

@@ -153,6 +153,11 @@ stored_names! {
         /// finds no value, a request over the message limit): nothing was
         /// sent.
         RequestNotBuilt = "request_not_built",
+        /// Orders a scheduler acknowledged are not in the database it
+        /// reaches after losing its connections: the primary it reaches now
+        /// does not hold commits an earlier one acknowledged (a failover
+        /// that lost them).
+        OrdersLost = "orders_lost",
     }
 }
 

@@ -228,6 +228,22 @@ impl Reads<'_> {
         .await?)
     }
 
+    /// Which of `order_ids` the database does not hold, in their order:
+    /// orders acknowledged to their clients that a failover lost.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn missing_orders(self, order_ids: &[&str]) -> Result<Vec<String>, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT ids.order_id FROM UNNEST($1::text[]) WITH ORDINALITY AS ids(order_id, n)
+              WHERE NOT EXISTS (SELECT 1 FROM orders o WHERE o.order_id = ids.order_id)
+              ORDER BY ids.n",
+        )
+        .bind(order_ids)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
     /// Operator alerts, newest first; resolved ones only when asked.
     ///
     /// # Errors

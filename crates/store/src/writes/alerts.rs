@@ -1,9 +1,11 @@
 //! What operators do with alerts: acknowledge one (someone is on it), then
 //! resolve it with a note. Each is recorded in the order's history with who
-//! did it, beside the transitions the state machine decides.
+//! did it, beside the transitions the state machine decides. And the one
+//! alert about no order in particular a service raises itself: orders it
+//! acknowledged that the database lost ([`Writes::alert_orders_lost`]).
 
 use super::Writes;
-use crate::machine::HistoryEvent;
+use crate::machine::{AlertKind, HistoryEvent};
 use crate::StoreError;
 
 /// What became of an operator's action on an alert.
@@ -18,6 +20,21 @@ pub enum AlertAction {
 }
 
 impl Writes<'_> {
+    /// Raises an [`AlertKind::OrdersLost`] alert, about no one order (they
+    /// are not in the database), with `message`: which orders, acknowledged
+    /// when, and what to do.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn alert_orders_lost(self, message: &str) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO alerts (order_id, kind, message) VALUES (NULL, $1, $2)")
+            .bind(AlertKind::OrdersLost.as_str())
+            .bind(message)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
     /// Marks an open alert acknowledged by `actor`. Acknowledging it again
     /// keeps the first acknowledgement.
     ///
