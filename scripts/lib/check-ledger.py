@@ -9,7 +9,9 @@ up to 20 problems, and exits 1 if there is any:
 - a processed order whose reserve, charge and ship were not each applied
   once, or that had anything undone;
 - a compensated order with an applied action not undone exactly once;
-- an undo applied before the action it undoes (remote-sim's applied_at).
+- an undo applied before the action it undoes (remote-sim's applied_at);
+- an effect for an order the database does not know (its commit was lost:
+  a customer charged for an order nobody has).
 Used by scripts/compose-test.sh and scripts/ha-test.sh.
 """
 import collections
@@ -57,7 +59,10 @@ for order, state in states.items():
             undo = undos[operation]
             if applied[(order, service, operation)] and applied[(order, *undo)] != 1:
                 problems.append(f"{order} compensated but {service}/{operation} not undone once")
-print(f"entries={len(entries)} duplicates={duplicates}")
+unknown = sorted({order for (order, _, _) in applied} - set(states))
+for order in unknown:
+    problems.append(f"{order}: effects applied for an order the database does not know")
+print(f"entries={len(entries)} duplicates={duplicates} unknown_orders={len(unknown)}")
 for p in problems[:20]:
     print(p)
 sys.exit(1 if duplicates or problems else 0)

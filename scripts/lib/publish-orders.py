@@ -8,7 +8,10 @@ as confirmed), every DECLINED-th one (0: none) with an amount the payment
 service declines, and keeps the number confirmed in the file PROGRESS. When
 a broker node goes away it connects to the next URL of AMQP_URLS (round
 robin, for 120 s at most) and publishes the unconfirmed order again: intake
-is idempotent on the order id, so a repeat is a no-op.
+is idempotent on the order id, so a repeat is a no-op. With CONFIRMED set
+to a file, it also appends `order_id<TAB>unix time` there for each order
+the broker confirmed: what the end of a run checks is stored
+(scripts/lib/check-confirmed.py).
 """
 import json
 import os
@@ -21,6 +24,7 @@ import pika
 prefix, count, rate, declined, progress = (
     sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 urls = os.environ["AMQP_URLS"].split()
+confirmed_log = open(os.environ["CONFIRMED"], "a") if os.environ.get("CONFIRMED") else None
 properties = pika.BasicProperties(content_type="application/json", delivery_mode=2)
 stopping = False
 
@@ -74,6 +78,9 @@ while (count == 0 or i < count) and not stopping:
         node += 1
         channel, reconnects = connect(), reconnects + 1
         continue
+    if confirmed_log:
+        confirmed_log.write(f"{order['order_id']}\t{time.time():.3f}\n")
+        confirmed_log.flush()
     i += 1
     report(i)
 print(f"{i} orders confirmed, {reconnects} reconnections", flush=True)

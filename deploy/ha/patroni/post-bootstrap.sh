@@ -1,8 +1,8 @@
 #!/bin/sh
 # Patroni's post_bootstrap: runs once, on the first primary, after initdb.
 # Creates the schema owner (SAS_OWNER_PASSWORD) and the database, then the
-# services' role with deploy/postgres/roles.sql, as the single-node compose
-# file's init-roles.sh does.
+# services' role and the gateway's with deploy/postgres/roles.sql, as the
+# single-node compose file's init-roles.sh does.
 set -eu
 : "${SAS_OWNER_PASSWORD:?SAS_OWNER_PASSWORD must be set}"
 : "${SAS_APP_PASSWORD:?SAS_APP_PASSWORD must be set}"

@@ -986,6 +986,72 @@ fn the_highly_available_override_adds_settings_the_binaries_accept() {
         }
     }
     published_on_loopback_only(services);
+    control_plane_is_closed(&base, &ha);
+}
+
+/// The names of the networks a compose service joins (a list or a map).
+fn networks_of(service: &Value) -> Vec<String> {
+    match &service["networks"] {
+        Value::Sequence(list) => list.iter().map(as_str).collect(),
+        Value::Mapping(map) => map.keys().map(as_str).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// etcd and the Postgres nodes sit on internal networks of their own
+/// (`dcs`, `db`); only the HAProxies join `db` beside them, and no service
+/// of the system joins either; two HAProxies answer to `postgres`.
+fn control_plane_is_closed(base: &Value, ha: &Value) {
+    for network in ["dcs", "db"] {
+        assert_eq!(
+            ha["networks"][network]["internal"].as_bool(),
+            Some(true),
+            "network {network} is internal"
+        );
+    }
+    let mut names: Vec<String> = ha["services"]
+        .as_mapping()
+        .expect("services")
+        .keys()
+        .map(as_str)
+        .collect();
+    names.extend(
+        base["services"]
+            .as_mapping()
+            .expect("services")
+            .keys()
+            .map(as_str),
+    );
+    names.sort();
+    names.dedup();
+    for name in &names {
+        let mut joined = networks_of(&base["services"][name.as_str()]);
+        joined.extend(networks_of(&ha["services"][name.as_str()]));
+        let expected: &[&str] = if name.starts_with("etcd") {
+            &["dcs"]
+        } else if name.starts_with("pg-") {
+            &["dcs", "db"]
+        } else if name == "postgres" || name == "postgres-2" {
+            &["default", "db"]
+        } else {
+            &[]
+        };
+        let control: Vec<&String> = joined
+            .iter()
+            .filter(|n| *n == "dcs" || *n == "db")
+            .collect();
+        let wanted: Vec<&str> = expected
+            .iter()
+            .copied()
+            .filter(|n| *n != "default")
+            .collect();
+        assert_eq!(control, wanted, "{name} joins {joined:?}");
+    }
+    assert_eq!(
+        strings(&ha["services"]["postgres-2"]["networks"]["default"]["aliases"]),
+        vec!["postgres".to_owned()],
+        "the second HAProxy answers to postgres"
+    );
 }
 
 #[test]
