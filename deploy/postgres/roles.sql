@@ -15,6 +15,11 @@
 -- sas_retire_finished, sas_retire_dead_letters), which delete only finished
 -- orders (none with an open alert) and dead letters older than the age they
 -- are given; only app_role may execute the owner's functions.
+--
+-- reader_role (sas_reader; optional: given with -v reader_role=sas_reader
+-- -v reader_password=...) is what the HTTP gateway logs in as: it only
+-- reads, so it may only SELECT the owner's tables, and execute none of the
+-- owner's functions.
 
 SELECT format('CREATE ROLE %I LOGIN PASSWORD %L', :'app_role', :'app_password')
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'app_role')\gexec
@@ -42,7 +47,9 @@ ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
   GRANT SELECT, INSERT, UPDATE ON TABLES TO :"app_role";
 ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
   GRANT USAGE, SELECT ON SEQUENCES TO :"app_role";
-ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+-- Not per schema: PUBLIC's EXECUTE is a global default, which a per-schema
+-- REVOKE leaves in place (a per-schema default only adds to the global one).
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner"
   REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
 ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
   GRANT EXECUTE ON FUNCTIONS TO :"app_role";
@@ -55,3 +62,14 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO :"app_role";
 -- Read-only for the services, whatever the lines above granted.
 REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON public._sqlx_migrations FROM :"app_role";
 GRANT SELECT ON public._sqlx_migrations TO :"app_role";
+
+-- The reader, if asked for: SELECT on the owner's tables, now and later.
+\if :{?reader_role}
+SELECT format('CREATE ROLE %I LOGIN PASSWORD %L', :'reader_role', :'reader_password')
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'reader_role')\gexec
+GRANT CONNECT ON DATABASE :"db" TO :"reader_role";
+GRANT USAGE ON SCHEMA public TO :"reader_role";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public
+  GRANT SELECT ON TABLES TO :"reader_role";
+GRANT SELECT ON ALL TABLES IN SCHEMA public TO :"reader_role";
+\endif

@@ -95,12 +95,17 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             async move { supervisor.work(connection, publisher).await }
         })
         .await;
-    // The scan loop stops on the same shutdown token; wait for its last transaction.
-    let _ = tokio::time::timeout(
+    // The scan loop stops on the same shutdown token; wait for its last
+    // transaction. Retention stops the supervisor when its ages are below
+    // the database's floor: that is the supervisor's error.
+    if let Ok((_, Ok(Err(error)))) = tokio::time::timeout(
         Duration::from_millis(supervisor.settings.supervisor.drain_ms),
         async { tokio::join!(scanning, retiring) },
     )
-    .await;
+    .await
+    {
+        return Err(error);
+    }
     Ok(())
 }
 

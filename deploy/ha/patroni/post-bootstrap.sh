@@ -6,6 +6,10 @@
 set -eu
 : "${SAS_OWNER_PASSWORD:?SAS_OWNER_PASSWORD must be set}"
 : "${SAS_APP_PASSWORD:?SAS_APP_PASSWORD must be set}"
+: "${SAS_READER_PASSWORD:?SAS_READER_PASSWORD must be set}"
+# No standby exists yet: in strict synchronous mode a commit would wait
+# for one for ever. These commits are the bootstrap's own.
+export PGOPTIONS='-c synchronous_commit=local'
 psql -v ON_ERROR_STOP=1 -h /run/postgresql -U postgres -d postgres \
   -v password="$SAS_OWNER_PASSWORD" <<'SQL'
 SELECT format('CREATE ROLE sas_owner LOGIN SUPERUSER PASSWORD %L', :'password')\gexec
@@ -13,4 +17,5 @@ CREATE DATABASE sas OWNER sas_owner;
 SQL
 psql -v ON_ERROR_STOP=1 -h /run/postgresql -U sas_owner -d sas \
   -v owner=sas_owner -v db=sas -v app_role=sas_app \
-  -v app_password="$SAS_APP_PASSWORD" -f /sas/postgres/roles.sql
+  -v app_password="$SAS_APP_PASSWORD" -v reader_role=sas_reader \
+  -v reader_password="$SAS_READER_PASSWORD" -f /sas/postgres/roles.sql

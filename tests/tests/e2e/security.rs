@@ -6,8 +6,9 @@
 //! - the whole system runs under the role users and their permissions, and
 //!   a forged reply and forged dead-letter headers change no order;
 //! - a 40 MiB message on any queue we consume stops nothing;
-//! - sas_app, as deploy/postgres/roles.sql creates it, cannot delete history
-//!   or write _sqlx_migrations, and still runs the services.
+//! - sas_app, as deploy/postgres/roles.sql creates it, cannot update or
+//!   delete history, retire younger than the owner's floor, or write
+//!   _sqlx_migrations, and still runs the services.
 //!
 //! Users and roles are created with the test's own names and prefix, and
 //! removed at the end, also when a test fails.
@@ -660,9 +661,14 @@ fn as_user(url: &str, user: &str) -> String {
 }
 
 #[tokio::test]
-async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_services() {
+async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_still_runs_the_services(
+) {
     let role = AppRole(format!(
         "sas_app_t{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    ));
+    let reader = AppRole(format!(
+        "sas_reader_t{}",
         &uuid::Uuid::new_v4().simple().to_string()[..10]
     ));
     let env = TestEnv::unmigrated(3000).await;
@@ -674,6 +680,8 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
         .args(["-v", &format!("db={}", env.database)])
         .args(["-v", &format!("app_role={}", role.0)])
         .args(["-v", "app_password=unused"])
+        .args(["-v", &format!("reader_role={}", reader.0)])
+        .args(["-v", "reader_password=unused"])
         .arg("-f")
         .arg(repo_root().join("deploy/postgres/roles.sql"))
         .output()
@@ -702,6 +710,21 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
             "UPDATE _sqlx_migrations SET success = false",
         ),
         ("delete orders", "DELETE FROM orders"),
+        // History is append-only (migration 0022's trigger), and the
+        // retention floor the owner's alone.
+        ("update history", "UPDATE history SET detail = 'forged'"),
+        (
+            "retire with an age of a microsecond",
+            "SELECT sas_retire_finished(interval '1 microsecond', 1000)",
+        ),
+        (
+            "retire dead letters with an age of a microsecond",
+            "SELECT sas_retire_dead_letters(interval '1 microsecond', 1000)",
+        ),
+        (
+            "lower the retention floor",
+            "UPDATE retention_floor SET min_age = interval '0'",
+        ),
     ] {
         let error = sqlx::query(statement)
             .execute(&mut app)
@@ -731,8 +754,109 @@ async fn sas_app_cannot_delete_history_or_write_migrations_and_still_runs_the_se
     env.wait_for_count(ProcessState::Processed, 1, Duration::from_secs(30))
         .await;
     system.assert_alive().await;
+
+    // The gateway's role reads and changes nothing.
+    let reader_url = as_user(&env.database_url, &reader.0);
+    let mut read_only = sqlx::PgConnection::connect(&reader_url)
+        .await
+        .expect("sas_reader logs in");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&mut read_only)
+        .await
+        .expect("sas_reader reads the orders");
+    assert_eq!(stored, 1);
+    for (what, statement) in [
+        (
+            "insert an order",
+            "INSERT INTO orders (order_id, body) VALUES ('forged', '{}')",
+        ),
+        (
+            "update a process",
+            "UPDATE order_process SET state = 'error'",
+        ),
+        (
+            "append to history",
+            "INSERT INTO history (order_id, actor, event) SELECT order_id, 'x', 'x' FROM orders",
+        ),
+        (
+            "retire",
+            "SELECT sas_retire_finished(interval '30 days', 1)",
+        ),
+    ] {
+        let error = sqlx::query(statement)
+            .execute(&mut read_only)
+            .await
+            .expect_err(what);
+        let code = error
+            .as_database_error()
+            .and_then(|e| e.code().map(|c| c.into_owned()));
+        assert_eq!(
+            code.as_deref(),
+            Some("42501"),
+            "sas_reader may not {what}: {error}"
+        );
+    }
+    let _ = read_only.close().await;
+    let (mut gateway, base) = crate::gateway::gateway(
+        &env,
+        &[
+            Setting::DatabaseUrl(reader_url),
+            Setting::DatabaseMigrate(false),
+        ],
+    )
+    .await;
+    let status = sas_tests::http_client()
+        .get(format!("{base}/v1/orders/as-app-1"))
+        .bearer_auth(crate::gateway::SECRET)
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(
+        status.status(),
+        reqwest::StatusCode::OK,
+        "the gateway reads an order as sas_reader"
+    );
+    assert!(gateway.is_running());
+
+    // A supervisor asked to retire younger than the floor (an hour) says so
+    // at start rather than fail every pass.
+    let mut refused = env.supervisor(
+        1,
+        &[
+            Setting::DatabaseUrl(app_url.clone()),
+            Setting::DatabaseMigrate(false),
+            Setting::RetentionFinishedSecs(1),
+        ],
+    );
+    wait_until(
+        "the supervisor below the floor exits",
+        Duration::from_secs(30),
+        || {
+            let running = refused.is_running();
+            async move {
+                if running {
+                    Err("still running".to_string())
+                } else {
+                    Ok(())
+                }
+            }
+        },
+    )
+    .await;
+    let log = refused.log_text();
+    assert!(
+        log.contains(
+            "retention.finished_secs = 1 is below the database's retention floor of 3600 s"
+        ),
+        "{log}"
+    );
     // Retention deletes history only through the owner's function, which
-    // deletes nothing but finished orders past their age: sas_app may run it.
+    // deletes nothing but finished orders past their age: sas_app may run it
+    // once the owner has lowered the floor.
+    sqlx::query("UPDATE retention_floor SET min_age = interval '1 second'")
+        .execute(env.store.pool())
+        .await
+        .expect("the owner lowers the floor");
     let mut retiring = env.supervisor(
         1,
         &[
