@@ -23,6 +23,37 @@ use crate::{Agent, Lane};
 /// election or a reconnection to another node.
 pub const REPLY_RESEND_WINDOW: Duration = Duration::from_secs(10);
 
+/// The dead-lettering, unread, of a request its `user_id` (validated by
+/// RabbitMQ against the publishing user) does not name as a scheduler or
+/// supervisor (`amqp.service_users`): counted and logged; `None` for one
+/// that does.
+fn refuse_unknown_sender(
+    lane: &Lane,
+    delivery: &Delivery,
+    amqp: &sas_broker::ServiceAmqpSettings,
+) -> Option<Consumed> {
+    let user_id = delivery
+        .properties
+        .user_id()
+        .as_ref()
+        .map(|user| user.as_str().to_owned());
+    if amqp.accepts_request_from(user_id.as_deref()) {
+        return None;
+    }
+    metrics::counter!("sas_agent_refused_requests_total", "agent" => lane.name.clone())
+        .increment(1);
+    let sender = user_id.as_deref().unwrap_or("(no user_id)");
+    tracing::warn!(
+        agent = %lane.name,
+        user_id = sender,
+        correlation_id = delivery.correlation_id().unwrap_or(""),
+        "request refused unread: not published by a scheduler or supervisor (amqp.service_users)"
+    );
+    Some(Consumed::DeadLetter(format!(
+        "request refused unread: published by broker user {sender:?}, which is not one of amqp.service_users"
+    )))
+}
+
 /// How a request ended, before the reply.
 enum Finished {
     /// Send this outcome.
@@ -52,6 +83,9 @@ impl Agent {
         publisher: &Publisher,
         connection_lost: &CancellationToken,
     ) -> Consumed {
+        if let Some(refused) = refuse_unknown_sender(lane, &delivery, &self.settings.amqp) {
+            return refused;
+        }
         let received = self.clock.local_now();
         let request: StepRequest =
             match decode(&delivery.body, self.settings.amqp.max_message_bytes) {

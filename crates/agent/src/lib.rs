@@ -82,7 +82,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         "agent"
     };
     let id = sas_runtime::instance_id(kind, &settings.agent.id);
-    let session = Session::new(settings.amqp.clone(), id.clone());
+    if settings.amqp.service_users.is_empty() {
+        tracing::warn!("amqp.service_users is empty: this agent obeys a step request from any broker user that may publish to its queue; set it to the schedulers' and supervisors' broker users");
+    }
+    let session = Session::new(settings.amqp.broker.clone(), id.clone());
     let readiness = session.clone();
     sas_runtime::ops::serve(
         &settings.http.listen,

@@ -1,6 +1,6 @@
 //! The agent's settings (defaults in `defaults.toml`).
 
-use sas_broker::AmqpSettings;
+use sas_broker::ServiceAmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
 use serde::Deserialize;
 
@@ -15,8 +15,11 @@ pub struct Settings {
     pub log: LogSettings,
     /// Operations endpoint.
     pub http: HttpSettings,
-    /// RabbitMQ.
-    pub amqp: AmqpSettings,
+    /// RabbitMQ, and the broker users whose step requests this agent obeys:
+    /// `amqp.service_users`, the schedulers' and supervisors' (see
+    /// [`ServiceAmqpSettings::accepts_request_from`]). `amqp.agent_users`
+    /// means nothing to an agent.
+    pub amqp: ServiceAmqpSettings,
     /// The agent itself.
     pub agent: AgentSettings,
     /// Circuit breaker.
@@ -398,7 +401,7 @@ mod tests {
         assert_eq!(settings.validate(), Ok(()));
         for (answer, message) in [(16_385, 65_536), (65_536, 65_536), (4_096, 16_000)] {
             settings.agent.max_answer_bytes = answer;
-            settings.amqp.max_message_bytes = message;
+            settings.amqp.broker.max_message_bytes = message;
             let error = settings.validate().unwrap_err();
             assert!(
                 error.starts_with(&format!("agent.max_answer_bytes ({answer})")),

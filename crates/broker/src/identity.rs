@@ -86,6 +86,17 @@ impl ServiceAmqpSettings {
         })
     }
 
+    /// Whether an agent may obey a step request published as `user_id`:
+    /// only the schedulers and supervisors send requests and undos, so it
+    /// must be one of `amqp.service_users` (when that is set). A broker
+    /// user that may write to the default exchange (the console's, which
+    /// replays orders through it) could otherwise make an agent call any
+    /// route of its remote with any body and key.
+    pub fn accepts_request_from(&self, user_id: Option<&str>) -> bool {
+        self.service_users.is_empty()
+            || user_id.is_some_and(|user| self.service_users.iter().any(|service| service == user))
+    }
+
     /// Whether the identities are checked at all (either list is set).
     pub fn checks_identities(&self) -> bool {
         !(self.agent_users.is_empty() && self.service_users.is_empty())
@@ -150,6 +161,11 @@ mod tests {
         assert!(strict.is_service(Some("sas-agent")));
         assert!(!strict.is_service(Some("client")));
         assert!(!strict.is_service(None));
+        assert!(strict.accepts_request_from(Some("sas-scheduler")));
+        assert!(!strict.accepts_request_from(Some("sas-agent")));
+        assert!(!strict.accepts_request_from(Some("sas-console")));
+        assert!(!strict.accepts_request_from(None));
+        assert!(settings("").accepts_request_from(Some("anyone")));
     }
 
     #[test]

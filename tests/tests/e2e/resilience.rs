@@ -996,7 +996,7 @@ async fn a_channel_the_broker_closes_does_not_cost_the_session_its_connection() 
 /// A charge of `order_id` for the payment agent, published straight to its
 /// queue with `reply_to` the test's queue: no call starts after `start_in`
 /// from now, none runs past `complete_in`.
-async fn send_charge(
+pub(crate) async fn send_charge(
     env: &TestEnv,
     publisher: &sas_broker::Publisher,
     reply_to: &str,

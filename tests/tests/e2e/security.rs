@@ -345,7 +345,8 @@ impl Running {
 
 /// Starts a scheduler, a supervisor and one agent per queue, each on a known
 /// port, with `urls` (scheduler, supervisor, agent) and `vars` for the
-/// scheduler and supervisor.
+/// scheduler and supervisor; the agents get `amqp.service_users` from
+/// `vars`, if it is there.
 fn start(
     env: &TestEnv,
     sim: &sas_tests::sim::SimClient,
@@ -364,15 +365,13 @@ fn start(
     services.push((env.supervisor(0, &all), port));
     for agent in sas_tests::env::AGENTS {
         let port = free_port();
-        services.push((
-            env.agent(
-                agent,
-                0,
-                sim,
-                &[listen(port), Setting::AmqpUrl(urls[2].clone())],
-            ),
-            port,
-        ));
+        let mut all = vec![listen(port), Setting::AmqpUrl(urls[2].clone())];
+        all.extend(
+            vars.iter()
+                .filter(|var| matches!(var, Setting::AmqpServiceUsers(_)))
+                .cloned(),
+        );
+        services.push((env.agent(agent, 0, sim, &all), port));
     }
     Running { services }
 }
@@ -556,6 +555,47 @@ async fn under_role_users_a_forged_reply_and_forged_dead_letter_headers_change_n
     );
     let effects = sim.effects_by_order().await;
     assert_eq!(effects.get("victim-1"), Some(&(3, 0)), "{effects:?}");
+
+    // guest may write to the payment agent's queue (RabbitMQ cannot stop a
+    // user that writes to the default exchange), but is neither a scheduler
+    // nor a supervisor: its charge is dead-lettered unread, and no call made.
+    let payment_port = system.port("agent-payment-0");
+    crate::resilience::send_charge(
+        &env,
+        &forger,
+        &names.scheduler_replies(),
+        "forged-1",
+        (Duration::from_secs(30), Duration::from_secs(60)),
+    )
+    .await;
+    let payment_queue = names.agent_requests("payment");
+    wait_until(
+        "the forged request to be dead-lettered",
+        Duration::from_secs(20),
+        || async {
+            let rows = dead_letters(&env).await;
+            if rows.iter().any(|(source, reason, _)| {
+                reason.starts_with("request refused unread")
+                    && reason.contains("\"guest\"")
+                    && source.as_deref() == Some(payment_queue.as_str())
+            }) {
+                Ok(())
+            } else {
+                Err(format!("{rows:?}"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        metric(
+            payment_port,
+            r#"sas_agent_refused_requests_total{agent="payment"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    let effects = sim.effects_by_order().await;
+    assert!(!effects.contains_key("forged-1"), "{effects:?}");
     system.assert_alive().await;
     let _ = client.close(200, "done".into()).await;
 }
