@@ -7,7 +7,7 @@ use schemars::generate::SchemaSettings;
 use serde_json::{json, Value};
 
 use crate::events::{EventAccepted, EventSubmission};
-use crate::orders::{OrderStatusView, Problem, Submitted};
+use crate::orders::{OrderStatusView, Problem, RejectedView, Submitted};
 
 /// The document.
 pub fn document() -> Value {
@@ -17,6 +17,7 @@ pub fn document() -> Value {
     let submit = generator.subschema_for::<sas_messages::SubmitOrder>();
     let submitted = generator.subschema_for::<Submitted>();
     let status = generator.subschema_for::<OrderStatusView>();
+    let rejected = generator.subschema_for::<RejectedView>();
     let problem = generator.subschema_for::<Problem>();
     let event = generator.subschema_for::<EventSubmission>();
     let event_accepted = generator.subschema_for::<EventAccepted>();
@@ -91,6 +92,10 @@ pub fn document() -> Value {
                         },
                         "401": error("No client secret, or a wrong one."),
                         "404": error("No such order (yet)."),
+                        "422": {
+                            "description": "Intake refused the order (an unknown workflow, attributes against its schema, ...): it was not stored; state is rejected, reason says why.",
+                            "content": { "application/json": { "schema": rejected } },
+                        },
                         "429": error("Too many failed authentications from this address: see Retry-After."),
                         "503": error("The store cannot be reached: ask again (see Retry-After)."),
                     },

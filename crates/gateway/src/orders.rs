@@ -305,6 +305,22 @@ pub struct StatusQuery {
     pub wait: Option<u64>,
 }
 
+/// What `GET /v1/orders/{id}` answers (422) for an order intake refused:
+/// it was never stored, and never will be under that body.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct RejectedView {
+    /// What happened, and what to do about it.
+    pub error: String,
+    /// The order.
+    pub order_id: String,
+    /// Always `rejected`.
+    pub state: &'static str,
+    /// Why intake refused it.
+    pub reason: String,
+    /// When the refusal was recorded.
+    pub rejected_at: DateTime<Utc>,
+}
+
 /// How often a waiting request reads the order again.
 const WAIT_POLL: Duration = Duration::from_millis(250);
 
@@ -328,10 +344,36 @@ pub async fn status(
             Ok(status) => status,
             Err(error) => return store_unavailable(&error),
         };
-        let ended = status
-            .as_ref()
-            .is_some_and(|(summary, _)| summary.state.is_terminal());
+        // Not stored: intake may have refused it (an unknown workflow,
+        // attributes against its schema), which ends it as surely.
+        let refusal = match &status {
+            Some(_) => None,
+            None => match gateway
+                .store
+                .reads()
+                .order_refusal(&order_id, &gateway.names)
+                .await
+            {
+                Ok(refusal) => refusal,
+                Err(error) => return store_unavailable(&error),
+            },
+        };
+        let ended = refusal.is_some()
+            || status
+                .as_ref()
+                .is_some_and(|(summary, _)| summary.state.is_terminal());
         if ended || tokio::time::Instant::now() + WAIT_POLL > deadline {
+            if let Some(refusal) = refusal {
+                metrics::counter!("sas_gateway_refused_total", "status" => "422").increment(1);
+                let rejected = RejectedView {
+                    error: format!("order {order_id} was rejected at intake: {}; correct it and submit it again", refusal.reason),
+                    order_id,
+                    state: "rejected",
+                    reason: refusal.reason,
+                    rejected_at: refusal.at,
+                };
+                return (StatusCode::UNPROCESSABLE_ENTITY, Json(rejected)).into_response();
+            }
             return match status {
                 Some((summary, steps)) => {
                     Json(OrderStatusView::new(&summary, &steps)).into_response()

@@ -159,6 +159,24 @@ async fn an_order_submitted_over_http_runs_once_and_its_outcome_is_read_back() {
         "a refused order is not stored: {body}"
     );
 
+    // One only intake can refuse (no workflow of that name runs here) is
+    // accepted, and then read back as rejected, with intake's reason,
+    // rather than "not stored yet" for ever.
+    let mut no_such_workflow = serde_json::to_value(order("ord-http-nowhere")).unwrap();
+    no_such_workflow["workflow"] = json!("no_such_workflow");
+    let (status, _, body) = post(&base, Some(SECRET), &no_such_workflow).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let (status, body) = get(&base, "/v1/orders/ord-http-nowhere?wait=30").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["state"], "rejected", "{body}");
+    assert!(
+        body["reason"]
+            .as_str()
+            .unwrap()
+            .contains("unknown workflow \"no_such_workflow\""),
+        "{body}"
+    );
+
     // The OpenAPI document, open to all, is the one checked in.
     let served: Value = sas_tests::http_client()
         .get(format!("{base}/v1/openapi.json"))

@@ -65,7 +65,40 @@ pub struct DeadLetterRecord {
     pub disposition: Option<String>,
 }
 
+/// Why intake refused an order: the latest dead letter its id has from the
+/// orders queue, recorded from a trusted service (an untrusted one names no
+/// source queue).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Refusal {
+    /// When it was recorded.
+    pub at: chrono::DateTime<chrono::Utc>,
+    /// Why intake refused it.
+    pub reason: String,
+}
+
 impl Reads<'_> {
+    /// Why intake refused order `order_id`, if it did: for a client asking
+    /// after an order that is not stored, so that it hears `rejected` and
+    /// the reason instead of "not stored yet" for ever.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn order_refusal(
+        self,
+        order_id: &str,
+        names: &QueueNames,
+    ) -> Result<Option<Refusal>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT at, reason FROM dead_letters
+              WHERE order_id = $1 AND source_queue = $2
+              ORDER BY id DESC LIMIT 1",
+        )
+        .bind(order_id)
+        .bind(names.orders())
+        .fetch_optional(self.pool())
+        .await?)
+    }
+
     /// One recorded dead letter, or `None`.
     ///
     /// # Errors
