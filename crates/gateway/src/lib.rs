@@ -12,6 +12,7 @@
 
 pub mod clients;
 pub mod events;
+pub mod long_polls;
 pub mod openapi;
 pub mod orders;
 pub mod settings;
@@ -49,6 +50,8 @@ pub struct Gateway {
     pub clients: clients::Clients,
     /// Failed authentications by client address.
     pub logins: LoginLimiter,
+    /// Waiting reads open, per client.
+    pub long_polls: long_polls::LongPolls,
     /// Fired on SIGTERM: waiting requests end.
     pub shutdown: CancellationToken,
 }
@@ -170,6 +173,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         publisher: session.publisher(),
         clients: clients::Clients::new(clients),
         logins: LoginLimiter::new(settings.gateway.login_failures_per_minute),
+        long_polls: long_polls::LongPolls::new(settings.gateway.max_long_polls_per_client),
         store,
         shutdown: shutdown.clone(),
         settings,

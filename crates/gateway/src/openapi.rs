@@ -96,7 +96,7 @@ pub fn document() -> Value {
                             "description": "Intake refused the order (an unknown workflow, attributes against its schema, ...): it was not stored; state is rejected, reason says why.",
                             "content": { "application/json": { "schema": rejected } },
                         },
-                        "429": error("Too many failed authentications from this address: see Retry-After."),
+                        "429": error("Too many failed authentications from this address (see Retry-After), or, with ?wait, as many waiting reads of this client as gateway.max_long_polls_per_client allows."),
                         "503": error("The store cannot be reached: ask again (see Retry-After)."),
                     },
                 },

@@ -327,6 +327,7 @@ const WAIT_POLL: Duration = Duration::from_millis(250);
 /// `GET /v1/orders/{id}`.
 pub async fn status(
     State(gateway): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
     Path(order_id): Path<String>,
     Query(query): Query<StatusQuery>,
 ) -> Response {
@@ -336,6 +337,23 @@ pub async fn status(
             .unwrap_or(0)
             .min(gateway.settings.gateway.max_wait_secs),
     );
+    // Held until the answer: a waiting read takes one of the client's places.
+    let _long_poll = if wait.is_zero() {
+        None
+    } else {
+        match gateway.long_polls.enter(&caller.0) {
+            Some(place) => Some(place),
+            None => {
+                return problem(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "client {} holds {} waiting reads already (gateway.max_long_polls_per_client): ask without ?wait, or once one has been answered",
+                        caller.0, gateway.settings.gateway.max_long_polls_per_client
+                    ),
+                )
+            }
+        }
+    };
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         // The process record and steps only: a waiting request reads them

@@ -36,6 +36,9 @@ pub struct GatewaySettings {
     pub login_failures_per_minute: u32,
     /// Longest a GET may wait for an outcome, in seconds.
     pub max_wait_secs: u64,
+    /// Waiting GETs (`?wait=`) one client may hold open at once; past it,
+    /// 429 at once (see [`crate::long_polls`]).
+    pub max_long_polls_per_client: usize,
     /// How long a submission waits for the broker's confirm, in milliseconds.
     pub publish_timeout_ms: u64,
     /// Instance name; empty picks `gateway-<random>`.
@@ -48,6 +51,7 @@ impl std::fmt::Debug for GatewaySettings {
             .field("clients", &"<redacted>")
             .field("login_failures_per_minute", &self.login_failures_per_minute)
             .field("max_wait_secs", &self.max_wait_secs)
+            .field("max_long_polls_per_client", &self.max_long_polls_per_client)
             .field("publish_timeout_ms", &self.publish_timeout_ms)
             .field("id", &self.id)
             .finish()
@@ -68,6 +72,9 @@ impl Validate for Settings {
         }
         if !(1..=600).contains(&g.max_wait_secs) {
             return Err("gateway.max_wait_secs must be between 1 and 600".into());
+        }
+        if !(1..=10_000).contains(&g.max_long_polls_per_client) {
+            return Err("gateway.max_long_polls_per_client must be between 1 and 10000".into());
         }
         if !(100..=120_000).contains(&g.publish_timeout_ms) {
             return Err("gateway.publish_timeout_ms must be between 100 and 120000".into());

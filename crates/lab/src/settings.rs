@@ -222,6 +222,8 @@ settings! {
     GatewayClients(String) => "SAS_GATEWAY__CLIENTS",
     /// `gateway.login_failures_per_minute`: wrong secrets before 429.
     GatewayLoginFailuresPerMinute(u32) => "SAS_GATEWAY__LOGIN_FAILURES_PER_MINUTE",
+    /// `gateway.max_long_polls_per_client`.
+    GatewayMaxLongPollsPerClient(u32) => "SAS_GATEWAY__MAX_LONG_POLLS_PER_CLIENT",
     /// `gateway.publish_timeout_ms`: how long a submission waits for the
     /// broker's confirm.
     GatewayPublishTimeoutMs(u64) => "SAS_GATEWAY__PUBLISH_TIMEOUT_MS",

@@ -7,8 +7,10 @@
 //! confirm makes a submission answer 503, and the same submission sent
 //! again, once it does, runs the order once.
 
+use std::time::Duration;
+
 use reqwest::StatusCode;
-use sas_tests::process::{bin_dir, free_port, hash_secret, Service};
+use sas_tests::process::{bin_dir, free_port, hash_secret, wait_for_metric, Service};
 use sas_tests::proxy::AmqpProxy;
 use sas_tests::Setting;
 use sas_tests::{order, TestEnv};
@@ -277,4 +279,41 @@ async fn a_gateway_started_before_the_scheduler_declared_the_orders_exchange_tak
     let (status, outcome) = get(&base, "/v1/orders/ord-http-early?wait=30").await;
     assert_eq!(status, StatusCode::OK, "{outcome}");
     assert_eq!(outcome["outcome"], "processed", "{outcome}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_holds_at_most_its_share_of_waiting_reads() {
+    let env = TestEnv::new().await;
+    let (_gateway, base) = gateway(&env, &[Setting::GatewayMaxLongPollsPerClient(1)]).await;
+    let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
+    // One waiting read of an order that never comes holds the one place.
+    let holding = tokio::spawn({
+        let base = base.clone();
+        async move { get(&base, "/v1/orders/ord-poll-never?wait=4").await }
+    });
+    wait_for_metric(
+        "one waiting read open",
+        port,
+        r#"sas_gateway_long_polls{client="shop"}"#,
+        Duration::from_secs(10),
+        |open| open == 1.0,
+    )
+    .await;
+    // A second waiting read is refused at once; a plain read is not counted.
+    let (status, body) = get(&base, "/v1/orders/ord-poll-never?wait=4").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("gateway.max_long_polls_per_client"),
+        "{body}"
+    );
+    let (status, _) = get(&base, "/v1/orders/ord-poll-never").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    // Answered, the first frees its place.
+    let (status, _) = holding.await.unwrap();
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, body) = get(&base, "/v1/orders/ord-poll-never?wait=1").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
 }
