@@ -693,6 +693,29 @@ impl Drop for AppRole {
     }
 }
 
+/// Runs `statement` as `role` on `connection` and requires Postgres to
+/// refuse it for want of privilege (42501), whether a grant or a trigger
+/// refuses it.
+async fn assert_refused(
+    connection: &mut sqlx::PgConnection,
+    role: &str,
+    what: &str,
+    statement: &'static str,
+) {
+    let error = sqlx::query(statement)
+        .execute(connection)
+        .await
+        .expect_err(what);
+    let code = error
+        .as_database_error()
+        .and_then(|e| e.code().map(|c| c.into_owned()));
+    assert_eq!(
+        code.as_deref(),
+        Some("42501"),
+        "{role} may not {what}: {error}"
+    );
+}
+
 /// `url` with its user and password replaced.
 fn as_user(url: &str, user: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap();
@@ -766,14 +789,7 @@ async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_sti
             "UPDATE retention_floor SET min_age = interval '0'",
         ),
     ] {
-        let error = sqlx::query(statement)
-            .execute(&mut app)
-            .await
-            .expect_err(what);
-        let code = error
-            .as_database_error()
-            .and_then(|e| e.code().map(|c| c.into_owned()));
-        assert_eq!(code.as_deref(), Some("42501"), "{what}: {error}");
+        assert_refused(&mut app, "sas_app", what, statement).await;
     }
     sqlx::query_scalar::<_, i64>("SELECT count(*) FROM _sqlx_migrations")
         .fetch_one(&mut app)
@@ -823,18 +839,7 @@ async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_sti
             "SELECT sas_retire_finished(interval '30 days', 1)",
         ),
     ] {
-        let error = sqlx::query(statement)
-            .execute(&mut read_only)
-            .await
-            .expect_err(what);
-        let code = error
-            .as_database_error()
-            .and_then(|e| e.code().map(|c| c.into_owned()));
-        assert_eq!(
-            code.as_deref(),
-            Some("42501"),
-            "sas_reader may not {what}: {error}"
-        );
+        assert_refused(&mut read_only, "sas_reader", what, statement).await;
     }
     let _ = read_only.close().await;
     let (mut gateway, base) = crate::gateway::gateway(
