@@ -66,7 +66,7 @@ const PAGES: [(&str, &str); 10] = [
 
 /// Fills orders `from..to` (ids `ord-<10 digits>`), one statement per table.
 async fn fill(env: &TestEnv, from: u64, to: u64) -> anyhow::Result<()> {
-    let pool = env.store.pool();
+    let pool = &env.db;
     let (from, to) = (from as i64, to as i64);
     sqlx::query(
         "INSERT INTO orders (order_id, body, received_at)
@@ -205,7 +205,7 @@ async fn page_paths(
         "SELECT created_at FROM order_process ORDER BY created_at OFFSET $1 LIMIT 1",
     )
     .bind((size / 2) as i64)
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await?;
     let encode = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%dT%H:%M:%SZ").to_string();
     Ok(PAGES

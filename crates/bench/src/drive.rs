@@ -78,7 +78,7 @@ pub async fn processed(env: &TestEnv, prefix: &str) -> i64 {
         "SELECT count(*) FROM order_process WHERE state = 'processed' AND order_id LIKE $1 || '%'",
     )
     .bind(prefix)
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap_or(0)
 }
@@ -106,7 +106,7 @@ pub async fn wait_processed(
             "SELECT EXISTS (SELECT 1 FROM order_process WHERE order_id = $1 AND state = 'processed')",
         )
         .bind(&last)
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap_or(false);
         if last_done || last_count.elapsed() >= Duration::from_secs(1) {

@@ -117,7 +117,7 @@ impl Offer {
         "SELECT count(*) FROM order_process WHERE order_id LIKE $1 || '%' AND state IN ('compensated', 'error')",
     )
     .bind(prefix)
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await?;
         let processed = n as i64 - failed;
         // Never negative: the failed are some of the `n`.
@@ -153,7 +153,7 @@ async fn all_ended(env: &TestEnv, prefix: &str) {
               WHERE order_id LIKE $1 || '%' AND state NOT IN ('processed', 'compensated', 'error')",
         )
         .bind(prefix)
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap_or(i64::MAX);
         if open == 0 {

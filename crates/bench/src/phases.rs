@@ -29,7 +29,7 @@ async fn pg_commits(env: &TestEnv) -> f64 {
     sqlx::query_scalar::<_, i64>(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
     )
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap_or(0) as f64
 }

@@ -76,7 +76,7 @@ pub async fn run(orders: usize, rate: f64, every: Duration) -> anyhow::Result<Ve
     // it is off, as on our CI machines, the soak vacuums every minute in
     // its place, or the database would grow whatever retention deletes.
     let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await?;
     let stand_in = autovacuum != "on";
     if stand_in {
@@ -93,7 +93,7 @@ pub async fn run(orders: usize, rate: f64, every: Duration) -> anyhow::Result<Ve
                     "VACUUM (ANALYZE) {}",
                     TABLES.join(", ")
                 )))
-                .execute(env.store.pool())
+                .execute(&env.db)
                 .await?;
             }
             let sample = sample(&env, &system, started).await?;
@@ -130,7 +130,7 @@ async fn sample(
     system: &BenchSystem,
     started: Instant,
 ) -> anyhow::Result<SoakSample> {
-    let pool = env.store.pool();
+    let pool = &env.db;
     let database_bytes: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())")
         .fetch_one(pool)
         .await?;

@@ -1,6 +1,7 @@
 //! One test's private world: a database, a queue prefix, a folder for logs.
 
-use sqlx::AssertSqlSafe;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -56,6 +57,9 @@ pub struct TestEnv {
     pub amqp_url: String,
     /// A store on the test's database (migrated).
     pub store: Store,
+    /// The test's own pool on its database, for the ad hoc queries a store
+    /// does not offer (its sessions set as [`database_settings`] says).
+    pub db: PgPool,
     /// Folder for this test's logs, workflow file and journals.
     pub dir: PathBuf,
     /// Deadline of each step attempt in the test workflow, in milliseconds.
@@ -146,6 +150,7 @@ impl TestEnv {
         };
         let store = Store::connect_lazy(&database_settings(&database_url), "sas-tests")
             .expect("store settings");
+        let db = pool(&database_settings(&database_url), "sas-tests-queries");
         let dir = bin_dir().join("test-runs").join(&id);
         std::fs::create_dir_all(&dir).expect("create the test folder");
         let env = Self {
@@ -155,6 +160,7 @@ impl TestEnv {
             database_url,
             amqp_url: amqp_url(),
             store,
+            db,
             dir,
             step_timeout_ms,
             servers,
@@ -426,6 +432,23 @@ pub fn database_settings(url: &str) -> DatabaseSettings {
         idle_in_transaction_timeout_ms: 600_000,
         keepalive_secs: 10,
     }
+}
+
+/// A pool with the sessions a store with these settings would open (its
+/// statement timeout, `jit`, planner settings), for queries of the tests'
+/// and the benchmark's own: the store's pool is private to it.
+///
+/// # Panics
+/// When the URL does not parse.
+pub fn pool(settings: &DatabaseSettings, application_name: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(Duration::from_millis(settings.acquire_timeout_ms))
+        .connect_lazy_with(
+            settings
+                .connect_options(application_name)
+                .expect("database settings"),
+        )
 }
 
 /// Whether a database of this name exists (teardown checks).

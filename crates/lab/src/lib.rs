@@ -9,7 +9,7 @@
 //! its measurements.
 //!
 //! - [`console`]: the operator console and its users.
-//! - [`env`]: [`TestEnv`], the database, the prefix, and the teardown.
+//! - [`env`](mod@env): [`TestEnv`], the database, the prefix, and the teardown.
 //! - [`process`]: spawning, SIGTERM-ing and kill -9-ing the services.
 //! - [`servers`]: [`ServerGuard`], the machine's RabbitMQ and Postgres shared
 //!   between the tests of one process, or held by one alone.
@@ -28,7 +28,7 @@ pub mod sim;
 pub mod verbs;
 pub mod wait;
 
-pub use env::{database_settings, TestEnv};
+pub use env::{database_settings, pool, TestEnv};
 pub use process::Service;
 pub use servers::ServerGuard;
 pub use settings::Setting;

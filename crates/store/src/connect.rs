@@ -85,7 +85,7 @@ fn default_keepalive_secs() -> u64 {
 ///
 /// An enum rather than a string, so that a misspelt mode is refused when the
 /// settings are loaded instead of when the first connection is made. It is
-/// read through [`SslMode::from_str`] rather than serde's derived enum
+/// read through [`SslMode::from_str`](std::str::FromStr::from_str) rather than serde's derived enum
 /// support: the `config` crate reports an unknown variant without the
 /// allowed names, while this error lists them (and `config` adds the key,
 /// `database.ssl_mode`).
@@ -403,19 +403,34 @@ impl Store {
         self.deadlines.grace()
     }
 
-    /// The underlying pool. Private to this crate in the services: every
-    /// read and write they make is a store method. The `harness` feature,
-    /// which only the test harness and the benchmark turn on, opens it for
-    /// their ad-hoc checks on the store's own sessions.
-    #[cfg(feature = "harness")]
-    pub fn pool(&self) -> &PgPool {
+    /// The underlying pool, private to this crate: every read and write is
+    /// a store method. The tests and the benchmark query through pools of
+    /// their own (`sas_lab::pool`), or hand a store theirs
+    /// ([`Store::on_pool`]).
+    ///
+    /// ```compile_fail
+    /// fn reach(store: &sas_store::Store) {
+    ///     let _ = store.pool();
+    /// }
+    /// ```
+    pub(crate) fn pool(&self) -> &PgPool {
         &self.pool
     }
 
-    /// The underlying pool (see the `harness` feature).
-    #[cfg(not(feature = "harness"))]
-    pub(crate) fn pool(&self) -> &PgPool {
-        &self.pool
+    /// A store on a pool the caller made and keeps: the store's sessions
+    /// are then the caller's too, for a test that must run its own
+    /// statement on the session the store used (a statistics flush on a
+    /// one-connection pool). It opens no door to a pool the caller did not
+    /// already hold. The pool's sessions are as the caller set them (see
+    /// [`DatabaseSettings::connect_options`]); connections are not counted
+    /// in [`Store::connections_opened`].
+    pub fn on_pool(pool: PgPool) -> Self {
+        Self {
+            pool,
+            deadlines: crate::DeadlineSettings::default(),
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            connections_opened: std::sync::Arc::default(),
+        }
     }
 
     /// Applies pending migrations. The process holds a Postgres advisory

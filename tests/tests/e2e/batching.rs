@@ -90,7 +90,7 @@ fn started(claimed: &[sas_store::writes::progress::Claimed]) -> usize {
 
 async fn count(env: &TestEnv, sql: impl sqlx::SqlSafeStr) -> i64 {
     sqlx::query_scalar(sql)
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .expect("count")
 }
@@ -110,7 +110,7 @@ async fn due_again(env: &TestEnv, ids: &[String]) {
         accepted(&outcome);
     }
     sqlx::query("UPDATE order_process SET complete_by = now() - interval '1 hour'")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .expect("deadlines passed");
     let policy = sas_store::writes::recovery::RecoveryPolicy {
@@ -130,7 +130,7 @@ async fn due_again(env: &TestEnv, ids: &[String]) {
         .expect("recover");
     assert_eq!(recovered.len(), ids.len());
     sqlx::query("UPDATE order_process SET not_before = now() - interval '1 second'")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .expect("due");
 }
@@ -166,7 +166,7 @@ async fn claim_behind(
 ) -> Vec<sas_store::writes::progress::Claimed> {
     let store = env.store.clone();
     let claim = tokio::spawn(async move { store.writes().claim_ready("test", 10).await });
-    wait_for_a_lock(env.store.pool(), "the claim waits for the row").await;
+    wait_for_a_lock(&env.db, "the claim waits for the row").await;
     fold.commit().await.expect("the fold ends");
     claim.await.expect("the claim task").expect("claim")
 }
@@ -371,7 +371,7 @@ async fn a_batch_of_replies_applies_each_current_one_once_and_the_rest_by_the_ge
     );
     let states: Vec<(String, ProcessState)> =
         sqlx::query_as("SELECT order_id, state FROM order_process ORDER BY order_id")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .expect("states");
     assert_eq!(states[0].1, ProcessState::Processing);
@@ -435,7 +435,7 @@ async fn the_services_never_compile_statements_even_where_the_database_asks_to()
         "ALTER DATABASE {} SET jit = on",
         env.database
     )))
-    .execute(env.store.pool())
+    .execute(&env.db)
     .await
     .expect("a database default");
     let jit = |pool: sqlx::PgPool| async move {
@@ -452,16 +452,16 @@ async fn the_services_never_compile_statements_even_where_the_database_asks_to()
         .await
         .expect("a plain connection");
     assert_eq!(jit(plain).await, "on", "the database's default applies");
-    let services = sas_store::Store::connect_lazy(
+    // A pool with the sessions a service's store opens.
+    let services = sas_lab::pool(
         &sas_store::DatabaseSettings {
             max_connections: 1,
             migrate: false,
             ..database_settings(&env.database_url)
         },
         "sas-tests-services",
-    )
-    .expect("store settings");
-    assert_eq!(jit(services.pool().clone()).await, "off");
+    );
+    assert_eq!(jit(services).await, "off");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -599,8 +599,9 @@ async fn open_index_reads(env: &TestEnv) -> i64 {
 async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
     let env = TestEnv::new().await;
     let steps = env.steps();
-    // One connection: one plan cache, and statistics that can be flushed.
-    let services = sas_store::Store::connect_lazy(
+    // One connection, shared with the store: one plan cache, and
+    // statistics this test can flush on the session the store used.
+    let session = sas_lab::pool(
         &sas_store::DatabaseSettings {
             max_connections: 1,
             migrate: false,
@@ -608,14 +609,14 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
             ..database_settings(&env.database_url)
         },
         "sas-tests-services",
-    )
-    .expect("store settings");
+    );
+    let services = sas_store::Store::on_pool(session.clone());
     for sql in [
         "ALTER TABLE order_process SET (autovacuum_enabled = false)",
         "ALTER TABLE steps SET (autovacuum_enabled = false)",
     ] {
         sqlx::query(sql)
-            .execute(env.store.pool())
+            .execute(&env.db)
             .await
             .expect("no vacuum during the test");
     }
@@ -626,7 +627,7 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
         .await
         .is_empty());
     sqlx::query("ANALYZE")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .expect("analyze");
     for n in 0..8 {
@@ -645,11 +646,11 @@ async fn a_batch_of_replies_finds_its_orders_by_key_whatever_plan_is_cached() {
 
     let flush = || async {
         sqlx::query("SELECT pg_stat_force_next_flush()")
-            .execute(services.pool())
+            .execute(&session)
             .await
             .expect("flush statistics");
         sqlx::query("SELECT 1")
-            .execute(services.pool())
+            .execute(&session)
             .await
             .expect("a transaction that flushes");
     };
@@ -684,7 +685,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
         "INSERT INTO admission (agent, admit_limit, initial_limit, ceiling, deadline_ms)
          VALUES ('inventory', 2, 2, 2, 3000)",
     )
-    .execute(env.store.pool())
+    .execute(&env.db)
     .await
     .expect("an admission row");
 
@@ -707,7 +708,7 @@ async fn one_claim_of_many_orders_admits_no_more_than_the_agent_s_limit() {
     assert_eq!(lined, 3);
     let counters: (i32, i32) =
         sqlx::query_as("SELECT in_flight, waiting FROM admission_now WHERE agent = 'inventory'")
-            .fetch_one(env.store.pool())
+            .fetch_one(&env.db)
             .await
             .expect("the counters");
     assert_eq!(counters, (2, 3));
@@ -727,7 +728,7 @@ async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap()
         "INSERT INTO admission (agent, admit_limit, initial_limit, ceiling, deadline_ms)
          VALUES ('inventory', 4, 4, 100, 3000)",
     )
-    .execute(store.pool())
+    .execute(&env.db)
     .await
     .expect("an admission row");
     let with_priority = |prefix: &str, n: usize, priority: u8| -> Vec<Submission> {
@@ -747,7 +748,7 @@ async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap()
         )
         .bind(limit)
         .bind(cap)
-        .execute(store.pool())
+        .execute(&env.db)
     };
     set(2, 7).await.expect("cut the limit");
     let steps = env.steps();
@@ -797,7 +798,7 @@ async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap()
         "UPDATE order_process SET admit_key = admit_key - interval '50 seconds'
           WHERE order_id = 'low-2'",
     )
-    .execute(store.pool())
+    .execute(&env.db)
     .await
     .expect("an old wait");
     assert_eq!(claim().await, Vec::<String>::new());
@@ -808,7 +809,7 @@ async fn urgent_orders_pass_a_limit_full_of_less_urgent_attempts_up_to_the_cap()
     assert_eq!(claim().await, ["urgent-3"]);
     let counters: (i32, i32) =
         sqlx::query_as("SELECT in_flight, waiting FROM admission_now WHERE agent = 'inventory'")
-            .fetch_one(store.pool())
+            .fetch_one(&env.db)
             .await
             .expect("the counters");
     assert_eq!(counters, (9, 2), "4 + 1 + 4 in flight, 2 low in line");
@@ -834,7 +835,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
         .register(&agents, 100, 100)
         .await
         .expect("register the agents");
-    let mut holder = env.store.pool().begin().await.expect("a transaction");
+    let mut holder = env.db.begin().await.expect("a transaction");
     sqlx::query("SELECT agent FROM admission ORDER BY agent FOR UPDATE")
         .execute(&mut *holder)
         .await
@@ -853,7 +854,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
     let totals = "SELECT agent, in_flight, settled::int8, peak_in_flight FROM admission_now
                    ORDER BY agent";
     let counters: Vec<(String, i32, i64, i32)> = sqlx::query_as(totals)
-        .fetch_all(env.store.pool())
+        .fetch_all(&env.db)
         .await
         .expect("the counters");
     let expected: Vec<(String, i32, i64, i32)> = ["inventory", "payment", "shipping"]
@@ -863,7 +864,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
     assert_eq!(counters, expected, "nothing in flight, four settled each");
     let rows: Vec<(i32, i64)> =
         sqlx::query_as("SELECT in_flight, settled FROM admission ORDER BY agent")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .expect("the rows");
     assert_eq!(rows, vec![(0, 0); 3], "the rows themselves were not moved");
@@ -871,7 +872,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
     // A window ends: its shards are folded into each row, which then holds
     // the same totals, and the shards start again from zero.
     sqlx::query("UPDATE admission SET window_started = now() - interval '1 hour'")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .expect("the windows are due");
     let adaptation = sas_store::admission::Adaptation {
@@ -889,7 +890,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
     let rows: Vec<(i32, i64, i64)> = sqlx::query_as(
         "SELECT in_flight, settled, settled - window_settled FROM admission ORDER BY agent",
     )
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .expect("the rows");
     assert_eq!(rows, vec![(0, 4, 0); 3], "the shards folded into the rows");
@@ -899,7 +900,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
                 count(DISTINCT agent)
            FROM admission_shard",
     )
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .expect("the shards");
     assert_eq!(shards, (24, 0, 3), "eight shards per agent, all at zero");
@@ -914,7 +915,7 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claim_that_waits_for_a_fold_counts_the_shards_once() {
     let env = TestEnv::new().await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     env.store
         .admission()
         .register(&[("inventory".to_owned(), Duration::from_secs(10))], 4, 4)
@@ -978,7 +979,7 @@ async fn a_claim_that_waits_for_a_fold_counts_the_shards_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_general_path_that_waits_for_a_fold_counts_the_shards_once() {
     let env = TestEnv::new().await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     due_again(&env, &["general-fold".to_owned()]).await;
     // The agent has room; three attempts in flight, counted by the hot
     // path in a shard.
@@ -1039,7 +1040,7 @@ fn store_deadlock(error: &sas_store::StoreError) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shard_made_beside_a_fold_deadlocks_at_most_once_and_is_counted_once() {
     let env = TestEnv::new().await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     env.store
         .admission()
         .register(&[("inventory".to_owned(), Duration::from_secs(10))], 10, 10)
@@ -1146,7 +1147,7 @@ async fn a_shard_made_beside_a_fold_deadlocks_at_most_once_and_is_counted_once()
 #[tokio::test(flavor = "multi_thread")]
 async fn replies_whose_next_agent_is_full_join_its_line_together() {
     let env = TestEnv::new().await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     let deadline = Duration::from_secs(10);
     let admission = env.store.admission();
     admission
@@ -1228,7 +1229,7 @@ async fn replies_whose_next_agent_is_full_join_its_line_together() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reply_that_waits_for_its_order_is_decided_on_what_the_holder_committed() {
     let env = TestEnv::new().await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     let dispatch = accepted(
         &env.store
             .writes()

@@ -290,7 +290,7 @@ async fn hashed_secrets_slowed_guessing_security_headers_and_a_request_timeout()
 
     // A page whose query waits (the orders locked by another transaction)
     // is answered 503 at the timeout, not left hanging.
-    let mut lock = env.store.pool().begin().await.unwrap();
+    let mut lock = env.db.begin().await.unwrap();
     sqlx::query("LOCK TABLE orders, order_process IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *lock)
         .await
@@ -397,7 +397,7 @@ async fn every_filter_selects_its_orders_and_pages_cover_them_once() {
     let env = TestEnv::new().await;
     store_orders(&env, "ord-a", "cust-a", 10, 9).await;
     store_orders(&env, "ord-b", "cust-b", 20, 5).await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     // Three orders ended in error after failures, and five are a day old.
     sqlx::query("UPDATE order_process SET state = 'error', failure_count = 3, locked_by = NULL WHERE order_id IN ('ord-b-000', 'ord-b-001', 'ord-b-002')")
         .execute(pool)
@@ -772,7 +772,7 @@ async fn actions_through_the_json_api_go_through_the_store_and_are_recorded_with
 
     // Alerts: acknowledge, then resolve with a note.
     let alert: i64 = sqlx::query_scalar("INSERT INTO alerts (order_id, kind, message) VALUES ('ord-one', 'compensation_failed', 'test alert') RETURNING id")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     let ack = format!("/api/alerts/{alert}/acknowledge");
@@ -848,11 +848,11 @@ async fn actions_through_the_json_api_go_through_the_store_and_are_recorded_with
     let replay_id: i64 = sqlx::query_scalar("INSERT INTO dead_letters (source_queue, reason, order_id, body) VALUES ($1, 'delivery_limit', 'ord-replayed', $2) RETURNING id")
         .bind(&orders_queue)
         .bind(&body)
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     let unknown_id: i64 = sqlx::query_scalar("INSERT INTO dead_letters (source_queue, reason, body) VALUES (NULL, 'untrusted dead letter', '{}') RETURNING id")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     let (status, text) = status_and_text(
@@ -1032,7 +1032,7 @@ async fn the_overview_and_an_order_page_are_sent_again_when_they_change() {
 
     // The order ends in error: both streams send their part again.
     sqlx::query("UPDATE order_process SET state = 'error', locked_by = NULL, updated_at = now() WHERE order_id = 'ord-live-000'")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .unwrap();
     event_containing(&mut order, "data-state=\"error\"", Duration::from_secs(10)).await;
@@ -1100,7 +1100,7 @@ async fn replay_refusal(
         "INSERT INTO dead_letters (source_queue, reason, body) VALUES ($1, 'delivery_limit', '{}') RETURNING id",
     )
     .bind(source_queue)
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap();
     let refusal = env

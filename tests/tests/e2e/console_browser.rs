@@ -206,7 +206,7 @@ async fn an_operator_filters_cancels_resubmits_and_replays_in_a_browser() {
     )
     .bind(env.amqp().names().orders())
     .bind(serde_json::to_string(&lost).unwrap())
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap();
     browser.goto(&format!("{base}/dead-letters")).await;

@@ -64,7 +64,7 @@ async fn mailbox(env: &TestEnv, order_id: &str) -> Vec<(String, String, Option<S
         "SELECT event_id, name, used_by FROM order_events WHERE order_id = $1 ORDER BY received_at",
     )
     .bind(order_id)
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .unwrap()
 }

@@ -303,7 +303,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
             .map_or(0, |(_, n)| *n)
     };
     let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(stored, orders as i64, "no order lost");
@@ -311,7 +311,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     let by_order = sim.effects_by_order().await;
     let states: HashMap<String, ProcessState> =
         sqlx::query_as::<_, (String, ProcessState)>("SELECT order_id, state FROM order_process")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap()
             .into_iter()
@@ -465,7 +465,7 @@ async fn chaos_late_actions_are_undone_only_after_they_landed() {
     sim.assert_no_undo_before_its_action().await;
     let states: HashMap<String, ProcessState> =
         sqlx::query_as::<_, (String, ProcessState)>("SELECT order_id, state FROM order_process")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap()
             .into_iter()
@@ -495,7 +495,7 @@ async fn chaos_late_actions_are_undone_only_after_they_landed() {
     let refused_beside: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM history WHERE event = 'compensation_started' AND step = 'create_shipment'",
     )
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap();
     let count = |state: ProcessState| {

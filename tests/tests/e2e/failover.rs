@@ -212,7 +212,7 @@ async fn history_count(env: &TestEnv, order_id: &str, event: HistoryEvent) -> i6
     sqlx::query_scalar("SELECT count(*) FROM history WHERE order_id = $1 AND event = $2")
         .bind(order_id)
         .bind(event.as_str())
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap()
 }
@@ -281,7 +281,7 @@ async fn a_claims_request_lost_with_its_connection_is_sent_again_on_the_next_one
     let attempts: Vec<i32> =
         sqlx::query_scalar("SELECT attempt FROM steps WHERE order_id = $1 ORDER BY position")
             .bind("claim-lost-2")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap();
     assert_eq!(attempts, vec![1, 1, 1], "one attempt per step");

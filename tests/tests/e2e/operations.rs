@@ -225,7 +225,7 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
 #[tokio::test(flavor = "multi_thread")]
 async fn the_supervisor_exports_orders_stuck_past_their_deadline_and_open_alerts() {
     let env = TestEnv::new().await;
-    let pool = env.store.pool();
+    let pool = &env.db;
     env.store
         .writes()
         .insert_order(
@@ -369,7 +369,7 @@ async fn a_migration_the_database_refuses_stops_scheduler_migrate_at_once_naming
     // A table by the name the first migration creates, as in a database
     // shared with another application, or pointed at by mistake.
     sqlx::query("CREATE TABLE orders (x int)")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .expect("create the conflicting table");
     let log = env.dir.join("migrate.log");
@@ -417,7 +417,7 @@ async fn a_migration_the_database_refuses_stops_scheduler_migrate_at_once_naming
     );
     // Each migration runs in one transaction: nothing of it is left behind.
     let applied: bool = sqlx::query_scalar("SELECT to_regclass('order_process') IS NOT NULL")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .expect("query the catalog");
     assert!(!applied, "the failed migration left nothing behind");

@@ -31,7 +31,7 @@ async fn two_hundred_orders_with_three_agents_per_queue_are_each_processed_once(
     // Every agent process took part: replies name the replica that answered.
     let rows: Vec<(String,)> =
         sqlx::query_as("SELECT detail FROM history WHERE event = 'step_completed'")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap();
     let mut per_agent: HashMap<String, usize> = HashMap::new();
@@ -64,7 +64,7 @@ async fn two_hundred_orders_with_three_agents_per_queue_are_each_processed_once(
     }
     // And no step needed a second attempt, so nothing was repeated.
     let attempts: i64 = sqlx::query_scalar("SELECT max(attempt)::int8 FROM steps")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(attempts, 1);
@@ -305,11 +305,11 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
             .unwrap();
     }
     sqlx::query("UPDATE steps SET state = 'not_started', attempt = 0, attempt_id = NULL, complete_by = NULL")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .unwrap();
     sqlx::query("UPDATE order_process SET state = 'pending', locked_by = NULL, complete_by = NULL")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .unwrap();
 
@@ -331,7 +331,7 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
         "SELECT order_id, count(*) FILTER (WHERE event = 'claimed'), count(DISTINCT actor) FILTER (WHERE event = 'claimed')
            FROM history GROUP BY order_id",
     )
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .unwrap();
     assert_eq!(claims.len(), 150);
@@ -340,7 +340,7 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
     }
     let claimers: HashSet<String> =
         sqlx::query_scalar("SELECT DISTINCT actor FROM history WHERE event = 'claimed'")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap()
             .into_iter()
@@ -350,7 +350,7 @@ async fn two_scheduler_processes_never_run_the_same_order_at_the_same_time() {
         "the schedulers did compete: {claimers:?}"
     );
     let repeated: i64 = sqlx::query_scalar("SELECT count(*) FROM steps WHERE attempt <> 1")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(repeated, 0, "every step ran exactly one attempt");
@@ -403,7 +403,7 @@ async fn services_starting_together_on_an_empty_database_apply_the_migrations_on
         .await;
     let applied: Vec<(i64, bool)> =
         sqlx::query_as("SELECT version, success FROM _sqlx_migrations ORDER BY version")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap();
     assert_eq!(
@@ -415,7 +415,7 @@ async fn services_starting_together_on_an_empty_database_apply_the_migrations_on
     // An index built CONCURRENTLY that failed half-way is left invalid.
     let invalid: Vec<String> =
         sqlx::query_scalar("SELECT indexrelid::regclass::text FROM pg_index WHERE NOT indisvalid")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap();
     assert!(invalid.is_empty(), "invalid indexes: {invalid:?}");

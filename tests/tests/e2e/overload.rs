@@ -93,7 +93,7 @@ fn orders(prefix: &str, n: usize, priority: Option<u8>) -> Vec<SubmitOrder> {
 async fn orders_that_waited(env: &TestEnv) -> i64 {
     sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE event = $1")
         .bind(HistoryEvent::Queued.as_str())
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap()
 }
@@ -110,7 +110,7 @@ async fn assert_all_processed_and_some_waited(env: &TestEnv, n: i64) {
         assert_eq!(env.count(state).await, 0, "no order is {state}");
     }
     let dead_letters: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letters")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(dead_letters, 0, "nothing was dead-lettered");
@@ -140,7 +140,7 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM order_process WHERE waiting_for IS NOT NULL",
             )
-            .fetch_one(env.store.pool())
+            .fetch_one(&env.db)
             .await
             .map_err(|e| e.to_string())?;
             let ready = sas_tests::http_get(format!("http://127.0.0.1:{ops}/readyz"))
@@ -176,7 +176,7 @@ async fn a_burst_ten_times_what_the_remote_absorbs_is_processed_late_and_never_f
     let retries: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM history WHERE event IN ('retry_scheduled', 'compensation_started')",
     )
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap();
     assert_eq!(retries, 0, "no attempt missed its deadline");
@@ -228,7 +228,7 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
     }
     let unstarted: i64 = sqlx::query_scalar("SELECT count(*) FROM history WHERE event = $1")
         .bind(HistoryEvent::NotStarted.as_str())
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert!(
@@ -237,7 +237,7 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
     );
     let failures: i32 =
         sqlx::query_scalar("SELECT coalesce(max(failure_count), 0) FROM order_process")
-            .fetch_one(env.store.pool())
+            .fetch_one(&env.db)
             .await
             .unwrap();
     assert_eq!(
@@ -247,7 +247,7 @@ async fn with_a_limit_far_too_high_requests_expire_unstarted_and_no_order_fails(
     // Only completions count towards the measured rate, not the attempts
     // given back unstarted: three steps of 100 orders.
     let settled: i64 = sqlx::query_scalar("SELECT sum(settled)::int8 FROM admission_now")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(settled, 300);
@@ -316,7 +316,7 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM order_process WHERE waiting_for IS NOT NULL",
             )
-            .fetch_one(env.store.pool())
+            .fetch_one(&env.db)
             .await
             .map_err(|e| e.to_string())?;
             if waiting >= 60 {
@@ -338,7 +338,7 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
             let (limit, waiting): (i32, i32) = sqlx::query_as(
                 "SELECT admit_limit, waiting FROM admission WHERE agent = 'inventory'",
             )
-            .fetch_one(env.store.pool())
+            .fetch_one(&env.db)
             .await
             .map_err(|e| e.to_string())?;
             if limit <= 3 && waiting > 0 {
@@ -358,7 +358,7 @@ async fn urgent_orders_submitted_behind_a_backlog_finish_first() {
     let finished: Vec<String> = sqlx::query_scalar(
         "SELECT order_id FROM order_process WHERE state = 'processed' ORDER BY updated_at, order_id",
     )
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .unwrap();
     let last_high = finished
@@ -507,7 +507,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
         .bind(limit)
         .bind(peak)
         .bind(waiting)
-        .execute(store.pool())
+        .execute(&env.db)
     };
     let adaptation = Adaptation {
         window: Duration::from_secs(1),
@@ -541,7 +541,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
     );
     // The next window starts from what is in flight now.
     let peak: i32 = sqlx::query_scalar("SELECT peak_in_flight FROM admission WHERE agent = 'fast'")
-        .fetch_one(store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(peak, 60);
@@ -555,7 +555,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
                 queued_ms = window_queued_ms + 580000,
                 slot_wait_ms = window_slot_wait_ms + 500000 WHERE agent = 'fast'",
     )
-    .execute(store.pool())
+    .execute(&env.db)
     .await
     .unwrap();
     let adapted = store.admission().adapt(&adaptation).await.unwrap();
@@ -565,7 +565,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
     // stored with the limit.
     assert_eq!(adapted[0].admit_cap, 1000);
     let cap: i32 = sqlx::query_scalar("SELECT admit_cap FROM admission WHERE agent = 'fast'")
-        .fetch_one(store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(cap, 1000);
@@ -575,7 +575,7 @@ async fn only_a_limit_in_use_is_trusted_an_idle_one_decays_a_busy_one_at_most_do
                 slot_wait_ms - window_slot_wait_ms
            FROM admission WHERE agent = 'fast'",
     )
-    .fetch_one(store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap();
     assert_eq!(measured, (0, 0, 0));
@@ -604,7 +604,7 @@ async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
     // As if slots were lost (rows deleted behind the state machine's back):
     // with these counters no agent would ever be admitted anything again.
     sqlx::query("UPDATE admission SET in_flight = in_flight + 1000, waiting = waiting + 3")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .unwrap();
     for order in orders("drift", 30, None) {
@@ -621,7 +621,7 @@ async fn admission_counters_that_drifted_are_recounted_from_the_orders() {
     wait_until("counters back to zero", Duration::from_secs(10), || async {
         let counters: Vec<(String, i32, i32)> =
             sqlx::query_as("SELECT agent, in_flight, waiting FROM admission_now ORDER BY agent")
-                .fetch_all(env.store.pool())
+                .fetch_all(&env.db)
                 .await
                 .map_err(|e| e.to_string())?;
         if counters

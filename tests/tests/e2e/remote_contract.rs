@@ -642,7 +642,7 @@ async fn a_charge_answered_after_the_agent_gave_up_is_refunded_when_its_order_is
     let unknown: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM steps WHERE name = 'charge_payment' AND maybe_applied",
     )
-    .fetch_one(env.store.pool())
+    .fetch_one(&env.db)
     .await
     .unwrap();
     let stats = sim.stats().await.unwrap();
@@ -673,7 +673,7 @@ async fn assert_every_effect_undone_after_it(env: &TestEnv, sim: &SimClient) -> 
     let applied = sim.applied_at().await;
     let compensated: Vec<String> =
         sqlx::query_scalar("SELECT order_id FROM order_process WHERE state = 'compensated'")
-            .fetch_all(env.store.pool())
+            .fetch_all(&env.db)
             .await
             .unwrap();
     for order_id in &compensated {
@@ -739,7 +739,7 @@ async fn wait_until_all_ended(env: &TestEnv, n: i64) {
             "SELECT count(*), count(*) FILTER (WHERE state NOT IN ('processed', 'compensated', 'error'))
                FROM order_process",
         )
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .map_err(|e| e.to_string())?;
         if all == n && open == 0 {

@@ -279,7 +279,7 @@ async fn several_supervisors_never_recover_the_same_step_twice() {
           WHERE event IN ('retry_scheduled', 'compensation_started', 'compensation_retry_scheduled', 'error')
           ORDER BY id",
     )
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .unwrap();
     let mut decisions: HashMap<(String, String, String), usize> = HashMap::new();
@@ -430,7 +430,7 @@ async fn orders_held_by_a_killed_scheduler_finish_on_another_one_within_the_dead
     let by_order = sim.assert_every_order_done_once().await;
     assert_eq!(by_order.len(), 150);
     let held_by_dead: i64 = sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE actor = 'scheduler-0' AND event = 'dispatched'")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert!(held_by_dead > 0, "the killed scheduler had orders");
@@ -1289,7 +1289,7 @@ async fn a_supervisor_stopped_inside_its_admission_work_holds_nothing_and_orders
                              OR (a.state = 'active' AND a.query ILIKE '%admission%'))
                       LIMIT 1",
                 )
-                .fetch_optional(env.store.pool())
+                .fetch_optional(&env.db)
                 .await
                 .map_err(|e| e.to_string())?;
                 busy.ok_or_else(|| "not yet".to_owned())
@@ -1311,7 +1311,7 @@ async fn a_supervisor_stopped_inside_its_admission_work_holds_nothing_and_orders
               WHERE a.application_name LIKE 'supervisor-0%'
                 AND l.relation IN ('admission'::regclass, 'admission_shard'::regclass)",
         )
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
         assert_eq!(

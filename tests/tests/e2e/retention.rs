@@ -23,7 +23,7 @@ fn retention_vars(ops: u16) -> Vec<Setting> {
 
 async fn rows(env: &TestEnv, table: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap()
 }
@@ -44,7 +44,7 @@ async fn finished_orders_and_old_dead_letters_go_and_everything_else_stays() {
         sim_process,
         sim,
     };
-    let pool = env.store.pool();
+    let pool = &env.db;
     // What must stay, whatever its age: an order still running, an order in
     // error with an open alert, and a dead letter younger than its age.
     let (_connection, publisher) = env.broker().await;
@@ -147,7 +147,7 @@ async fn finished_orders_and_old_dead_letters_go_and_everything_else_stays() {
 async fn retention_refuses_an_age_of_zero_in_the_database_itself() {
     let env = TestEnv::new().await;
     let error = sqlx::query_scalar::<_, i32>("SELECT sas_retire_finished(interval '0', 10)")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap_err()
         .to_string();

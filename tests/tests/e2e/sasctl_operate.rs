@@ -108,7 +108,7 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
 
     // Alerts.
     let alert: i64 = sqlx::query_scalar("INSERT INTO alerts (order_id, kind, message) VALUES ('ord-s-0', 'compensation_failed', 'test') RETURNING id")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     let id = alert.to_string();
@@ -141,11 +141,11 @@ async fn sasctl_filters_bulk_cancels_resolves_alerts_and_replays_dead_letters() 
     let replay: i64 = sqlx::query_scalar("INSERT INTO dead_letters (source_queue, reason, body) VALUES ($1, 'delivery_limit', $2) RETURNING id")
         .bind(env.amqp().names().orders())
         .bind(serde_json::to_string(&lost).unwrap())
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     let foreign: i64 = sqlx::query_scalar("INSERT INTO dead_letters (source_queue, reason, body) VALUES ('elsewhere', 'x', '{}') RETURNING id")
-        .fetch_one(env.store.pool())
+        .fetch_one(&env.db)
         .await
         .unwrap();
     assert_eq!(

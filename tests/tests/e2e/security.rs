@@ -899,7 +899,7 @@ async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_sti
     // deletes nothing but finished orders past their age: sas_app may run it
     // once the owner has lowered the floor.
     sqlx::query("UPDATE retention_floor SET min_age = interval '1 second'")
-        .execute(env.store.pool())
+        .execute(&env.db)
         .await
         .expect("the owner lowers the floor");
     let mut retiring = env.supervisor(
@@ -916,7 +916,7 @@ async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_sti
         Duration::from_secs(30),
         || async {
             let left: i64 = sqlx::query_scalar("SELECT count(*) FROM history")
-                .fetch_one(env.store.pool())
+                .fetch_one(&env.db)
                 .await
                 .map_err(|e| e.to_string())?;
             if left == 0 {

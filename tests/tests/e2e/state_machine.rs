@@ -44,6 +44,7 @@ use sas_store::writes::operator::{Cancel, Resubmit};
 use sas_store::writes::progress::ReplyOutcome;
 use sas_store::{DeadlineSettings, NewStep, Progress, StepState, Store};
 use sas_tests::TestEnv;
+use sqlx::PgPool;
 use sqlx::Row;
 use uuid::Uuid;
 
@@ -397,8 +398,7 @@ impl Model {
     }
 }
 
-async fn read_rows(store: &Store, order_id: &str) -> Rows {
-    let pool = store.pool();
+async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
     let process = sqlx::query(
         "SELECT state, locked_by, complete_by, failure_count, not_before, last_error,
                 waiting_for, admit_key
@@ -517,7 +517,7 @@ async fn read_rows(store: &Store, order_id: &str) -> Rows {
 /// (the `now()` of the history rows it wrote) and the id of the attempt it
 /// started, if any.
 async fn database_inputs(
-    store: &Store,
+    db: &PgPool,
     order_id: &str,
     rows: &Rows,
     seen: usize,
@@ -537,7 +537,7 @@ async fn database_inputs(
         .unwrap_or_default();
     let now: DateTime<Utc> = if fresh.is_empty() {
         sqlx::query_scalar("SELECT now()")
-            .fetch_one(store.pool())
+            .fetch_one(db)
             .await
             .expect("read the clock")
     } else {
@@ -546,7 +546,7 @@ async fn database_inputs(
         )
         .bind(order_id)
         .bind(seen as i64)
-        .fetch_one(store.pool())
+        .fetch_one(db)
         .await
         .expect("read the decision's time")
     };
@@ -591,6 +591,7 @@ fn one_or_none(mut progress: Vec<Progress>) -> Returned {
 /// Runs one sequence: intake, then each step, comparing after each.
 async fn run_case(
     store: &Store,
+    db: &PgPool,
     workflow: &[NewStep],
     case: usize,
     (sequence, full): &(Vec<Step>, [bool; 3]),
@@ -600,7 +601,7 @@ async fn run_case(
         "TRUNCATE orders, order_process, steps, history, alerts, admission, order_events,
                   workflow_plans CASCADE",
     )
-    .execute(store.pool())
+    .execute(db)
     .await
     .map_err(|e| e.to_string())?;
     // Each agent has one slot; a full one has it taken by some other order
@@ -620,7 +621,7 @@ async fn run_case(
         .bind(&step.agent)
         .bind(in_flight)
         .bind(cap)
-        .execute(store.pool())
+        .execute(db)
         .await
         .map_err(|e| e.to_string())?;
         admission.insert(step.agent.clone(), (in_flight, 0, 1));
@@ -669,8 +670,8 @@ async fn run_case(
     let Intake::Accepted(progress) = accepted else {
         return Err(format!("intake did not accept the order: {accepted:?}"));
     };
-    let rows = read_rows(store, &order_id).await;
-    let (now, attempt) = database_inputs(store, &order_id, &rows, 0).await;
+    let rows = read_rows(db, &order_id).await;
+    let (now, attempt) = database_inputs(db, &order_id, &rows, 0).await;
     let body = serde_json::to_value(&order).expect("order to JSON");
     let snapshot = Snapshot::new_order(
         &order_id,
@@ -773,7 +774,7 @@ async fn run_case(
             Step::DeadlineMissed => {
                 sqlx::query("UPDATE order_process SET complete_by = complete_by - interval '1 hour' WHERE order_id = $1")
                     .bind(order_id.as_str())
-                    .execute(store.pool())
+                    .execute(db)
                     .await
                     .map_err(|e| e.to_string())?;
                 let process = &mut model.snapshot.process;
@@ -786,7 +787,7 @@ async fn run_case(
                     // attempts: the total is what must stay above it.
                     sqlx::query("UPDATE admission a SET in_flight = in_flight - 1 WHERE agent = $1 AND (SELECT n.in_flight FROM admission_now n WHERE n.agent = a.agent) > 0")
                         .bind(&agent)
-                        .execute(store.pool())
+                        .execute(db)
                         .await
                         .map_err(|e| e.to_string())?;
                     let counters = model.admission.get_mut(&agent).expect("a registered agent");
@@ -794,7 +795,7 @@ async fn run_case(
                 }
                 sqlx::query("UPDATE order_process SET not_before = not_before - interval '1 hour' WHERE order_id = $1")
                     .bind(order_id.as_str())
-                    .execute(store.pool())
+                    .execute(db)
                     .await
                     .map_err(|e| e.to_string())?;
                 model.snapshot.process.not_before -= hour;
@@ -936,10 +937,10 @@ async fn run_case(
             .lock()
             .expect("coverage lock")
             .insert(format!("{kind}{path}: {verdict}"));
-        let rows = read_rows(store, &order_id).await;
+        let rows = read_rows(db, &order_id).await;
 
         // Through the state machine, with the database's clock and attempt id.
-        let (now, next_attempt_id) = database_inputs(store, &order_id, &rows, seen).await;
+        let (now, next_attempt_id) = database_inputs(db, &order_id, &rows, seen).await;
         let ctx = Context {
             now,
             actor,
@@ -1256,6 +1257,7 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         let covered = Mutex::new(HashSet::new());
         let outcome = runtime.block_on(run_case(
             &env.store,
+            &env.db,
             match case % 4 {
                 0 => &plain,
                 2 => &grouped,

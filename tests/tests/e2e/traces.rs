@@ -123,7 +123,7 @@ async fn each_order_is_one_trace_across_every_service_and_reaches_the_remote() {
         env.wait_for_state(id, state, Duration::from_secs(30)).await;
     }
     let trace_of = |id: &'static str| {
-        let pool = env.store.pool().clone();
+        let pool = env.db.clone();
         async move {
             sqlx::query_scalar::<_, String>(
                 "SELECT trace_id FROM order_process WHERE order_id = $1",

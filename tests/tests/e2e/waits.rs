@@ -102,7 +102,7 @@ async fn mailbox(env: &TestEnv, order_id: &str) -> Vec<(String, Option<String>)>
         "SELECT event_id, used_by FROM order_events WHERE order_id = $1 ORDER BY received_at",
     )
     .bind(order_id)
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .unwrap()
 }
@@ -287,7 +287,7 @@ async fn wait_for_dead_letter(env: &TestEnv, event_id: &str, reason: &str) {
             let reasons: Vec<String> =
                 sqlx::query_scalar("SELECT reason FROM dead_letters WHERE message_id = $1")
                     .bind(event_id)
-                    .fetch_all(env.store.pool())
+                    .fetch_all(&env.db)
                     .await
                     .map_err(|e| e.to_string())?;
             match reasons.as_slice() {
@@ -856,7 +856,7 @@ async fn kept_by_key(env: &TestEnv) -> Vec<(String, String, Option<String>)> {
     sqlx::query_as(
         "SELECT correlation_key, event_id, adopted_by FROM keyed_events ORDER BY correlation_key, event_id",
     )
-    .fetch_all(env.store.pool())
+    .fetch_all(&env.db)
     .await
     .unwrap()
 }
