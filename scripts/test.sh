@@ -35,6 +35,11 @@ SAS_PROMTOOL="${SAS_PROMTOOL:-$(scripts/promtool.sh || true)}"
 export SAS_PROMTOOL
 # The end-to-end tests run the real binaries: build them first.
 cargo build --workspace --bins
+# Every intra-doc link of the Rust sources names an item that exists (the
+# Markdown's links and paths: tests/tests/docs.rs). About a minute, most of
+# it the first time.
+RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" \
+  cargo doc --workspace --no-deps --document-private-items --quiet
 # The end-to-end tests are one binary (tests/tests/e2e); a test that disturbs
 # the shared servers or loads the machine holds them alone while it runs
 # (crates/lab/src/servers.rs). A filter selects tests by name: `disruptive::`

@@ -13,7 +13,7 @@
 //! - [`status`]: progress events sent to the client.
 //! - [`trace`]: W3C trace context carried in AMQP headers.
 //! - [`storable`]: text and JSON without U+0000, which Postgres refuses.
-//! - [`decode`]: strict decoding of bytes into a message, with reasons fit for a
+//! - [`decode`](mod@decode): strict decoding of bytes into a message, with reasons fit for a
 //!   dead-letter header.
 //! - [`contract`]: the JSON Schemas and the AsyncAPI document generated from
 //!   all of the above (checked in under `contract/`).

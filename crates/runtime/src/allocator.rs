@@ -13,7 +13,7 @@
 //! Its settings are compiled into it (`JEMALLOC_SYS_WITH_MALLOC_CONF` in
 //! `.cargo/config.toml`): one arena, unused pages given back after a second.
 
-/// The allocator [`use_jemalloc!`] installs.
+/// The allocator [`use_jemalloc!`](crate::use_jemalloc) installs.
 pub use tikv_jemallocator::Jemalloc;
 
 /// Makes jemalloc the allocator of the binary that invokes it (once, at the

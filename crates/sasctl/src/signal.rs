@@ -25,7 +25,7 @@ pub struct SignalArgs {
     /// The event's name, as the wait step names it (`approved`).
     pub name: String,
     /// What the event says: a JSON object, the wait step's result, which
-    /// later steps read as /results/<step>/...
+    /// later steps read as `/results/<step>/...`
     #[arg(long, value_parser = crate::submit::parse_json_object)]
     pub data: Option<serde_json::Map<String, serde_json::Value>>,
     /// The event's id: the same id twice is one event (default: a new one).

@@ -22,7 +22,7 @@ pub struct SubmitArgs {
     /// Submit the orders in this JSON file (one object, or an array) instead of generating them.
     #[arg(long, conflicts_with = "count")]
     pub file: Option<PathBuf>,
-    /// Order id of a single generated order (default: ord-<uuid>).
+    /// Order id of a single generated order (default: `ord-<uuid>`).
     #[arg(long)]
     pub order_id: Option<String>,
     /// Customer of generated orders.

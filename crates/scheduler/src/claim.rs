@@ -53,7 +53,7 @@ impl Scheduler {
     }
 
     /// One claim: up to a batch of ready orders (see
-    /// [`sas_store::Store::claim_ready`]), each one's request published.
+    /// [`sas_store::Writes::claim_ready`]), each one's request published.
     /// Says whether the batch came back full.
     ///
     /// # Errors

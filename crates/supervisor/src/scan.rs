@@ -96,7 +96,7 @@ impl Supervisor {
     }
 
     /// One scan: recovers up to a batch of expired orders (see
-    /// [`sas_store::Store::recover_expired`]) and publishes what the
+    /// [`sas_store::Writes::recover_expired`]) and publishes what the
     /// decisions say to clients. Says whether the batch came back full.
     pub async fn scan_once(&self) -> Next {
         let settings = &self.settings.supervisor;
@@ -165,7 +165,7 @@ impl Supervisor {
     }
 
     /// Corrects admission counters that no longer match the orders (see
-    /// [`sas_store::Store::reconcile_admission`]), loudly: a correction
+    /// [`sas_store::Admission::reconcile`]), loudly: a correction
     /// means something changed orders behind the state machine's back.
     async fn reconcile_admission(&self) {
         match self.store.admission().reconcile().await {

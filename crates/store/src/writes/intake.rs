@@ -148,7 +148,7 @@ impl Batch<'_> {
 }
 
 impl Writes<'_> {
-    /// Stores `order` (of trace `trace_id`); see [`Store::insert_orders`].
+    /// Stores `order` (of trace `trace_id`); see [`Writes::insert_orders`].
     ///
     /// # Errors
     /// When the database fails; the submission should then be redelivered.

@@ -16,10 +16,10 @@ use crate::StoreError;
 #[serde(rename_all = "snake_case")]
 pub enum OrderAction {
     /// Put an order that ended `error` or `compensated` back into the
-    /// workflow ([`Store::resubmit`]).
+    /// workflow ([`Writes::resubmit`]).
     Resubmit,
     /// Undo what a pending or processing order did, by compensating now
-    /// ([`Store::cancel`]).
+    /// ([`Writes::cancel`]).
     Cancel,
 }
 

@@ -271,7 +271,7 @@ impl Writes<'_> {
     /// together in one statement (at most one reply per order in it); every
     /// other reply, and any the statement left alone, takes the general
     /// path: one per order together in one more transaction, and a repeat
-    /// of an order already in it [`Store::record_reply`], a transaction of
+    /// of an order already in it [`Writes::record_reply`], a transaction of
     /// its own.
     pub async fn record_replies(
         self,
@@ -424,7 +424,7 @@ impl Writes<'_> {
     }
 
     /// Applies one reply in a transaction of its own, whatever its case:
-    /// the general path of [`Store::record_replies`].
+    /// the general path of [`Writes::record_replies`].
     ///
     /// # Errors
     /// When the database fails; the reply should then be redelivered.

@@ -52,7 +52,7 @@ impl Writes<'_> {
             .await
     }
 
-    /// [`Store::recover_expired`] with the jitter of each backoff drawn from
+    /// [`Writes::recover_expired`] with the jitter of each backoff drawn from
     /// `jitter` (a number in [0, 1)), so tests can fix it.
     ///
     /// # Errors
