@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The end-to-end benchmark: builds in release mode, starts the whole system as
+# The end-to-end benchmark: builds the dist profile (each program optimised
+# whole, as production images are: Cargo.toml), starts the whole system as
 # local processes against the local RabbitMQ and PostgreSQL (its own database
 # and queue prefix, removed afterwards), drives it, and writes
 # target/bench/latest.json plus a table. Takes a few minutes.
@@ -12,9 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
 export SAS_TEST_DATABASE_ADMIN_URL="${SAS_TEST_DATABASE_ADMIN_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
-scripts/build-release.sh
+scripts/build-release.sh dist
 if [ "${1:-}" = console ]; then
   shift
-  exec target/release/sas-console-bench --out target/bench/console.json "$@"
+  exec target/dist/sas-console-bench --out target/bench/console.json "$@"
 fi
-exec target/release/sas-bench --out target/bench/latest.json "$@"
+exec target/dist/sas-bench --out target/bench/latest.json "$@"
