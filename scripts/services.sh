@@ -28,10 +28,15 @@ install_packages() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-# make, for jemalloc's build (crates/runtime/src/allocator.rs)
+# make, for jemalloc's build (crates/runtime/src/allocator.rs); a C compiler,
+# which it needs too, as does cargo to link (rustup installs none).
 if ! command -v make >/dev/null 2>&1; then
   echo "services.sh: installing make from Debian's packages"
   install_packages make
+fi
+if ! command -v cc >/dev/null 2>&1; then
+  echo "services.sh: installing gcc from Debian's packages"
+  install_packages gcc libc6-dev
 fi
 
 # PostgreSQL
