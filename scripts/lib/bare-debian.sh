@@ -29,7 +29,8 @@ t0=$(stamp)
 apt-get update -qq
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq git curl ca-certificates >/dev/null
 cp /host-ca.crt /usr/local/share/ca-certificates/host.crt && update-ca-certificates >/dev/null 2>&1 || true
-curl -sSf https://sh.rustup.rs | sh -s -- -y -q --profile minimal
+# sh.rustup.rs serves this same script; this machine reaches only static.rust-lang.org.
+curl -sSf https://static.rust-lang.org/rustup/rustup-init.sh | sh -s -- -y -q --profile minimal
 . "$HOME/.cargo/env"
 git clone -q /src /work/sas && cd /work/sas
 echo "setup (git, curl, rustup): $(( $(stamp) - t0 )) s" | tee /out/times
