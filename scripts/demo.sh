@@ -11,8 +11,13 @@
 #   DEMO_EXIT=1   stop after the demo instead of waiting for Ctrl-C
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The build needs only the build tools: it runs while the servers are
+# installed and started (half a minute on a bare machine).
+scripts/services.sh build-tools
+scripts/build-release.sh &
+build=$!
 scripts/services.sh
-scripts/build-release.sh
+wait "$build"
 bin=target/release
 logs=target/demo
 mkdir -p "$logs"

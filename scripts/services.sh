@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Makes sure RabbitMQ (127.0.0.1:5672) and PostgreSQL (127.0.0.1:5432) are
 # running, installing them from Debian's packages when they are missing, and
-# that `make` is there for the build (jemalloc, the scheduler's and the
-# agents' allocator, is built by its configure script and make).
+# that `make` and a C compiler are there for the build (jemalloc, the
+# scheduler's and the agents' allocator, is built by its configure script
+# and make; cargo links with cc).
 # Safe to run again: it does nothing when all are there.
+#
+#   scripts/services.sh             the build tools, then the two servers
+#   scripts/services.sh build-tools the build tools only (scripts/demo.sh
+#                                   builds while the servers are installed)
 set -euo pipefail
 
 as_root() {
@@ -38,6 +43,7 @@ if ! command -v cc >/dev/null 2>&1; then
   echo "services.sh: installing gcc from Debian's packages"
   install_packages gcc libc6-dev
 fi
+[ "${1:-}" = build-tools ] && exit 0
 
 # PostgreSQL
 if ! port_open 5432; then
