@@ -36,6 +36,13 @@ fn collect(folder: &Path, extension: &str, into: &mut Vec<PathBuf>) {
     for entry in entries.flatten() {
         let path = entry.path();
         if path.is_dir() {
+            // Installed packages (the Node client's node_modules, which
+            // scripts/client-deps.sh fills) and build output are not ours.
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name == "node_modules" || name == "target" || name.starts_with('.') {
+                continue;
+            }
             collect(&path, extension, into);
         } else if path.extension().is_some_and(|e| e == extension) {
             into.push(path);
