@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 scripts/services.sh build-tools
 scripts/build-release.sh &
 build=$!
-scripts/services.sh
+scripts/services.sh || { kill "$build" 2>/dev/null; exit 1; }
 wait "$build"
 bin=target/release
 logs=target/demo

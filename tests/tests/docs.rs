@@ -332,11 +332,14 @@ fn resolve(src: &Path, segments: &[&str]) -> Result<(), String> {
     }
     let text = crate_text(src);
     for member in members {
-        let variant = text.lines().any(|line| {
-            let line = line.trim_start();
-            line.strip_prefix(member)
-                .is_some_and(|rest| rest.is_empty() || rest.starts_with(['(', '{', ',', ' ']))
-        });
+        // An enum variant: a capitalised name opening a line, then its
+        // fields or the comma.
+        let variant = member.starts_with(char::is_uppercase)
+            && text.lines().any(|line| {
+                line.trim_start().strip_prefix(member).is_some_and(|rest| {
+                    rest.is_empty() || rest.starts_with(['(', '{', ',']) || rest.starts_with(" {")
+                })
+            });
         if !(variant || declares_item(&text, member)) {
             return Err(format!("no `{member}` in the crate"));
         }
@@ -409,6 +412,10 @@ fn the_resolver_tells_a_real_path_from_a_made_up_one() {
     assert!(resolve(store, &["machine", "undo", "undo_not_after"]).is_err());
     assert!(resolve(store, &["machine", "nowhere", "decide"]).is_err());
     assert!(resolve(store, &["Store", "no_such_method"]).is_err());
+    // A method name must be a `fn`: a line merely opening with the word
+    // (`let` opens many) is not one; a variant is found.
+    assert!(resolve(store, &["Store", "let"]).is_err());
+    assert_eq!(resolve(store, &["ProcessState", "Processed"]), Ok(()));
     assert!(link_targets("see [a](../x.md#y) and [b](https://e.org)") == ["../x.md#y"]);
     assert!(anchors("# A `b` c?\n## A `b` c?\n").contains("a-b-c-1"));
 }
