@@ -174,6 +174,10 @@ compose up -d --wait --no-build >"$tmp/up.log" 2>&1 \
 healthy_seconds=$(since "$up_started")
 say "healthy in $healthy_seconds s (AMQP on 127.0.0.1:$amqp_port, management $management_port, remote-sim $sim_port, console $console_port)"
 wait_for "two agents consume each agent queue" 60 agents_consume 2
+# The schema owner (which the migrate job logs in as) is no superuser.
+[ "$(sql "SELECT rolsuper FROM pg_roles WHERE rolname = 'sas_owner'")" = f ] \
+  || fail "the schema owner sas_owner is a superuser"
+say "postgres: the schema owner sas_owner is no superuser; the migrations ran as it"
 
 # The admin routes refuse a caller without the token; with it, some latency and
 # transient faults, so that orders are still in flight when processes die.
@@ -284,7 +288,8 @@ duplicates=${ledger##*duplicates=}
 
 # --- The HTTP gateway: an order in over HTTP, its outcome read back ----------------
 gateway_call() { # METHOD PATH [BODY]: prints the status, and the body to $tmp/gateway.json
-  python3 - "$1" "http://127.0.0.1:$gateway_port$2" "$console_secret" "${3:-}" "$tmp/gateway.json" <<'EOF'
+  # As the client shop, or as $gateway_secret's client when set.
+  python3 - "$1" "http://127.0.0.1:$gateway_port$2" "${gateway_secret:-$console_secret}" "${3:-}" "$tmp/gateway.json" <<'EOF'
 import sys, urllib.request, urllib.error
 method, url, secret, body, out = sys.argv[1:6]
 request = urllib.request.Request(url, method=method, data=body.encode() or None,
@@ -307,9 +312,9 @@ code=$(gateway_call GET "/v1/orders/http-compose-1?wait=60")
   || fail "the gateway's order did not end processed ($code): $(cat "$tmp/gateway.json")"
 say "gateway: an order submitted over HTTP (202) and its outcome read back: processed"
 
-# --- A step that waits: a large order approved by a webhook -------------------------
-# The schedulers run the mounted workflows/ folder; the gateway's client user may
-# publish to the events exchange.
+# --- A step that waits: a large order approved by its manager -----------------------
+# The schedulers run the mounted workflows/ folder; the approval accepts only the
+# role approver (deploy/tenants.toml): the customer shop's own is refused.
 large_order='{"schema_version": 1, "order_id": "large-compose-1", "customer_id": "cust-http",
   "items": [{"sku": "SKU-1", "quantity": 1}], "amount_cents": 1300, "currency": "EUR",
   "workflow": "large_order"}'
@@ -321,12 +326,21 @@ waits_for_approval() {
 }
 wait_for "the large order to wait for its approval" 60 waits_for_approval
 code=$(gateway_call POST /v1/orders/large-compose-1/events \
+  '{"schema_version": 1, "name": "approved", "event_id": "compose-self-approval"}')
+[ "$code" = 202 ] || fail "the gateway answered $code to the customer's approval (expected 202): $(cat "$tmp/gateway.json")"
+self_refused() {
+  [ "$(sql "SELECT count(*) FROM history WHERE order_id = 'large-compose-1' AND event = 'event_refused'
+            AND detail LIKE '%compose-self-approval%from gateway:shop%'")" = 1 ]
+}
+wait_for "the customer's own approval to be refused" 60 self_refused
+waits_for_approval || fail "the customer's own approval ended the wait"
+code=$(gateway_secret="shop-manager:$manager_secret" gateway_call POST /v1/orders/large-compose-1/events \
   '{"schema_version": 1, "name": "approved", "event_id": "compose-approval-1", "data": {"by": "compose-test"}}')
-[ "$code" = 202 ] || fail "the gateway answered $code to the approval (expected 202): $(cat "$tmp/gateway.json")"
+[ "$code" = 202 ] || fail "the gateway answered $code to the manager's approval (expected 202): $(cat "$tmp/gateway.json")"
 code=$(gateway_call GET "/v1/orders/large-compose-1?wait=60")
 { [ "$code" = 200 ] && grep -q '"outcome":"processed"' "$tmp/gateway.json"; } \
   || fail "the approved large order did not end processed ($code): $(cat "$tmp/gateway.json")"
-say "a large order waited for its approval, approved by a webhook through the gateway: processed"
+say "a large order waited for its approval: the customer's own refused, the manager's (through the gateway) taken: processed"
 
 say "orders: $orders ($states); throughput $burst_rate orders/s ($burst at once, $burst_seconds s);" \
   "$((orders - burst)) at $rate/s through kills, scaling and a broker restart ended $load_seconds s after the first"

@@ -262,9 +262,32 @@ cluster_status() { broker_ctl cluster_status --formatter json; }
 all_running() {
   cluster_status | python3 -c 'import json, sys; sys.exit(0 if len(json.load(sys.stdin)["running_nodes"]) == 3 else 1)'
 }
-# partitioned: a node records a partition (Mnesia's inconsistent_database).
+# partitioned: any node records a partition (Mnesia's inconsistent_database).
+# Each node is asked in turn: a node's own record may be all there is, and
+# the first node that answers may not list the one left out.
 partitioned() {
-  cluster_status | python3 -c 'import json, sys; sys.exit(0 if json.load(sys.stdin).get("partitions") else 1)'
+  local node
+  for node in "${rabbit_nodes[@]}"; do
+    compose exec -T "$node" rabbitmqctl -q cluster_status --formatter json 2>/dev/null \
+      | python3 -c 'import json, sys; sys.exit(0 if json.load(sys.stdin).get("partitions") else 1)' \
+      && return 0
+  done
+  return 1
+}
+# each_node_view: what every RabbitMQ node says of the cluster (running
+# nodes, partitions, alarms), for the record when a node does not rejoin.
+each_node_view() {
+  local node
+  for node in "${rabbit_nodes[@]}"; do
+    printf '%s: ' "$node"
+    compose exec -T "$node" rabbitmqctl -q cluster_status --formatter json 2>&1 \
+      | python3 -c 'import json, sys
+try:
+    s = json.load(sys.stdin)
+    print("running", s.get("running_nodes"), "partitions", s.get("partitions"), "alarms", s.get("alarms"))
+except Exception as e:
+    print("no answer:", e)' || true
+  done
 }
 
 # --- Build and start ----------------------------------------------------------------
@@ -292,6 +315,8 @@ sys.exit(f"fewer than 3 members: {short}" if short else 0)
 EOF
 wait_for "a Patroni primary with a synchronous standby" 60 has_sync_standby
 say "cluster: 3 RabbitMQ nodes, $(grep -c quorum "$tmp/queues.txt") quorum queues with 3 members each, primary $(primary) with a synchronous standby"
+[ "$(sql "SELECT rolsuper FROM pg_roles WHERE rolname = current_user")" = f ] \
+  || fail "the schema owner sas_owner is a superuser"
 # The control plane is closed. A container on the services' network (as a
 # service, the console, the gateway or remote-sim is) resolves neither etcd
 # nor a Postgres node, and cannot reach their addresses either.
@@ -457,10 +482,26 @@ docker unpause "$(container "$frozen_rabbit")" >/dev/null
 # the node out of the running nodes. Traffic flows (the queues are Raft's);
 # the record stays until the resumed node restarts, which is what
 # docs/high-availability.md tells an operator to do.
-running_or_partitioned() { all_running || partitioned; }
-wait_for "$frozen_rabbit running in the cluster again, or a partition recorded" 240 running_or_partitioned
-if partitioned; then
-  say "g. a partition recorded after the freeze: restarting $frozen_rabbit to clear it"
+# A third outcome was seen in CI (1 run in 4): neither, for 240 s; the
+# resumed node had paused itself (pause_minority) and stayed paused. The
+# remedy an operator is told is the same: restart the node. The test says
+# which outcome it saw, and what each node said, and goes on; what it
+# proves here is that orders kept flowing (above) and that the node is
+# whole again after the remedy (below).
+# Which of the two ended the wait is kept (asking again could get another
+# answer from a node still settling).
+rejoin="neither running nor a partition recorded after 120 s"
+running_or_partitioned() {
+  if all_running; then rejoin=rejoined; return 0; fi
+  if partitioned; then rejoin="a partition recorded"; return 0; fi
+  return 1
+}
+if ! wait_until 120 running_or_partitioned; then
+  say "g. $frozen_rabbit: $rejoin; what each node says:"
+  each_node_view | while IFS= read -r line; do say "g.   $line"; done
+fi
+if [ "$rejoin" != rejoined ]; then
+  say "g. $rejoin after the freeze: restarting $frozen_rabbit, as docs/high-availability.md tells an operator"
   docker restart -t 30 "$(container "$frozen_rabbit")" >/dev/null
 fi
 wait_for "$frozen_rabbit back in the cluster, no partition" 240 healthy_cluster

@@ -43,6 +43,11 @@ if ! command -v cc >/dev/null 2>&1; then
   echo "services.sh: installing gcc from Debian's packages"
   install_packages gcc libc6-dev
 fi
+# openssl, for scripts/dev-ca.sh (TLS in compose, and its test).
+if ! command -v openssl >/dev/null 2>&1; then
+  echo "services.sh: installing openssl from Debian's packages"
+  install_packages openssl
+fi
 [ "${1:-}" = build-tools ] && exit 0
 
 # PostgreSQL

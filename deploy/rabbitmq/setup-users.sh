@@ -8,12 +8,13 @@
 # Passwords come from the environment, never from a file in the repository:
 #   SAS_RABBITMQ_SCHEDULER_PASSWORD, SAS_RABBITMQ_SUPERVISOR_PASSWORD,
 #   SAS_RABBITMQ_AGENT_PASSWORD, SAS_RABBITMQ_CLIENT_PASSWORD,
-#   SAS_RABBITMQ_CONSOLE_PASSWORD
+#   SAS_RABBITMQ_CONSOLE_PASSWORD; SAS_RABBITMQ_GATEWAY_PASSWORD (optional:
+#   without it no gateway user is made)
 # Optional: SAS_AMQP_PREFIX (the deployment's amqp.prefix, default empty),
 #   SAS_RABBITMQ_VHOST (default /),
-#   SAS_RABBITMQ_{SCHEDULER,SUPERVISOR,AGENT,CLIENT,CONSOLE}_USER (defaults
-#   sas-scheduler, sas-supervisor, sas-agent, sas-client, sas-console),
-#   SAS_RABBITMQ_DELETE=1 deletes the five users instead (cleanup).
+#   SAS_RABBITMQ_{SCHEDULER,SUPERVISOR,AGENT,CLIENT,CONSOLE,GATEWAY}_USER (defaults
+#   sas-scheduler, sas-supervisor, sas-agent, sas-client, sas-console,
+#   sas-gateway), SAS_RABBITMQ_DELETE=1 deletes the users instead (cleanup).
 #
 # Permissions (configure / write / read regexes; P is the prefix):
 #   scheduler  declares orders, replies and agent queues; consumes orders and
@@ -29,6 +30,11 @@
 #              exchange, which reaches every queue); declares and reads only
 #              queues named P sas.client.<its user>.<anything>, its reply_to
 #              queues. Client user names: letters, digits, - and _.
+#   gateway    (when SAS_RABBITMQ_GATEWAY_PASSWORD is set) publishes to the
+#              exchanges P sas.orders and P sas.events only, on its clients'
+#              behalf (its x-sas-sender header names the client; the
+#              schedulers believe it from this user alone); declares and
+#              reads nothing.
 #   console    declares nothing and consumes nothing: it reads queue depths
 #              with passive declares, which RabbitMQ checks against no
 #              permission (access-control guide: queue.declare with
@@ -45,9 +51,11 @@ supervisor=${SAS_RABBITMQ_SUPERVISOR_USER:-sas-supervisor}
 agent=${SAS_RABBITMQ_AGENT_USER:-sas-agent}
 client=${SAS_RABBITMQ_CLIENT_USER:-sas-client}
 console=${SAS_RABBITMQ_CONSOLE_USER:-sas-console}
+# The gateway's user, made only when its password is given.
+gateway=${SAS_RABBITMQ_GATEWAY_USER:-sas-gateway}
 
 if [ "${SAS_RABBITMQ_DELETE:-}" = 1 ]; then
-  for user in "$scheduler" "$supervisor" "$agent" "$client" "$console"; do
+  for user in "$scheduler" "$supervisor" "$agent" "$client" "$console" ${SAS_RABBITMQ_GATEWAY_PASSWORD:+"$gateway"}; do
     rabbitmqctl -q delete_user "$user" >/dev/null 2>&1 || true
   done
   exit 0
@@ -106,4 +114,12 @@ grant "$console" \
   "^(amq\.default|${prefix}sas\.(status|events))\$" \
   "^\$"
 
-echo "broker users ready: $scheduler $supervisor $agent $client $console (vhost $vhost, prefix '${SAS_AMQP_PREFIX:-}')"
+if [ -n "${SAS_RABBITMQ_GATEWAY_PASSWORD:-}" ]; then
+  ensure_user "$gateway" SAS_RABBITMQ_GATEWAY_PASSWORD
+  grant "$gateway" \
+    "^\$" \
+    "^${prefix}sas\.(orders|events)\$" \
+    "^\$"
+fi
+
+echo "broker users ready: $scheduler $supervisor $agent $client $console${SAS_RABBITMQ_GATEWAY_PASSWORD:+ $gateway} (vhost $vhost, prefix '${SAS_AMQP_PREFIX:-}')"

@@ -67,6 +67,7 @@ async function main() {
       deliveryMode: 2,
       replyTo: queue,
       correlationId: order.order_id,
+      userId: user, // RabbitMQ checks it is the user logged in; the system knows its clients by it
     });
     await channel.waitForConfirms(); // throws unless the broker took the order
     process.exitCode = (await outcome) === 'processed' ? 0 : 1;

@@ -10,8 +10,10 @@ replies = channel.queue_declare(f"{prefix}sas.client.{parameters.credentials.use
                                 exclusive=True).method.queue
 order = {"schema_version": 1, "order_id": f"ord-{uuid.uuid4()}", "customer_id": "cust-42",
          "items": [{"sku": "SKU-1", "quantity": 2}], "amount_cents": 2499, "currency": "EUR"}
+# user_id: RabbitMQ checks it is the user logged in; the system knows its clients by it.
 channel.basic_publish(f"{prefix}sas.orders", "", json.dumps(order), pika.BasicProperties(
-    content_type="application/json", delivery_mode=2, reply_to=replies, correlation_id=order["order_id"]))
+    content_type="application/json", delivery_mode=2, reply_to=replies, correlation_id=order["order_id"],
+    user_id=parameters.credentials.username))
 for _, _, body in channel.consume(replies, auto_ack=True, inactivity_timeout=60):
     if body is None:
         raise SystemExit("no answer within 60 s")

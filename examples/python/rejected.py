@@ -13,7 +13,8 @@ order = {"schema_version": 1, "order_id": f"ord-{uuid.uuid4()}", "customer_id": 
          "items": [{"sku": "SKU-1", "quantity": 2}], "amount_cents": 2499, "currency": "EUR",
          "colour": "red"}  # not a field of SubmitOrder: the order is refused
 channel.basic_publish(f"{prefix}sas.orders", "", json.dumps(order), pika.BasicProperties(
-    content_type="application/json", delivery_mode=2, reply_to=replies, correlation_id="my-request-1"))
+    content_type="application/json", delivery_mode=2, reply_to=replies, correlation_id="my-request-1",
+    user_id=parameters.credentials.username))
 for _, properties, body in channel.consume(replies, auto_ack=True, inactivity_timeout=60):
     if body is None:
         raise SystemExit("no answer within 60 s")

@@ -16,15 +16,24 @@ now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 secret() { od -An -tx1 -N12 /dev/urandom | tr -d ' \n'; }
 
-# wait_for DESCRIPTION SECONDS COMMAND...: polls COMMAND until it succeeds.
-wait_for() {
-  local what=$1 seconds=$2 deadline
-  shift 2
+# wait_until SECONDS COMMAND...: polls COMMAND until it succeeds (status 0)
+# or SECONDS pass (status 1), for a test that has a remedy when it does not.
+wait_until() {
+  local seconds=$1 deadline
+  shift
   deadline=$(($(date +%s) + seconds))
   until "$@"; do
-    [ "$(date +%s)" -lt "$deadline" ] || fail "$what: not within $seconds s"
+    [ "$(date +%s)" -lt "$deadline" ] || return 1
     sleep 0.5
   done
+}
+
+# wait_for DESCRIPTION SECONDS COMMAND...: polls COMMAND until it succeeds,
+# and fails the test naming DESCRIPTION when it does not within SECONDS.
+wait_for() {
+  local what=$1 seconds=$2
+  shift 2
+  wait_until "$seconds" "$@" || fail "$what: not within $seconds s"
 }
 
 # free_ports N: N free ports of 127.0.0.1, held together while chosen so they differ.
@@ -37,8 +46,10 @@ print(*(s.getsockname()[1] for s in sockets))' "$1"
 }
 
 # start_project IMAGE: makes $tmp with the env file of docker-compose.yml's
-# variables (made-up passwords; client_password, owner_password, sim_token
-# and console_secret kept for the caller) and $tmp/image.yml, which runs
+# variables (made-up passwords; client_password, owner_password, sim_token,
+# console_secret and manager_secret kept for the caller; the gateway's
+# clients are deploy/tenants.toml's shop, with console_secret, and
+# shop-manager, the approver, with manager_secret) and $tmp/image.yml, which runs
 # every service of ours from IMAGE, so a user's sas:latest is left alone.
 # The caller appends its ports and any further variables to $tmp/env.
 start_project() {
@@ -48,9 +59,10 @@ start_project() {
   owner_password=$(secret)
   sim_token=$(secret)
   console_secret=$(secret)$(secret)
+  manager_secret=$(secret)$(secret)
   # The shell's values would win over the env file's.
   unset RABBITMQ_USER RABBITMQ_PASSWORD RABBITMQ_SCHEDULER_PASSWORD RABBITMQ_SUPERVISOR_PASSWORD \
-    RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD RABBITMQ_CONSOLE_PASSWORD POSTGRES_PASSWORD \
+    RABBITMQ_AGENT_PASSWORD RABBITMQ_CLIENT_PASSWORD RABBITMQ_CONSOLE_PASSWORD RABBITMQ_GATEWAY_PASSWORD POSTGRES_PASSWORD POSTGRES_SUPERUSER_PASSWORD \
     SAS_APP_PASSWORD SAS_READER_PASSWORD REMOTE_SIM_ADMIN_TOKEN CONSOLE_USERS RABBITMQ_AMQP_PORT RABBITMQ_MANAGEMENT_PORT \
     RABBITMQ_2_AMQP_PORT RABBITMQ_3_AMQP_PORT REMOTE_SIM_PORT CONSOLE_PORT GATEWAY_PORT GATEWAY_CLIENTS PATRONI_SUPERUSER_PASSWORD \
     PATRONI_REPLICATION_PASSWORD PATRONI_RESTAPI_PASSWORD ETCD_ROOT_PASSWORD ETCD_PATRONI_PASSWORD RABBITMQ_ERLANG_COOKIE COMPOSE_FILE COMPOSE_PROJECT_NAME COMPOSE_PROFILES
@@ -64,12 +76,14 @@ RABBITMQ_SUPERVISOR_PASSWORD=$(secret)
 RABBITMQ_AGENT_PASSWORD=$(secret)
 RABBITMQ_CLIENT_PASSWORD=$client_password
 RABBITMQ_CONSOLE_PASSWORD=$(secret)
+RABBITMQ_GATEWAY_PASSWORD=$(secret)
 POSTGRES_PASSWORD=$owner_password
+POSTGRES_SUPERUSER_PASSWORD=$(secret)
 SAS_APP_PASSWORD=$(secret)
 SAS_READER_PASSWORD=$(secret)
 REMOTE_SIM_ADMIN_TOKEN=$sim_token
 CONSOLE_USERS=tester:operator:$console_secret
-GATEWAY_CLIENTS=tester:$console_secret
+GATEWAY_CLIENTS=shop:$console_secret,shop-manager:$manager_secret
 ENV
     cat >"$tmp/image.yml" <<YAML
 services:

@@ -25,7 +25,10 @@ prefix, count, rate, declined, progress = (
     sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 urls = os.environ["AMQP_URLS"].split()
 confirmed_log = open(os.environ["CONFIRMED"], "a") if os.environ.get("CONFIRMED") else None
-properties = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+# user_id: the system knows a client by it (RabbitMQ checks it is the user
+# logged in; every URL names the same user).
+properties = pika.BasicProperties(content_type="application/json", delivery_mode=2,
+                                  user_id=pika.URLParameters(urls[0]).credentials.username)
 stopping = False
 
 

@@ -8,11 +8,12 @@
 //!
 //! - [`browser`]: headless chromium through chromedriver, and screenshots.
 //! - [`http_proxy`]: an HTTP proxy before a remote service that holds chosen calls and delivers them late, after their caller hung up.
-//! - [`postgres_pair`]: a throwaway Postgres primary and its standby.
+//! - [`postgres_pair`]: a throwaway Postgres primary and its standby, and one that takes TLS only.
 //! - [`proxy`]: a proxy in front of RabbitMQ that swallows confirms and cuts connections.
 //! - [`status_events`]: a client's status messages, read until one event.
 //! - [`strict_remote`]: a strict payment API (refunds by the charge's id, answers late, 409 while in progress).
 //! - [`tcp_delay`]: a TCP proxy that slows every round trip (a service's link to Postgres).
+//! - [`tls_proxy`]: a TLS front for a plain TCP server (the broker's `amqps://` side).
 
 pub use sas_lab::*;
 
@@ -47,6 +48,7 @@ pub mod postgres_pair;
 pub mod proxy;
 pub mod strict_remote;
 pub mod tcp_delay;
+pub mod tls_proxy;
 
 /// Reads status messages from `consumer` until one of event `until`, and
 /// returns their events in order.

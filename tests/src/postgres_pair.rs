@@ -1,7 +1,8 @@
 //! A throwaway Postgres primary and its streaming standby, for tests of what
 //! a failover does to the services: two clusters of the machine's own
 //! Postgres binaries (`initdb`, `pg_basebackup -R`) in a folder of their own,
-//! on free ports of 127.0.0.1, stopped and removed when dropped.
+//! on free ports of 127.0.0.1, stopped and removed when dropped. Also one
+//! cluster that takes TLS connections only ([`TlsPostgres`]).
 //!
 //! Postgres refuses to run as root: when the tests run as root, every
 //! command runs as the `postgres` user (Debian's packages create it).
@@ -115,25 +116,7 @@ impl PostgresPair {
     }
 
     fn start_cluster(&self, name: &str, port: u16) {
-        let data = self.dir.join(name);
-        let log = self.dir.join(format!("{name}.log"));
-        let options = format!(
-            "-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync=off",
-            self.dir.display()
-        );
-        self.postgres(
-            "pg_ctl",
-            &[
-                "-D",
-                path(&data),
-                "-l",
-                path(&log),
-                "-o",
-                &options,
-                "-w",
-                "start",
-            ],
-        );
+        start_cluster(&self.bin, &self.dir, name, port, "");
     }
 
     /// Runs one of the Postgres binaries, and panics unless it succeeds.
@@ -142,6 +125,102 @@ impl PostgresPair {
             .args(args)
             .current_dir(&self.dir));
     }
+}
+
+/// A throwaway Postgres that takes TLS connections only (`hostssl`, the
+/// certificate given), for the services' `verify-full` side: stopped and
+/// removed when dropped.
+pub struct TlsPostgres {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    dir: PathBuf,
+    bin: PathBuf,
+}
+
+impl TlsPostgres {
+    /// Makes a cluster whose only way in is TLS with the PEM certificate
+    /// `cert_pem` and key `key_pem` (trust authentication inside it), and
+    /// starts it.
+    ///
+    /// # Panics
+    /// When the Postgres binaries are missing or a command fails.
+    pub fn start(cert_pem: &str, key_pem: &str) -> Self {
+        let bin = postgres_bin();
+        let dir =
+            std::env::temp_dir().join(format!("sas-pg-tls-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("create the cluster's folder");
+        if is_root() {
+            run(Command::new("chown").arg("postgres:postgres").arg(&dir));
+        }
+        let data = dir.join("tls");
+        run(postgres_command(&bin, "initdb")
+            .args(["-A", "trust", "-U", "postgres", "-D"])
+            .arg(&data)
+            .current_dir(&dir));
+        std::fs::write(data.join("server.crt"), cert_pem).expect("write the certificate");
+        std::fs::write(data.join("server.key"), key_pem).expect("write the key");
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+        )
+        .expect("write pg_hba.conf");
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(
+                data.join("server.key"),
+                std::fs::Permissions::from_mode(0o600),
+            )
+            .expect("the key's mode");
+        }
+        if is_root() {
+            run(Command::new("chown")
+                .arg("-R")
+                .arg("postgres:postgres")
+                .arg(&dir));
+        }
+        let port = free_port();
+        start_cluster(&bin, &dir, "tls", port, " -c ssl=on");
+        Self { port, dir, bin }
+    }
+}
+
+impl Drop for TlsPostgres {
+    fn drop(&mut self) {
+        let _ = postgres_command(&self.bin, "pg_ctl")
+            .args([
+                "-D",
+                path(&self.dir.join("tls")),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Starts cluster `name` (its data in `dir/name`) on `port` with `options`
+/// beside the usual ones, and waits until it takes connections.
+fn start_cluster(bin: &Path, dir: &Path, name: &str, port: u16, options: &str) {
+    let data = dir.join(name);
+    let log = dir.join(format!("{name}.log"));
+    let options = format!(
+        "-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync=off{options}",
+        dir.display()
+    );
+    run(postgres_command(bin, "pg_ctl")
+        .args([
+            "-D",
+            path(&data),
+            "-l",
+            path(&log),
+            "-o",
+            &options,
+            "-w",
+            "start",
+        ])
+        .current_dir(dir));
 }
 
 impl Drop for PostgresPair {

@@ -119,12 +119,14 @@ impl Agent {
                 );
             });
         }
+        let priority = *delivery.properties.priority();
+        let turn = lane.turns.take(
+            sas_messages::ids::tenant_of(request.order_id.as_str()),
+            head_start(request.kind, priority),
+        );
         let received = Received {
-            slot_priority: slot_priority(
-                request.kind,
-                *delivery.properties.priority(),
-                lane.started.elapsed(),
-            ),
+            slot_priority: slot_priority(request.kind, priority, turn.at),
+            turn,
             request,
             redelivered: delivery.redelivered,
             reply_to,
@@ -389,6 +391,7 @@ impl Agent {
             () = self.interrupted(connection_lost) => return Err(Finished::Interrupted),
         };
         tries.slot_wait += asked.elapsed();
+        received.turn.granted();
         let (Some(_), Some(until_complete)) = (
             self.time_left(deadlines.start_by),
             self.time_left(deadlines.complete_by),
@@ -719,43 +722,52 @@ struct Received {
     trace_id: Option<String>,
     /// Its place among the requests waiting for a call slot ([`slot_priority`]).
     slot_priority: priority_semaphore::Priority,
+    /// Its tenant's turn, held until it ends.
+    turn: crate::turns::Turn,
 }
 
 /// A request's place among those waiting for a call slot of its lane:
-/// higher goes first. It is the lines' rule (admission's `admit_key`)
-/// turned round: [`PRIORITY_STEP`] per level of the order's priority, plus
-/// [`UNDO_HEAD_START`] for a compensation (an order being undone holds what
-/// it reserved until its undo runs), less the whole seconds from the
-/// lane's start to the request's arrival (`arrived`). The priority is the
-/// message's `priority` property; a scheduler older than the property sends
-/// none, which counts as the default. Whole seconds, so that an agent may
-/// run for decades: requests that arrive within the same second at the
-/// same level are served in the order they reach the slots. A request that
-/// retries after a transient failure keeps the place it arrived with.
+/// higher goes first. It is the lines' rule (admission's `admit_key`, with
+/// tenants' turns) turned round: [`PRIORITY_STEP`] per level of the
+/// order's priority, plus [`UNDO_HEAD_START`] for a compensation (an order
+/// being undone holds what it reserved until its undo runs), each second of
+/// them worth 1,000 turns, less the request's turn (`turn`,
+/// [`crate::turns`]). The priority is the message's `priority` property; a
+/// scheduler older than the property sends none, which counts as the
+/// default. Equal places are served in the order they reach the slots. A
+/// request that retries after a transient failure keeps its place.
 ///
-/// An urgent request so passes the backlog delivered before it, and a
-/// request waits behind later ones for at most [`PRIORITY_STEP`] per
-/// level. Waiting is bounded anyway: past its start-by a request answers
-/// `not_started`, and its order goes back to its line, keeping its place.
+/// An urgent request so passes the backlog delivered before it, a quiet
+/// tenant's request passes a busy tenant's, and a request waits behind
+/// later ones for at most 10,000 turns per level. Waiting is bounded
+/// anyway: past its start-by a request answers `not_started`, and its
+/// order goes back to its line, keeping its place. A place beyond the
+/// semaphore's range (2^31 turns without the lane ever idle) is its
+/// lowest: those requests are served in arrival order.
 pub fn slot_priority(
     kind: StepKind,
     property: Option<u8>,
-    arrived: Duration,
+    turn: i64,
 ) -> priority_semaphore::Priority {
+    let place = (head_start(kind, property) * 1_000).saturating_sub(turn);
+    priority_semaphore::Priority::try_from(place).unwrap_or(priority_semaphore::Priority::MIN)
+}
+
+/// A request's head start in seconds: [`PRIORITY_STEP`] per level of its
+/// order's priority (none: the default), plus [`UNDO_HEAD_START`] for a
+/// compensation. Also the level its tenant's turns are counted in
+/// ([`crate::turns`]).
+pub fn head_start(kind: StepKind, property: Option<u8>) -> i64 {
     let level = i64::from(property.unwrap_or(DEFAULT_PRIORITY).min(MAX_PRIORITY));
-    let head_start = PRIORITY_STEP.num_seconds() * level
+    PRIORITY_STEP.num_seconds() * level
         + match kind {
             StepKind::Action => 0,
             StepKind::Compensation => UNDO_HEAD_START.num_seconds(),
-        };
-    let arrived = i64::try_from(arrived.as_secs()).unwrap_or(i64::MAX);
-    let place = head_start.saturating_sub(arrived);
-    priority_semaphore::Priority::try_from(place).unwrap_or(priority_semaphore::Priority::MIN)
+        }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use sas_messages::StepKind;
 
@@ -831,22 +843,18 @@ mod tests {
         }
     }
 
-    fn at(kind: StepKind, priority: Option<u8>, secs: u64) -> i32 {
-        slot_priority(kind, priority, Duration::from_secs(secs))
+    fn at(kind: StepKind, priority: Option<u8>, turn: i64) -> i32 {
+        slot_priority(kind, priority, turn)
     }
 
     #[test]
-    fn a_level_of_priority_is_worth_ten_seconds_of_waiting() {
-        let waiting = at(StepKind::Action, Some(5), 100);
-        assert!(at(StepKind::Action, Some(6), 109) > waiting);
-        assert!(at(StepKind::Action, Some(6), 111) < waiting);
-        assert!(at(StepKind::Action, Some(9), 139) > waiting);
+    fn a_level_of_priority_is_worth_ten_thousand_turns() {
+        let waiting = at(StepKind::Action, Some(5), 100_000);
+        assert!(at(StepKind::Action, Some(6), 109_999) > waiting);
+        assert!(at(StepKind::Action, Some(6), 110_001) < waiting);
+        assert!(at(StepKind::Action, Some(9), 139_999) > waiting);
         // Equal places keep their arrival order (the semaphore's FIFO).
-        assert_eq!(at(StepKind::Action, Some(6), 110), waiting);
-        assert_eq!(
-            slot_priority(StepKind::Action, Some(5), Duration::from_millis(100_900)),
-            waiting,
-        );
+        assert_eq!(at(StepKind::Action, Some(6), 110_000), waiting);
     }
 
     #[test]
@@ -870,10 +878,10 @@ mod tests {
     }
 
     #[test]
-    fn an_agent_that_ran_for_ages_still_orders_its_requests() {
-        let ages = 200 * 365 * 24 * 3600;
-        assert_eq!(at(StepKind::Action, Some(9), ages), i32::MIN);
-        let decades = 30 * 365 * 24 * 3600;
-        assert!(at(StepKind::Action, Some(9), decades) > at(StepKind::Action, Some(0), decades));
+    fn turns_beyond_the_range_are_served_in_arrival_order() {
+        assert_eq!(at(StepKind::Action, Some(9), i64::MAX), i32::MIN);
+        assert_eq!(at(StepKind::Action, Some(0), 1 << 40), i32::MIN);
+        let far = 2_000_000_000;
+        assert!(at(StepKind::Action, Some(9), far) > at(StepKind::Action, Some(0), far));
     }
 }

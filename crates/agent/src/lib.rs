@@ -18,6 +18,7 @@ pub mod clock;
 pub mod handler;
 pub mod remote;
 pub mod settings;
+pub mod turns;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,13 +44,12 @@ pub struct Lane {
     /// Calls to the service in flight at once from this replica (a bulkhead,
     /// apart from the broker's prefetch, so that the next requests wait here
     /// already delivered while the service works). A freed slot goes to the
-    /// most urgent request waiting ([`handler::slot_priority`]), the first
-    /// to arrive among equals: the agent's queue is first come, first
-    /// served, and this is where priority can still count.
+    /// most urgent request waiting ([`handler::slot_priority`]), tenants
+    /// taking turns among equals: the agent's queue is first come, first
+    /// served, and this is where priority and fairness can still count.
     pub calls: Arc<priority_semaphore::PrioritySemaphore>,
-    /// When the lane was made: requests' arrivals are counted from it to
-    /// order them for the call slots.
-    pub started: std::time::Instant,
+    /// The tenants' turns for the call slots.
+    pub turns: Arc<turns::Turns>,
 }
 
 /// What every request handled by one agent replica shares.
@@ -88,7 +88,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
     let readiness = session.clone();
     sas_runtime::ops::serve(
-        &settings.http.listen,
+        &settings.http,
         sas_runtime::ops::broker_readiness(move || readiness.is_connected()),
         shutdown.clone(),
     )
@@ -107,7 +107,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             calls: Arc::new(priority_semaphore::PrioritySemaphore::new(
                 settings.agent.concurrency,
             )),
-            started: std::time::Instant::now(),
+            turns: Arc::default(),
             name,
         }));
     }

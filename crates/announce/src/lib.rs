@@ -213,9 +213,25 @@ impl Announcer {
             });
         }
         if let Some((queue, correlation_id)) = reply {
+            // The client hears of its order by the id it sent: a tenant's
+            // stored id (`ord-1@shop`) without the tenant.
+            let client_id = status.order_id.client_id();
+            let (body, properties) = if client_id == status.order_id.as_str() {
+                (body, properties())
+            } else {
+                let status = OrderStatus {
+                    order_id: client_id.into(),
+                    ..status.clone()
+                };
+                (
+                    serde_json::to_vec(&status).expect("wire types always serialize"),
+                    json_properties(&uuid::Uuid::now_v7().to_string())
+                        .with_headers(order_headers(client_id, trace_id)),
+                )
+            };
             let properties = match correlation_id {
-                Some(id) => properties().with_correlation_id(id.into()),
-                None => properties(),
+                Some(id) => properties.with_correlation_id(id.into()),
+                None => properties,
             };
             messages.push(Outgoing {
                 exchange: String::new(),
@@ -366,6 +382,7 @@ mod tests {
             reconnect_base_ms: 100,
             reconnect_max_ms: 1_000,
             status_exchange: true,
+            tls_ca_file: String::new(),
         }
     }
 

@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt};
+use sas_broker::lapin::BasicProperties;
 use sas_broker::{topology, Publisher};
 use sas_lab::{order, TestEnv};
-use sas_messages::{OrderStatus, StatusEvent};
+use sas_messages::{OrderStatus, StatusEvent, SubmitOrder};
 
 /// Publishes the orders `ids` with confirms, up to 256 unconfirmed at once,
 /// at `rate` orders per second (0: as fast as the broker confirms). Returns
@@ -31,13 +32,33 @@ pub async fn publish_with_priority(
     reply_to: Option<&str>,
     priority_of: impl Fn(usize) -> Option<u8>,
 ) -> HashMap<String, Instant> {
+    publish_each(env, publisher, ids, rate, |index, id| {
+        let mut submitted = order(id);
+        submitted.reply_to = reply_to.map(str::to_owned);
+        submitted.priority = priority_of(index);
+        (submitted, sas_broker::publish::json_properties(id))
+    })
+    .await
+}
+
+/// Publishes one order per id in `ids`, as `make` builds it and its message
+/// properties from its index and id, with confirms, up to 256 unconfirmed
+/// at once, at `rate` orders per second (0: as fast as the broker
+/// confirms). Returns when each was published.
+pub async fn publish_each(
+    env: &TestEnv,
+    publisher: &Publisher,
+    ids: &[String],
+    rate: f64,
+    make: impl Fn(usize, &str) -> (SubmitOrder, BasicProperties),
+) -> HashMap<String, Instant> {
     let queue = env.amqp().names().orders();
     let started = Instant::now();
     let sent = Arc::new(Mutex::new(HashMap::with_capacity(ids.len())));
     stream::iter(ids.iter().enumerate())
         .map(|(index, id)| {
             let (queue, sent) = (queue.clone(), sent.clone());
-            let priority_of = &priority_of;
+            let make = &make;
             async move {
                 if rate > 0.0 {
                     tokio::time::sleep_until(
@@ -45,19 +66,11 @@ pub async fn publish_with_priority(
                     )
                     .await;
                 }
-                let mut submitted = order(id);
-                submitted.reply_to = reply_to.map(str::to_owned);
-                submitted.priority = priority_of(index);
+                let (submitted, properties) = make(index, id);
                 let body = serde_json::to_vec(&submitted).expect("order");
                 let at = Instant::now();
                 publisher
-                    .publish(
-                        "",
-                        &queue,
-                        &body,
-                        sas_broker::publish::json_properties(id),
-                        true,
-                    )
+                    .publish("", &queue, &body, properties, true)
                     .await
                     .expect("publish an order");
                 sent.lock().expect("lock").insert(id.clone(), at);
@@ -146,9 +159,17 @@ impl StatusListener {
     /// that wants its status messages does (it works whether or not the
     /// status exchange is on).
     pub async fn start(env: &TestEnv) -> anyhow::Result<Self> {
+        Self::bound(env, None).await
+    }
+
+    /// [`StatusListener::start`], its queue bound to the status exchange
+    /// with `routing_key` (`order.*`: every order's statuses, as an
+    /// operator's watcher hears them, with no `reply_to` to name).
+    pub async fn bound(env: &TestEnv, routing_key: Option<&str>) -> anyhow::Result<Self> {
         let settings = env.amqp();
         let connection = sas_broker::connect(&settings, "bench-status").await?;
-        let (queue, mut consumer) = topology::status_consumer(&connection, &settings, None).await?;
+        let (queue, mut consumer) =
+            topology::status_consumer(&connection, &settings, routing_key).await?;
         let processed = Arc::new(Mutex::new(HashMap::new()));
         let first_step = Arc::new(Mutex::new(HashMap::new()));
         let status_wait_ms = Arc::new(Mutex::new(HashMap::new()));

@@ -10,6 +10,7 @@
 mod budget;
 mod calibrate;
 mod drive;
+mod neighbours;
 mod overload;
 mod phases;
 mod report;
@@ -47,8 +48,13 @@ struct Cli {
     throughput_only: bool,
     /// Run only the overload phase (after the calibrations and a warm-up):
     /// for tuning admission control.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "neighbours_only")]
     overload_only: bool,
+    /// Run only the noisy-neighbour phase (after the calibrations and a
+    /// warm-up): a quiet tenant alone, then beside one sending 10x what a
+    /// slow remote absorbs.
+    #[arg(long, conflicts_with = "throughput_only")]
+    neighbours_only: bool,
     /// One order in this many of the overload phase's 3x and 10x loads is
     /// urgent (priority 9). At the default, 10, urgent orders alone ask
     /// for the whole remote at 10x; 20 leaves them half of it.
@@ -86,6 +92,8 @@ pub struct Sizes {
     pub recovery_orders: usize,
     /// Seconds each overload factor is offered.
     pub overload_offer_secs: f64,
+    /// Seconds of each half of the noisy-neighbour phase.
+    pub neighbours_secs: f64,
 }
 
 const FULL: Sizes = Sizes {
@@ -97,6 +105,7 @@ const FULL: Sizes = Sizes {
     scaling_orders_per_agent: 100,
     recovery_orders: 400,
     overload_offer_secs: 5.0,
+    neighbours_secs: 15.0,
 };
 
 const QUICK: Sizes = Sizes {
@@ -108,6 +117,7 @@ const QUICK: Sizes = Sizes {
     scaling_orders_per_agent: 15,
     recovery_orders: 60,
     overload_offer_secs: 0.5,
+    neighbours_secs: 2.0,
 };
 
 fn main() -> std::process::ExitCode {
@@ -168,7 +178,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         println!("soak report written to {}", cli.out.display());
         return Ok(());
     }
-    let progress = ProgressBar::new(7);
+    let progress = ProgressBar::new(8);
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}")?
             .progress_chars("=> "),
@@ -178,6 +188,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         latency_rate: cli.latency_rate,
         throughput_only: cli.throughput_only,
         overload_only: cli.overload_only,
+        neighbours_only: cli.neighbours_only,
         urgent_every: usize::from(cli.urgent_every),
     };
     let report = phases::run_all(sizes, options, &progress).await?;

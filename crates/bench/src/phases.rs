@@ -21,7 +21,8 @@ const STEP_TIMEOUT_MS: u64 = 10_000;
 /// The supervisor interval the harness configures.
 const SUPERVISOR_INTERVAL_SECS: f64 = 0.2;
 
-fn ids(prefix: &str, n: usize) -> Vec<String> {
+/// The ids `<prefix>0` .. `<prefix><n-1>` of a phase's orders.
+pub(crate) fn ids(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i}")).collect()
 }
 
@@ -52,6 +53,8 @@ pub struct Options {
     pub throughput_only: bool,
     /// Skip from the warm-up straight to the overload phase.
     pub overload_only: bool,
+    /// Skip from the warm-up straight to the noisy-neighbour phase.
+    pub neighbours_only: bool,
     /// One order in this many of the overload phase's loads is urgent.
     pub urgent_every: usize,
 }
@@ -106,6 +109,9 @@ pub async fn run_all(
     progress.set_message("starting the system");
     let (_connection, publisher) = env.broker().await;
     let mut system = start_warm(&env, &publisher, &mut report).await?;
+    if options.neighbours_only {
+        return neighbours(&env, &publisher, &mut system, sizes, report, progress).await;
+    }
     if options.overload_only {
         for agent in &mut system.agents {
             agent.kill9().await;
@@ -129,7 +135,8 @@ pub async fn run_all(
     }
     scaling(&env, &publisher, &mut system, sizes, &mut report, progress).await?;
     recovery(&env, &publisher, &system, sizes, &mut report, progress).await?;
-    overload(&env, &publisher, &system, sizes, options, report, progress).await
+    let report = overload(&env, &publisher, &system, sizes, options, report, progress).await?;
+    neighbours(&env, &publisher, &mut system, sizes, report, progress).await
 }
 
 /// The calibrations: the broker's and Postgres's own limits, against which
@@ -496,6 +503,23 @@ async fn overload(
     report.overload = points;
     report.overload_urgent_alone_ms = alone.latency_urgent_ms;
     report.overload_urgent_alone_first_step_ms = alone.urgent_first_step_ms;
+    progress.inc(1);
+    Ok(report)
+}
+
+/// The very last phase (it replaces the system's scheduler): a quiet
+/// tenant beside a noisy one on a slow remote.
+async fn neighbours(
+    env: &TestEnv,
+    publisher: &Publisher,
+    system: &mut BenchSystem,
+    sizes: Sizes,
+    mut report: Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<Report> {
+    progress.set_message("neighbours: a quiet tenant beside one sending 10x the capacity");
+    report.neighbours =
+        Some(crate::neighbours::run(env, publisher, system, sizes.neighbours_secs).await?);
     progress.inc(1);
     Ok(report)
 }

@@ -55,6 +55,26 @@ pub struct OverloadPoint {
     pub latency_normal_ms: Latency,
 }
 
+/// The noisy-neighbour phase: a quiet tenant's latency beside a noisy one.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Neighbours {
+    /// What the remote service can absorb, orders/s.
+    pub capacity_orders_per_sec: f64,
+    /// Orders the quiet tenant sent in each half (a tenth of the capacity).
+    pub quiet_orders: usize,
+    /// Orders the noisy tenant sent beside it (ten times the capacity).
+    pub noisy_orders: usize,
+    /// Submit to processed of the quiet tenant's orders alone, ms: the
+    /// yardstick.
+    pub quiet_alone_ms: Latency,
+    /// The same while the noisy tenant sends (target: p99 within 1.5 times
+    /// the yardstick's).
+    pub quiet_beside_noisy_ms: Latency,
+    /// The noisy tenant's orders processed per second while the quiet
+    /// tenant's were, as a fraction of the capacity: it keeps the rest.
+    pub noisy_goodput_fraction: f64,
+}
+
 /// How the saturation phase's writes were grouped (see `Report`).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Batching {
@@ -132,6 +152,9 @@ pub struct Report {
     /// Submit to the first step's completion of those orders alone, ms (see
     /// [`OverloadPoint::urgent_first_step_ms`]).
     pub overload_urgent_alone_first_step_ms: Latency,
+    /// Two tenants on a slow remote: a quiet one beside a noisy one (not
+    /// measured with `--throughput-only` and `--overload-only`).
+    pub neighbours: Option<Neighbours>,
     /// CPU milliseconds per order during saturation, by program (the
     /// services, Postgres, RabbitMQ, the benchmark's own client): where the
     /// time goes.
@@ -179,6 +202,7 @@ impl Report {
         self.scaling_rows(&mut out);
         self.recovery_row(&mut out);
         self.overload_rows(&mut out);
+        self.neighbour_rows(&mut out);
         self.memory_rows(&mut out);
         out
     }
@@ -368,6 +392,38 @@ impl Report {
                 ),
             );
         }
+    }
+
+    /// Neighbours: the quiet tenant alone and beside the noisy one.
+    fn neighbour_rows(&self, out: &mut String) {
+        let Some(n) = self.neighbours else {
+            return;
+        };
+        row(
+            out,
+            &format!(
+                "neighbours: quiet tenant alone ({} orders at 0.1x, capacity {:.0}/s)",
+                n.quiet_orders, n.capacity_orders_per_sec
+            ),
+            format!(
+                "p50/p99 {:.0}/{:.0} ms",
+                n.quiet_alone_ms.p50, n.quiet_alone_ms.p99
+            ),
+        );
+        row(
+            out,
+            &format!(
+                "neighbours: quiet beside noisy at 10x ({} orders)",
+                n.noisy_orders
+            ),
+            format!(
+                "p50/p99 {:.0}/{:.0} ms ({:.2}x alone)  noisy goodput {:.2}",
+                n.quiet_beside_noisy_ms.p50,
+                n.quiet_beside_noisy_ms.p99,
+                n.quiet_beside_noisy_ms.p99 / n.quiet_alone_ms.p99.max(1.0),
+                n.noisy_goodput_fraction
+            ),
+        );
     }
 
     /// Memory: each binary's resident memory at idle and at its peak.

@@ -47,10 +47,17 @@ async fn connect_node(
     // lapin 4 runs on the current tokio runtime through its `tokio` feature.
     // Its automatic recovery stays off (the default): Session::run is our recovery.
     let properties = ConnectionProperties::default().with_connection_name(name.into());
+    let tls = settings
+        .tls_config()
+        .map_err(|reason| BrokerError::Settings { reason })?;
+    let runtime = lapin::runtime::default_runtime().map_err(|source| BrokerError::Amqp {
+        doing: "finding the tokio runtime",
+        source,
+    })?;
     timed(
         "connecting",
         settings.operation_timeout(),
-        Connection::connect_uri(uri, properties),
+        Connection::connect_uri_with_config(uri, properties, tls, runtime),
     )
     .await
 }

@@ -35,6 +35,13 @@ pub struct ServiceAmqpSettings {
     /// every dead letter is trusted, as before.
     #[serde(default, deserialize_with = "string_list")]
     pub service_users: Vec<String>,
+    /// Broker users of our services that send orders and events on
+    /// someone else's behalf (the gateway's, the console's): their
+    /// [`sas_messages::headers::SENDER`] header names the sender. Anyone
+    /// else is known by its own `user_id` (see
+    /// [`sas_runtime::tenancy::identity_of`]).
+    #[serde(default, deserialize_with = "string_list")]
+    pub delegating_users: Vec<String>,
 }
 
 impl Deref for ServiceAmqpSettings {
@@ -55,6 +62,7 @@ impl ServiceAmqpSettings {
         for (key, users) in [
             ("amqp.agent_users", &self.agent_users),
             ("amqp.service_users", &self.service_users),
+            ("amqp.delegating_users", &self.delegating_users),
         ] {
             if users.iter().any(|user| user.is_empty() || user.len() > 255) {
                 return Err(format!(

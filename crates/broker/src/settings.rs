@@ -39,6 +39,12 @@ pub struct AmqpSettings {
     /// to an order's own `reply_to` are sent either way.
     #[serde(default = "default_true")]
     pub status_exchange: bool,
+    /// A PEM file of the CA that signed the broker's certificate, for an
+    /// `amqps://` url whose certificate the system's roots do not vouch for
+    /// (a development CA, a company's own): trusted beside them. Empty: the
+    /// system's roots only.
+    #[serde(default)]
+    pub tls_ca_file: String,
 }
 
 fn default_true() -> bool {
@@ -58,6 +64,7 @@ impl AmqpSettings {
             ));
         }
         self.node_uris()?;
+        self.tls_config()?;
         if self.prefetch == 0 {
             return Err("amqp.prefetch must be at least 1".into());
         }
@@ -86,6 +93,34 @@ impl AmqpSettings {
             ));
         }
         Ok(())
+    }
+
+    /// The TLS settings of an `amqps://` connection: the CA of
+    /// [`AmqpSettings::tls_ca_file`] trusted beside the system's roots.
+    ///
+    /// # Errors
+    /// A message naming the key: the file cannot be read or holds no
+    /// PEM certificate.
+    pub fn tls_config(&self) -> Result<lapin::tcp::OwnedTLSConfig, String> {
+        if self.tls_ca_file.is_empty() {
+            return Ok(lapin::tcp::OwnedTLSConfig::default());
+        }
+        let pem = std::fs::read_to_string(&self.tls_ca_file).map_err(|error| {
+            format!(
+                "amqp.tls_ca_file {:?} cannot be read: {error}",
+                self.tls_ca_file
+            )
+        })?;
+        if !pem.contains("-----BEGIN CERTIFICATE-----") {
+            return Err(format!(
+                "amqp.tls_ca_file {:?} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                self.tls_ca_file
+            ));
+        }
+        Ok(lapin::tcp::OwnedTLSConfig {
+            identity: None,
+            cert_chain: Some(pem),
+        })
     }
 
     /// The names of this deployment's queues and exchanges.
@@ -168,7 +203,26 @@ mod tests {
             reconnect_base_ms: 100,
             reconnect_max_ms: 1_000,
             status_exchange: true,
+            tls_ca_file: String::new(),
         }
+    }
+
+    #[test]
+    fn a_ca_file_must_be_readable_pem() {
+        let mut settings = with_url("amqps://broker:5671/%2f");
+        assert!(settings.tls_config().unwrap().cert_chain.is_none());
+        settings.tls_ca_file = "/no/such/ca.pem".into();
+        let error = settings.validate().unwrap_err();
+        assert!(
+            error.contains("amqp.tls_ca_file \"/no/such/ca.pem\" cannot be read"),
+            "{error}"
+        );
+        let not_pem = std::env::temp_dir().join(format!("not-pem-{}", std::process::id()));
+        std::fs::write(&not_pem, "hello").unwrap();
+        settings.tls_ca_file = not_pem.display().to_string();
+        let error = settings.validate().unwrap_err();
+        assert!(error.contains("holds no PEM certificate"), "{error}");
+        std::fs::remove_file(not_pem).unwrap();
     }
 
     #[test]

@@ -354,8 +354,10 @@ impl Console {
     ///
     /// # Errors
     /// 400 for a name that cannot be an event's, 404 for no such order,
-    /// 409 when it does not wait for this event now, 503 when the store
-    /// fails or the broker does not confirm the event.
+    /// 403 when the wait names senders and this operator is none of them
+    /// (`console.tenancy_file`), 409 when it does not wait for this event
+    /// now, 503 when the store fails or the broker does not confirm the
+    /// event.
     pub async fn send_event(
         &self,
         order_id: &str,
@@ -374,7 +376,27 @@ impl Console {
             .await?
             .ok_or_else(|| Failure::not_found(format!("order {order_id}")))?;
         match waiting_for_event(summary.state, &steps) {
-            Some(waiting) if waiting.event == event => {}
+            Some(waiting) if waiting.event == event => {
+                // The schedulers would refuse it from an operator the wait
+                // does not accept: say so now, and send nothing.
+                let principals = self
+                    .tenancy
+                    .sender(&format!("console:{}", who.name))
+                    .principals;
+                let park = waiting.step.park.as_ref();
+                if park.is_some_and(|park| {
+                    !park.accepts(&principals, sas_messages::ids::tenant_of(order_id))
+                }) {
+                    return Err(Failure::new(
+                        axum::http::StatusCode::FORBIDDEN,
+                        format!(
+                            "the wait at step {} accepts {event} only from {}; you hold none of these (the tenancy file's roles): nothing was sent",
+                            waiting.step.name,
+                            park.map(|p| p.senders().join(", ")).unwrap_or_default()
+                        ),
+                    ));
+                }
+            }
             Some(waiting) => {
                 return Err(Failure::conflict(format!(
                     "order {order_id} waits for the event {} at step {}, not for {event}: nothing was sent",
@@ -412,7 +434,14 @@ impl Console {
                 &sas_broker::topology::events_exchange(&self.settings.amqp),
                 &self.names.events(),
                 &sent,
-                json_properties(&sent.event_id),
+                // Sent on the operator's behalf: the schedulers believe the
+                // header from the console's broker user (amqp.delegating_users).
+                json_properties(&sent.event_id).with_headers(
+                    sas_broker::publish::string_headers([(
+                        sas_messages::headers::SENDER,
+                        format!("console:{}", who.name).as_str(),
+                    )]),
+                ),
                 true,
             )
             .await

@@ -64,6 +64,8 @@ pub struct Console {
     pub auth: auth::Authenticator,
     /// Failed logins by client address and by name.
     pub logins: sas_runtime::login_limit::LoginLimiter,
+    /// The roles of console users (`console.tenancy_file`).
+    pub tenancy: sas_runtime::tenancy::Tenancy,
     /// The overview's numbers, computed at most once per live interval.
     pub overview_cache: overview::Cache,
     /// Fired on SIGTERM: live streams end.
@@ -152,9 +154,12 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         .console
         .anonymous_role()
         .map_err(anyhow::Error::msg)?;
+    let tenancy = sas_runtime::tenancy::Tenancy::load(&settings.console.tenancy_file)
+        .map_err(anyhow::Error::msg)?;
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
     let session = Session::new(settings.amqp.clone(), id.clone());
     let console = Arc::new(Console {
+        tenancy,
         auth: auth::Authenticator::new(users, anonymous, &settings.console.csrf_key),
         logins: sas_runtime::login_limit::LoginLimiter::new(
             settings.console.login_failures_per_minute,
@@ -169,8 +174,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings,
     });
     let app = router(console.clone(), shutdown.clone())?;
+    let http = &console.settings.http;
     let server =
-        sas_runtime::ops::serve_app(&console.settings.http.listen, app, shutdown.clone()).await?;
+        sas_runtime::ops::serve_app(&http.listen, app, http.tls()?, shutdown.clone()).await?;
     tracing::info!(console = %id, local_addr = %server.local_addr, "console serving pages, /api, /metrics, /healthz, /readyz");
     if !console
         .store

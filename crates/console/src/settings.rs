@@ -49,6 +49,12 @@ pub struct ConsoleSettings {
     pub live_interval_ms: u64,
     /// Instance name; empty picks `console-<random>`.
     pub id: String,
+    /// The schedulers' tenancy file (see [`sas_runtime::tenancy`]): the
+    /// roles a console user holds, so that *Send &lt;event&gt;* is refused at
+    /// once to an operator whom the wait does not accept. Empty: every
+    /// operator may send every event (as the schedulers then decide).
+    #[serde(default)]
+    pub tenancy_file: String,
 }
 
 impl std::fmt::Debug for ConsoleSettings {
@@ -57,6 +63,7 @@ impl std::fmt::Debug for ConsoleSettings {
         f.debug_struct("ConsoleSettings")
             .field("users", &"<redacted>")
             .field("anonymous", &self.anonymous)
+            .field("tenancy_file", &self.tenancy_file)
             .field("csrf_key", &"<redacted>")
             .field("login_failures_per_minute", &self.login_failures_per_minute)
             .field("request_timeout_ms", &self.request_timeout_ms)

@@ -288,7 +288,8 @@ impl Builder {
                 E::AlertAcknowledged
                 | E::AlertResolved
                 | E::DeadLetterReplayed
-                | E::DeadLetterDiscarded,
+                | E::DeadLetterDiscarded
+                | E::EventRefused,
                 _,
             ) => self.mark(entry, MarkKind::Operator, None),
             // Claims, and step events for a step the plan no longer names.

@@ -14,6 +14,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -23,7 +24,7 @@ use sas_messages::{OrderEvent, SCHEMA_VERSION};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::orders::{not_confirmed, problem, publish_confirmed};
+use crate::orders::{not_confirmed, problem, publish_confirmed, unreadable_body};
 use crate::{Caller, Gateway};
 
 /// An event for an order's wait step, as a client sends it (the order is
@@ -72,9 +73,12 @@ pub async fn submit(
     State(gateway): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
     Path(order_id): Path<String>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    take(&gateway, &caller, Address::Order(order_id), &body).await
+    match body {
+        Ok(body) => take(&gateway, &caller, Address::Order(order_id), &body).await,
+        Err(rejection) => unreadable_body(&rejection),
+    }
 }
 
 /// `POST /v1/correlation-keys/{key}/events`.
@@ -82,9 +86,12 @@ pub async fn submit_for_key(
     State(gateway): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
     Path(key): Path<String>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    take(&gateway, &caller, Address::Key(key), &body).await
+    match body {
+        Ok(body) => take(&gateway, &caller, Address::Key(key), &body).await,
+        Err(rejection) => unreadable_body(&rejection),
+    }
 }
 
 /// Validates and publishes an event for `address`, answering 202 once the
@@ -97,12 +104,24 @@ async fn take(gateway: &Gateway, caller: &Caller, address: Address, body: &Bytes
             return problem(status, error);
         }
     };
+    let tenant = match gateway.tenant_of(caller) {
+        Ok(tenant) => tenant,
+        Err(refused) => return *refused,
+    };
+    let separator = sas_messages::ids::TENANT_SEPARATOR;
+    if event.names_a_tenant() {
+        counted("invalid");
+        return problem(
+            StatusCode::BAD_REQUEST,
+            format!("name the order by the id you submitted, the key as your orders give it (without '{separator}')"),
+        );
+    }
     let order_id = event.order_id.as_ref().map(ToString::to_string);
     let about = order_id
         .clone()
         .or_else(|| event.correlation_key.clone())
         .unwrap_or_default();
-    match publish(gateway, &event).await {
+    match publish(gateway, &event, caller, &tenant).await {
         Ok(()) => {
             counted("accepted");
             tracing::info!(order_id = %about, event = %event.name, event_id = %event.event_id, client = %caller.0, "event accepted over HTTP");
@@ -163,11 +182,25 @@ fn parse(address: Address, body: &[u8], limit: usize) -> Result<OrderEvent, (Sta
 ///
 /// # Errors
 /// When the broker has not confirmed it by then.
-async fn publish(gateway: &Gateway, event: &OrderEvent) -> Result<(), sas_broker::BrokerError> {
-    let mut properties = json_properties(&format!("gateway-event-{}", event.event_id));
-    if let Some(order_id) = &event.order_id {
-        properties = properties.with_headers(order_headers(order_id, None));
-    }
+async fn publish(
+    gateway: &Gateway,
+    event: &OrderEvent,
+    caller: &Caller,
+    tenant: &str,
+) -> Result<(), sas_broker::BrokerError> {
+    // Sent on the client's behalf: the schedulers address the event within
+    // its tenant and check it against the wait's senders; a dead letter of
+    // it is recorded under the order's stored id.
+    let mut headers = match &event.order_id {
+        Some(order_id) => order_headers(&order_id.qualified(tenant), None),
+        None => sas_broker::lapin::types::FieldTable::default(),
+    };
+    headers.insert(
+        sas_messages::headers::SENDER.into(),
+        sas_broker::lapin::types::AMQPValue::LongString(caller.identity().into()),
+    );
+    let properties =
+        json_properties(&format!("gateway-event-{}", event.event_id)).with_headers(headers);
     let body = serde_json::to_vec(event).expect("wire types always serialize");
     publish_confirmed(gateway, gateway.names.events(), body, properties).await
 }

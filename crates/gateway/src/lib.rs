@@ -5,6 +5,8 @@
 //! - [`clients`]: client secrets, apart from the console's operators.
 //! - [`openapi`]: the OpenAPI document, served at `/v1/openapi.json`.
 //! - [`settings`]: the `[gateway]` section and the rest.
+//! - [`workflows`]: the registered workflows, to refuse at once an order
+//!   intake would refuse.
 //!
 //! A submission is published to the orders queue like any client's, so
 //! the scheduler's intake stays the one way in; the status is read from
@@ -16,6 +18,7 @@ pub mod long_polls;
 pub mod openapi;
 pub mod orders;
 pub mod settings;
+pub mod workflows;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -52,6 +55,12 @@ pub struct Gateway {
     pub logins: LoginLimiter,
     /// Waiting reads open, per client.
     pub long_polls: long_polls::LongPolls,
+    /// Which client belongs to which tenant, and what each tenant may
+    /// start (`gateway.tenancy_file`).
+    pub tenancy: sas_runtime::tenancy::Tenancy,
+    /// The workflows the schedulers registered, to refuse at once what
+    /// intake would refuse.
+    pub workflows: workflows::Workflows,
     /// Fired on SIGTERM: waiting requests end.
     pub shutdown: CancellationToken,
 }
@@ -60,71 +69,119 @@ pub struct Gateway {
 #[derive(Debug, Clone)]
 pub struct Caller(pub String);
 
+impl Caller {
+    /// The identity the schedulers know the client by (`gateway:<name>`),
+    /// sent with what it submits ([`sas_messages::headers::SENDER`]).
+    pub fn identity(&self) -> String {
+        format!("gateway:{}", self.0)
+    }
+}
+
+impl Gateway {
+    /// The tenant `caller` acts within: its orders' stored ids carry it.
+    ///
+    /// # Errors
+    /// 403 when the tenancy file gives the client to no tenant.
+    pub fn tenant_of(&self, caller: &Caller) -> Result<String, Box<Response>> {
+        self.tenancy.sender(&caller.identity()).tenant.ok_or_else(|| {
+            Box::new(orders::problem(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "client {} belongs to no tenant: an operator adds gateway:{} to a tenant's members in the tenancy file",
+                    caller.0, caller.0
+                ),
+            ))
+        })
+    }
+}
+
 /// Lets in requests that carry a client's secret; 401 otherwise, 429 while
-/// the address has failed too often.
+/// the client (by name, from this address) or, for a secret that names no
+/// client, the address has failed too often. Checked again once the
+/// check's turn comes (see [`clients::Clients::turn`]), so wrong secrets
+/// queued for one client stop costing hash checks once it is blocked.
 async fn guard(State(gateway): State<Arc<Gateway>>, mut request: Request, next: Next) -> Response {
-    let keys: Vec<String> = request
+    let address = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(peer)| format!("ip:{}", peer.ip()))
-        .into_iter()
-        .collect();
-    if let Some(wait) = gateway.logins.blocked(&keys) {
-        let seconds = wait.as_secs().max(1);
-        let mut response = orders::problem(
-            StatusCode::TOO_MANY_REQUESTS,
-            format!("too many failed authentications from this address: try again in {seconds} s"),
-        );
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        return response;
-    }
+        .map(|ConnectInfo(peer)| peer.ip().to_string());
     let authorization = request
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok());
-    match gateway.clients.authenticate(authorization).await {
+    let presented = match gateway.clients.presented(authorization) {
+        Ok(presented) => presented,
+        Err(refusal) => return unauthorized(&refusal),
+    };
+    let keys = presented.limit_keys(&gateway.clients, address.as_deref());
+    if let Some(wait) = gateway.logins.blocked(&keys) {
+        return too_many_failures(wait);
+    }
+    // A secret that passed lately needs no check, so no turn: a client
+    // whose name someone is guessing is not held behind the guesses.
+    if let Some(name) = gateway.clients.remembered(&presented) {
+        request.extensions_mut().insert(Caller(name));
+        return next.run(request).await;
+    }
+    let turn = gateway.clients.turn(&presented).await;
+    if let Some(wait) = gateway.logins.blocked(&keys) {
+        return too_many_failures(wait);
+    }
+    let checked = gateway.clients.check(&presented).await;
+    drop(turn);
+    match checked {
         Ok(name) => {
             request.extensions_mut().insert(Caller(name));
             next.run(request).await
         }
         Err(refusal) => {
-            if refusal == clients::Refusal::Wrong {
-                gateway.logins.failed(&keys);
-                tracing::warn!(keys = ?keys, "gateway: a wrong client secret");
-            }
-            let mut response = orders::problem(
-                StatusCode::UNAUTHORIZED,
-                match refusal {
-                    clients::Refusal::Missing => {
-                        "send the client's secret: Authorization: Bearer <secret>"
-                    }
-                    clients::Refusal::Wrong => "no client has this secret",
-                },
-            );
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"sas gateway\""),
-            );
-            response
+            gateway.logins.failed(&keys);
+            metrics::counter!("sas_gateway_failed_logins_total").increment(1);
+            tracing::warn!(keys = ?keys, "gateway: a wrong client secret");
+            unauthorized(&refusal)
         }
     }
 }
 
-/// The gateway's routes: the client API behind the guard; the OpenAPI
-/// document, `/metrics`, `/healthz` and `/readyz` open.
-///
-/// # Errors
-/// When the metrics recorder cannot be installed.
-pub fn router(gateway: Arc<Gateway>, session: &Session) -> anyhow::Result<Router> {
-    let ops = sas_runtime::ops::router(
-        sas_runtime::ops::broker_and_database_readiness(
-            session.connected_check(),
-            gateway.store.reachable_check(),
-        ),
-        gateway.shutdown.clone(),
-    )?;
+/// 429 with `Retry-After`: too many failed logins under these keys.
+fn too_many_failures(wait: std::time::Duration) -> Response {
+    let seconds = wait.as_secs().max(1);
+    let mut response = orders::problem(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!("too many failed authentications for this client from this address: try again in {seconds} s"),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
+/// 401 with `WWW-Authenticate`, saying what was wrong.
+fn unauthorized(refusal: &clients::Refusal) -> Response {
+    let mut response = orders::problem(
+        StatusCode::UNAUTHORIZED,
+        match refusal {
+            clients::Refusal::Missing => {
+                "send the client's name and secret: Authorization: Bearer <name>:<secret>"
+            }
+            clients::Refusal::Wrong => "no client has this secret",
+        },
+    );
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"sas gateway\""),
+    );
+    response
+}
+
+/// How long a client may take to send a request's body: a body that
+/// trickles in is answered 408 and its connection closed.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The gateway's routes: the client API behind the guard and the OpenAPI
+/// document; with `ops` (no `gateway.ops_listen`), also `/metrics`,
+/// `/healthz` and `/readyz` on the same port.
+pub fn router(gateway: Arc<Gateway>, ops: Option<Router>) -> Router {
     let api = Router::new()
         .route("/v1/orders", post(orders::submit))
         .route("/v1/orders/{order_id}", get(orders::status))
@@ -139,16 +196,34 @@ pub fn router(gateway: Arc<Gateway>, session: &Session) -> anyhow::Result<Router
         "/v1/openapi.json",
         get(|| async { Json(openapi::document()) }),
     );
-    Ok(api
-        .merge(document)
-        .merge(ops)
-        .layer(
-            tower_http::set_header::SetResponseHeaderLayer::if_not_present(
-                header::X_CONTENT_TYPE_OPTIONS,
-                HeaderValue::from_static("nosniff"),
-            ),
-        )
-        .layer(tower_http::limit::RequestBodyLimitLayer::new(1024 * 1024)))
+    let mut app = api.merge(document);
+    if let Some(ops) = ops {
+        app = app.merge(ops);
+    }
+    app.layer(
+        tower_http::set_header::SetResponseHeaderLayer::if_not_present(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ),
+    )
+    .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+        BODY_READ_TIMEOUT,
+    ))
+    .layer(tower_http::limit::RequestBodyLimitLayer::new(1024 * 1024))
+}
+
+/// The operations routes (`/metrics`, `/healthz`, `/readyz`).
+///
+/// # Errors
+/// When the metrics recorder cannot be installed.
+fn ops_router(gateway: &Gateway, session: &Session) -> anyhow::Result<Router> {
+    sas_runtime::ops::router(
+        sas_runtime::ops::broker_and_database_readiness(
+            session.connected_check(),
+            gateway.store.reachable_check(),
+        ),
+        gateway.shutdown.clone(),
+    )
 }
 
 /// Runs the gateway until `shutdown`.
@@ -166,6 +241,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             "gateway.clients holds this client's secret in clear: store its argon2 hash instead (`gateway hash-secret`)"
         );
     }
+    let tenancy = sas_runtime::tenancy::Tenancy::load(&settings.gateway.tenancy_file)
+        .map_err(anyhow::Error::msg)?;
     let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
     let session = Session::new(settings.amqp.clone(), id.clone());
     let gateway = Arc::new(Gateway {
@@ -174,14 +251,29 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         clients: clients::Clients::new(clients),
         logins: LoginLimiter::new(settings.gateway.login_failures_per_minute),
         long_polls: long_polls::LongPolls::new(settings.gateway.max_long_polls_per_client),
+        tenancy,
+        workflows: workflows::Workflows::default(),
         store,
         shutdown: shutdown.clone(),
         settings,
     });
-    let app = router(gateway.clone(), &session)?;
+    let ops = ops_router(&gateway, &session)?;
+    let ops_listen = gateway.settings.gateway.ops_listen.clone();
+    let (app, ops_server) = if ops_listen.is_empty() {
+        (router(gateway.clone(), Some(ops)), None)
+    } else {
+        // Plain HTTP: the operators' port apart from the clients' (the
+        // clients' port takes http.tls_cert_file).
+        let ops_server = sas_runtime::ops::serve_app(&ops_listen, ops, None, shutdown.clone())
+            .await
+            .context("gateway.ops_listen")?;
+        tracing::info!(gateway = %id, local_addr = %ops_server.local_addr, "gateway operations endpoint: /metrics, /healthz, /readyz");
+        (router(gateway.clone(), None), Some(ops_server))
+    };
+    let http = &gateway.settings.http;
     let server =
-        sas_runtime::ops::serve_app(&gateway.settings.http.listen, app, shutdown.clone()).await?;
-    tracing::info!(gateway = %id, local_addr = %server.local_addr, "gateway serving /v1/orders, /v1/openapi.json, /metrics, /healthz, /readyz");
+        sas_runtime::ops::serve_app(&http.listen, app, http.tls()?, shutdown.clone()).await?;
+    tracing::info!(gateway = %id, local_addr = %server.local_addr, operations_apart = ops_server.is_some(), "gateway serving /v1/orders, /v1/openapi.json");
     if !gateway
         .store
         .migrate_if_asked(&gateway.settings.database, &shutdown)
@@ -200,5 +292,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             }
         })
         .await;
+    if let Some(ops_server) = ops_server {
+        ops_server.stopped().await?;
+    }
     server.stopped().await
 }

@@ -64,9 +64,10 @@ pub fn document() -> Value {
                             "headers": { "Location": { "schema": { "type": "string" } } },
                             "content": { "application/json": { "schema": submitted } },
                         },
-                        "400": error("Not a valid order: the reason names the field."),
+                        "400": error("Not a valid order: the reason names the field, an unknown workflow, the attributes' path that does not match the workflow's schema, or (with tenants configured) a reply_to."),
                         "401": error("No client secret, or a wrong one."),
-                        "409": error("The id names an order with other content."),
+                        "403": error("The client's tenant may not use this workflow or priority, or the client belongs to no tenant."),
+                        "409": error("The id names an order of this client's tenant with other content."),
                         "413": error("The body exceeds amqp.max_message_bytes."),
                         "429": error("Too many failed authentications from this address: see Retry-After."),
                         "503": error("The broker did not confirm or the store cannot be reached: send the same order again (see Retry-After)."),
@@ -91,7 +92,7 @@ pub fn document() -> Value {
                             "content": { "application/json": { "schema": status } },
                         },
                         "401": error("No client secret, or a wrong one."),
-                        "404": error("No such order (yet)."),
+                        "404": error("No such order of this client's tenant (yet): another tenant's order of the same id is not this client's."),
                         "422": {
                             "description": "Intake refused the order (an unknown workflow, attributes against its schema, ...): it was not stored; state is rejected, reason says why.",
                             "content": { "application/json": { "schema": rejected } },
@@ -144,7 +145,7 @@ fn events_path(
         "post": {
             "operationId": operation,
             "summary": summary,
-            "description": format!("Validated as the schedulers validate it, then published to the events queue and confirmed by the broker. {whom}"),
+            "description": format!("Validated as the schedulers validate it, then published to the events queue and confirmed by the broker, on the client's behalf: it reaches only orders of the client's tenant, and a wait step that names its senders refuses it from anyone else (recorded in the order's history). {whom}"),
             "parameters": [
                 { "name": parameter, "in": "path", "required": true, "schema": { "type": "string" } },
             ],
@@ -159,6 +160,7 @@ fn events_path(
                 },
                 "400": error("Not a valid event: the reason names the field."),
                 "401": error("No client secret, or a wrong one."),
+                "403": error("The client belongs to no tenant."),
                 "413": error("The body exceeds amqp.max_message_bytes."),
                 "429": error("Too many failed authentications from this address: see Retry-After."),
                 "503": error("The broker did not confirm it: send the same event again (see Retry-After)."),

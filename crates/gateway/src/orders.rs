@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -98,7 +99,7 @@ impl OrderStatusView {
             _ => None,
         };
         Self {
-            order_id: summary.order_id.clone(),
+            order_id: sas_messages::ids::client_id(&summary.order_id).to_owned(),
             state: summary.state.as_str().to_owned(),
             workflow: summary.workflow.clone(),
             workflow_version: summary.workflow_version,
@@ -150,12 +151,34 @@ fn counted(outcome: &'static str) {
     metrics::counter!("sas_gateway_submissions_total", "outcome" => outcome).increment(1);
 }
 
+/// The answer to a body that could not be read: 413 over the gateway's
+/// limit, 408 for one that did not arrive within
+/// [`crate::BODY_READ_TIMEOUT`] (a client that trickles its body holds a
+/// connection no longer).
+pub(crate) fn unreadable_body(rejection: &BytesRejection) -> Response {
+    let status = rejection.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return problem(status, "the body is over the gateway's 1 MiB limit");
+    }
+    problem(
+        StatusCode::REQUEST_TIMEOUT,
+        format!(
+            "the body did not arrive within {} s: send it whole, at once",
+            crate::BODY_READ_TIMEOUT.as_secs()
+        ),
+    )
+}
+
 /// `POST /v1/orders`: a [`SubmitOrder`] as JSON.
 pub async fn submit(
     State(gateway): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return unreadable_body(&rejection),
+    };
     let order = match parse_submission(&body, gateway.settings.amqp.max_message_bytes) {
         Ok(order) => order,
         Err((status, error)) => {
@@ -163,10 +186,23 @@ pub async fn submit(
             return problem(status, error);
         }
     };
-    if let Some(answer) = answer_if_stored(&gateway, &order).await {
+    let tenant = match gateway.tenant_of(&caller) {
+        Ok(tenant) => tenant,
+        Err(refused) => return *refused,
+    };
+    if let Some(refused) = refuse_for_tenant(&gateway, &tenant, &order) {
+        counted("forbidden");
+        return refused;
+    }
+    if let Some(reason) = gateway.workflows.refusal(&gateway.store, &order).await {
+        counted("invalid");
+        return problem(StatusCode::BAD_REQUEST, reason);
+    }
+    let stored_id = order.order_id.qualified(&tenant);
+    if let Some(answer) = answer_if_stored(&gateway, &order, &stored_id).await {
         return answer;
     }
-    match publish_order(&gateway, &order).await {
+    match publish_order(&gateway, &order, &stored_id, &caller).await {
         Ok(()) => {
             counted("accepted");
             tracing::info!(order_id = %order.order_id, client = %caller.0, "order accepted over HTTP");
@@ -178,6 +214,27 @@ pub async fn submit(
             not_confirmed(&format!("the order was not accepted: the broker did not confirm it ({error}); send the same order again, which is safe (idempotent on order_id)"))
         }
     }
+}
+
+/// The answer refusing `order` at once for what its client's tenant may
+/// not do (the schedulers would refuse it too): a workflow or a priority
+/// the tenant may not use (403), or, with tenancy configured, a
+/// `reply_to` (400: the gateway's clients read their status over HTTP,
+/// and a queue named here would be the gateway's, not theirs).
+fn refuse_for_tenant(gateway: &Gateway, tenant: &str, order: &SubmitOrder) -> Option<Response> {
+    if let Err(reason) = gateway
+        .tenancy
+        .may_start(tenant, order.workflow(), order.priority())
+    {
+        return Some(problem(StatusCode::FORBIDDEN, reason));
+    }
+    if gateway.tenancy.is_configured() && order.reply_to.is_some() {
+        return Some(problem(
+            StatusCode::BAD_REQUEST,
+            "reply_to: an order sent over HTTP names no reply queue; read its status at its status_url (?wait=SECONDS for the outcome)",
+        ));
+    }
+    None
 }
 
 /// 503 with `Retry-After`: the broker did not confirm what was to be
@@ -210,9 +267,16 @@ fn parse_submission(body: &[u8], limit: usize) -> Result<SubmitOrder, (StatusCod
 /// The answer for an order id the store already holds: 200 for the same
 /// content, 409 for other content; 503 when the store cannot say. `None`
 /// for a new id, which is published.
-async fn answer_if_stored(gateway: &Gateway, order: &SubmitOrder) -> Option<Response> {
-    let content = serde_json::to_value(order).expect("wire types always serialize");
-    match gateway.store.reads().order_body(&order.order_id).await {
+async fn answer_if_stored(
+    gateway: &Gateway,
+    order: &SubmitOrder,
+    stored_id: &str,
+) -> Option<Response> {
+    // Stored as intake stores it: under the tenant's id.
+    let mut stored = order.clone();
+    stored.order_id = stored_id.into();
+    let content = serde_json::to_value(&stored).expect("wire types always serialize");
+    match gateway.store.reads().order_body(stored_id).await {
         Ok(Some(existing)) if existing == content => {
             counted("duplicate");
             Some(submitted(order, StatusCode::OK, Taken::AlreadyAccepted))
@@ -240,10 +304,20 @@ async fn answer_if_stored(gateway: &Gateway, order: &SubmitOrder) -> Option<Resp
 async fn publish_order(
     gateway: &Gateway,
     order: &SubmitOrder,
+    stored_id: &str,
+    caller: &Caller,
 ) -> Result<(), sas_broker::BrokerError> {
-    let properties = json_properties(&format!("gateway-{}", order.order_id))
+    // Sent on the client's behalf (the schedulers believe the header from
+    // the gateway's broker user, amqp.delegating_users); a refusal's dead
+    // letter is recorded under the id the client's GET looks up.
+    let mut headers = order_headers(stored_id, None);
+    headers.insert(
+        sas_messages::headers::SENDER.into(),
+        sas_broker::lapin::types::AMQPValue::LongString(caller.identity().into()),
+    );
+    let properties = json_properties(&format!("gateway-{stored_id}"))
         .with_correlation_id(order.order_id.to_string().into())
-        .with_headers(order_headers(&order.order_id, None));
+        .with_headers(headers);
     // To the orders exchange, as every client publishes (a client's broker
     // user may publish there and nowhere else).
     let body = serde_json::to_vec(order).expect("wire types always serialize");
@@ -354,11 +428,24 @@ pub async fn status(
             }
         }
     };
+    let tenant = match gateway.tenant_of(&caller) {
+        Ok(tenant) => tenant,
+        Err(refused) => return *refused,
+    };
+    // Another tenant's order of the same id is another order: this
+    // client's own, or none at all.
+    let stored_id = sas_messages::OrderId::from(order_id.as_str()).qualified(&tenant);
+    if order_id.contains(sas_messages::ids::TENANT_SEPARATOR) {
+        return problem(
+            StatusCode::NOT_FOUND,
+            format!("no order {order_id}: name an order by the id you submitted"),
+        );
+    }
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         // The process record and steps only: a waiting request reads them
         // every quarter second, and needs neither the body nor the history.
-        let status = match gateway.store.reads().order_status(&order_id).await {
+        let status = match gateway.store.reads().order_status(&stored_id).await {
             Ok(status) => status,
             Err(error) => return store_unavailable(&error),
         };
@@ -369,7 +456,11 @@ pub async fn status(
             None => match gateway
                 .store
                 .reads()
-                .order_refusal(&order_id, &gateway.names)
+                .order_refusal(
+                    &stored_id,
+                    &gateway.names,
+                    gateway.settings.amqp.user().as_deref(),
+                )
                 .await
             {
                 Ok(refusal) => refusal,

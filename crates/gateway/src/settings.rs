@@ -43,6 +43,15 @@ pub struct GatewaySettings {
     pub publish_timeout_ms: u64,
     /// Instance name; empty picks `gateway-<random>`.
     pub id: String,
+    /// The tenancy file (see [`sas_runtime::tenancy`]); empty: one tenant.
+    #[serde(default)]
+    pub tenancy_file: String,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served, apart from
+    /// the clients' port (`http.listen`), so that clients reach neither the
+    /// metrics nor a readiness probe that queries the store. Empty: on the
+    /// clients' port, as before.
+    #[serde(default)]
+    pub ops_listen: String,
 }
 
 impl std::fmt::Debug for GatewaySettings {
@@ -54,6 +63,8 @@ impl std::fmt::Debug for GatewaySettings {
             .field("max_long_polls_per_client", &self.max_long_polls_per_client)
             .field("publish_timeout_ms", &self.publish_timeout_ms)
             .field("id", &self.id)
+            .field("tenancy_file", &self.tenancy_file)
+            .field("ops_listen", &self.ops_listen)
             .finish()
     }
 }

@@ -259,6 +259,7 @@ impl TestEnv {
             reconnect_base_ms: 100,
             reconnect_max_ms: 1_000,
             status_exchange: true,
+            tls_ca_file: String::new(),
         }
     }
 

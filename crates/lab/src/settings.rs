@@ -69,6 +69,16 @@ settings! {
     /// `amqp.service_users`: the broker users of the schedulers and
     /// supervisors, whose dead letters are trusted (comma-separated).
     AmqpServiceUsers(String) => "SAS_AMQP__SERVICE_USERS",
+    /// `amqp.delegating_users`: the broker users (the gateway's, the
+    /// console's) whose `x-sas-sender` header names the sender.
+    AmqpDelegatingUsers(String) => "SAS_AMQP__DELEGATING_USERS",
+    /// `scheduler.tenancy_file`: the tenancy file.
+    SchedulerTenancyFile(String) => "SAS_SCHEDULER__TENANCY_FILE",
+    /// `gateway.tenancy_file`: the tenancy file.
+    GatewayTenancyFile(String) => "SAS_GATEWAY__TENANCY_FILE",
+    /// `gateway.ops_listen`: where the gateway serves `/metrics`,
+    /// `/healthz` and `/readyz` apart from its clients.
+    GatewayOpsListen(String) => "SAS_GATEWAY__OPS_LISTEN",
     /// `amqp.nodes`: more broker nodes (`host:port`, comma-separated),
     /// tried in turn after the URL's.
     AmqpNodes(String) => "SAS_AMQP__NODES",

@@ -63,6 +63,21 @@ pub struct OrderEvent {
 }
 
 impl OrderEvent {
+    /// True when the event names a tenant: an order id or a correlation
+    /// key holding [`crate::ids::TENANT_SEPARATOR`] (a stored id,
+    /// `ord-1@shop`). Only operators may; a client names its orders by the
+    /// ids it sent, and the schedulers qualify them by its tenant.
+    pub fn names_a_tenant(&self) -> bool {
+        let separator = crate::ids::TENANT_SEPARATOR;
+        self.order_id
+            .as_ref()
+            .is_some_and(|id| id.contains(separator))
+            || self
+                .correlation_key
+                .as_ref()
+                .is_some_and(|key| key.contains(separator))
+    }
+
     /// Checks what the type system cannot: version, exactly one of the
     /// order id and the correlation key (and its syntax), name and event id
     /// syntax, the size of `data`.
@@ -77,7 +92,14 @@ impl OrderEvent {
             )));
         }
         match (&self.order_id, &self.correlation_key) {
-            (Some(order_id), None) => crate::order::check_id("order_id", order_id)?,
+            (Some(order_id), None) => match order_id.rsplit_once(crate::ids::TENANT_SEPARATOR) {
+                // A stored id with its tenant: only operators may use one
+                // (the schedulers check who sent it).
+                Some((client, tenant)) if crate::ids::is_tenant_name(tenant) => {
+                    crate::order::check_id("order_id", client)?;
+                }
+                _ => crate::order::check_id("order_id", order_id)?,
+            },
             (None, Some(key)) => {
                 if key.is_empty()
                     || key.len() > MAX_CORRELATION_KEY_LEN
@@ -170,5 +192,26 @@ mod tests {
     fn an_unknown_field_is_refused() {
         let text = r#"{"schema_version":1,"order_id":"o","name":"n","event_id":"e","colour":1}"#;
         assert!(serde_json::from_str::<OrderEvent>(text).is_err());
+    }
+}
+
+#[cfg(test)]
+mod tenant_tests {
+    use super::*;
+
+    #[test]
+    fn an_event_names_a_tenant_by_a_stored_id_or_a_qualified_key_only() {
+        let event = |order_id: Option<&str>, key: Option<&str>| OrderEvent {
+            schema_version: SCHEMA_VERSION,
+            order_id: order_id.map(OrderId::from),
+            correlation_key: key.map(str::to_owned),
+            name: "approved".into(),
+            event_id: "e-1".into(),
+            data: None,
+        };
+        assert!(!event(Some("ord-1"), None).names_a_tenant());
+        assert!(!event(None, Some("pay-7")).names_a_tenant());
+        assert!(event(Some("ord-1@shop"), None).names_a_tenant());
+        assert!(event(None, Some("pay-7@rival")).names_a_tenant());
     }
 }

@@ -70,6 +70,14 @@ impl QueueNames {
         format!("order.{order_id}")
     }
 
+    /// How the queues of broker user `user` start: `<prefix>sas.client.<user>.`,
+    /// the only queues RabbitMQ lets a client declare and read
+    /// (deploy/rabbitmq/setup-users.sh), and, with tenancy configured, the
+    /// only `reply_to` its orders may name.
+    pub fn client_queue_prefix(&self, user: &str) -> String {
+        format!("{}sas.client.{user}.", self.prefix)
+    }
+
     /// Every queue a deployment with these `agents` declares; used by teardown
     /// in tests and by operators cleaning up a prefix.
     pub fn all_queues<'a>(&self, agents: impl IntoIterator<Item = &'a str>) -> Vec<String> {
@@ -114,6 +122,12 @@ pub mod headers {
     pub const ORIGINAL_USER: &str = "x-sas-original-user";
     /// Order a message belongs to, when known, so a dead letter can settle it.
     pub const ORDER_ID: &str = "x-sas-order-id";
+    /// Who a message was sent for, when a service of ours sends it on
+    /// someone's behalf: `gateway:<client>` from the gateway,
+    /// `console:<user>` from the console. Believed only from the broker
+    /// users `amqp.delegating_users` names; anyone else is known by the
+    /// `user_id` RabbitMQ validated (`amqp:<user>`).
+    pub const SENDER: &str = "x-sas-sender";
     /// W3C trace context, so one order's spans join up across services.
     pub const TRACEPARENT: &str = "traceparent";
     /// On a step reply: milliseconds from the request's `dispatched_at` to

@@ -23,8 +23,6 @@ pub mod settings;
 use std::sync::Arc;
 
 use anyhow::Context;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
 
 pub use settings::Settings;
@@ -70,31 +68,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     Ok(())
 }
 
-/// A rustls server configuration (ring) from PEM files.
+/// remote-sim's rustls configuration: HTTP/2 and HTTP/1.1.
 fn tls_config(cert_file: &str, key_file: &str) -> anyhow::Result<Arc<rustls::ServerConfig>> {
-    let read = |key: &str, path: &str| {
-        std::fs::read(path).with_context(|| format!("sim.{key}: cannot read {path:?}"))
-    };
-    let certs = CertificateDer::pem_slice_iter(&read("tls_cert_file", cert_file)?)
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("sim.tls_cert_file: {cert_file:?} is not PEM"))?;
-    anyhow::ensure!(
-        !certs.is_empty(),
-        "sim.tls_cert_file: {cert_file:?} holds no certificate"
-    );
-    let key =
-        PrivateKeyDer::from_pem_slice(&read("tls_key_file", key_file)?).with_context(|| {
-            format!(
-                "sim.tls_key_file: {key_file:?} holds no PEM private key (PKCS#8, PKCS#1 or SEC1)"
-            )
-        })?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .context("sim.tls_cert_file and sim.tls_key_file do not match")?;
+    let mut config = sas_runtime::tls::server_config("sim", cert_file, key_file)?
+        .context("sim.tls_cert_file is set but sim.tls_key_file is not")?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

@@ -11,6 +11,8 @@
 //! - [`shutdown`]: a cancellation token fired by SIGTERM or SIGINT.
 //! - [`secret`]: secrets stored as argon2 hashes, checked and remembered;
 //!   [`login_limit`]: failed logins slowed down.
+//! - [`tenancy`]: which identity belongs to which tenant, what each
+//!   tenant may start, who holds which role.
 //! - [`service`]: the `main` of a service, in the order CLI, settings, logs,
 //!   operations endpoint, run until a signal, exit code.
 
@@ -26,6 +28,8 @@ pub mod service;
 pub mod settings;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tenancy;
+pub mod tls;
 
 /// Makes rustls on ring the process's crypto provider, unless one is
 /// installed already. reqwest is built without a provider of its own

@@ -75,29 +75,23 @@ pub fn router(readiness: Readiness, shutdown: CancellationToken) -> anyhow::Resu
         .with_state(OpsState { metrics, readiness }))
 }
 
-/// Installs the Prometheus recorder and serves the endpoint on `listen` until `shutdown`.
+/// Installs the Prometheus recorder and serves the endpoint on
+/// `http.listen` (HTTPS with `http.tls_cert_file`) until `shutdown`.
 ///
 /// # Errors
-/// When the address cannot be bound or a recorder is already installed.
+/// When the address cannot be bound, the TLS files cannot be used, or a
+/// recorder is already installed.
 pub async fn serve(
-    listen: &str,
+    http: &crate::settings::HttpSettings,
     readiness: Readiness,
     shutdown: CancellationToken,
 ) -> anyhow::Result<OpsServer> {
     let app = router(readiness, shutdown.clone())?;
-    let listener = tokio::net::TcpListener::bind(listen)
+    let server = serve_app(&http.listen, app, http.tls()?, shutdown)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
-    let local_addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let result = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-        if let Err(error) = result {
-            tracing::error!(error = %error, "operations endpoint stopped");
-        }
-    });
-    tracing::info!(%local_addr, "operations endpoint: /metrics /healthz /readyz");
+        .map_err(|e| anyhow::anyhow!("http.listen: {e}"))?;
+    let local_addr = server.local_addr;
+    tracing::info!(%local_addr, https = !http.tls_cert_file.is_empty(), "operations endpoint: /metrics /healthz /readyz");
     Ok(OpsServer { local_addr })
 }
 
@@ -109,29 +103,104 @@ pub struct AppServer {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
+/// How long a client may take to send a request's headers before its
+/// connection is closed: a client that trickles them (slowloris) holds a
+/// connection and a task for no longer than this.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves `app` on `listen` until `shutdown`, with each request's peer
-/// address available (`ConnectInfo<SocketAddr>`, for limits by client).
+/// address available (`ConnectInfo<SocketAddr>`, for limits by client),
+/// over HTTP/1.1 with [`HEADER_READ_TIMEOUT`] (axum's own server sets no
+/// timer, so it waits for headers for ever), inside TLS when `tls` is
+/// given (the handshake within the same timeout). On shutdown it stops
+/// accepting and lets the open connections finish (see
+/// [`AppServer::stopped`]).
 ///
 /// # Errors
 /// When the address cannot be bound.
 pub async fn serve_app(
     listen: &str,
     app: Router,
+    tls: Option<rustls::ServerConfig>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<AppServer> {
+    let tls = tls.map(|mut config| {
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+    });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on http.listen={listen}: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
     let local_addr = listener.local_addr()?;
     let task = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        // Out of file descriptors, a reset before accept:
+                        // wait a moment rather than spin.
+                        tracing::warn!(%error, "cannot accept a connection");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = shutdown.cancelled() => break,
+            };
+            let service = hyper_util::service::TowerToHyperService::new(
+                app.clone()
+                    .layer(axum::Extension(axum::extract::ConnectInfo(peer))),
+            );
+            let watcher = graceful.watcher();
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                let served = match tls {
+                    None => watcher.watch(http1(stream, service)).await,
+                    Some(acceptor) => {
+                        match tokio::time::timeout(HEADER_READ_TIMEOUT, acceptor.accept(stream))
+                            .await
+                        {
+                            Ok(Ok(stream)) => watcher.watch(http1(stream, service)).await,
+                            Ok(Err(error)) => {
+                                tracing::debug!(%error, %peer, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake not done within the header timeout");
+                                return;
+                            }
+                        }
+                    }
+                };
+                if let Err(error) = served {
+                    tracing::debug!(%error, %peer, "connection ended with an error");
+                }
+            });
+        }
+        drop(listener);
+        graceful.shutdown().await;
+        Ok(())
     });
     Ok(AppServer { local_addr, task })
+}
+
+/// One HTTP/1.1 connection over `io` (a TCP or a TLS stream), with the
+/// header read timeout.
+fn http1<I>(
+    io: I,
+    service: hyper_util::service::TowerToHyperService<Router>,
+) -> hyper::server::conn::http1::Connection<
+    hyper_util::rt::TokioIo<I>,
+    hyper_util::service::TowerToHyperService<Router>,
+>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service)
 }
 
 impl AppServer {

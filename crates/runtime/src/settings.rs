@@ -135,6 +135,27 @@ pub fn load_settings<T: DeserializeOwned + Validate>(
 pub struct HttpSettings {
     /// `host:port`; port 0 picks a free one.
     pub listen: String,
+    /// A PEM certificate chain: with `tls_key_file`, the service serves
+    /// HTTPS only on `listen` (the console, the gateway's clients, or a
+    /// service's operations endpoint; the gateway's `ops_listen` stays
+    /// plain); both empty, plain HTTP.
+    #[serde(default)]
+    pub tls_cert_file: String,
+    /// The PEM private key of `tls_cert_file`.
+    #[serde(default)]
+    pub tls_key_file: String,
+}
+
+impl HttpSettings {
+    /// The TLS server configuration of `tls_cert_file` and `tls_key_file`,
+    /// or `None` for plain HTTP.
+    ///
+    /// # Errors
+    /// A message naming the key: one file without the other, a file that
+    /// cannot be read, or a key that is not the certificate's.
+    pub fn tls(&self) -> anyhow::Result<Option<rustls::ServerConfig>> {
+        crate::tls::server_config("http", &self.tls_cert_file, &self.tls_key_file)
+    }
 }
 
 /// `SAS_*` variables this binary does not read (their section is not one of

@@ -62,6 +62,10 @@ pub struct Target {
     /// in turn when the URL's node cannot be reached.
     #[arg(long, global = true, env = "SAS_AMQP__NODES", value_delimiter = ',')]
     pub amqp_nodes: Vec<String>,
+    /// A PEM file of the CA that signed the broker's certificate, for an
+    /// `amqps://` URL the system's roots do not vouch for.
+    #[arg(long, global = true, env = "SAS_AMQP__TLS_CA_FILE", default_value = "")]
+    pub amqp_tls_ca_file: String,
     /// Queue name prefix of the deployment.
     #[arg(long, global = true, env = "SAS_AMQP__PREFIX", default_value = "")]
     pub prefix: String,
@@ -133,6 +137,7 @@ impl Target {
             reconnect_base_ms: 200,
             reconnect_max_ms: 5_000,
             status_exchange: true,
+            tls_ca_file: self.amqp_tls_ca_file.clone(),
         }
     }
 
@@ -239,8 +244,12 @@ pub enum Command {
     /// Exit 0 when an HTTP URL answers 200 within 3 s, 1 otherwise: the
     /// container health check (the images carry no curl).
     Probe {
-        /// `http://host:port/path`, such as `http://127.0.0.1:9101/readyz`.
+        /// `http://host:port/path`, such as `http://127.0.0.1:9101/readyz`
+        /// (or `https://`, with `--ca-file`).
         url: String,
+        /// The PEM CA of an `https://` service's certificate.
+        #[arg(long)]
+        ca_file: Option<String>,
     },
     /// Prints the shell completion script for `shell` (bash, zsh, fish,
     /// elvish, powershell): `sasctl completions bash > /etc/bash_completion.d/sasctl`.
@@ -346,7 +355,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => inspect::alerts(&cli.target.store()?, all, json(as_json)).await,
         Command::Bulk(args) => operate::bulk(&cli.target, args, cli.output).await,
         Command::Stats => operate::stats(&cli.target.store()?, cli.output).await,
-        Command::Probe { url } => probe::run(&url).await,
+        Command::Probe { url, ca_file } => probe::run(&url, ca_file.as_deref()).await,
         Command::Resubmit { order_id } => {
             inspect::resubmit(&cli.target.store()?, &order_id, &cli.target.actor()?).await
         }

@@ -154,7 +154,12 @@ pub(crate) async fn open_publisher(
         .await
         .context("cannot connect to RabbitMQ")?;
     topology::declare(&connection, settings, &[queue.to_owned()]).await?;
-    let publisher = Publisher::open(&connection, settings.operation_timeout()).await?;
+    let mut publisher = Publisher::open(&connection, settings.operation_timeout()).await?;
+    // The system knows a client by its validated user_id (tenants, who
+    // sent an event): stamp the user logged in on every message.
+    if let Some(user) = settings.user() {
+        publisher = publisher.identified_as(user);
+    }
     Ok((connection, publisher))
 }
 

@@ -21,6 +21,8 @@ pub struct Entry {
     pub steps: Vec<NewStep>,
     /// What the orders' attributes must match, if the workflow says.
     schema: Option<jsonschema::Validator>,
+    /// The same schema as written, registered with the plan.
+    schema_json: Option<serde_json::Value>,
 }
 
 impl Entry {
@@ -41,6 +43,7 @@ impl Entry {
             }
             (None, None) => None,
         };
+        let schema_json = schema.clone();
         let schema = schema
             .map(|schema| {
                 jsonschema::validator_for(&schema).map_err(|error| {
@@ -52,6 +55,7 @@ impl Entry {
             steps: workflow.new_steps(),
             workflow,
             schema,
+            schema_json,
         })
     }
 
@@ -62,6 +66,7 @@ impl Entry {
             i32::try_from(self.workflow.version).unwrap_or(i32::MAX),
             &self.steps,
         )
+        .with_schema(self.schema_json.as_ref())
     }
 
     /// Why `order`'s attributes do not match the workflow's schema, naming
@@ -156,6 +161,22 @@ impl Catalog {
             Some(reason) => Err(reason),
             None => Ok(entry),
         }
+    }
+
+    /// Whether some workflow's wait for event `name` would take it from a
+    /// sender named by `principals`, of `tenant` (the tenant of the orders
+    /// it can address). True when no workflow waits for `name` at all (the
+    /// event changes nothing, as before senders were checked).
+    pub fn some_wait_accepts(&self, name: &str, principals: &[String], tenant: &str) -> bool {
+        let mut waits = self
+            .entries()
+            .flat_map(|entry| &entry.steps)
+            .filter_map(|step| step.park.as_ref())
+            .filter(|park| {
+                matches!(park, sas_store::machine::park::Park::Event { event, .. } if event == name)
+            })
+            .peekable();
+        waits.peek().is_none() || waits.any(|park| park.accepts(principals, tenant))
     }
 
     /// Every agent some workflow sends to, each once, with the shortest

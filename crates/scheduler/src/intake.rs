@@ -6,6 +6,7 @@ use sas_messages::order::{first_control_character, first_nul, MAX_PROPERTY_BYTES
 use sas_messages::{decode, SubmitOrder};
 use sas_store::writes::intake::{Intake, Submission};
 
+use crate::quota::QuotaVerdict;
 use crate::{stopping, Scheduler};
 
 /// Why intake refuses to store the message property `name` (one it keeps
@@ -49,6 +50,8 @@ impl Scheduler {
     /// [`crate::refusal`]) and dead-lettered with the reason: so is an order
     /// whose stored properties or attributes Postgres would refuse, before
     /// it joins a batch (see `property_refusal` and `attributes_refusal`).
+    /// An order of a tenant with a quota takes a turn of it: over it, the
+    /// order is refused, or stored to start later (`crate::quota`).
     /// A valid order is stored
     /// with its process record and its first step started, in one statement
     /// (together with the orders other handlers hold at the same moment)
@@ -72,9 +75,28 @@ impl Scheduler {
         if let Some(reason) = attributes_refusal(&order) {
             return self.refuse(&delivery, publisher, reason).await;
         }
-        if let Err(reason) = self.workflows.entry_for(&order) {
+        let workflow = match self.workflows.entry_for(&order) {
+            Ok(entry) => entry.workflow.name.clone(),
+            Err(reason) => return self.refuse(&delivery, publisher, reason).await,
+        };
+        // Who sent it, from the broker's validated user_id, never the body;
+        // its tenant's rights; its id qualified by the tenant.
+        let sender = match self.sender_of(&delivery) {
+            Ok(sender) => sender,
+            Err(reason) => return self.refuse(&delivery, publisher, reason).await,
+        };
+        let Some(tenant) = sender.tenant.clone() else {
+            let reason = format!(
+                "{} belongs to no tenant: an operator adds it to a tenant's members in the tenancy file (scheduler.tenancy_file)",
+                sender.identity
+            );
+            return self.refuse(&delivery, publisher, reason).await;
+        };
+        if let Err(reason) = self.tenancy.may_start(&tenant, &workflow, order.priority()) {
             return self.refuse(&delivery, publisher, reason).await;
         }
+        let mut order = order;
+        order.order_id = order.order_id.qualified(&tenant);
         // RabbitMQ's request/reply convention: reply_to and correlation_id as
         // message properties (the body's reply_to wins when both are set).
         // Both are stored with the order, so each is checked here: a value
@@ -94,9 +116,26 @@ impl Scheduler {
         if let Some(reason) = self.reply_to_refusal(&order, reply_to_property) {
             return self.refuse(&delivery, publisher, reason).await;
         }
+        if let Some(queue) = order.reply_to.as_deref().or(reply_to_property) {
+            if let Some(reason) = self.foreign_reply_queue(&delivery, queue) {
+                return self.refuse(&delivery, publisher, reason).await;
+            }
+        }
         tracing::Span::current().record("order_id", order.order_id.as_str());
+        // Last, so that an order refused for anything else takes no turn.
+        let start_at = match self.quota_turn(&tenant, order.order_id.as_str()).await {
+            QuotaVerdict::Store(start_at) => start_at,
+            QuotaVerdict::Refuse(reason) => return self.refuse(&delivery, publisher, reason).await,
+            QuotaVerdict::GiveBack(consumed) => return consumed,
+        };
         let intake = match self
-            .store_order(&order, trace_id, reply_to_property, correlation_id)
+            .store_order(
+                &order,
+                trace_id,
+                (reply_to_property, correlation_id),
+                &sender.identity,
+                start_at,
+            )
             .await
         {
             Ok(intake) => intake,
@@ -133,7 +172,7 @@ impl Scheduler {
             Intake::Conflict => {
                 let reason = format!(
                     "order_id {:?} is already used by an order with different content",
-                    order.order_id.as_str()
+                    order.order_id.client_id()
                 );
                 self.refuse(&delivery, publisher, reason).await
             }
@@ -170,8 +209,9 @@ impl Scheduler {
         &self,
         order: &SubmitOrder,
         trace_id: &str,
-        reply_to_property: Option<&str>,
-        correlation_id: Option<&str>,
+        (reply_to_property, correlation_id): (Option<&str>, Option<&str>),
+        submitted_by: &str,
+        start_at: Option<chrono::DateTime<chrono::Utc>>,
     ) -> Result<Intake, Consumed> {
         let stored = sas_runtime::retry_transient(
             &self.shutdown,
@@ -183,6 +223,8 @@ impl Scheduler {
                     trace_id: trace_id.to_owned(),
                     reply_to_property: reply_to_property.map(str::to_owned),
                     correlation_id: correlation_id.map(str::to_owned),
+                    submitted_by: Some(submitted_by.to_owned()),
+                    start_at,
                 };
                 self.intake
                     .submit(submission)

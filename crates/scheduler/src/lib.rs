@@ -16,8 +16,10 @@ pub mod catalog;
 pub mod claim;
 pub mod events;
 pub mod intake;
+mod quota;
 pub mod refusal;
 pub mod replies;
+pub mod senders;
 pub mod settings;
 pub mod workflow;
 
@@ -49,6 +51,9 @@ pub struct Scheduler {
     pub settings: Settings,
     /// The workflows new orders may follow.
     pub workflows: Arc<Catalog>,
+    /// Who belongs to which tenant, what each tenant may start, who holds
+    /// which role (`scheduler.tenancy_file`).
+    pub tenancy: sas_runtime::tenancy::Tenancy,
     /// The state store.
     pub store: Store,
     /// Queue and exchange names.
@@ -87,6 +92,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         &settings.scheduler.workflow_file,
         &settings.scheduler.workflow_dir,
     )?);
+    let tenancy = sas_runtime::tenancy::Tenancy::load(&settings.scheduler.tenancy_file)
+        .map_err(anyhow::Error::msg)?;
     settings
         .deadlines
         .validate(workflows.shortest_timeout())
@@ -98,7 +105,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         .with_max_request_bytes(settings.amqp.max_message_bytes);
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
     sas_runtime::ops::serve(
-        &settings.http.listen,
+        &settings.http,
         sas_runtime::ops::broker_and_database_readiness(
             session.connected_check(),
             store.reachable_check(),
@@ -116,6 +123,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
 
     register_agents(&store, &workflows, &settings.scheduler, &shutdown).await;
     register_plans(&store, &workflows, &shutdown).await;
+    register_tenants(&store, &tenancy, &shutdown).await;
     for entry in workflows.entries() {
         let workflow = &entry.workflow;
         tracing::info!(scheduler = %id, workflow = %workflow.name, version = workflow.version, steps = workflow.steps.len(), "running workflow");
@@ -127,6 +135,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         announcer: Announcer::new(&settings.amqp),
         settings,
         workflows,
+        tenancy,
         store,
         shutdown: shutdown.clone(),
         publishers: session.publisher(),
@@ -483,24 +492,37 @@ fn stopping() -> StoreError {
 }
 
 /// Registers the plan (name, version, steps) of every workflow, so that an
-/// operator can move waiting orders to it, waiting out a database that is
-/// not up yet.
+/// operator can move waiting orders to it.
 async fn register_plans(store: &Store, workflows: &Catalog, shutdown: &CancellationToken) {
     let plans: Vec<sas_store::Plan<'_>> = workflows.entries().map(catalog::Entry::plan).collect();
-    let registered = sas_runtime::retry_transient(
+    register(
         shutdown,
-        "registering the workflows' versions",
-        |e: &sas_store::StoreError| e.is_transient(),
+        "the workflows' versions",
+        "orders cannot be moved to them",
         || store.writes().register_plans(&plans),
     )
     .await;
-    if let Some(Err(error)) = registered {
-        tracing::error!(error = %error, "cannot register the workflows' versions; orders cannot be moved to them");
-    }
+}
+
+/// Records the tenants' weights, so that their orders take turns in the
+/// agents' lines.
+async fn register_tenants(
+    store: &Store,
+    tenancy: &sas_runtime::tenancy::Tenancy,
+    shutdown: &CancellationToken,
+) {
+    let weights = tenancy.weights();
+    register(
+        shutdown,
+        "the tenants' weights",
+        "their orders do not take turns in the agents' lines",
+        || store.admission().register_tenants(&weights),
+    )
+    .await;
 }
 
 /// Gives every agent of the workflows its admission row (with its shortest
-/// step deadline), waiting out a database that is not up yet.
+/// step deadline).
 async fn register_agents(
     store: &Store,
     workflows: &Catalog,
@@ -508,10 +530,10 @@ async fn register_agents(
     shutdown: &CancellationToken,
 ) {
     let agents = workflows.agents();
-    let registered = sas_runtime::retry_transient(
+    register(
         shutdown,
-        "registering the agents for admission control",
-        |e: &sas_store::StoreError| e.is_transient(),
+        "the agents for admission control",
+        "their requests are not limited",
         || {
             store.admission().register(
                 &agents,
@@ -521,7 +543,24 @@ async fn register_agents(
         },
     )
     .await;
+}
+
+/// Runs one of the start's registrations (`what`), waiting out a database
+/// that is not up yet; a lasting failure is logged with what it costs
+/// (`without`), and the scheduler runs on.
+async fn register<F, Fut>(shutdown: &CancellationToken, what: &str, without: &str, operation: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), sas_store::StoreError>>,
+{
+    let registered = sas_runtime::retry_transient(
+        shutdown,
+        &format!("registering {what}"),
+        |e: &sas_store::StoreError| e.is_transient(),
+        operation,
+    )
+    .await;
     if let Some(Err(error)) = registered {
-        tracing::error!(error = %error, "cannot register the agents for admission control; their requests are not limited");
+        tracing::error!(error = %error, "cannot register {what}; {without}");
     }
 }

@@ -201,8 +201,13 @@ impl Scheduler {
     pub async fn answer_refusal(&self, delivery: &Delivery, publisher: &Publisher, reason: &str) {
         metrics::counter!("sas_orders_rejected_total").increment(1);
         let body = body_object(&delivery.body, self.settings.amqp.max_message_bytes);
-        let Some(answer) = answer_for(&self.names, body.as_ref(), delivery.reply_to(), reason)
-        else {
+        let answer = answer_for(&self.names, body.as_ref(), delivery.reply_to(), reason)
+            // Never on another client's queue (tenancy configured).
+            .filter(|answer| {
+                self.foreign_reply_queue(delivery, &answer.reply_to)
+                    .is_none()
+            });
+        let Some(answer) = answer else {
             tracing::info!(
                 reason,
                 "order refused; it named no usable reply_to, so nobody is answered"

@@ -64,6 +64,11 @@ pub struct SchedulerSettings {
     /// [`crate::audit`].
     #[serde(default = "default_acknowledged_audit_secs")]
     pub acknowledged_audit_secs: u64,
+    /// The tenancy file (see [`sas_runtime::tenancy`]): which broker user
+    /// and gateway client belongs to which tenant, what each tenant may
+    /// start, who holds which role. Empty: one tenant for everyone.
+    #[serde(default)]
+    pub tenancy_file: String,
 }
 
 fn default_acknowledged_audit_secs() -> u64 {

@@ -83,6 +83,13 @@ pub struct StepDefinition {
     /// name instead of the order id (`/results/charge_payment/payment_id`).
     #[serde(default)]
     pub correlation_key: Option<String>,
+    /// Who may send a `wait` step's event: `"role:<role>"` (a role of the
+    /// tenancy file), `"tenant"` (the order's own tenant's clients),
+    /// `"tenant:<name>"`, or one identity (`"gateway:manager"`,
+    /// `"amqp:warehouse"`, `"console:ann"`). Empty: whoever may address
+    /// the order (its tenant's clients and the operators).
+    #[serde(default)]
+    pub senders: Vec<String>,
     /// How long a `delay` step waits after the previous step, in milliseconds.
     #[serde(default)]
     pub delay_ms: Option<u64>,
@@ -114,6 +121,22 @@ pub enum StepType {
 /// (about 24 days).
 const LONGEST_WAIT_MS: u64 = i32::MAX as u64;
 
+/// Checks one of a wait step's `senders`.
+fn check_sender(sender: &str) -> Result<(), String> {
+    let ok = match sender.split_once(':') {
+        None => sender == "tenant",
+        Some(("role" | "tenant", name)) => sas_messages::ids::is_tenant_name(name),
+        Some((kind, name)) => {
+            sas_runtime::tenancy::IDENTITY_KINDS.contains(&kind) && !name.is_empty()
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("senders holds {sender:?}: name \"tenant\", \"tenant:<name>\", \"role:<role>\" or an identity (amqp:<user>, gateway:<client>, console:<user>)"))
+    }
+}
+
 /// Letters, digits, `_` or `-`, not empty: what names in queue names and
 /// keys may hold.
 fn is_plain_name(value: &str) -> bool {
@@ -132,6 +155,7 @@ impl StepDefinition {
                 event: self.event.clone().unwrap_or_default(),
                 on_timeout: self.on_timeout.unwrap_or(OnTimeout::Compensate),
                 correlation_key: self.correlation_key.clone(),
+                senders: self.senders.clone(),
             }),
             StepType::Delay => Some(Park::Delay {
                 delay_ms: self.delay_ms.unwrap_or(0),
@@ -164,10 +188,11 @@ impl StepDefinition {
         if self.event.is_some()
             || self.on_timeout.is_some()
             || self.correlation_key.is_some()
+            || !self.senders.is_empty()
             || self.delay_ms.is_some()
             || self.not_before.is_some()
         {
-            return Err("event, on_timeout, correlation_key, delay_ms and not_before belong to wait and delay steps (set kind)".into());
+            return Err("event, on_timeout, correlation_key, senders, delay_ms and not_before belong to wait and delay steps (set kind)".into());
         }
         if self.compensation.is_none() && self.compensation_request.is_some() {
             return Err("compensation_request needs a compensation".into());
@@ -210,6 +235,9 @@ impl StepDefinition {
             if self.delay_ms.is_some() || self.not_before.is_some() {
                 return Err("delay_ms and not_before belong to delay steps".into());
             }
+            for sender in &self.senders {
+                check_sender(sender)?;
+            }
             if let Some(pointer) = &self.correlation_key {
                 if !reads_what_is_known(pointer, earlier, None) {
                     return Err(format!(
@@ -222,9 +250,10 @@ impl StepDefinition {
         if self.event.is_some()
             || self.on_timeout.is_some()
             || self.correlation_key.is_some()
+            || !self.senders.is_empty()
             || self.timeout_ms != 0
         {
-            return Err("event, on_timeout, correlation_key and timeout_ms belong to wait steps; a delay step has delay_ms and not_before".into());
+            return Err("event, on_timeout, correlation_key, senders and timeout_ms belong to wait steps; a delay step has delay_ms and not_before".into());
         }
         if self.delay_ms.unwrap_or(0) > LONGEST_WAIT_MS {
             return Err(format!("delay_ms must be at most {LONGEST_WAIT_MS}"));
@@ -507,6 +536,14 @@ mod tests {
                 ..
             })
         ));
+        let gated = Workflow::parse(&format!(
+            "name = \"x\"\n{call}{wait}senders = [\"role:approver\", \"tenant\", \"gateway:manager\"]\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            gated.new_steps()[1].park.as_ref().unwrap().senders(),
+            ["role:approver", "tenant", "gateway:manager"]
+        );
         for (text, expected) in [
             ("name = \"x\"\nsteps = []\n".to_owned(), "at least one step"),
             (format!("name = \"x\"\n{call}{wait}agent = \"x\"\n"), "calls no agent"),
@@ -519,6 +556,9 @@ mod tests {
                 "pointer into the order",
             ),
             (format!("name = \"x\"\n{call}event = \"approved\"\n"), "belong to wait and delay steps"),
+            (format!("name = \"x\"\n{call}senders = [\"tenant\"]\n"), "belong to wait and delay steps"),
+            (format!("name = \"x\"\n{call}{wait}senders = [\"approver\"]\n"), "senders holds \"approver\""),
+            (format!("name = \"x\"\n{call}{wait}senders = [\"role:Boss\"]\n"), "senders holds"),
         ] {
             let error = format!("{:#}", Workflow::parse(&text).unwrap_err());
             assert!(error.contains(expected), "{expected}: {error}");

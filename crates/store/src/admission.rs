@@ -35,7 +35,7 @@ impl<'a> Admission<'a> {
         Self { store }
     }
 
-    fn pool(&self) -> &'a sqlx::PgPool {
+    pub(crate) fn pool(&self) -> &'a sqlx::PgPool {
         self.store.pool()
     }
 }
@@ -168,6 +168,34 @@ impl Admission<'_> {
         make_shards(self.pool(), &names).await
     }
 
+    /// Records each tenant's weight in the agents' lines (`tenant_share`,
+    /// migration 0027): from then on, orders joining a line take turns by
+    /// tenant. A tenant left out keeps the weight it had; none given (open
+    /// tenancy) writes nothing.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn register_tenants(self, weights: &[(String, u16)]) -> Result<(), StoreError> {
+        if weights.is_empty() {
+            return Ok(());
+        }
+        let tenants: Vec<&str> = weights.iter().map(|(tenant, _)| tenant.as_str()).collect();
+        let shares: Vec<f32> = weights
+            .iter()
+            .map(|(_, weight)| f32::from(*weight))
+            .collect();
+        sqlx::query(
+            "INSERT INTO tenant_share (tenant, weight)
+             SELECT * FROM UNNEST($1::text[], $2::real[]) ORDER BY 1
+             ON CONFLICT (tenant) DO UPDATE SET weight = EXCLUDED.weight",
+        )
+        .bind(&tenants)
+        .bind(&shares)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
     /// Adapts the limit and the cap of every agent whose window has run its
     /// length, by [`crate::machine::admission::adapted_limit`] (the control
     /// law, in Rust) and [`crate::machine::admission::adapted_cap`], and
@@ -232,27 +260,22 @@ impl Admission<'_> {
     }
 
     /// Every agent's line as operators read it: its counters, and how long
-    /// the order that has waited longest in it has waited (its `admit_key`
-    /// less the head start its priority, or its undo, gave it; see
-    /// [`crate::machine::admit_key`]). Read-only: the real backlog, which
-    /// the agent queues do not show.
+    /// the order that has waited longest in it has waited (since it joined
+    /// the line: its `not_before`; its place, `admit_key`, is a turn
+    /// where tenants take turns, migration 0027). Read-only: the real
+    /// backlog, which the agent queues do not show.
     ///
     /// # Errors
     /// When the database fails.
     pub async fn lines(self) -> Result<Vec<AdmissionLine>, StoreError> {
         let rows = sqlx::query_as(
             "SELECT a.agent, a.in_flight, a.waiting, a.admit_limit, a.admit_cap, a.ceiling,
-                    (SELECT EXTRACT(EPOCH FROM now() - min(p.admit_key
-                                + (p.priority * $1::int8
-                                   + CASE WHEN p.state = 'compensating' THEN $2::int8 ELSE 0 END)
-                                  * interval '1 microsecond'))::float8
+                    (SELECT EXTRACT(EPOCH FROM now() - min(p.not_before))::float8
                        FROM order_process p
                       WHERE p.waiting_for = a.agent) AS oldest_wait_secs
                FROM admission_now a
               ORDER BY a.agent",
         )
-        .bind(crate::machine::PRIORITY_STEP.num_microseconds())
-        .bind(crate::machine::UNDO_HEAD_START.num_microseconds())
         .fetch_all(self.pool())
         .await?;
         Ok(rows)

@@ -18,6 +18,7 @@
 //! - [`connect`]: pool settings with timeouts on every await; migrations.
 //! - [`timing`]: the deadline margins (start margin, grace) and their check.
 //! - [`model`]: the states and the messages a transition produces.
+//! - [`quota`]: tenants' quotas, taken by intake (on [`Store::admission`]).
 //!
 //! Every transition runs in one transaction that first locks the orders'
 //! `order_process` rows and reads its snapshot, asks [`machine::decide`],
@@ -33,6 +34,7 @@ mod error;
 pub mod machine;
 mod migration_lock;
 pub mod model;
+pub mod quota;
 pub mod reads;
 mod step_columns;
 pub mod timing;

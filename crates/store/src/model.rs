@@ -159,6 +159,9 @@ pub struct Plan<'a> {
     pub version: i32,
     /// The steps, in order.
     pub steps: &'a [NewStep],
+    /// What its orders' attributes must match (a JSON Schema), if the
+    /// workflow says: registered with the plan for the gateway.
+    pub attributes_schema: Option<&'a serde_json::Value>,
 }
 
 impl<'a> Plan<'a> {
@@ -168,7 +171,15 @@ impl<'a> Plan<'a> {
             name,
             version,
             steps,
+            attributes_schema: None,
         }
+    }
+
+    /// The plan with the JSON Schema its orders' attributes must match.
+    #[must_use]
+    pub const fn with_schema(mut self, schema: Option<&'a serde_json::Value>) -> Self {
+        self.attributes_schema = schema;
+        self
     }
 }
 

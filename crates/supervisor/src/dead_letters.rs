@@ -65,6 +65,9 @@ pub struct Judged {
     pub no_call: bool,
     /// How many bytes of the body to record.
     pub kept_bytes: usize,
+    /// Who published the message that died, when one of our services
+    /// vouches for it (or RabbitMQ validated it on the message itself).
+    pub publisher: Option<String>,
 }
 
 /// A header value as it may be recorded and logged: at most
@@ -114,6 +117,20 @@ pub fn judge(delivery: &Delivery, amqp: &ServiceAmqpSettings, names: &QueueNames
             .flatten()
             .and_then(|v| v.get("order_id")?.as_str().map(|id| bounded(id.to_owned())))
     });
+    // A tenant's stored id (`ord-1@shop`) is believed only from a service
+    // that sends on a client's behalf (the gateway, which names the id its
+    // client's GET looks up); from anyone else it is taken as the bare id,
+    // so no client can mark another tenant's order as refused.
+    let delegated = origin
+        .as_deref()
+        .is_some_and(|user| amqp.delegating_users.iter().any(|d| d == user));
+    let claimed_order = claimed_order.map(|id| {
+        if delegated {
+            id
+        } else {
+            sas_messages::ids::client_id(&id).to_owned()
+        }
+    });
     let size_note = if size > limit {
         format!(" (body of {size} bytes; the first {limit} recorded)")
     } else {
@@ -134,6 +151,7 @@ pub fn judge(delivery: &Delivery, amqp: &ServiceAmqpSettings, names: &QueueNames
             may_settle: false,
             no_call: false,
             kept_bytes: size.min(limit),
+            publisher: None,
         };
     }
     let from_agent_queue = claimed_source
@@ -157,6 +175,7 @@ pub fn judge(delivery: &Delivery, amqp: &ServiceAmqpSettings, names: &QueueNames
         // large, naming no call it may make, or without reply_to.
         no_call: from_agent_queue && our_reason.is_some(),
         kept_bytes: size.min(limit),
+        publisher: origin,
     }
 }
 
@@ -183,7 +202,7 @@ impl Supervisor {
                     judged.source.as_deref(),
                     &judged.reason,
                     judged.order_id.as_deref(),
-                    message_id.as_deref(),
+                    (message_id.as_deref(), judged.publisher.as_deref()),
                     body,
                 )
             },

@@ -61,7 +61,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         .with_max_request_bytes(settings.amqp.max_message_bytes);
     let session = Session::new(settings.amqp.broker.clone(), id.clone());
     sas_runtime::ops::serve(
-        &settings.http.listen,
+        &settings.http,
         sas_runtime::ops::broker_and_database_readiness(
             session.connected_check(),
             store.reachable_check(),

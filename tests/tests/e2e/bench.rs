@@ -169,4 +169,19 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         (100.0..alone).contains(&alone_first),
         "urgent alone, first step: {alone_first} ms"
     );
+    // The noisy-neighbour phase: the quiet tenant's orders make three calls
+    // of 100 ms each, alone and beside the noisy one, every one measured.
+    let neighbours = &report["neighbours"];
+    let quiet = neighbours["quiet_orders"].as_u64().expect("quiet orders");
+    assert!(quiet > 0, "{neighbours}");
+    assert_eq!(
+        neighbours["noisy_orders"].as_u64(),
+        Some(quiet * 100),
+        "{neighbours}"
+    );
+    for half in ["quiet_alone_ms", "quiet_beside_noisy_ms"] {
+        let p50 = number(&format!("/neighbours/{half}/p50"));
+        let p99 = number(&format!("/neighbours/{half}/p99"));
+        assert!(300.0 <= p50 && p50 <= p99, "{half}: {neighbours}");
+    }
 }

@@ -42,7 +42,11 @@ async fn system(env: &TestEnv) -> (Vec<Service>, ConsoleClient) {
     let (sim_process, sim) = env.remote_sim(&[]).await;
     let mut services = env.agents(1, &sim, &[]);
     services.push(sim_process);
-    services.push(env.scheduler(0, &shipped_workflows()));
+    // The console's broker user (guest here) sends events on its
+    // operators' behalf: the scheduler believes its sender header.
+    let mut scheduler = shipped_workflows().to_vec();
+    scheduler.push(Setting::AmqpDelegatingUsers("guest".into()));
+    services.push(env.scheduler(0, &scheduler));
     services.push(env.supervisor(0, &[]));
     let (console_process, console) = env.console(&[]).await;
     services.push(console_process);
@@ -231,7 +235,11 @@ async fn the_api_sends_the_event_an_order_waits_for_and_refuses_any_other() {
         .await;
     let (result, ended, by_console) = approval_outcome(&env, "big-1").await;
     assert_eq!(result, Some(json!({"by": OPERATOR.0})));
-    assert_eq!(ended, format!("event approved ({event_id})"));
+    assert_eq!(
+        ended,
+        format!("event approved ({event_id}) from console:{}", OPERATOR.0),
+        "the history names the operator"
+    );
     assert!(!by_console, "the console records nothing itself");
     assert_eq!(
         mailbox(&env, "big-1").await,
@@ -314,7 +322,9 @@ async fn an_operator_approves_a_waiting_order_with_the_button_in_a_browser() {
         notice.contains(
             ended
                 .trim_start_matches("event approved (")
-                .trim_end_matches(')')
+                .split(')')
+                .next()
+                .unwrap_or_default()
         ),
         "the history names the event the notice named: {ended} / {notice}"
     );
@@ -789,4 +799,47 @@ async fn an_operator_looks_then_moves_waiting_orders_on_the_workflows_page_in_a_
     for id in ids {
         assert_eq!(env.detail(id).await.summary.workflow_version, 2, "{id}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_the_wait_does_not_accept_is_refused_at_once_and_nothing_is_sent() {
+    let env = TestEnv::new().await;
+    // large_order's approval accepts role:approver; this console's
+    // operator does not hold it.
+    let tenancy = std::env::temp_dir().join(format!("{}-console-tenancy.toml", env.id));
+    std::fs::write(&tenancy, "[roles]\napprover = [\"console:someone-else\"]\n").unwrap();
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &shipped_workflows());
+    let _supervisor = env.supervisor(0, &[]);
+    let (_console_process, console) = env
+        .console(&[Setting::Raw(
+            "SAS_CONSOLE__TENANCY_FILE",
+            tenancy.display().to_string(),
+        )])
+        .await;
+    let (_connection, publisher) = env.broker().await;
+    parked_large_order(&env, &publisher, "big-1").await;
+
+    let (status, answer) = status_and_json(
+        console
+            .act(
+                "/api/orders/big-1/signal",
+                As::Operator,
+                json!({"event": "approved"}),
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{answer}");
+    let error = answer["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("accepts approved only from role:approver")
+            && error.contains("nothing was sent"),
+        "{error}"
+    );
+    assert!(mailbox(&env, "big-1").await.is_empty(), "nothing was sent");
+    assert_eq!(env.state_of("big-1").await, Some(ProcessState::Pending));
+    drop(sim_process);
+    let _ = std::fs::remove_file(&tenancy);
 }

@@ -255,8 +255,13 @@ fn docker_compose_runs_real_binaries_with_settings_they_accept() {
             );
         }
         if name != "migrate" {
-            // The health check probes the port the service listens on.
-            let port = listen_port(&name, &env);
+            // The health check probes the port the service serves /readyz
+            // on: its operations port when it has one apart (the gateway's
+            // gateway.ops_listen), else http.listen.
+            let port = env.get("SAS_GATEWAY__OPS_LISTEN").map_or_else(
+                || listen_port(&name, &env),
+                |ops| ops.rsplit(':').next().unwrap().parse().unwrap(),
+            );
             let test = strings(&service["healthcheck"]["test"]);
             assert_eq!(&test[1..3], ["sasctl", "probe"], "{name}: {test:?}");
             assert!(

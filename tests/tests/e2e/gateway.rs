@@ -161,21 +161,34 @@ async fn an_order_submitted_over_http_runs_once_and_its_outcome_is_read_back() {
         "a refused order is not stored: {body}"
     );
 
-    // One only intake can refuse (no workflow of that name runs here) is
-    // accepted, and then read back as rejected, with intake's reason,
-    // rather than "not stored yet" for ever.
+    // A workflow no scheduler runs: refused at once, as intake would.
     let mut no_such_workflow = serde_json::to_value(order("ord-http-nowhere")).unwrap();
     no_such_workflow["workflow"] = json!("no_such_workflow");
     let (status, _, body) = post(&base, Some(SECRET), &no_such_workflow).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown workflow \"no_such_workflow\": this deployment runs order"),
+        "{body}"
+    );
+
+    // One only intake can refuse (attributes the state store cannot keep)
+    // is accepted, and then read back as rejected, with intake's reason,
+    // rather than "not stored yet" for ever.
+    let mut unstorable = serde_json::to_value(order("ord-http-nul")).unwrap();
+    unstorable["attributes"] = json!({ "note": "a\u{0}b" });
+    let (status, _, body) = post(&base, Some(SECRET), &unstorable).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    let (status, body) = get(&base, "/v1/orders/ord-http-nowhere?wait=30").await;
+    let (status, body) = get(&base, "/v1/orders/ord-http-nul?wait=30").await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
     assert_eq!(body["state"], "rejected", "{body}");
     assert!(
         body["reason"]
             .as_str()
             .unwrap()
-            .contains("unknown workflow \"no_such_workflow\""),
+            .contains("attributes hold a NUL character"),
         "{body}"
     );
 
@@ -316,4 +329,108 @@ async fn a_client_holds_at_most_its_share_of_waiting_reads() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     let (status, body) = get(&base, "/v1/orders/ord-poll-never?wait=1").await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+}
+
+/// Sends `head` on a raw connection and returns what the server answers
+/// before it closes the connection, and how long it took (at most 30 s).
+async fn raw_exchange(port: u16, head: &[u8]) -> (String, Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let started = std::time::Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    stream.write_all(head).await.expect("write");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer)).await;
+    assert!(
+        read.is_ok(),
+        "the gateway kept a trickling connection open for 30 s"
+    );
+    (
+        String::from_utf8_lossy(&answer).into_owned(),
+        started.elapsed(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gateway_holds_under_abuse_without_locking_out_other_clients() {
+    let env = TestEnv::new().await;
+    let (port, ops_port) = (free_port(), free_port());
+    let rival = "rival-client-secret-0123456789";
+    let _gateway = env.spawn(
+        "gateway",
+        "gateway",
+        &[
+            Setting::Listen(port),
+            Setting::GatewayClients(format!("shop:{SECRET},rival:{rival}")),
+            Setting::GatewayLoginFailuresPerMinute(3),
+            Setting::GatewayOpsListen(format!("127.0.0.1:{ops_port}")),
+        ],
+    );
+    let ops = format!("http://127.0.0.1:{ops_port}");
+    sas_tests::wait::wait_ready("the gateway", &ops).await;
+    let base = format!("http://127.0.0.1:{port}");
+    let read = |secret: String| {
+        let base = base.clone();
+        async move {
+            sas_tests::http_client()
+                .get(format!("{base}/v1/orders/nothing-here"))
+                .bearer_auth(secret)
+                .send()
+                .await
+                .expect("the gateway answers")
+                .status()
+        }
+    };
+
+    // /metrics and /readyz live on the operators' port only.
+    for path in ["/metrics", "/readyz"] {
+        let status = sas_tests::http_client()
+            .get(format!("{base}{path}"))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path} on the clients' port");
+    }
+    let metrics = sas_tests::http_client()
+        .get(format!("{ops}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(metrics.status(), StatusCode::OK);
+
+    // Someone guesses shop's secret from this address, by name: shop is
+    // blocked from here, rival (same address) is not, nor is a bare secret.
+    for _ in 0..3 {
+        assert_eq!(read("shop:guess".into()).await, StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(
+        read(format!("shop:{SECRET}")).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "shop is blocked from this address"
+    );
+    assert_eq!(read(format!("rival:{rival}")).await, StatusCode::NOT_FOUND);
+    assert_eq!(read(rival.to_owned()).await, StatusCode::NOT_FOUND);
+    // Bare wrong secrets block bare secrets from this address; rival, by
+    // name, still gets in.
+    for _ in 0..3 {
+        assert_eq!(read("guess".into()).await, StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(read(rival.to_owned()).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(read(format!("rival:{rival}")).await, StatusCode::NOT_FOUND);
+
+    // Headers that trickle: the connection is closed, not held.
+    let (answer, took) = raw_exchange(port, b"GET /v1/orders/x HTTP/1.1\r\nHost: a\r\n").await;
+    assert!(
+        took >= Duration::from_secs(9),
+        "closed after {took:?}: {answer}"
+    );
+    // A body that trickles: 408.
+    let head = format!(
+        "POST /v1/orders HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer rival:{rival}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"schema"
+    );
+    let (answer, _) = raw_exchange(port, head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
 }

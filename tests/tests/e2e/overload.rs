@@ -90,7 +90,7 @@ fn orders(prefix: &str, n: usize, priority: Option<u8>) -> Vec<SubmitOrder> {
 
 /// How many orders waited in an agent's line at some point (their history
 /// says `waiting_for_admission`).
-async fn orders_that_waited(env: &TestEnv) -> i64 {
+pub(crate) async fn orders_that_waited(env: &TestEnv) -> i64 {
     sqlx::query_scalar("SELECT count(DISTINCT order_id) FROM history WHERE event = $1")
         .bind(HistoryEvent::Queued.as_str())
         .fetch_one(&env.db)

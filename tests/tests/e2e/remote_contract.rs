@@ -1022,13 +1022,11 @@ async fn gated_remote() -> (u16, Arc<Mutex<Vec<String>>>, Arc<tokio::sync::Semap
     (port, calls, gate)
 }
 
-/// An agent's queue is first come, first served, so its call slots are
-/// where priority can still count: a freed slot goes to a compensation
-/// first, then to the request of the most urgent order (the message's
-/// `priority` property; none counts as the default, 5), and to the first
-/// delivered among equals.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_request() {
+/// The order in which an agent of one call slot calls the remote: a
+/// request `first` takes the slot and holds it while `waiting` arrive, one
+/// by one (each delivered and waiting before the next is sent, so that
+/// requests of the same place reach the slot in the order they were sent).
+async fn call_order(waiting: &[(&str, StepKind, &str, Option<u8>)]) -> Vec<String> {
     let env = TestEnv::new().await;
     let (port, calls, gate) = gated_remote().await;
     let (_agent, ops) = agent(
@@ -1052,7 +1050,6 @@ async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_reques
             Duration::from_secs(30),
         )
     };
-    // The first request takes the one call slot and holds it.
     send_with_priority(
         &env,
         &publisher,
@@ -1071,20 +1068,8 @@ async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_reques
         }
     })
     .await;
-    // The others arrive while it calls, the most urgent last.
-    let waiting = [
-        ("low-0", StepKind::Action, "charge", Some(0)),
-        ("low-1", StepKind::Action, "charge", Some(0)),
-        ("plain", StepKind::Action, "charge", None),
-        ("low-2", StepKind::Action, "charge", Some(0)),
-        ("urgent", StepKind::Action, "charge", Some(9)),
-        ("undo", StepKind::Compensation, "refund", Some(0)),
-    ];
-    // Each waits for the slot before the next is sent, so that requests of
-    // the same place reach the slot in the order they were sent (each
-    // delivery is handled by a task of its own).
     let mut in_flight = 1.0;
-    for (order_id, kind, action, priority) in waiting {
+    for &(order_id, kind, action, priority) in waiting {
         let request = step(order_id, kind, action);
         send_with_priority(&env, &publisher, "payment", &reply_to, &request, priority).await;
         in_flight += 1.0;
@@ -1106,9 +1091,50 @@ async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_reques
             "{reply:?}"
         );
     }
+    let order = calls.lock().unwrap().clone();
+    order
+}
+
+/// An agent's queue is first come, first served, so its call slots are
+/// where priority can still count: a freed slot goes to a compensation
+/// first, then to the request of the most urgent order (the message's
+/// `priority` property; none counts as the default, 5), and to the first
+/// delivered among equals.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_freed_call_slot_goes_to_a_compensation_then_to_the_most_urgent_request() {
+    // The most urgent arrive last.
+    let order = call_order(&[
+        ("low-0", StepKind::Action, "charge", Some(0)),
+        ("low-1", StepKind::Action, "charge", Some(0)),
+        ("plain", StepKind::Action, "charge", None),
+        ("low-2", StepKind::Action, "charge", Some(0)),
+        ("urgent", StepKind::Action, "charge", Some(9)),
+        ("undo", StepKind::Compensation, "refund", Some(0)),
+    ])
+    .await;
     assert_eq!(
-        *calls.lock().unwrap(),
+        order,
         ["first", "undo", "urgent", "plain", "low-0", "low-1", "low-2"],
+        "the order of the calls"
+    );
+}
+
+/// Tenants take turns for the call slots too (crates/agent/src/turns.rs):
+/// a request of tenant `b`, arriving after three of tenant `a`, goes right
+/// after `a`'s first, not after all three (first come, first served, it
+/// went last).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quiet_tenants_request_passes_a_busy_tenants_for_the_call_slot() {
+    let order = call_order(&[
+        ("a-0@a", StepKind::Action, "charge", Some(5)),
+        ("a-1@a", StepKind::Action, "charge", Some(5)),
+        ("a-2@a", StepKind::Action, "charge", Some(5)),
+        ("b-0@b", StepKind::Action, "charge", Some(5)),
+    ])
+    .await;
+    assert_eq!(
+        order,
+        ["first", "a-0@a", "b-0@b", "a-1@a", "a-2@a"],
         "the order of the calls"
     );
 }

@@ -32,16 +32,16 @@ use sqlx::Connection as _;
 
 /// The role users of one test, made by deploy/rabbitmq/setup-users.sh with
 /// the test's prefix; deleted on drop (also after a panic).
-struct BrokerUsers {
+pub(crate) struct BrokerUsers {
     prefix: String,
     users: [String; 4],
-    clients: Vec<String>,
+    pub(crate) clients: Vec<String>,
     console: String,
     password: String,
 }
 
 impl BrokerUsers {
-    fn create(env: &TestEnv, clients: &[&str]) -> Self {
+    pub(crate) fn create(env: &TestEnv, clients: &[&str]) -> Self {
         let id = &env.id;
         let users = BrokerUsers {
             prefix: env.prefix.clone(),
@@ -88,7 +88,7 @@ impl BrokerUsers {
     }
 
     /// An AMQP URL logging in as `user`.
-    fn url(&self, user: &str) -> String {
+    pub(crate) fn url(&self, user: &str) -> String {
         format!(
             "amqp://{user}:{}@127.0.0.1:5672/%2f?heartbeat=5",
             self.password
@@ -104,7 +104,7 @@ impl Drop for BrokerUsers {
     }
 }
 
-fn settings_as(env: &TestEnv, url: String) -> AmqpSettings {
+pub(crate) fn settings_as(env: &TestEnv, url: String) -> AmqpSettings {
     AmqpSettings { url, ..env.amqp() }
 }
 
@@ -121,7 +121,7 @@ fn refused<T>(what: &str, result: Result<T, String>) {
 
 /// Publishes on a channel of its own (a refusal closes the channel) and
 /// waits for the confirm.
-async fn try_publish(
+pub(crate) async fn try_publish(
     connection: &Connection,
     exchange: &str,
     routing_key: &str,
@@ -177,7 +177,7 @@ async fn try_consume(connection: &Connection, queue: &str) -> Result<(), String>
         .map_err(|e| e.to_string())
 }
 
-async fn try_declare(connection: &Connection, queue: &str) -> Result<(), String> {
+pub(crate) async fn try_declare(connection: &Connection, queue: &str) -> Result<(), String> {
     let channel = connection
         .create_channel()
         .await

@@ -37,7 +37,7 @@ use sas_store::machine::{
     decide, slots_held, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
     RecoveryPolicy, Snapshot, StepRow, Verdict,
 };
-use sas_store::writes::events::EventOutcome;
+use sas_store::writes::events::{EventOutcome, EventSender};
 use sas_store::writes::intake::{Intake, Submission};
 use sas_store::writes::moves::MoveRequest;
 use sas_store::writes::operator::{Cancel, Resubmit};
@@ -655,6 +655,8 @@ async fn run_case(
         trace_id: format!("{case:032x}"),
         reply_to_property: by_property.then(|| "client-q".to_owned()),
         correlation_id: by_property.then(|| format!("corr-{case}")),
+        submitted_by: None,
+        start_at: None,
     };
     let accepted = store
         .writes()
@@ -893,12 +895,24 @@ async fn run_case(
                 let event = sent.as_ref().expect("an event step sends one");
                 let outcome = store
                     .writes()
-                    .deliver_event(event, std::time::Duration::from_secs(3600), SIGNALER)
+                    .deliver_event(
+                        event,
+                        EventSender {
+                            identity: SIGNALER,
+                            principals: &[],
+                            early_refusal: None,
+                        },
+                        std::time::Duration::from_secs(3600),
+                        SIGNALER,
+                    )
                     .await
                     .map_err(|e| e.to_string())?;
                 match outcome {
                     EventOutcome::Used(progress) => one_or_none(progress),
                     EventOutcome::Kept { .. } | EventOutcome::Duplicate => Returned::NotApplied,
+                    EventOutcome::Refused { reason } => {
+                        return Err(format!("no wait names senders here, yet: {reason}"))
+                    }
                 }
             }
             (Step::Moved, _) => {
@@ -978,6 +992,8 @@ async fn run_case(
                         name: event.name.clone(),
                         data: serde_json::Value::Object(event.data.clone().unwrap_or_default()),
                         received_at: now,
+                        principals: Vec::new(),
+                        sender: Some(SIGNALER.to_owned()),
                     });
                 }
                 Event::EventArrived
@@ -1224,6 +1240,7 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
                         event: "approved".into(),
                         on_timeout,
                         correlation_key: None,
+                        senders: Vec::new(),
                     }),
                     group: None,
                 },

@@ -536,6 +536,7 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
             event: "approved".into(),
             on_timeout: sas_store::machine::park::OnTimeout::Compensate,
             correlation_key: None,
+            senders: Vec::new(),
         }),
         group: None,
     };

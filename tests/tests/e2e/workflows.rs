@@ -167,6 +167,12 @@ async fn an_unknown_workflow_and_attributes_its_schema_refuses_are_rejected_with
             serde_json::json!({"refund_cents": 100}),
             r#"attributes do not match workflow "return" (version 1) at /:"#,
         ),
+        (
+            "ret-bad-3",
+            Some("return"),
+            serde_json::json!({"refund_cents": 100_001, "reason": "damaged"}),
+            r#"attributes do not match workflow "return" (version 1) at /refund_cents: 100001 is greater than the maximum of 100000"#,
+        ),
     ];
     for (id, workflow, attributes, _) in &cases {
         let mut submitted = order(id);

@@ -72,12 +72,17 @@ impl StepView {
                 event,
                 on_timeout,
                 correlation_key,
+                senders,
             }) => {
                 view.kind = "wait";
                 view.does = match correlation_key {
                     Some(key) => format!("wait for {event} (or by key {key})"),
                     None => format!("wait for {event}"),
                 };
+                if !senders.is_empty() {
+                    view.does
+                        .push_str(&format!(", from {} only", senders.join(", ")));
+                }
                 view.event = Some(event.clone());
                 view.on_timeout = Some(*on_timeout);
             }
@@ -505,6 +510,7 @@ mod tests {
                 event: "approved".into(),
                 on_timeout: OnTimeout::Fail,
                 correlation_key: None,
+                senders: Vec::new(),
             }),
         ));
         assert_eq!(

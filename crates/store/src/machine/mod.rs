@@ -185,6 +185,8 @@ pub struct Snapshot {
     pub steps: Vec<StepRow>,
     /// Events kept in the order's mailbox, not used yet, oldest first.
     pub mailbox: Vec<park::MailboxEvent>,
+    /// Who submitted it (`amqp:<user>`, `gateway:<client>`), when known.
+    pub submitted_by: Option<String>,
 }
 
 impl Snapshot {
@@ -221,6 +223,7 @@ impl Snapshot {
                 .map(|(position, step)| StepRow::new(order_id, position, step))
                 .collect(),
             mailbox: Vec::new(),
+            submitted_by: None,
         }
     }
 

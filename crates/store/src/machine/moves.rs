@@ -224,6 +224,7 @@ mod tests {
             event: "approved".into(),
             on_timeout: OnTimeout::Compensate,
             correlation_key: None,
+            senders: Vec::new(),
         }
     }
 

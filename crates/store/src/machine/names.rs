@@ -125,6 +125,10 @@ stored_names! {
         WaitEnded = "wait_ended",
         /// A wait step's event did not come within its timeout.
         WaitTimedOut = "wait_timed_out",
+        /// An event came from a sender the order's wait for it does not
+        /// accept: refused, not kept. Written by the store's event
+        /// delivery, not by the state machine.
+        EventRefused = "event_refused",
         /// An operator acknowledged an alert about the order (someone is on it).
         /// Written by the store's operator actions, not by the state machine:
         /// it changes nothing about the order's run.

@@ -24,6 +24,10 @@ pub enum Park {
         /// reaches the wait.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         correlation_key: Option<String>,
+        /// Who may send the event (see [`Park::accepts`]); empty: whoever
+        /// may address the order (its tenant's clients and operators).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        senders: Vec<String>,
     },
     /// A time: `delay_ms` after the previous step, and not before the time
     /// the order holds at `not_before` (a JSON pointer into the order, such
@@ -72,9 +76,46 @@ pub struct MailboxEvent {
     pub data: serde_json::Value,
     /// When it arrived.
     pub received_at: DateTime<Utc>,
+    /// What its sender may be named by (its identity, `tenant:<t>`,
+    /// `role:<r>`), as the scheduler resolved it on arrival.
+    pub principals: Vec<String>,
+    /// Who sent it (`gateway:manager`), when known.
+    pub sender: Option<String>,
 }
 
 impl Park {
+    /// Whether a wait for an event accepts it from a sender named by
+    /// `principals`, for an order of tenant `order_tenant`: yes when the
+    /// wait names no senders, else when one of its `senders` is one of the
+    /// principals. `"tenant"` stands for the order's own tenant
+    /// (`tenant:<order_tenant>`); `"role:approver"`, `"gateway:manager"`,
+    /// `"tenant:ops"` name themselves. A sender whose principals hold `*`
+    /// (every sender, when tenancy is open) is accepted by every wait. A
+    /// delay accepts no event.
+    pub fn accepts(&self, principals: &[String], order_tenant: &str) -> bool {
+        let Self::Event { senders, .. } = self else {
+            return false;
+        };
+        senders.is_empty()
+            || principals.iter().any(|p| p == "*")
+            || senders.iter().any(|sender| {
+                if sender == "tenant" {
+                    let own = format!("tenant:{order_tenant}");
+                    principals.contains(&own)
+                } else {
+                    principals.iter().any(|p| p == sender)
+                }
+            })
+    }
+
+    /// The senders a wait for an event names, for messages.
+    pub fn senders(&self) -> &[String] {
+        match self {
+            Self::Event { senders, .. } => senders,
+            Self::Delay { .. } => &[],
+        }
+    }
+
     /// When a delay started at `now` ends for an order whose body is `body`.
     pub fn delay_end(&self, body: &serde_json::Value, now: DateTime<Utc>) -> DateTime<Utc> {
         let Self::Delay {
@@ -99,6 +140,33 @@ impl Park {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_accepts_its_event_only_from_the_senders_it_names() {
+        let wait = |senders: &[&str]| Park::Event {
+            event: "approved".into(),
+            on_timeout: OnTimeout::Compensate,
+            correlation_key: None,
+            senders: senders.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        let shop = ["gateway:shop".to_owned(), "tenant:shop".to_owned()];
+        let manager = ["gateway:manager".to_owned(), "role:approver".to_owned()];
+        assert!(wait(&[]).accepts(&shop, "shop"), "no senders: anyone");
+        assert!(wait(&[]).accepts(&[], "shop"));
+        let approvers = wait(&["role:approver"]);
+        assert!(!approvers.accepts(&shop, "shop"), "the customer itself");
+        assert!(approvers.accepts(&manager, "shop"));
+        let own = wait(&["tenant"]);
+        assert!(own.accepts(&shop, "shop"));
+        assert!(!own.accepts(&shop, "rival"), "another tenant's order");
+        assert!(wait(&["gateway:manager"]).accepts(&manager, "shop"));
+        assert!(approvers.accepts(&["amqp:x".to_owned(), "*".to_owned()], "default"));
+        let delay = Park::Delay {
+            delay_ms: 1,
+            not_before: None,
+        };
+        assert!(!delay.accepts(&shop, "shop"));
+    }
 
     #[test]
     fn a_delay_ends_at_the_later_of_its_delay_and_the_order_s_time() {

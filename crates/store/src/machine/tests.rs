@@ -339,6 +339,40 @@ fn a_submitted_order_is_held_and_its_first_step_dispatched() {
 }
 
 #[test]
+fn an_order_its_quota_holds_back_is_received_and_claimed_when_its_time_comes() {
+    let mut held = fresh();
+    held.process.not_before = t(3);
+    let decision = decide(&held, &Event::Submitted, &ctx(t(0)));
+    assert_eq!(decision.verdict, Verdict::Applied);
+    let events: Vec<_> = decision.history.iter().map(|h| h.event).collect();
+    assert_eq!(
+        events,
+        [HistoryEvent::Received],
+        "received, nothing started"
+    );
+    let detail = decision.history[0].detail.as_deref().unwrap_or_default();
+    assert!(
+        detail.contains("over its tenant's quota: starts at"),
+        "{detail}"
+    );
+    assert!(decision.progress.dispatches.is_empty());
+    assert_eq!(decision.progress.statuses[0].event, StatusEvent::Received);
+    if let Some(process) = &decision.process {
+        assert_eq!(process.state, ProcessState::Pending);
+        assert_eq!(process.not_before, t(3));
+    }
+    let early = decide(&held, &Event::Claimed, &ctx(t(2)));
+    assert!(early.progress.dispatches.is_empty(), "not before its time");
+    let claimed = decide(&held, &Event::Claimed, &ctx(t(3)));
+    assert_eq!(claimed.process.unwrap().state, ProcessState::Processing);
+    let dispatch = claimed.progress.dispatches.into_iter().next().unwrap();
+    assert_eq!(
+        (dispatch.step.as_str(), dispatch.attempt),
+        ("reserve_stock", 1)
+    );
+}
+
+#[test]
 fn a_success_starts_the_next_step_with_the_results_so_far() {
     let (snapshot, current) = order_in(ProcessState::Processing);
     let ok = reply(current, succeeded());
@@ -1240,6 +1274,7 @@ fn waiting_workflow(on_timeout: park::OnTimeout) -> Vec<NewStep> {
                 event: "approved".into(),
                 on_timeout,
                 correlation_key: None,
+                senders: Vec::new(),
             },
         ),
     );
@@ -1262,6 +1297,8 @@ fn mail(name: &str, id: &str) -> park::MailboxEvent {
         name: name.into(),
         data: serde_json::json!({ "by": "ann" }),
         received_at: t(0),
+        principals: Vec::new(),
+        sender: None,
     }
 }
 
@@ -1645,6 +1682,7 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
             event: "approved".into(),
             on_timeout: park::OnTimeout::Compensate,
             correlation_key: Some(pointer.into()),
+            senders: Vec::new(),
         });
         // The reservation answers with its id, which the key reads.
         let ok = StepReply {

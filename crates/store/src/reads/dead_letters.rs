@@ -79,7 +79,10 @@ pub struct Refusal {
 impl Reads<'_> {
     /// Why intake refused order `order_id`, if it did: for a client asking
     /// after an order that is not stored, so that it hears `rejected` and
-    /// the reason instead of "not stored yet" for ever.
+    /// the reason instead of "not stored yet" for ever. With `publisher`,
+    /// only a refusal of a message that broker user published (the
+    /// gateway's own): another client's refused message under the same id
+    /// says nothing of this client's order.
     ///
     /// # Errors
     /// When the database fails.
@@ -87,14 +90,17 @@ impl Reads<'_> {
         self,
         order_id: &str,
         names: &QueueNames,
+        publisher: Option<&str>,
     ) -> Result<Option<Refusal>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT at, reason FROM dead_letters
               WHERE order_id = $1 AND source_queue = $2
+                AND ($3::text IS NULL OR publisher = $3)
               ORDER BY id DESC LIMIT 1",
         )
         .bind(order_id)
         .bind(names.orders())
+        .bind(publisher)
         .fetch_optional(self.pool())
         .await?)
     }

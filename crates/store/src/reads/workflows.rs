@@ -86,3 +86,40 @@ impl Reads<'_> {
             .collect())
     }
 }
+
+/// The newest registered version of one workflow, as the gateway checks a
+/// submission against it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkflowSchema {
+    /// The workflow's name.
+    pub name: String,
+    /// Its newest registered version.
+    pub version: i32,
+    /// What its orders' attributes must match, if anything.
+    pub attributes_schema: Option<serde_json::Value>,
+}
+
+impl Reads<'_> {
+    /// Every registered workflow at its newest version, with the JSON
+    /// Schema of its attributes: what the gateway refuses a submission
+    /// against before publishing it.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn workflow_schemas(self) -> Result<Vec<WorkflowSchema>, StoreError> {
+        let rows: Vec<(String, i32, Option<serde_json::Value>)> = sqlx::query_as(
+            "SELECT DISTINCT ON (name) name, version, attributes_schema
+               FROM workflow_plans ORDER BY name, version DESC",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(name, version, attributes_schema)| WorkflowSchema {
+                name,
+                version,
+                attributes_schema,
+            })
+            .collect())
+    }
+}

@@ -289,7 +289,7 @@ pub(crate) async fn load_snapshots(
     let rows = sqlx::query(concat!(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
-                o.body, now() AS now, ",
+                o.body, o.submitted_by, now() AS now, ",
         step_select!(),
         "
            FROM order_process p
@@ -332,7 +332,7 @@ pub(crate) async fn load_snapshots(
     }
     if !waiting.is_empty() {
         let events = sqlx::query(
-            "SELECT order_id, event_id, name, data, received_at FROM order_events
+            "SELECT order_id, event_id, name, data, received_at, principals, sender FROM order_events
               WHERE order_id = ANY($1) AND used_at IS NULL AND expired_at IS NULL
               ORDER BY order_id, received_at, event_id",
         )
@@ -347,6 +347,8 @@ pub(crate) async fn load_snapshots(
                     name: row.try_get("name")?,
                     data: row.try_get("data")?,
                     received_at: row.try_get("received_at")?,
+                    principals: row.try_get("principals")?,
+                    sender: row.try_get("sender")?,
                 });
             }
         }
@@ -374,6 +376,7 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
         },
         steps: Vec::new(),
         mailbox: Vec::new(),
+        submitted_by: row.try_get("submitted_by")?,
     })
 }
 

@@ -9,7 +9,8 @@ use sas_messages::OrderEvent;
 
 use super::apply::{transition, Slots};
 use super::Writes;
-use crate::machine::{storable, Event, Verdict};
+use crate::machine::park::Park;
+use crate::machine::{storable, Event, HistoryEvent, Verdict};
 use crate::model::Progress;
 use crate::StoreError;
 
@@ -29,6 +30,27 @@ pub enum EventOutcome {
     /// An event with this id came for the order (or the key) before:
     /// nothing changed.
     Duplicate,
+    /// The orders it is for wait for it, and none of those waits accepts
+    /// it from its sender: not kept; a line in each order's history says
+    /// so (`reason` is the first).
+    Refused {
+        /// Why, naming the sender and whom the wait accepts.
+        reason: String,
+    },
+}
+
+/// Who sent an event, as the scheduler resolved it from the broker's
+/// validated `user_id` (see [`sas_runtime::tenancy`]).
+#[derive(Debug, Clone, Copy)]
+pub struct EventSender<'a> {
+    /// `amqp:<user>`, `gateway:<client>` or `console:<user>`.
+    pub identity: &'a str,
+    /// What a wait's `senders` may name it by.
+    pub principals: &'a [String],
+    /// Why an event of this sender may not be kept for an order (or a
+    /// key) nobody has yet, if it may not: no wait of any workflow would
+    /// take it from this sender.
+    pub early_refusal: Option<&'a str>,
 }
 
 /// The `order_waits w` rows whose order still waits at that step (the
@@ -60,11 +82,12 @@ impl Writes<'_> {
     pub async fn deliver_event(
         self,
         event: &OrderEvent,
+        sender: EventSender<'_>,
         ttl: Duration,
         actor: &str,
     ) -> Result<EventOutcome, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let orders: Vec<String> = match (&event.order_id, &event.correlation_key) {
+        let mut orders: Vec<String> = match (&event.order_id, &event.correlation_key) {
             (Some(order_id), _) => vec![order_id.as_str().to_owned()],
             (None, Some(key)) => {
                 sqlx::query_scalar(WAITING_WITH_KEY)
@@ -81,7 +104,16 @@ impl Writes<'_> {
         let data = storable(&serde_json::Value::Object(
             event.data.clone().unwrap_or_default(),
         ));
+        let refusals = refuse_unaccepted(&mut tx, &mut orders, event, sender, actor).await?;
         if orders.is_empty() {
+            if let Some(reason) = refusals
+                .into_iter()
+                .next()
+                .or_else(|| sender.early_refusal.map(str::to_owned))
+            {
+                tx.commit().await?;
+                return Ok(EventOutcome::Refused { reason });
+            }
             let key = event.correlation_key.as_deref().unwrap_or_default();
             let delivered_before: bool = sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM order_events WHERE correlation_key = $1 AND event_id = $2)",
@@ -95,8 +127,8 @@ impl Writes<'_> {
                 return Ok(EventOutcome::Duplicate);
             }
             let inserted = sqlx::query(
-                "INSERT INTO keyed_events (correlation_key, event_id, name, data, expires_at)
-                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
+                "INSERT INTO keyed_events (correlation_key, event_id, name, data, expires_at, sender, principals)
+                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5), $6, $7)
                  ON CONFLICT (correlation_key, event_id) DO NOTHING",
             )
             .bind(key)
@@ -104,6 +136,8 @@ impl Writes<'_> {
             .bind(&event.name)
             .bind(&data)
             .bind(ttl.as_secs_f64())
+            .bind(sender.identity)
+            .bind(sender.principals)
             .execute(&mut *tx)
             .await?
             .rows_affected()
@@ -138,7 +172,7 @@ impl Writes<'_> {
         }
         let mut inserted = false;
         for order_id in &orders {
-            inserted |= keep(&mut tx, order_id, event, &data, ttl).await?;
+            inserted |= keep(&mut tx, order_id, event, sender, &data, ttl).await?;
         }
         // A redelivered event that was kept but not used is offered again:
         // the order may have reached its wait since.
@@ -184,7 +218,7 @@ impl Writes<'_> {
         let mut tx = self.pool().begin().await?;
         let orders: Vec<String> = sqlx::query_scalar(concat!(
             "WITH picked AS MATERIALIZED (
-                 SELECT k.correlation_key, k.event_id, k.name, k.data
+                 SELECT k.correlation_key, k.event_id, k.name, k.data, k.sender, k.principals
                    FROM keyed_events k
                   WHERE k.adopted_at IS NULL AND k.expired_at IS NULL
                     AND EXISTS (SELECT 1 FROM order_waits w ",
@@ -200,8 +234,9 @@ impl Writes<'_> {
             still_waiting!(),
             "),
              given AS (
-                 INSERT INTO order_events (order_id, event_id, name, data, expires_at, correlation_key)
-                 SELECT order_id, event_id, name, data, now(), correlation_key FROM fan
+                 INSERT INTO order_events (order_id, event_id, name, data, expires_at, correlation_key,
+                                           sender, principals)
+                 SELECT order_id, event_id, name, data, now(), correlation_key, sender, principals FROM fan
                   ORDER BY order_id, event_id
                  ON CONFLICT (order_id, event_id) DO NOTHING),
              adopted AS (
@@ -300,12 +335,14 @@ async fn keep(
     tx: &mut sqlx::PgConnection,
     order_id: &str,
     event: &OrderEvent,
+    sender: EventSender<'_>,
     data: &serde_json::Value,
     ttl: Duration,
 ) -> Result<bool, StoreError> {
     Ok(sqlx::query(
-        "INSERT INTO order_events (order_id, event_id, name, data, expires_at, correlation_key)
-         VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5), $6)
+        "INSERT INTO order_events (order_id, event_id, name, data, expires_at, correlation_key,
+                                   sender, principals)
+         VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5), $6, $7, $8)
          ON CONFLICT (order_id, event_id) DO NOTHING",
     )
     .bind(order_id)
@@ -314,8 +351,100 @@ async fn keep(
     .bind(data)
     .bind(ttl.as_secs_f64())
     .bind(&event.correlation_key)
+    .bind(sender.identity)
+    .bind(sender.principals)
     .execute(&mut *tx)
     .await?
     .rows_affected()
         == 1)
+}
+
+/// Takes out of `orders` each order whose workflow waits for `event`'s
+/// name and accepts it from none of those waits' senders, writing a line
+/// in its history (`event_refused`, by `actor`) naming the sender and whom
+/// the waits accept, and each order that does not exist yet when the
+/// sender's events may not be kept for one (`early_refusal`); returns the
+/// reasons. An order with no wait for the name keeps the event (it changes
+/// nothing there).
+async fn refuse_unaccepted(
+    tx: &mut sqlx::PgConnection,
+    orders: &mut Vec<String>,
+    event: &OrderEvent,
+    sender: EventSender<'_>,
+    actor: &str,
+) -> Result<Vec<String>, StoreError> {
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    let waits: Vec<(String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT order_id, name, park FROM steps
+          WHERE order_id = ANY($1) AND park->>'kind' = 'event' AND park->>'event' = $2",
+    )
+    .bind(&*orders)
+    .bind(&event.name)
+    .fetch_all(&mut *tx)
+    .await?;
+    let existing: Vec<String> =
+        sqlx::query_scalar("SELECT order_id FROM orders WHERE order_id = ANY($1)")
+            .bind(&*orders)
+            .fetch_all(&mut *tx)
+            .await?;
+    let mut refused: Vec<(String, String)> = Vec::new();
+    let mut early: Vec<String> = Vec::new();
+    for order_id in orders.iter() {
+        if !existing.contains(order_id) {
+            if let Some(reason) = sender.early_refusal {
+                early.push(order_id.clone());
+                refused.push((order_id.clone(), reason.to_owned()));
+            }
+            continue;
+        }
+        let mine: Vec<(&String, Park)> = waits
+            .iter()
+            .filter(|(id, _, _)| id == order_id)
+            .filter_map(|(_, step, park)| Some((step, serde_json::from_value(park.clone()).ok()?)))
+            .collect();
+        let tenant = sas_messages::ids::tenant_of(order_id);
+        if mine.is_empty()
+            || mine
+                .iter()
+                .any(|(_, park)| park.accepts(sender.principals, tenant))
+        {
+            continue;
+        }
+        let (step, park) = &mine[0];
+        refused.push((
+            order_id.clone(),
+            format!(
+                "event {} ({}) from {} refused: wait step {step} accepts it only from {}",
+                event.name,
+                event.event_id,
+                sender.identity,
+                park.senders().join(", ")
+            ),
+        ));
+    }
+    if refused.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (ids, reasons): (Vec<String>, Vec<String>) = refused.into_iter().unzip();
+    // An order that does not exist yet has no history to write to.
+    let (logged, logged_reasons): (Vec<&String>, Vec<&String>) = ids
+        .iter()
+        .zip(&reasons)
+        .filter(|(id, _)| !early.contains(id))
+        .unzip();
+    sqlx::query(
+        "INSERT INTO history (order_id, actor, event, detail)
+         SELECT * FROM unnest($1::text[], array_fill($2::text, ARRAY[cardinality($1)]),
+                              array_fill($3::text, ARRAY[cardinality($1)]), $4::text[])",
+    )
+    .bind(&logged)
+    .bind(actor)
+    .bind(HistoryEvent::EventRefused.as_str())
+    .bind(&logged_reasons)
+    .execute(&mut *tx)
+    .await?;
+    orders.retain(|order_id| !ids.contains(order_id));
+    Ok(reasons)
 }

@@ -39,6 +39,14 @@ pub struct Submission {
     /// The AMQP `correlation_id` property of the message: every status
     /// message to the order's reply queue carries it back.
     pub correlation_id: Option<String>,
+    /// Who submitted it (`amqp:<user>`, `gateway:<client>`), as the
+    /// scheduler resolved it from the broker's validated `user_id`: kept
+    /// with the order and in its `received` history line.
+    pub submitted_by: Option<String>,
+    /// When its tenant's quota lets it start ([`crate::quota::QuotaTurn::At`]),
+    /// if later than now: the order is stored, answered `received`, and
+    /// left for a claim at that time.
+    pub start_at: Option<DateTime<Utc>>,
 }
 
 impl Submission {
@@ -49,6 +57,8 @@ impl Submission {
             trace_id,
             reply_to_property: None,
             correlation_id: None,
+            submitted_by: None,
+            start_at: None,
         }
     }
 
@@ -227,15 +237,15 @@ impl Writes<'_> {
         let attempt_ids: Vec<Uuid> = distinct.iter().map(|_| Uuid::now_v7()).collect();
         // The single statement starts the first step as the machine would
         // when its request can be built; a workflow that starts with a
-        // wait, or a first request that cannot be built (a template with a
-        // hole, a request too large), takes the write kernel, where the
-        // machine decides.
+        // wait, an order its tenant's quota holds back, or a first request
+        // that cannot be built (a template with a hole, a request too
+        // large), takes the write kernel, where the machine decides.
         let (fast, slow): (Vec<usize>, Vec<usize>) = if steps[0].park.is_some() {
             (Vec::new(), distinct.clone())
         } else {
-            distinct
-                .iter()
-                .partition(|&&index| batch.first_request_builds(index))
+            distinct.iter().partition(|&&index| {
+                submissions[index].start_at.is_none() && batch.first_request_builds(index)
+            })
         };
         let fast_ids: Vec<Uuid> = fast
             .iter()
@@ -367,6 +377,10 @@ impl Writes<'_> {
             .iter()
             .map(|&i| submissions[i].trace_id.as_str())
             .collect();
+        let submitters: Vec<Option<&str>> = batch
+            .iter()
+            .map(|&i| submissions[i].submitted_by.as_deref())
+            .collect();
         let positions: Vec<i32> = (0..).take(steps.len()).collect();
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let agents: Vec<&str> = steps.iter().map(|s| s.agent.as_str()).collect();
@@ -388,11 +402,11 @@ impl Writes<'_> {
             .collect();
         let rows = sqlx::query(
             "WITH i AS MATERIALIZED (
-                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[], $14::int2[], $15::text[])
-                        AS i(order_id, body, reply_to, trace_id, attempt_id, priority, correlation_id)),
+                 SELECT * FROM UNNEST($1::text[], $2::jsonb[], $3::text[], $4::text[], $5::uuid[], $14::int2[], $15::text[], $21::text[])
+                        AS i(order_id, body, reply_to, trace_id, attempt_id, priority, correlation_id, submitted_by)),
              o AS (
-                 INSERT INTO orders (order_id, body)
-                 SELECT order_id, body FROM i ORDER BY order_id
+                 INSERT INTO orders (order_id, body, submitted_by)
+                 SELECT order_id, body, submitted_by FROM i ORDER BY order_id
                  ON CONFLICT (order_id) DO NOTHING
               RETURNING order_id, received_at),
              t AS (
@@ -455,7 +469,8 @@ impl Writes<'_> {
                    FROM o JOIN i ON i.order_id = o.order_id CROSS JOIN t CROSS JOIN first CROSS JOIN ok),
              h AS (
                  INSERT INTO history (order_id, actor, event, step, attempt_id, detail)
-                 SELECT o.order_id, $7, 'received', NULL, NULL, NULL FROM o
+                 SELECT o.order_id, $7, 'received', NULL, NULL, 'submitted by ' || i.submitted_by
+                   FROM o JOIN i ON i.order_id = o.order_id
                  UNION ALL
                  SELECT o.order_id, $7, 'dispatched', first.name, i.attempt_id,
                         'attempt 1: ' || first.agent || '.' || first.action
@@ -486,6 +501,7 @@ impl Writes<'_> {
         .bind(&parks)
         .bind(&groups)
         .bind(crate::admission::SHARDS)
+        .bind(&submitters)
         .fetch_all(self.pool())
         .await?;
         rows.iter()
@@ -500,11 +516,13 @@ impl Writes<'_> {
 
     /// Stores the submissions at `distinct` in one transaction: each order,
     /// its process record and its steps as they are before intake (pending,
-    /// nothing started), then the state machine's intake through the write
-    /// kernel. For a workflow whose first step waits (for an event or a
-    /// time), which the machine parks (or ends at once with an event already
-    /// in its mailbox), and for an order whose first request cannot be built
-    /// (the machine refuses it, and the order is undone with an alert).
+    /// nothing started, not before its `start_at`), then the state
+    /// machine's intake through the write kernel. For a workflow whose first
+    /// step waits (for an event or a time), which the machine parks (or ends
+    /// at once with an event already in its mailbox), for an order its
+    /// tenant's quota holds back (the machine leaves it for a claim then),
+    /// and for an order whose first request cannot be built (the machine
+    /// refuses it, and the order is undone with an alert).
     /// Slower than the single statement, and only for those. Returns what
     /// each stored order publishes; orders already stored are left out.
     ///
@@ -521,10 +539,12 @@ impl Writes<'_> {
             let submission = &batch.submissions[index];
             let order_id = submission.order.order_id.as_str();
             let inserted = sqlx::query(
-                "INSERT INTO orders (order_id, body) VALUES ($1, $2) ON CONFLICT (order_id) DO NOTHING",
+                "INSERT INTO orders (order_id, body, submitted_by) VALUES ($1, $2, $3)
+                 ON CONFLICT (order_id) DO NOTHING",
             )
             .bind(order_id)
             .bind(&batch.bodies[index])
+            .bind(submission.submitted_by.as_deref())
             .execute(&mut *tx)
             .await?
             .rows_affected()
@@ -534,8 +554,8 @@ impl Writes<'_> {
             }
             sqlx::query(
                 "INSERT INTO order_process (order_id, workflow, workflow_version, state, reply_to,
-                                            trace_id, priority, reply_correlation_id)
-                 VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7)",
+                                            trace_id, priority, reply_correlation_id, not_before)
+                 VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, COALESCE($8, now()))",
             )
             .bind(order_id)
             .bind(batch.plan.name)
@@ -544,6 +564,7 @@ impl Writes<'_> {
             .bind(&submission.trace_id)
             .bind(i16::from(submission.order.priority()))
             .bind(submission.correlation_id.as_deref())
+            .bind(submission.start_at)
             .execute(&mut *tx)
             .await?;
             for (position, step) in (0..).zip(batch.steps) {

@@ -88,13 +88,15 @@ impl Writes<'_> {
             let steps = serde_json::to_value(plan.steps)
                 .map_err(|e| StoreError::Invariant(format!("a plan as JSON: {e}")))?;
             let stored: serde_json::Value = sqlx::query_scalar(
-                "INSERT INTO workflow_plans (name, version, steps) VALUES ($1, $2, $3)
-                 ON CONFLICT (name, version) DO UPDATE SET name = EXCLUDED.name
+                "INSERT INTO workflow_plans (name, version, steps, attributes_schema)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (name, version) DO UPDATE SET attributes_schema = EXCLUDED.attributes_schema
                  RETURNING steps",
             )
             .bind(plan.name)
             .bind(plan.version)
             .bind(&steps)
+            .bind(plan.attributes_schema)
             .fetch_one(self.pool())
             .await?;
             if stored != steps {

@@ -82,17 +82,31 @@ async fn urgent_heads(
         .iter()
         .map(|(order_id, _)| order_id.as_str())
         .collect();
-    Ok(sqlx::query_scalar(
-        "SELECT order_id FROM order_process
-          WHERE order_id = ANY($1) AND waiting_for = $2
-          ORDER BY admit_key
-            FOR UPDATE SKIP LOCKED",
-    )
+    Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+        "WITH heads AS (
+             SELECT order_id, admit_key, turn FROM order_process
+              WHERE order_id = ANY($1) AND waiting_for = $2
+              ORDER BY admit_key
+                FOR UPDATE SKIP LOCKED),
+         {MOVE_HEAD}
+         SELECT order_id FROM heads ORDER BY admit_key"
+    )))
     .bind(&passing)
     .bind(&line.agent)
     .fetch_all(&mut **tx)
     .await?)
 }
+
+/// A CTE, after `heads` (the orders a claim takes from agent `$2`'s line:
+/// `order_id`, `admit_key`, `turn`), that moves the line's head
+/// (`admission.line_head`) to the last of them that took a turn: where the
+/// next order of a flow with none in line is placed (migration 0027,
+/// tenants taking turns). Lines without tenants take no turns, and it
+/// writes nothing.
+const MOVE_HEAD: &str = "moved AS (
+             UPDATE admission a SET line_head = h.head
+               FROM (SELECT max(admit_key) AS head FROM heads WHERE turn IS NOT NULL) h
+              WHERE a.agent = $2 AND h.head > a.line_head)";
 
 /// What became of an agent's reply.
 #[derive(Debug, Clone, PartialEq)]
@@ -181,15 +195,18 @@ impl Writes<'_> {
             }
             let heads = if line.in_flight < line.admit_limit {
                 let room = i64::from(line.admit_limit - line.in_flight);
-                sqlx::query_scalar(
-                    "SELECT order_id FROM order_process
-                      WHERE waiting_for = $1 AND not_before <= now()
-                      ORDER BY admit_key
-                      LIMIT $2
-                        FOR UPDATE SKIP LOCKED",
-                )
-                .bind(&line.agent)
+                sqlx::query_scalar(AssertSqlSafe(format!(
+                    "WITH heads AS (
+                         SELECT order_id, admit_key, turn FROM order_process
+                          WHERE waiting_for = $2 AND not_before <= now()
+                          ORDER BY admit_key
+                          LIMIT $1
+                            FOR UPDATE SKIP LOCKED),
+                     {MOVE_HEAD}
+                     SELECT order_id FROM heads ORDER BY admit_key"
+                )))
                 .bind(room.min(left))
+                .bind(&line.agent)
                 .fetch_all(&mut *tx)
                 .await?
             } else {

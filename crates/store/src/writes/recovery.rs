@@ -121,7 +121,8 @@ impl Writes<'_> {
     }
 
     /// Records a message some queue dead-lettered, so operators can find it
-    /// with the order it belongs to.
+    /// with the order it belongs to, and who published it (`publisher`:
+    /// the broker user one of our services vouched for, when it did).
     ///
     /// # Errors
     /// When the database fails.
@@ -130,12 +131,12 @@ impl Writes<'_> {
         source_queue: Option<&str>,
         reason: &str,
         order_id: Option<&str>,
-        message_id: Option<&str>,
+        (message_id, publisher): (Option<&str>, Option<&str>),
         body: &[u8],
     ) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO dead_letters (source_queue, reason, order_id, message_id, body)
-             VALUES ($1, $2, $3, $4, $5)",
+            "INSERT INTO dead_letters (source_queue, reason, order_id, message_id, body, publisher)
+             VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .bind(source_queue)
         .bind(reason)
@@ -144,6 +145,7 @@ impl Writes<'_> {
         // Postgres text cannot hold NUL; the operator's copy in the
         // dead-letter queue keeps the exact bytes.
         .bind(storable_text(&String::from_utf8_lossy(body)))
+        .bind(publisher)
         .execute(self.pool())
         .await?;
         Ok(())

@@ -43,16 +43,21 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
             correlation_key,
             ..
         } => {
-            if let Some(found) = draft.snapshot.mailbox.iter().find(|e| &e.name == event) {
+            if let Some(found) = usable_event(draft, &park) {
                 let (data, id) = (found.data.clone(), found.event_id.clone());
-                let detail = format!("event {event} ({id}) was in the mailbox");
+                let detail = format!("event {event} ({id}){} was in the mailbox", from(found));
                 return end_wait(draft, index, data, Some(id), &detail);
             }
             let timeout = chrono::Duration::milliseconds(i64::from(draft.steps[index].timeout_ms));
             let until = crate::machine::to_micros(now + timeout);
             let mut detail = format!("waiting for event {event} until {until}");
             if let Some(pointer) = correlation_key {
-                match read_key(draft, pointer) {
+                // Qualified by the order's tenant, as the events of its
+                // senders are: a key reaches only its own tenant's orders.
+                let tenant = draft.snapshot.order_id.tenant();
+                match read_key(draft, pointer)
+                    .map(|key| sas_messages::ids::qualified_key(&key, tenant))
+                {
                     Some(key) => {
                         detail.push_str(&format!(", or for key {key}"));
                         draft.wait_key = Some(WaitKey {
@@ -160,15 +165,48 @@ pub(super) fn event_arrived(draft: &mut Draft<'_>) {
     let Some(index) = parked_step(draft) else {
         return draft.unchanged("the order waits for no event now; the event stays in its mailbox");
     };
-    let Some(Park::Event { event, .. }) = draft.steps[index].park.clone() else {
+    let Some(park) = draft.steps[index].park.clone() else {
+        return draft.unchanged("the order waits for no event now; the event stays in its mailbox");
+    };
+    let Park::Event { event, .. } = &park else {
         return draft.unchanged("the order waits for a time, not an event");
     };
-    let Some(found) = draft.snapshot.mailbox.iter().find(|e| e.name == event) else {
-        return draft.unchanged("the order waits for another event; this one stays in its mailbox");
+    let event = event.clone();
+    let Some(found) = usable_event(draft, &park) else {
+        return draft.unchanged("the order waits for another event (or one from an allowed sender); this one stays in its mailbox");
     };
     let (data, id) = (found.data.clone(), found.event_id.clone());
-    let detail = format!("event {event} ({id})");
+    let detail = format!("event {event} ({id}){}", from(found));
     end_wait(draft, index, data, Some(id), &detail);
+}
+
+/// The first event in the mailbox that wait `park` waits for and accepts
+/// from its sender (an event from a sender the wait does not accept stays
+/// unused: the scheduler refuses such events as they come, and this holds
+/// for one kept before the order existed).
+fn usable_event<'d>(
+    draft: &'d Draft<'_>,
+    park: &Park,
+) -> Option<&'d crate::machine::park::MailboxEvent> {
+    let Park::Event { event, .. } = park else {
+        return None;
+    };
+    let tenant = draft.snapshot.order_id.tenant();
+    draft
+        .snapshot
+        .mailbox
+        .iter()
+        .find(|e| &e.name == event && park.accepts(&e.principals, tenant))
+}
+
+/// `" from <sender>"` for a mailbox event whose sender is known: the
+/// history names who ended each wait.
+fn from(event: &crate::machine::park::MailboxEvent) -> String {
+    event
+        .sender
+        .as_ref()
+        .map(|sender| format!(" from {sender}"))
+        .unwrap_or_default()
 }
 
 /// Ends every wait in progress (an operator cancelled the order): the step

@@ -7,12 +7,30 @@ use super::Draft;
 use crate::machine::HistoryEvent;
 use crate::model::ProcessState;
 
-/// Intake: the order is held by the intake scheduler and its first step starts.
+/// Intake: the order is held by the intake scheduler and its first step
+/// starts; or, stored not before a later time (its tenant's quota holds it
+/// back), it is received and left pending for a claim at that time.
 pub(super) fn submitted(draft: &mut Draft<'_>) {
     if draft.process.state != ProcessState::Pending || draft.steps.iter().any(|s| s.attempt > 0) {
         return draft.unchanged("the order was already taken in");
     }
-    draft.log(HistoryEvent::Received, None, None, None);
+    let by = draft
+        .snapshot
+        .submitted_by
+        .as_ref()
+        .map(|who| format!("submitted by {who}"));
+    let held_until = draft.process.not_before;
+    if held_until > draft.ctx.now {
+        let until = held_until.format("%Y-%m-%dT%H:%M:%S%.3fZ");
+        let detail = match by {
+            Some(by) => format!("{by}; over its tenant's quota: starts at {until}"),
+            None => format!("over its tenant's quota: starts at {until}"),
+        };
+        draft.log(HistoryEvent::Received, None, None, Some(detail));
+        draft.notify(StatusEvent::Received, None, None);
+        return;
+    }
+    draft.log(HistoryEvent::Received, None, None, by);
     draft.notify(StatusEvent::Received, None, None);
     draft.process.state = ProcessState::Processing;
     draft.advance();

@@ -1,0 +1,103 @@
+//! The workflows the schedulers registered, as the gateway checks a
+//! submission against them: an unknown workflow, or attributes against the
+//! newest version's JSON Schema, is refused at once (400, naming the
+//! reason as intake would), instead of 202 and a refusal only `GET` shows.
+//!
+//! Read from the store (`workflow_plans`, which every scheduler fills at
+//! start), kept for [`FRESH_FOR`], and read again for a name not known
+//! yet (a workflow added since), at most once per [`UNKNOWN_RETRY`]. A store that cannot be read refuses
+//! nothing: intake still checks, and `GET` answers its refusal.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use sas_messages::SubmitOrder;
+use sas_store::reads::workflows::WorkflowSchema;
+use sas_store::Store;
+use tokio::sync::Mutex;
+
+/// How long the registered workflows are taken as they were read.
+pub const FRESH_FOR: Duration = Duration::from_secs(10);
+
+/// One workflow, ready to check attributes against.
+struct Known {
+    version: i32,
+    schema: Option<jsonschema::Validator>,
+}
+
+/// The least time between two reads for a name not known: a client that
+/// sends made-up names makes at most one read a second.
+pub const UNKNOWN_RETRY: Duration = Duration::from_secs(1);
+
+/// The registered workflows, read lazily.
+#[derive(Default)]
+pub struct Workflows {
+    cache: Mutex<Option<(Instant, BTreeMap<String, Known>)>>,
+}
+
+impl Workflows {
+    /// Why intake would refuse `order` for its workflow, if it would: a
+    /// workflow no scheduler registered, or attributes that do not match
+    /// its newest version's schema (the path of the first error). `None`
+    /// also when the store cannot be read (intake checks anyway).
+    pub async fn refusal(&self, store: &Store, order: &SubmitOrder) -> Option<String> {
+        let name = order.workflow();
+        let mut cache = self.cache.lock().await;
+        let stale = cache.as_ref().is_none_or(|(read, known)| {
+            read.elapsed() > FRESH_FOR
+                || (!known.contains_key(name) && read.elapsed() > UNKNOWN_RETRY)
+        });
+        if stale {
+            match store.reads().workflow_schemas().await {
+                Ok(rows) => *cache = Some((Instant::now(), compile(rows))),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot read the registered workflows; intake will check this order");
+                    return None;
+                }
+            }
+        }
+        let (_, known) = cache.as_ref()?;
+        if known.is_empty() {
+            // No scheduler has registered yet: intake decides.
+            return None;
+        }
+        let Some(workflow) = known.get(name) else {
+            let names: Vec<&str> = known.keys().map(String::as_str).collect();
+            return Some(format!(
+                "unknown workflow {name:?}: this deployment runs {}",
+                names.join(", ")
+            ));
+        };
+        let schema = workflow.schema.as_ref()?;
+        let attributes = serde_json::Value::Object(order.attributes.clone().unwrap_or_default());
+        let error = schema.validate(&attributes).err()?;
+        let path = match error.instance_path().to_string() {
+            path if path.is_empty() => "/".to_owned(),
+            path => path,
+        };
+        Some(format!(
+            "attributes do not match workflow {name:?} (version {}) at {path}: {error}",
+            workflow.version
+        ))
+    }
+}
+
+/// The rows as checkers; a schema that does not compile checks nothing
+/// (the scheduler that registered it refused to start with it).
+fn compile(rows: Vec<WorkflowSchema>) -> BTreeMap<String, Known> {
+    rows.into_iter()
+        .map(|row| {
+            let schema = row
+                .attributes_schema
+                .as_ref()
+                .and_then(|schema| jsonschema::validator_for(schema).ok());
+            (
+                row.name,
+                Known {
+                    version: row.version,
+                    schema,
+                },
+            )
+        })
+        .collect()
+}
