@@ -109,6 +109,21 @@ EOF
 
 # --- Helpers ------------------------------------------------------------------------
 container() { compose ps -a -q "$1"; }
+# freeze SERVICE: docker pause, tried again when the kernel's freezer gives
+# up (runc's "unable to freeze", seen in CI: a process in uninterruptible
+# I/O, a primary just promoted and flushing, does not stop in runc's time;
+# runc thaws the container again). The fault starts when the freeze holds.
+freeze() {
+  local id attempt
+  id=$(container "$1")
+  for attempt in 1 2 3 4 5; do
+    docker pause "$id" >/dev/null && return 0
+    say "$1: docker pause failed (attempt $attempt of 5); trying again in 1 s"
+    [ "$(docker inspect -f '{{.State.Paused}}' "$id")" = true ] && return 0
+    sleep 1
+  done
+  fail "$1 could not be frozen (docker pause failed 5 times)"
+}
 healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$(container "$1")" 2>/dev/null)" = healthy ]; }
 # sql QUERY: through an HAProxy (`postgres`, or `postgres-2` while it is
 # down), to whichever node is primary.
@@ -455,8 +470,8 @@ for pause in ${HA_TEST_PG_PAUSES:-30 36 45}; do
   steady
   frozen=$(primary) || fail "no primary"
   say "f. the Postgres primary $frozen frozen for $pause s (docker pause)"
+  freeze "$frozen"
   t=$(now)
-  docker pause "$(container "$frozen")" >/dev/null
   fault "the Postgres primary frozen $pause s (past the leader TTL), then resumed" "$t"
   # Load shaping: the freeze lasts $pause s, whenever the failover ended.
   until_epoch "$(awk -v t="$t" -v p="$pause" 'BEGIN { printf "%.3f", t + p }')"
@@ -471,8 +486,8 @@ steady
 # gone and the queues it led elect new leaders; resumed, it follows them.
 frozen_rabbit=rabbitmq-2
 say "g. RabbitMQ node $frozen_rabbit frozen for 30 s (docker pause)"
+freeze "$frozen_rabbit"
 t=$(now)
-docker pause "$(container "$frozen_rabbit")" >/dev/null
 fault "a RabbitMQ node frozen 30 s (past net_ticktime), then resumed" "$t"
 until_epoch "$(awk -v t="$t" 'BEGIN { printf "%.3f", t + 30 }')"
 docker unpause "$(container "$frozen_rabbit")" >/dev/null
@@ -529,7 +544,7 @@ both=$(primary) || fail "no primary"
 say "i. the Postgres primary $both cut off from etcd and frozen for 30 s, resumed still cut off"
 t=$(now)
 docker network disconnect "$dcs" "$(container "$both")"
-docker pause "$(container "$both")" >/dev/null
+freeze "$both"
 fault "the Postgres primary cut off from etcd and frozen 30 s, resumed still cut off" "$t"
 until_epoch "$(awk -v t="$t" 'BEGIN { printf "%.3f", t + 30 }')"
 docker unpause "$(container "$both")" >/dev/null
