@@ -118,7 +118,7 @@ freeze() {
   id=$(container "$1")
   for attempt in 1 2 3 4 5; do
     docker pause "$id" >/dev/null && return 0
-    say "$1: docker pause failed (attempt $attempt of 5); trying again in 1 s"
+    say "$1: docker pause failed (attempt $attempt of 5)"
     [ "$(docker inspect -f '{{.State.Paused}}' "$id")" = true ] && return 0
     sleep 1
   done
