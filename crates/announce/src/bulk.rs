@@ -1,4 +1,5 @@
-//! A bulk action on the orders a filter selects (resubmit or cancel each):
+//! A bulk action on the orders a filter selects (resubmit, resume or
+//! cancel each):
 //! the other use case the console and `sasctl` both offer, written once.
 //!
 //! The operator first sees how many orders match (the preview); the action
@@ -9,7 +10,7 @@
 use futures_util::StreamExt as _;
 use sas_broker::Publisher;
 use sas_store::reads::search::OrderFilter;
-use sas_store::writes::operator::{Cancel, OrderAction, Resubmit};
+use sas_store::writes::operator::{Cancel, OrderAction, Resubmit, Resume};
 use sas_store::{Store, StoreError};
 use serde::Serialize;
 
@@ -29,7 +30,8 @@ pub struct Bulk<'a> {
     pub confirmed: i64,
     /// The most orders one action goes through (the oldest first).
     pub limit: i64,
-    /// Why (a cancellation's reason, recorded in each order's history).
+    /// Why (a cancellation's or resume's reason, recorded in each order's
+    /// history).
     pub reason: &'a str,
     /// Who, as recorded in each order's history (`console:<user>`, `sasctl:<user>`).
     pub actor: &'a str,
@@ -155,6 +157,12 @@ async fn apply(
             Resubmit::Resubmitted { .. } => Applied::Done,
             Resubmit::NotFound => Applied::Skipped("gone".to_owned()),
             Resubmit::NotFailed(state) => Applied::Skipped(format!("now {state}")),
+        },
+        OrderAction::Resume => match writes.resume(order_id, bulk.reason, bulk.actor).await? {
+            Resume::Resumed { .. } => Applied::Done,
+            Resume::NotFound => Applied::Skipped("gone".to_owned()),
+            Resume::NotStopped(state) => Applied::Skipped(format!("now {state}")),
+            Resume::NotResumable(why) => Applied::Skipped(why),
         },
         OrderAction::Cancel => match writes.cancel(order_id, bulk.reason, bulk.actor).await? {
             Cancel::Cancelled(progress) => match announcer.announce(publisher, &progress).await {

@@ -20,7 +20,7 @@ use sas_store::reads::dead_letters::NotReplayable;
 use sas_store::reads::search::OrderFilter;
 use sas_store::writes::dead_letters::Disposition;
 use sas_store::writes::moves::{MoveError, MoveReport, MoveRequest};
-use sas_store::writes::operator::{Cancel, Resubmit};
+use sas_store::writes::operator::{Cancel, Resubmit, Resume};
 use sas_store::{ProcessState, Progress, StepState};
 use serde::Serialize;
 
@@ -305,6 +305,53 @@ impl Console {
         }
     }
 
+    /// Resumes one order stopped in error from its failed step, once its
+    /// cause is fixed; `reason` (what was fixed) goes into the history.
+    ///
+    /// # Errors
+    /// 400 without a reason, 404 for no such order, 409 when it is not
+    /// stopped in error or its compensation began (with why), 503 when the
+    /// store fails.
+    pub async fn resume(
+        &self,
+        order_id: &str,
+        reason: &str,
+        who: &Principal,
+    ) -> Result<Done, Failure> {
+        let reason: String = reason.trim().chars().take(500).collect();
+        if reason.is_empty() {
+            return Err(Failure::bad_request(
+                "a resume needs a reason: say what was fixed (it is recorded in the order's history)",
+            ));
+        }
+        let outcome = self
+            .store
+            .writes()
+            .resume(order_id, &reason, &who.actor())
+            .await?;
+        metrics::counter!("sas_console_actions_total", "action" => "resume").increment(1);
+        match outcome {
+            Resume::Resumed { from, key_kept } => {
+                tracing::info!(order_id, user = %who.name, step = %from, key_kept, "order resumed");
+                let key = if key_kept {
+                    "its key kept (an earlier attempt's outcome is unknown)"
+                } else {
+                    "a fresh key"
+                };
+                Ok(Done {
+                    message: format!("order {order_id} resumed from step {from}, with {key}"),
+                })
+            }
+            Resume::NotFound => Err(Failure::not_found(format!("order {order_id}"))),
+            Resume::NotStopped(state) => Err(Failure::conflict(format!(
+                "order {order_id} is {state}: only orders stopped in error can be resumed"
+            ))),
+            Resume::NotResumable(why) => Err(Failure::conflict(format!(
+                "order {order_id} cannot be resumed: {why}"
+            ))),
+        }
+    }
+
     /// Cancels one order: what it did is undone, by compensating now.
     ///
     /// # Errors
@@ -336,7 +383,7 @@ impl Console {
             }
             Cancel::NotFound => Err(Failure::not_found(format!("order {order_id}"))),
             Cancel::NotRunning(state) => Err(Failure::conflict(format!(
-                "order {order_id} is {state}: only pending or processing orders can be cancelled"
+                "order {order_id} is {state}: only pending or processing orders, or orders stopped in error before any undo began, can be cancelled"
             ))),
         }
     }
@@ -538,14 +585,17 @@ impl Console {
     /// Applies `action` to every order `filter` selects among those it
     /// applies to (at most `console.bulk_limit`, oldest first), once the
     /// operator confirmed the previewed count (see [`sas_announce::bulk`]).
+    /// `reason` goes into each order's history (a resume needs one).
     ///
     /// # Errors
-    /// 409 when more orders match than were confirmed, 503 when the store fails.
+    /// 400 for a resume without a reason, 409 when more orders match than
+    /// were confirmed, 503 when the store fails.
     pub async fn bulk(
         &self,
         action: OrderAction,
         filter: &OrderFilter,
         confirmed: i64,
+        reason: &str,
         who: &Principal,
     ) -> Result<BulkOutcome, Failure> {
         let query = filter
@@ -554,7 +604,18 @@ impl Console {
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join("&");
-        let reason = format!("bulk cancel by {} (filter: {query})", who.name);
+        let given: String = reason.trim().chars().take(500).collect();
+        let reason = match action {
+            OrderAction::Resume if given.is_empty() => {
+                return Err(Failure::bad_request(
+                    "a bulk resume needs a reason: say what was fixed (it is recorded in each order's history)",
+                ))
+            }
+            _ if given.is_empty() => {
+                format!("bulk {} by {} (filter: {query})", action.as_str(), who.name)
+            }
+            _ => format!("{given} (bulk {} by {}, filter: {query})", action.as_str(), who.name),
+        };
         let publisher = self.session.publisher().get().ok();
         let bulk = Bulk {
             action,

@@ -29,6 +29,7 @@ pub fn routes() -> Router<Arc<Console>> {
         .route("/api/orders", get(orders))
         .route("/api/orders/{id}", get(order))
         .route("/api/orders/{id}/resubmit", post(resubmit))
+        .route("/api/orders/{id}/resume", post(resume))
         .route("/api/orders/{id}/cancel", post(cancel))
         .route("/api/orders/{id}/signal", post(signal))
         .route("/api/bulk/{action}/preview", get(preview))
@@ -124,6 +125,27 @@ async fn resubmit(
     Ok(Json(console.resubmit(&order_id, &who).await?))
 }
 
+/// Body of a resume.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResumeBody {
+    /// What was fixed, recorded in the history (required).
+    #[serde(default)]
+    reason: String,
+}
+
+async fn resume(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Done> {
+    let request: ResumeBody = body(&bytes)?;
+    Ok(Json(
+        console.resume(&order_id, &request.reason, &who).await?,
+    ))
+}
+
 /// Body of a cancellation.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -183,11 +205,14 @@ async fn preview(
     Ok(Json(console.preview(action, &filter).await?))
 }
 
-/// Body of a bulk action: the count its preview returned.
+/// Body of a bulk action: the count its preview returned, and why (what
+/// was fixed, for a resume: required).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BulkBody {
     confirmed: Option<i64>,
+    #[serde(default)]
+    reason: String,
 }
 
 async fn bulk(
@@ -207,7 +232,11 @@ async fn bulk(
             action.as_str()
         ))
     })?;
-    Ok(Json(console.bulk(action, &filter, confirmed, &who).await?))
+    Ok(Json(
+        console
+            .bulk(action, &filter, confirmed, &request.reason, &who)
+            .await?,
+    ))
 }
 
 async fn workflows(

@@ -202,6 +202,47 @@ pub async fn resubmit(store: &Store, order_id: &str, actor: &str) -> anyhow::Res
     }
 }
 
+/// `sasctl resume`: exit 1 when the order does not exist, is not stopped
+/// in error, or its steps do not allow it (with why).
+///
+/// # Errors
+/// When the database cannot be reached, or the reason is empty.
+pub async fn resume(
+    store: &Store,
+    order_id: &str,
+    reason: &str,
+    actor: &str,
+) -> anyhow::Result<ExitCode> {
+    use sas_store::writes::operator::Resume;
+    anyhow::ensure!(
+        !reason.trim().is_empty(),
+        "--reason is empty: say what was fixed (it is recorded in the order's history)"
+    );
+    match store.writes().resume(order_id, reason, actor).await? {
+        Resume::Resumed { from, key_kept } => {
+            let key = if key_kept {
+                "its key kept (an earlier attempt's outcome is unknown)"
+            } else {
+                "a fresh key"
+            };
+            println!("order {order_id} resumed from step {from}, with {key}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Resume::NotFound => {
+            eprintln!("no order {order_id}");
+            Ok(ExitCode::FAILURE)
+        }
+        Resume::NotStopped(state) => {
+            eprintln!("order {order_id} is {state}: only orders stopped in error can be resumed");
+            Ok(ExitCode::FAILURE)
+        }
+        Resume::NotResumable(why) => {
+            eprintln!("order {order_id} cannot be resumed: {why}");
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
 /// `sasctl cancel`: exit 1 when the order does not exist or is not running.
 /// The client's `compensating` status is sent when the broker is reachable;
 /// the cancellation itself is committed either way.
@@ -232,7 +273,7 @@ pub async fn cancel(
         }
         sas_store::writes::operator::Cancel::NotRunning(state) => {
             eprintln!(
-                "order {order_id} is {state}: only pending or processing orders can be cancelled"
+                "order {order_id} is {state}: only pending or processing orders, or orders stopped in error before any undo began, can be cancelled"
             );
             Ok(ExitCode::FAILURE)
         }

@@ -220,7 +220,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Resubmit or cancel every order a filter selects: prints the count;
+    /// Resubmit, resume or cancel every order a filter selects: prints the count;
     /// with `--confirm COUNT`, acts.
     Bulk(operate::BulkArgs),
     /// Orders by state, the last hour's milestones, open alerts, dead letters.
@@ -232,8 +232,21 @@ pub enum Command {
         /// Order id.
         order_id: String,
     },
-    /// Cancel a pending or processing order: what was done is undone
-    /// (compensation), after any step in flight has passed its deadline.
+    /// Start an order stopped in `error` again from the step that failed,
+    /// once the cause is fixed: completed steps are not called again; the
+    /// failed step keeps its idempotency key when an earlier attempt's
+    /// outcome is unknown, and gets a fresh one when its remote refused.
+    /// Refused once the order's compensation began (use resubmit).
+    Resume {
+        /// Order id.
+        order_id: String,
+        /// What was fixed, recorded in the order's history.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Cancel a pending or processing order, or one stopped in `error`
+    /// before any undo began: what was done is undone (compensation), after
+    /// any step in flight has passed its deadline.
     Cancel {
         /// Order id.
         order_id: String,
@@ -363,6 +376,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             use clap::CommandFactory as _;
             clap_complete::generate(shell, &mut Cli::command(), "sasctl", &mut std::io::stdout());
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Resume { order_id, reason } => {
+            inspect::resume(
+                &cli.target.store()?,
+                &order_id,
+                &reason,
+                &cli.target.actor()?,
+            )
+            .await
         }
         Command::Cancel { order_id, reason } => {
             inspect::cancel(&cli.target, &order_id, &reason).await

@@ -86,6 +86,9 @@ impl FilterArgs {
 pub enum BulkAction {
     /// Orders that ended error or compensated go back into the workflow.
     Resubmit,
+    /// Orders stopped in error start again from their failed step (needs
+    /// --reason).
+    Resume,
     /// Pending or processing orders are undone (compensation now).
     Cancel,
 }
@@ -100,6 +103,7 @@ impl From<BulkAction> for sas_store::writes::operator::OrderAction {
     fn from(action: BulkAction) -> Self {
         match action {
             BulkAction::Resubmit => Self::Resubmit,
+            BulkAction::Resume => Self::Resume,
             BulkAction::Cancel => Self::Cancel,
         }
     }
@@ -119,9 +123,10 @@ pub struct BulkArgs {
     /// nothing is done.
     #[arg(long)]
     pub confirm: Option<i64>,
-    /// Why (cancel), recorded in each order's history.
-    #[arg(long, default_value = "cancelled in bulk by an operator")]
-    pub reason: String,
+    /// Why, recorded in each order's history: what was fixed (resume,
+    /// required), or why (cancel).
+    #[arg(long)]
+    pub reason: Option<String>,
 }
 
 /// Prints `value` as pretty JSON on stdout (`-o json`).
@@ -156,16 +161,24 @@ pub async fn bulk(target: &Target, args: BulkArgs, output: Output) -> anyhow::Re
         }
         return Ok(ExitCode::SUCCESS);
     };
+    let reason = match (args.action, args.reason.clone()) {
+        (_, Some(reason)) if !reason.trim().is_empty() => reason,
+        (BulkAction::Resume, _) => anyhow::bail!(
+            "resume needs --reason: say what was fixed (it is recorded in each order's history)"
+        ),
+        (BulkAction::Cancel, _) => "cancelled in bulk by an operator".to_owned(),
+        (BulkAction::Resubmit, _) => String::new(),
+    };
     let announce = match args.action {
         BulkAction::Cancel => Some(Announce::open(target).await),
-        BulkAction::Resubmit => None,
+        BulkAction::Resubmit | BulkAction::Resume => None,
     };
     let bulk = Bulk {
         action: args.action.into(),
         filter: &filter,
         confirmed,
         limit: confirmed,
-        reason: &args.reason,
+        reason: &reason,
         actor: &actor,
     };
     let announcer = Announcer::new(&target.amqp());

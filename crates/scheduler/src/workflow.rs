@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use sas_store::machine::park::{OnTimeout, Park};
-use sas_store::{CallTemplate, NewStep, StepCalls};
+use sas_store::{CallTemplate, NewStep, OnFailure, StepCalls};
 use serde::Deserialize;
 
 /// The built-in order workflow: reserve stock, charge payment, create shipment.
@@ -102,6 +102,11 @@ pub struct StepDefinition {
     /// of them completed.
     #[serde(default)]
     pub group: Option<String>,
+    /// What a `call` step's failure for good does to its order:
+    /// `compensate` (the default) or `stop` (the order ends in `error`,
+    /// nothing undone, for an operator to resume from this step).
+    #[serde(default)]
+    pub on_failure: Option<OnFailure>,
 }
 
 /// What a step does.
@@ -197,6 +202,9 @@ impl StepDefinition {
         if self.compensation.is_none() && self.compensation_request.is_some() {
             return Err("compensation_request needs a compensation".into());
         }
+        if self.on_failure == Some(OnFailure::Stop) && self.group.is_some() {
+            return Err("on_failure = \"stop\" is for a step that runs alone: a group's members are undone together when one fails".into());
+        }
         for (field, template, own) in [
             ("request", &self.request, false),
             ("compensation_request", &self.compensation_request, true),
@@ -216,8 +224,9 @@ impl StepDefinition {
             || self.compensation.is_some()
             || self.request.is_some()
             || self.compensation_request.is_some()
+            || self.on_failure.is_some()
         {
-            return Err("a wait or delay step calls no agent: remove agent, action, compensation and request".into());
+            return Err("a wait or delay step calls no agent: remove agent, action, compensation, request and on_failure".into());
         }
         if self.kind == StepType::Wait {
             let event = self.event.as_deref().unwrap_or_default();
@@ -377,11 +386,13 @@ impl Workflow {
                 timeout: step.timeout(),
                 park: step.park(),
                 group: step.group.clone(),
-                calls: (step.request.is_some() || step.compensation_request.is_some()).then(|| {
-                    StepCalls {
-                        action: step.request.clone(),
-                        compensation: step.compensation_request.clone(),
-                    }
+                calls: (step.request.is_some()
+                    || step.compensation_request.is_some()
+                    || step.on_failure.is_some_and(|o| !o.is_default()))
+                .then(|| StepCalls {
+                    action: step.request.clone(),
+                    compensation: step.compensation_request.clone(),
+                    on_failure: step.on_failure.unwrap_or_default(),
                 }),
             })
             .collect()

@@ -43,7 +43,7 @@ pub mod writes;
 pub use admission::Admission;
 pub use connect::{DatabaseSettings, Store};
 pub use error::StoreError;
-pub use machine::call::{CallTemplate, StepCalls};
+pub use machine::call::{CallTemplate, OnFailure, StepCalls};
 pub use model::{Dispatch, NewStep, Plan, ProcessState, Progress, StepState};
 pub use reads::Reads;
 pub use timing::DeadlineSettings;

@@ -389,7 +389,7 @@ async fn bad_filters_get_a_400_naming_the_parameter() {
     let (status, text) =
         status_and_text(console.get("/api/bulk/explode/preview", As::Operator).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert!(text.contains("resubmit or cancel"), "{text}");
+    assert!(text.contains("resubmit, resume or cancel"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

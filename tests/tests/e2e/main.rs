@@ -35,6 +35,8 @@
 //! - [`remote_contract`]: the contract between agents and real remote
 //!   services.
 //! - [`resilience`]: every failure the pattern names, injected for real.
+//! - [`resume`]: an order stopped in error by its workflow, resumed from
+//!   its failed step (or cancelled) by an operator.
 //! - [`retention`]: finished orders and old dead letters are deleted, and
 //!   everything else kept.
 //! - [`sasctl_operate`]: `sasctl` does what the console does.
@@ -67,6 +69,7 @@ mod orders_flow;
 mod overload;
 mod remote_contract;
 mod resilience;
+mod resume;
 mod retention;
 mod sasctl_operate;
 mod security;

@@ -40,7 +40,7 @@ use sas_store::machine::{
 use sas_store::writes::events::{EventOutcome, EventSender};
 use sas_store::writes::intake::{Intake, Submission};
 use sas_store::writes::moves::MoveRequest;
-use sas_store::writes::operator::{Cancel, Resubmit};
+use sas_store::writes::operator::{Cancel, Resubmit, Resume};
 use sas_store::writes::progress::ReplyOutcome;
 use sas_store::{DeadlineSettings, NewStep, Progress, StepState, Store};
 use sas_tests::TestEnv;
@@ -105,6 +105,8 @@ enum Step {
     },
     Resubmitted,
     Cancelled,
+    /// An operator resumes an order stopped in error from its failed step.
+    Resumed,
     /// An event for the order: the one its wait step waits for or another,
     /// with one of a few ids (so that some come again).
     Event {
@@ -139,6 +141,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         2 => proptest::bool::ANY.prop_map(|frees| Step::Claimed { frees }),
         1 => Just(Step::Resubmitted),
         1 => Just(Step::Cancelled),
+        1 => Just(Step::Resumed),
         1 => Just(Step::Moved),
         2 => (proptest::bool::weighted(0.8), 0u8..3).prop_map(|(awaited, id)| Step::Event { awaited, id }),
     ];
@@ -561,6 +564,10 @@ enum Returned {
     NotApplied,
     Resubmitted(String),
     Refused(String),
+    /// A resume: from which step, and whether the key was kept.
+    Resumed(String, bool),
+    /// A resume the order's steps do not allow.
+    NotResumable,
     /// How many orders a move moved.
     Moved(usize),
 }
@@ -570,6 +577,8 @@ fn expected(decision: &Decision) -> Returned {
         Verdict::Applied => Returned::Applied(decision.progress.clone()),
         Verdict::Resubmitted(what) => Returned::Resubmitted(what.to_string()),
         Verdict::Refused(state) => Returned::Refused(state.to_string()),
+        Verdict::Resumed { from, key_kept } => Returned::Resumed(from.clone(), *key_kept),
+        Verdict::NotResumable(_) => Returned::NotResumable,
         Verdict::Stale(_) | Verdict::Unchanged(_) => Returned::NotApplied,
     }
 }
@@ -767,7 +776,7 @@ async fn run_case(
             },
             Step::DeadlineMissed | Step::DeadLettered { .. } => (None, SUPERVISOR),
             Step::Claimed { .. } => (None, CLAIMER),
-            Step::Resubmitted | Step::Cancelled | Step::Moved => (None, OPERATOR),
+            Step::Resubmitted | Step::Cancelled | Step::Resumed | Step::Moved => (None, OPERATOR),
             Step::Event { .. } => (None, SIGNALER),
         };
         // The world moves on: deadlines and backoffs pass, on both sides.
@@ -824,7 +833,12 @@ async fn run_case(
         let earlier = model
             .history
             .iter()
-            .filter(|(_, line)| line.event == HistoryEvent::Resubmitted)
+            .filter(|(_, line)| {
+                matches!(
+                    line.event,
+                    HistoryEvent::Resubmitted | HistoryEvent::Resumed
+                )
+            })
             .count() as i64;
 
         // Through the store.
@@ -880,6 +894,17 @@ async fn run_case(
                 Resubmit::Resubmitted { what, .. } => Returned::Resubmitted(what.to_string()),
                 Resubmit::NotFailed(state) => Returned::Refused(state.to_string()),
                 Resubmit::NotFound => return Err("resubmit: order not found".into()),
+            },
+            (Step::Resumed, _) => match store
+                .writes()
+                .resume(&order_id, "cause fixed", OPERATOR)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                Resume::Resumed { from, key_kept } => Returned::Resumed(from, key_kept),
+                Resume::NotStopped(state) => Returned::Refused(state.to_string()),
+                Resume::NotResumable(_) => Returned::NotResumable,
+                Resume::NotFound => return Err("resume: order not found".into()),
             },
             (Step::Cancelled, _) => match store
                 .writes()
@@ -943,9 +968,12 @@ async fn run_case(
             _ => String::new(),
         };
         let verdict = match &returned {
-            Returned::Applied(_) | Returned::Resubmitted(_) | Returned::Moved(1..) => "applied",
+            Returned::Applied(_)
+            | Returned::Resubmitted(_)
+            | Returned::Resumed(..)
+            | Returned::Moved(1..) => "applied",
             Returned::NotApplied | Returned::Moved(0) => "not applied",
-            Returned::Refused(_) => "refused",
+            Returned::Refused(_) | Returned::NotResumable => "refused",
         };
         covered
             .lock()
@@ -981,6 +1009,10 @@ async fn run_case(
             (Step::Resubmitted, _) => Event::Resubmitted { earlier },
             (Step::Cancelled, _) => Event::Cancelled {
                 reason: "customer asked",
+            },
+            (Step::Resumed, _) => Event::Resumed {
+                reason: "cause fixed",
+                earlier,
             },
             (Step::Event { .. }, _) => {
                 // Kept once per id, as the store keeps it; offered again
@@ -1154,7 +1186,9 @@ fn compare(
 /// paths was reached by some 5 sequences in 200 without it); the rest of
 /// the sequence stays random.
 ///
-/// By `case % 8`: 0, an order refused at its first step, then resubmitted;
+/// By `case % 8`: 0, an order refused at its first step, then resubmitted
+/// (or, every other time, on the workflow whose steps stop on failure,
+/// resumed);
 /// 4, an order in a full agent's line, claimed with its slot freed, or not
 /// freed: left alone, or let pass where the cap is 2 (`case % 3 == 0`:
 /// cases 12, 60, 108... by construction), all on the plain workflow; 1, a wait ended by its event; 3, a
@@ -1189,6 +1223,9 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
                 },
             ]
         }
+        // Every other such case runs the workflow whose steps stop on
+        // failure (see the runner): stopped, then resumed.
+        0 if !(case / 8).is_multiple_of(2) => vec![answer(Answer::Refused), Step::Resumed],
         0 => vec![answer(Answer::Refused), Step::Resubmitted],
         1 => {
             *full = [false; 3];
@@ -1248,6 +1285,15 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
             steps
         })
         .collect();
+    // The plain workflow whose steps stop the order on failure, for an
+    // operator to resume.
+    let mut stopping = plain.clone();
+    for step in &mut stopping {
+        step.calls = Some(sas_store::StepCalls {
+            on_failure: sas_store::OnFailure::Stop,
+            ..Default::default()
+        });
+    }
     // The plain workflow with its last two steps (charge, ship) side by side.
     let mut grouped = plain.clone();
     for step in &mut grouped[1..] {
@@ -1276,6 +1322,7 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
             &env.store,
             &env.db,
             match case % 4 {
+                0 if case.is_multiple_of(8) && !(case / 8).is_multiple_of(2) => &stopping,
                 0 => &plain,
                 2 => &grouped,
                 _ => &waiting[(case / 4) % waiting.len()],
@@ -1314,6 +1361,8 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         "Resubmitted: refused",
         "Cancelled: applied",
         "Cancelled: refused",
+        "Resumed: applied",
+        "Resumed: refused",
         "an order in a line",
         "the head of a line claimed",
         "a full agent's line left alone",

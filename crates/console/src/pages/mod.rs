@@ -37,6 +37,7 @@ pub fn routes() -> Router<Arc<Console>> {
         .route("/orders", get(orders::list))
         .route("/orders/{id}", get(order::page))
         .route("/orders/{id}/resubmit", post(order::resubmit))
+        .route("/orders/{id}/resume", post(order::resume))
         .route("/orders/{id}/cancel", post(order::cancel))
         .route("/orders/{id}/signal", post(order::signal))
         .route("/bulk/{action}", get(orders::preview).post(orders::bulk))

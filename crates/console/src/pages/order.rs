@@ -1,6 +1,6 @@
 //! One order: its state, what remains to run or to undo, each step with its
 //! attempts, deadline, error and results, its run drawn as a timeline, its
-//! history, the status messages sent, and its payload; resubmit and cancel;
+//! history, the status messages sent, and its payload; resubmit, resume and cancel;
 //! what its wait step waits for, and a button that sends that event.
 
 use std::sync::Arc;
@@ -106,7 +106,15 @@ fn actions(view: &OrderView, console: &Console, who: &Principal) -> Markup {
                         button type="submit" #resubmit { "Resubmit" }
                     }
                 }
-                @if matches!(state, ProcessState::Pending | ProcessState::Processing) {
+                @if state == ProcessState::Error {
+                    form.inline method="post" action={ "/orders/" (order_id) "/resume" } {
+                        (super::csrf_field(console, who))
+                        input type="text" name="reason" required placeholder="what was fixed (recorded in the history)" size="40";
+                        " "
+                        button type="submit" #resume { "Resume from the failed step" }
+                    }
+                }
+                @if matches!(state, ProcessState::Pending | ProcessState::Processing | ProcessState::Error) {
                     form.inline method="post" action={ "/orders/" (order_id) "/cancel" } {
                         (super::csrf_field(console, who))
                         input type="text" name="reason" placeholder="why (recorded in the history)" size="40";
@@ -342,7 +350,21 @@ pub async fn resubmit(
     Ok(super::redirect_with_notice(&format!("/orders/{order_id}"), &done.message).into_response())
 }
 
-/// The cancel form.
+/// `POST /orders/{id}/resume`.
+pub async fn resume(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path(order_id): Path<String>,
+    Form(form): Form<CancelForm>,
+) -> Result<Response, PageFailure> {
+    let done = console.resume(&order_id, &form.reason, &who).await?;
+    Ok(super::redirect_with_notice(
+        &format!("/orders/{order_id}"),
+        &done.message,
+    ))
+}
+
+/// The cancel form (and the resume form: its reason).
 #[derive(Debug, Deserialize)]
 pub struct CancelForm {
     /// Why, recorded in the history.

@@ -78,6 +78,7 @@ pub async fn list(
                 p {
                     "With every order this filter selects: "
                     a #bulk-resubmit href={ "/bulk/resubmit?" (query) } { "resubmit…" } " · "
+                    a #bulk-resume href={ "/bulk/resume?" (query) } { "resume…" } " · "
                     a #bulk-cancel href={ "/bulk/cancel?" (query) } { "cancel…" }
                     span.muted { " (a preview with the count comes first)" }
                 }
@@ -152,6 +153,13 @@ pub async fn preview(
                     @for (name, value) in filter.to_pairs() { input type="hidden" name=(name) value=(value); }
                     @if action == OrderAction::Cancel {
                         p { "Cancelling undoes what each order did, by compensating now." }
+                        input type="text" name="reason" placeholder="why (recorded in each history)" size="40";
+                        " "
+                    }
+                    @if action == OrderAction::Resume {
+                        p { "Resuming starts each order stopped in error again from the step that failed; an order whose compensation began is skipped, with why." }
+                        input type="text" name="reason" required placeholder="what was fixed (recorded in each history)" size="40";
+                        " "
                     }
                     button.danger type="submit" #confirm { (action.as_str()) " " (preview.count) " orders" }
                     " " a href={ "/orders?" (filter_query(&filter)) } { "Back" }
@@ -182,9 +190,17 @@ pub async fn bulk(
                 "the confirmation lacks the previewed count (confirmed): preview again",
             )
         })?;
-    let filter =
-        OrderFilter::from_pairs(borrowed(&pairs), &["confirmed", crate::guard::CSRF_FIELD])?;
-    let outcome = console.bulk(action, &filter, confirmed, &who).await?;
+    let reason = pairs
+        .iter()
+        .find(|(name, _)| name == "reason")
+        .map_or("", |(_, value)| value.as_str());
+    let filter = OrderFilter::from_pairs(
+        borrowed(&pairs),
+        &["confirmed", "reason", crate::guard::CSRF_FIELD],
+    )?;
+    let outcome = console
+        .bulk(action, &filter, confirmed, reason, &who)
+        .await?;
     Ok(super::layout(
         "Bulk action done",
         "/orders",

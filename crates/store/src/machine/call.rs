@@ -66,6 +66,34 @@ pub struct StepCalls {
     /// How the compensation is called, if not by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compensation: Option<CallTemplate>,
+    /// What the step's failure for good does to its order: undo it
+    /// (the default), or stop it in `error` for an operator to resume.
+    #[serde(default, skip_serializing_if = "OnFailure::is_default")]
+    pub on_failure: OnFailure,
+}
+
+/// What a call step that fails for good (refused, or out of retries) does
+/// to its order. A remote that refuses because of something an operator can
+/// fix (an expired credential, a merchant account on hold) should not undo
+/// an order the customer is waiting for: `stop` leaves it in `error`,
+/// nothing undone, and `sasctl resume` (or the console) starts it again
+/// from that step once the cause is fixed, or `sasctl cancel` undoes it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// Undo the steps done, in reverse order (the pattern's default).
+    #[default]
+    Compensate,
+    /// End the order in `error` with an alert, undoing nothing.
+    Stop,
+}
+
+impl OnFailure {
+    /// True for the default (not written into a registered plan, so plans
+    /// registered before this setting existed read as the same plan).
+    pub fn is_default(&self) -> bool {
+        *self == Self::Compensate
+    }
 }
 
 impl StepCalls {

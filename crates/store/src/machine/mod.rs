@@ -146,15 +146,24 @@ impl StepRow {
 
     /// Whether compensation must undo this step: it had, or may have had, an
     /// effect (completed; in flight when the order was given up; its undo
-    /// under way; or failed after an attempt whose outcome is unknown). A
-    /// step refused without any such attempt applied nothing.
+    /// under way; or failed, or resumed by an operator, after an attempt
+    /// whose outcome is unknown). A step refused without any such attempt
+    /// applied nothing.
     pub fn needs_undo(&self) -> bool {
         self.compensation.is_some()
             && match self.state {
                 StepState::Completed | StepState::Running | StepState::Compensating => true,
-                StepState::Failed => self.maybe_applied,
-                StepState::NotStarted | StepState::Compensated => false,
+                StepState::Failed | StepState::NotStarted => self.maybe_applied,
+                StepState::Compensated => false,
             }
+    }
+
+    /// Whether its workflow says to stop the order in `error` when this step
+    /// fails for good, instead of undoing it (see [`call::OnFailure`]).
+    pub fn stops_on_failure(&self) -> bool {
+        self.calls
+            .as_ref()
+            .is_some_and(|calls| calls.on_failure == call::OnFailure::Stop)
     }
 
     /// When its current attempt was started: its deadline less its timeout.
@@ -298,6 +307,15 @@ pub enum Event<'a> {
         /// How many times it was resubmitted before: fresh keys get a new generation.
         earlier: i64,
     },
+    /// An operator resumed an order stopped in `error` from the step that
+    /// failed (refused, with the reason, where its compensation began).
+    Resumed {
+        /// The operator's reason, for the history.
+        reason: &'a str,
+        /// How many times it was resubmitted or resumed before: a fresh key
+        /// gets a new generation.
+        earlier: i64,
+    },
     /// An operator cancelled a running order: undo what was done.
     Cancelled {
         /// The operator's reason.
@@ -346,6 +364,17 @@ pub enum Verdict {
     Unchanged(String),
     /// An operator action the order's state does not allow.
     Refused(ProcessState),
+    /// An operator's resume was accepted: the order starts again at step
+    /// `from`, with its key kept (`key_kept`, its last outcome unknown) or
+    /// a fresh one (its remote refused the old one).
+    Resumed {
+        /// The step it starts again from.
+        from: String,
+        /// The step's action keeps its idempotency key.
+        key_kept: bool,
+    },
+    /// An operator's resume the order's steps do not allow, and why.
+    NotResumable(String),
 }
 
 /// A step's new row, guarded by what it was decided on.

@@ -109,6 +109,8 @@ stored_names! {
         Compensated = "compensated",
         /// An operator put the order back into the workflow.
         Resubmitted = "resubmitted",
+        /// An operator resumed an order stopped in error from its failed step.
+        Resumed = "resumed",
         /// An operator cancelled the order: what was done is undone.
         Cancelled = "cancelled",
         /// The step's agent had no free slot: the order waits in its line.
@@ -157,6 +159,9 @@ stored_names! {
         /// finds no value, a request over the message limit): nothing was
         /// sent.
         RequestNotBuilt = "request_not_built",
+        /// A step failed for good and its workflow says to stop there
+        /// (`on_failure = "stop"`): nothing was undone.
+        StepFailed = "step_failed",
         /// Orders a scheduler acknowledged are not in the database it
         /// reaches after losing its connections: the primary it reaches now
         /// does not hold commits an earlier one acknowledged (a failover

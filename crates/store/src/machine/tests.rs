@@ -162,10 +162,11 @@ fn failed(permanent: bool) -> StepOutcome {
 /// What an event did, in one word: the state it led to, or why nothing changed.
 fn outcome(decision: &Decision, before: ProcessState) -> String {
     match &decision.verdict {
-        Verdict::Applied | Verdict::Resubmitted(_) => {
+        Verdict::Applied | Verdict::Resubmitted(_) | Verdict::Resumed { .. } => {
             let after = decision.process.as_ref().map_or(before, |p| p.state);
             after.as_str().to_owned()
         }
+        Verdict::NotResumable(_) => "not resumable".into(),
         Verdict::Stale(_) => "stale".into(),
         Verdict::Unchanged(_) => "-".into(),
         Verdict::Refused(_) => "refused".into(),
@@ -177,8 +178,8 @@ fn every_state_meets_every_event() {
     use ProcessState::*;
     // Columns: submitted, claimed, reply succeeded / failed for good /
     // failed transiently / for another attempt, deadline missed, dead
-    // letter, resubmitted, cancelled.
-    let table: [(ProcessState, [&str; 10]); 6] = [
+    // letter, resubmitted, cancelled, resumed.
+    let table: [(ProcessState, [&str; 11]); 6] = [
         (
             Pending,
             [
@@ -192,6 +193,7 @@ fn every_state_meets_every_event() {
                 "compensating",
                 "refused",
                 "compensating",
+                "refused",
             ],
         ),
         (
@@ -207,6 +209,7 @@ fn every_state_meets_every_event() {
                 "compensating",
                 "refused",
                 "compensating",
+                "refused",
             ],
         ),
         (
@@ -222,18 +225,21 @@ fn every_state_meets_every_event() {
                 "error",
                 "refused",
                 "refused",
+                "refused",
             ],
         ),
         (
             Processed,
             [
                 "-", "-", "stale", "stale", "stale", "stale", "-", "-", "refused", "refused",
+                "refused",
             ],
         ),
         (
             Compensated,
             [
                 "-", "-", "stale", "stale", "stale", "stale", "-", "-", "pending", "refused",
+                "refused",
             ],
         ),
         (
@@ -249,6 +255,7 @@ fn every_state_meets_every_event() {
                 "-",
                 "compensating",
                 "refused",
+                "not resumable",
             ],
         ),
     ];
@@ -281,6 +288,10 @@ fn every_state_meets_every_event() {
             Event::Cancelled {
                 reason: "customer asked",
             },
+            Event::Resumed {
+                reason: "fixed",
+                earlier: 0,
+            },
         ];
         // Late enough for every deadline and backoff to have passed.
         let ctx = ctx(t(60));
@@ -291,7 +302,10 @@ fn every_state_meets_every_event() {
                 want,
                 "{state} + {event:?}: {decision:#?}"
             );
-            if !matches!(decision.verdict, Verdict::Applied | Verdict::Resubmitted(_)) {
+            if !matches!(
+                decision.verdict,
+                Verdict::Applied | Verdict::Resubmitted(_) | Verdict::Resumed { .. }
+            ) {
                 assert!(
                     decision.process.is_none() && decision.steps.is_empty(),
                     "{state} + {event:?} changed rows"
@@ -416,6 +430,7 @@ fn an_undo_carries_the_result_of_its_own_step_only() {
 fn refunding_by_id() -> Snapshot {
     let mut steps = workflow();
     steps[1].calls = Some(crate::machine::call::StepCalls {
+        on_failure: crate::machine::call::OnFailure::Compensate,
         action: None,
         compensation: Some(crate::machine::call::CallTemplate {
             method: Some("DELETE".into()),
@@ -481,6 +496,7 @@ fn an_undo_whose_template_finds_no_value_is_never_sent_and_the_order_ends_in_err
 fn an_action_whose_request_cannot_be_built_is_refused_unsent_and_the_order_undone() {
     let mut steps = workflow();
     steps[1].calls = Some(crate::machine::call::StepCalls {
+        on_failure: crate::machine::call::OnFailure::Compensate,
         action: Some(crate::machine::call::CallTemplate {
             method: None,
             path: Some("/accounts/${/attributes/account}/charges".into()),
@@ -1715,5 +1731,182 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
     assert!(
         waiting.contains("no correlation key at /attributes/invoice"),
         "{waiting}"
+    );
+}
+
+/// An order whose `charge_payment` says `on_failure = "stop"`, processing
+/// that step (attempt 2) after `reserve_stock` completed.
+fn charging_with_stop() -> Snapshot {
+    let mut steps = workflow();
+    steps[1].calls = Some(crate::machine::call::StepCalls {
+        on_failure: crate::machine::call::OnFailure::Stop,
+        ..Default::default()
+    });
+    let mut snapshot = Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1" }),
+        None,
+        None,
+        5,
+        &steps,
+        t(0),
+    );
+    snapshot.process.state = ProcessState::Processing;
+    step(&mut snapshot, 0, StepState::Completed, 1);
+    step(&mut snapshot, 1, StepState::Running, 2);
+    snapshot.process.locked_by = Some(SCHEDULER.into());
+    snapshot.process.complete_by = snapshot.steps[1].complete_by;
+    snapshot
+}
+
+#[test]
+fn a_step_that_says_stop_ends_its_order_in_error_undoing_nothing_and_resumes_with_a_fresh_key() {
+    let mut snapshot = charging_with_stop();
+    let refused = reply(attempt(2), failed(true));
+    let decision = decide(&snapshot, &Event::Reply(&refused), &ctx(t(3)));
+    let process = decision.process.as_ref().unwrap();
+    assert_eq!(process.state, ProcessState::Error);
+    assert!(decision.progress.dispatches.is_empty(), "nothing undone");
+    assert_eq!(decision.alert.as_ref().unwrap().kind, AlertKind::StepFailed);
+    assert!(decision
+        .alert
+        .as_ref()
+        .unwrap()
+        .message
+        .contains("sasctl resume"));
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.steps[0].state, StepState::Completed);
+    assert_eq!(snapshot.steps[1].state, StepState::Failed);
+
+    // Resumed by an operator: from the failed step, refused before, so
+    // with a key of a new generation; the completed step is untouched.
+    let mut operator = ctx(t(60));
+    operator.actor = "sasctl:ann";
+    let event = Event::Resumed {
+        reason: "merchant account reinstated",
+        earlier: 0,
+    };
+    let decision = decide(&snapshot, &event, &operator);
+    assert_eq!(
+        decision.verdict,
+        Verdict::Resumed {
+            from: "charge_payment".into(),
+            key_kept: false
+        }
+    );
+    assert!(decision.resolve_alerts);
+    assert_eq!(decision.steps.len(), 1, "only the failed step changes");
+    let line = &decision.history[0];
+    assert_eq!(line.event, HistoryEvent::Resumed);
+    let detail = line.detail.as_deref().unwrap();
+    assert!(detail.contains("sasctl:ann") && detail.contains("merchant account reinstated"));
+    snapshot.apply(&decision);
+    assert_eq!(snapshot.process.state, ProcessState::Pending);
+    assert_eq!(snapshot.steps[1].idempotency_key, "o-1:charge_payment:r1");
+    // A claim sends the failed step, not the completed one.
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(61)));
+    let sent = &claimed.progress.dispatches[0];
+    assert_eq!(
+        (sent.step.as_str(), sent.kind),
+        ("charge_payment", StepKind::Action)
+    );
+    assert_eq!(claimed.progress.dispatches.len(), 1);
+}
+
+#[test]
+fn a_step_that_says_stop_out_of_retries_resumes_with_its_key_kept_and_stays_to_undo() {
+    let mut snapshot = charging_with_stop();
+    snapshot.process.failure_count = policy().max_failures;
+    let event = Event::DeadlineMissed {
+        policy: &policy(),
+        jitter: 0.5,
+    };
+    let decision = decide(&snapshot, &event, &ctx(t(60)));
+    assert_eq!(
+        decision.process.as_ref().unwrap().state,
+        ProcessState::Error
+    );
+    assert!(decision.progress.dispatches.is_empty());
+    snapshot.apply(&decision);
+    assert!(snapshot.steps[1].maybe_applied);
+    let key = snapshot.steps[1].idempotency_key.clone();
+
+    let event = Event::Resumed {
+        reason: "the payment provider is back",
+        earlier: 0,
+    };
+    let decision = decide(&snapshot, &event, &ctx(t(90)));
+    assert_eq!(
+        decision.verdict,
+        Verdict::Resumed {
+            from: "charge_payment".into(),
+            key_kept: true
+        }
+    );
+    snapshot.apply(&decision);
+    assert_eq!(
+        snapshot.steps[1].idempotency_key, key,
+        "the same key: the remote answers it once"
+    );
+    // Cancelled before its new attempt ran: the charge that may have landed
+    // is still undone.
+    assert!(snapshot.steps[1].needs_undo());
+    let cancelled = decide(
+        &snapshot,
+        &Event::Cancelled {
+            reason: "customer gave up",
+        },
+        &ctx(t(91)),
+    );
+    assert_eq!(
+        cancelled.process.as_ref().unwrap().state,
+        ProcessState::Compensating
+    );
+}
+
+#[test]
+fn an_order_stopped_in_error_may_be_cancelled_and_one_whose_undo_began_may_not_be_resumed() {
+    let mut snapshot = charging_with_stop();
+    let refused = reply(attempt(2), failed(true));
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&refused), &ctx(t(3))));
+    let cancel = Event::Cancelled {
+        reason: "customer gave up",
+    };
+    let decision = decide(&snapshot, &cancel, &ctx(t(60)));
+    assert_eq!(
+        decision.process.as_ref().unwrap().state,
+        ProcessState::Compensating
+    );
+    assert!(decision.resolve_alerts);
+    snapshot.apply(&decision);
+    // The claim undoes the completed reservation.
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(61)));
+    let undo = &claimed.progress.dispatches[0];
+    assert_eq!(
+        (undo.step.as_str(), undo.kind),
+        ("reserve_stock", StepKind::Compensation)
+    );
+
+    // An order in error whose compensation began: resuming is refused with
+    // why, and so is cancelling again.
+    let (in_error, _) = order_in(ProcessState::Error);
+    let resumed = decide(
+        &in_error,
+        &Event::Resumed {
+            reason: "fixed",
+            earlier: 0,
+        },
+        &ctx(t(60)),
+    );
+    let Verdict::NotResumable(why) = &resumed.verdict else {
+        panic!("{:?}", resumed.verdict)
+    };
+    assert!(
+        why.contains("reserve_stock") && why.contains("resubmit"),
+        "{why}"
+    );
+    assert_eq!(
+        decide(&in_error, &cancel, &ctx(t(60))).verdict,
+        Verdict::Refused(ProcessState::Error)
     );
 }

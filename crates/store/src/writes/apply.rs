@@ -456,7 +456,7 @@ async fn apply_all(
              SELECT * FROM UNNEST($31::text[], $32::text[], $33::text[])),
          r AS (
              UPDATE alerts SET resolved_at = now(), resolved_by = $25,
-                    resolution_note = 'the order was resubmitted'
+                    resolution_note = 'an operator resubmitted, resumed or cancelled the order'
               WHERE order_id = ANY($34::text[]) AND resolved_at IS NULL),
          -- The rare paths move the agent's row; the peak counts what its
          -- shards hold too (crate::admission::SHARDS).

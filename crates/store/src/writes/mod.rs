@@ -9,7 +9,7 @@
 //! - [`intake`]: storing submitted orders with their process records, idempotently;
 //! - [`progress`]: the scheduler's transitions (claims, replies);
 //! - [`recovery`]: the supervisor's transitions (expired deadlines, dead letters);
-//! - [`operator`]: resubmission, cancellation, a dead letter's settlement;
+//! - [`operator`]: resubmission, resume, cancellation, a dead letter's settlement;
 //! - [`moves`]: moving waiting orders to another version of their workflow;
 //! - [`events`]: events for wait steps, kept in their orders' mailboxes,
 //!   and dead-lettered when their order never came;

@@ -1,5 +1,6 @@
 //! Transitions that come from outside the workflow: a message the broker
-//! dead-lettered, and an operator resubmitting or cancelling an order.
+//! dead-lettered, and an operator resubmitting, resuming or cancelling an
+//! order.
 
 use sas_messages::AttemptId;
 use serde::Serialize;
@@ -18,6 +19,9 @@ pub enum OrderAction {
     /// Put an order that ended `error` or `compensated` back into the
     /// workflow ([`Writes::resubmit`]).
     Resubmit,
+    /// Start an order stopped in `error` again from its failed step
+    /// ([`Writes::resume`]).
+    Resume,
     /// Undo what a pending or processing order did, by compensating now
     /// ([`Writes::cancel`]).
     Cancel,
@@ -28,6 +32,7 @@ impl OrderAction {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Resubmit => "resubmit",
+            Self::Resume => "resume",
             Self::Cancel => "cancel",
         }
     }
@@ -37,6 +42,7 @@ impl OrderAction {
     pub fn eligible(self) -> &'static [ProcessState] {
         match self {
             Self::Resubmit => &[ProcessState::Error, ProcessState::Compensated],
+            Self::Resume => &[ProcessState::Error],
             Self::Cancel => &[ProcessState::Pending, ProcessState::Processing],
         }
     }
@@ -44,7 +50,7 @@ impl OrderAction {
 
 /// A name that is no [`OrderAction`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown action {0:?}: expected resubmit or cancel")]
+#[error("unknown action {0:?}: expected resubmit, resume or cancel")]
 pub struct UnknownAction(pub String);
 
 impl std::str::FromStr for OrderAction {
@@ -53,6 +59,7 @@ impl std::str::FromStr for OrderAction {
     fn from_str(text: &str) -> Result<Self, UnknownAction> {
         match text {
             "resubmit" => Ok(Self::Resubmit),
+            "resume" => Ok(Self::Resume),
             "cancel" => Ok(Self::Cancel),
             other => Err(UnknownAction(other.to_owned())),
         }
@@ -77,6 +84,25 @@ pub enum Resubmit {
     NotFailed(ProcessState),
 }
 
+/// What became of an operator's resume (see [`Writes::resume`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// Back in the workflow from step `from`; a scheduler will claim it.
+    Resumed {
+        /// The step it starts again from.
+        from: String,
+        /// The step's action keeps its idempotency key (an earlier
+        /// attempt's outcome is unknown); otherwise it has a fresh one.
+        key_kept: bool,
+    },
+    /// No such order.
+    NotFound,
+    /// Only orders stopped in `error` can be resumed.
+    NotStopped(ProcessState),
+    /// The order's steps do not allow it: why, and what to do instead.
+    NotResumable(String),
+}
+
 /// What became of an operator's cancellation.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Cancel {
@@ -84,7 +110,8 @@ pub enum Cancel {
     Cancelled(Progress),
     /// No such order.
     NotFound,
-    /// Only pending or processing orders can be cancelled.
+    /// Only pending or processing orders, or orders stopped in error before
+    /// any undo began, can be cancelled.
     NotRunning(ProcessState),
 }
 
@@ -127,12 +154,7 @@ impl Writes<'_> {
     /// # Errors
     /// When the database fails.
     pub async fn resubmit(self, order_id: &str, actor: &str) -> Result<Resubmit, StoreError> {
-        let earlier: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM history WHERE order_id = $1 AND event = 'resubmitted'",
-        )
-        .bind(order_id)
-        .fetch_one(self.pool())
-        .await?;
+        let earlier = self.put_back_before(order_id).await?;
         let event = Event::Resubmitted { earlier };
         Ok(match self.transition_one(order_id, &event, actor).await? {
             None => Resubmit::NotFound,
@@ -149,6 +171,46 @@ impl Writes<'_> {
                 other => {
                     return Err(StoreError::Invariant(format!(
                         "a resubmission was decided as {other:?}"
+                    )))
+                }
+            },
+        })
+    }
+
+    /// How many times an operator put the order back before (resubmitted
+    /// or resumed): a fresh key of the next generation is one never sent.
+    async fn put_back_before(self, order_id: &str) -> Result<i64, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM history WHERE order_id = $1 AND event IN ('resubmitted', 'resumed')",
+        )
+        .bind(order_id)
+        .fetch_one(self.pool())
+        .await?)
+    }
+
+    /// Resumes an order stopped in `error` from the step that failed, once
+    /// an operator fixed the cause, and resolves its alerts (see
+    /// [`Event::Resumed`]); the history records `actor` and `reason`.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn resume(
+        self,
+        order_id: &str,
+        reason: &str,
+        actor: &str,
+    ) -> Result<Resume, StoreError> {
+        let earlier = self.put_back_before(order_id).await?;
+        let event = Event::Resumed { reason, earlier };
+        Ok(match self.transition_one(order_id, &event, actor).await? {
+            None => Resume::NotFound,
+            Some(Decided { decision, .. }) => match decision.verdict {
+                Verdict::Resumed { from, key_kept } => Resume::Resumed { from, key_kept },
+                Verdict::Refused(state) => Resume::NotStopped(state),
+                Verdict::NotResumable(why) => Resume::NotResumable(why),
+                other => {
+                    return Err(StoreError::Invariant(format!(
+                        "a resume was decided as {other:?}"
                     )))
                 }
             },

@@ -7,7 +7,8 @@ use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
 
 /// A message of the current attempt was dead-lettered: it would fail again,
-/// so the order is not retried. A forward run is compensated, by a claim
+/// so the order is not retried. A forward run is compensated (or stopped,
+/// where the step says `on_failure = "stop"`), by a claim
 /// once the step's undo may be sent ([`crate::machine::undo`]); a
 /// compensation ends in error with an alert. A dead letter of an old
 /// attempt changes nothing.
@@ -52,6 +53,9 @@ pub(super) fn dead_lettered(
     match state {
         ProcessState::Processing | ProcessState::Pending => {
             settle_action(draft, index, &why, no_call);
+            if draft.steps[index].stops_on_failure() {
+                return draft.stop_at(index, Some(attempt_id), &why);
+            }
             draft.process.state = ProcessState::Compensating;
             draft.process.failure_count = 0;
             draft.process.last_error = Some(why.clone());

@@ -10,7 +10,7 @@ use crate::model::{ProcessState, StepState};
 
 /// The supervisor found the deadline passed: retry after a growing,
 /// jittered wait, or past `max_failures` give up on the forward run
-/// (compensate) or on the compensation (error, with an alert).
+/// (compensate, or stop where the step says `on_failure = "stop"`) or on the compensation (error, with an alert).
 pub(super) fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) {
     let now = draft.ctx.now;
     let from = draft.process.state;
@@ -26,6 +26,17 @@ pub(super) fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, ji
         policy.max_failures
     );
     let give_up = failures > policy.max_failures;
+    if give_up && from == ProcessState::Processing {
+        // Out of retries at a step whose workflow says to stop there: its
+        // outcome is unknown (maybe applied), and a resume keeps its key.
+        if let Some(index) = draft
+            .steps
+            .iter()
+            .position(|s| s.state == StepState::Running && s.stops_on_failure())
+        {
+            return draft.stop_at(index, None, &format!("{reason}: out of retries"));
+        }
+    }
     let tries = u32::try_from(failures).unwrap_or(1);
     let (event, to, count, wait) = match (from, give_up) {
         (ProcessState::Processing, false) => (

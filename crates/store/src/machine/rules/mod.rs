@@ -44,6 +44,7 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
             no_call,
         } => dead_letter::dead_lettered(&mut draft, attempt_id, reason, no_call),
         Event::Resubmitted { earlier } => operator::resubmitted(&mut draft, earlier),
+        Event::Resumed { reason, earlier } => operator::resumed(&mut draft, reason, earlier),
         Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
         Event::EventArrived => park::event_arrived(&mut draft),
     }
@@ -194,6 +195,30 @@ impl<'a> Draft<'a> {
             message: failure.message.to_owned(),
         });
         self.notify(StatusEvent::Failed, failure.step, Some(failure.message));
+    }
+
+    /// Step `index` failed for good and its workflow says to stop there
+    /// (`on_failure = "stop"`): the order ends in `error`, nothing undone,
+    /// for an operator to resume from this step once the cause is fixed,
+    /// or to cancel (which undoes it).
+    fn stop_at(&mut self, index: usize, attempt_id: Option<AttemptId>, reason: &str) {
+        let name = self.steps[index].name.clone();
+        let order_id = self.snapshot.order_id.clone();
+        self.change_step(index, |step| {
+            step.state = StepState::Failed;
+            step.last_error = Some(reason.to_owned());
+        });
+        let message = format!(
+            "order {order_id}: {reason}; its workflow says to stop here (on_failure = \"stop\"), nothing was undone: fix the cause and resume it from this step (sasctl resume), or cancel it to undo it"
+        );
+        self.fail(Failure {
+            step: Some(&name),
+            attempt_id,
+            kind: AlertKind::StepFailed,
+            detail: format!("{reason}; stopped for an operator, nothing undone"),
+            last_error: reason,
+            message: &message,
+        });
     }
 
     /// Starts the next thing the order needs: the first step not completed
@@ -430,7 +455,10 @@ impl<'a> Draft<'a> {
     }
 
     fn finish(self) -> Decision {
-        let applies = matches!(self.verdict, Verdict::Applied | Verdict::Resubmitted(_));
+        let applies = matches!(
+            self.verdict,
+            Verdict::Applied | Verdict::Resubmitted(_) | Verdict::Resumed { .. }
+        );
         if !applies {
             // Only a stale reply leaves a trace: its history line.
             let history = if matches!(self.verdict, Verdict::Stale(_)) {

@@ -1,10 +1,10 @@
-//! An operator's resubmission or cancellation.
+//! An operator's resubmission, resume or cancellation.
 
 use sas_messages::StatusEvent;
 
 use super::Draft;
 use crate::machine::dispatch::resubmitted_key;
-use crate::machine::{HistoryEvent, ResubmitAction, Verdict};
+use crate::machine::{HistoryEvent, ResubmitAction, StepRow, Verdict};
 use crate::model::{ProcessState, StepState};
 
 /// An operator put an order that ended `error` or `compensated` back: a
@@ -72,15 +72,106 @@ pub(super) fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
     draft.verdict = Verdict::Resubmitted(action);
 }
 
-/// An operator cancelled a running order: it is compensated, by a claim.
-/// The undo of a step in flight waits for that attempt's deadline plus the
+/// An operator resumed an order stopped in `error` from the step that
+/// failed, once its cause is fixed: completed steps keep their results and
+/// are not called again; the failed step starts again with its key kept
+/// when an attempt's outcome is unknown (the remote may have applied it:
+/// the same key lets it answer with what it did, never do it twice), and
+/// with a fresh key when its remote refused (that key is decided there).
+/// Refused, with the reason, where the order's compensation began: its
+/// undo is in doubt, and running actions again on top of it could leave
+/// effects nobody undoes (`resubmit` resumes the compensation instead).
+pub(super) fn resumed(draft: &mut Draft<'_>, reason: &str, earlier: i64) {
+    let state = draft.process.state;
+    if state != ProcessState::Error {
+        draft.verdict = Verdict::Refused(state);
+        return;
+    }
+    if let Some(step) = draft.steps.iter().find(|s| undo_began(s)) {
+        draft.verdict = Verdict::NotResumable(format!(
+            "its compensation began (step {} is {}{}): an action sent now could not be undone with certainty; resubmit it to finish the compensation, or fix the undo by hand",
+            step.name,
+            step.state,
+            if step.undo_refused { ", its undo refused" } else { "" }
+        ));
+        return;
+    }
+    let Some(from) = draft
+        .steps
+        .iter()
+        .position(|s| s.state != StepState::Completed)
+    else {
+        draft.verdict = Verdict::NotResumable("every step completed: nothing to resume".into());
+        return;
+    };
+    let order_id = draft.snapshot.order_id.clone();
+    let name = draft.steps[from].name.clone();
+    let key_kept = draft.steps[from].maybe_applied;
+    for index in from..draft.steps.len() {
+        let step = &draft.steps[index];
+        if !matches!(step.state, StepState::Failed | StepState::Running) {
+            continue;
+        }
+        let fresh =
+            (!step.maybe_applied).then(|| resubmitted_key(&order_id, &step.name, earlier + 1));
+        draft.change_step(index, |step| {
+            step.state = StepState::NotStarted;
+            step.attempt_id = None;
+            step.complete_by = None;
+            step.last_error = None;
+            // maybe_applied stays: a compensation after the resume still
+            // undoes what an earlier attempt may have done.
+            if let Some(key) = fresh {
+                step.idempotency_key = key;
+            }
+        });
+    }
+    let key = if key_kept {
+        "its key kept (an earlier attempt's outcome is unknown: the remote answers it once)"
+    } else {
+        "a fresh key (its remote refused the old one)"
+    };
+    draft.process.state = ProcessState::Pending;
+    draft.process.failure_count = 0;
+    draft.process.last_error = None;
+    draft.resolve_alerts = true;
+    draft.log(
+        HistoryEvent::Resumed,
+        Some(&name),
+        None,
+        Some(format!(
+            "resumed by {} from step {name}, with {key}: {reason}",
+            draft.ctx.actor
+        )),
+    );
+    draft.release_to_claim(draft.ctx.now);
+    draft.verdict = Verdict::Resumed {
+        from: name,
+        key_kept,
+    };
+}
+
+/// Whether a step's undo began: sent, done, or refused.
+fn undo_began(step: &StepRow) -> bool {
+    matches!(step.state, StepState::Compensating | StepState::Compensated) || step.undo_refused
+}
+
+/// An operator cancelled a running order, or one stopped in error before
+/// any undo began: it is compensated, by a claim. The undo of a step in flight waits for that attempt's deadline plus the
 /// grace period ([`crate::machine::undo`]), so it never reaches the remote
 /// service before the action it undoes.
 pub(super) fn cancelled(draft: &mut Draft<'_>, reason: &str) {
     let state = draft.process.state;
-    if !matches!(state, ProcessState::Pending | ProcessState::Processing) {
+    // An order stopped in error before any undo began (a step that says
+    // `on_failure = "stop"`, a wait that says `on_timeout = "fail"`) may be
+    // cancelled too: that is how its operator has it undone.
+    let stopped = state == ProcessState::Error && !draft.steps.iter().any(undo_began);
+    if !(stopped || matches!(state, ProcessState::Pending | ProcessState::Processing)) {
         draft.verdict = Verdict::Refused(state);
         return;
+    }
+    if stopped {
+        draft.resolve_alerts = true;
     }
     // A wait step has no call in flight: it ends here, and what was done
     // before it is undone at once.

@@ -141,7 +141,7 @@ pub(super) fn wake(draft: &mut Draft<'_>, index: usize) {
                 OnTimeout::Fail => {
                     fail_step(draft, index, &why);
                     let message = format!(
-                        "order {}: {why}; its workflow says to stop here, nothing was undone: resubmit or cancel it",
+                        "order {}: {why}; its workflow says to stop here, nothing was undone: resume it to wait again (sasctl resume), or cancel it to undo it",
                         draft.snapshot.order_id
                     );
                     draft.fail(Failure {

@@ -222,7 +222,8 @@ fn succeeded(
     draft.advance();
 }
 
-/// A permanent refusal: of an action (`forward`), compensation starts; of
+/// A permanent refusal: of an action (`forward`), compensation starts (or,
+/// where its workflow says `on_failure = "stop"`, the order stops); of
 /// a compensation, the order ends in error with an alert (this undo key is
 /// decided at the remote: an operator's resubmission retries with a fresh
 /// one).
@@ -234,6 +235,9 @@ fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, 
             step.last_error = Some(storable_text(error));
         });
         let reason = format!("step {name} failed: {}", storable_text(error));
+        if draft.steps[index].stops_on_failure() {
+            return draft.stop_at(index, Some(reply.attempt_id), &reason);
+        }
         draft.start_compensation(Some(&name), Some(reply.attempt_id), &reason);
         // A member of its group still in flight is undone first, once its
         // call can no longer land: until then the order waits.
