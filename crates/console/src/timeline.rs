@@ -121,6 +121,27 @@ pub enum WaitKind {
     Line,
     /// In backoff after a missed deadline or a failure.
     Backoff,
+    /// A wait or delay step parked for its event or its time.
+    Parked,
+    /// An undo held until its action can no longer land (its deadline and
+    /// the grace period).
+    UndoHeld,
+}
+
+impl WaitKind {
+    /// The line's class, dash pattern and title.
+    fn style(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Self::Line => ("line", "2 3", "waiting in its agent's line"),
+            Self::Backoff => ("backoff", "6 3", "backoff before the next attempt"),
+            Self::Parked => ("parked", "1 1", "waiting for its event or its time"),
+            Self::UndoHeld => (
+                "undo-held",
+                "8 2 2 2",
+                "undo held until its action can no longer land",
+            ),
+        }
+    }
 }
 
 /// A stretch of time a step spent waiting: a thin line in its lane.
@@ -147,10 +168,12 @@ pub enum MarkKind {
     Stale,
     /// The order started undoing what it had done.
     Compensation,
-    /// An operator acted (resubmit, cancel, an alert or dead letter handled).
+    /// An operator acted (resubmit, resume, cancel, an alert or dead letter handled).
     Operator,
     /// The order ended: processed, compensated or in error.
     End,
+    /// A wait step's timeout passed without its event.
+    TimedOut,
 }
 
 /// A moment: across every lane, or in one lane when it concerns one step.
@@ -280,7 +303,7 @@ impl Builder {
             }
             (E::Received, _) => self.mark(entry, MarkKind::Received, None),
             (E::Processed | E::Compensated, _) => self.mark(entry, MarkKind::End, None),
-            (E::Resubmitted | E::Cancelled, _) => {
+            (E::Resubmitted | E::Resumed | E::Cancelled, _) => {
                 self.abandon_in_flight(entry.at);
                 self.mark(entry, MarkKind::Operator, None);
             }
@@ -289,11 +312,42 @@ impl Builder {
                 | E::AlertResolved
                 | E::DeadLetterReplayed
                 | E::DeadLetterDiscarded
-                | E::EventRefused,
+                | E::EventRefused
+                | E::Moved,
                 _,
             ) => self.mark(entry, MarkKind::Operator, None),
-            // Claims, and step events for a step the plan no longer names.
-            _ => {}
+            (E::Waiting, Some(lane)) => {
+                self.waiting.insert(lane, (WaitKind::Parked, entry.at));
+            }
+            (E::UndoWaits, Some(lane)) => {
+                self.waiting.insert(lane, (WaitKind::UndoHeld, entry.at));
+            }
+            (E::WaitEnded, Some(lane)) => self.end_wait(lane, entry.at),
+            (E::WaitTimedOut, lane) => {
+                if let Some(lane) = lane {
+                    self.end_wait(lane, entry.at);
+                }
+                self.mark(entry, MarkKind::TimedOut, lane);
+            }
+            // An answer after the order gave the attempt up: beside its bar.
+            (E::LateAnswer, lane) => self.mark(entry, MarkKind::Stale, lane),
+            // A claim only precedes what it starts (a dispatch, a wait).
+            (E::Claimed, _) => {}
+            // Step events of a step the plan no longer names (a version
+            // move renamed or dropped it): no lane to draw them in.
+            (
+                E::Dispatched
+                | E::CompensationDispatched
+                | E::StepCompleted
+                | E::StepCompensated
+                | E::TransientFailure
+                | E::NotStarted
+                | E::Queued
+                | E::Waiting
+                | E::UndoWaits
+                | E::WaitEnded,
+                None,
+            ) => {}
         }
     }
 
@@ -301,14 +355,7 @@ impl Builder {
     /// and the wait before it, and opens a bar for the new attempt.
     fn dispatch(&mut self, entry: &HistoryEntry, lane: usize) {
         self.close(lane, entry.at, Outcome::Abandoned, None);
-        if let Some((kind, from)) = self.waiting.remove(&lane) {
-            self.waits.push(Wait {
-                lane,
-                kind,
-                start: from,
-                end: entry.at,
-            });
-        }
+        self.end_wait(lane, entry.at);
         let direction = if entry.event == HistoryEvent::Dispatched {
             Direction::Action
         } else {
@@ -359,7 +406,19 @@ impl Builder {
         self.mark(entry, kind, None);
     }
 
-    /// An operator resubmitted or cancelled the order: what was in flight
+    /// A wait in `lane` ended at `at`: its line is drawn up to then.
+    fn end_wait(&mut self, lane: usize, at: DateTime<Utc>) {
+        if let Some((kind, from)) = self.waiting.remove(&lane) {
+            self.waits.push(Wait {
+                lane,
+                kind,
+                start: from,
+                end: at,
+            });
+        }
+    }
+
+    /// An operator resubmitted, resumed or cancelled the order: what was in flight
     /// is given up at `at`, and its answer will be stale.
     fn abandon_in_flight(&mut self, at: DateTime<Utc>) {
         let open: Vec<usize> = self.open.keys().copied().collect();
@@ -516,17 +575,17 @@ fn draw_time_axis(timeline: &Timeline, scale: &Scale, bottom: f64) -> Markup {
     }
 }
 
-/// The waits: a thin line, dotted in a line, dashed in backoff.
+/// The waits: a thin line, dashed as its kind says ([`WaitKind::style`]).
 fn draw_waits(timeline: &Timeline, scale: &Scale) -> Markup {
     html! {
         @for wait in &timeline.waits {
             @let y = TOP + LANE * wait.lane as f64 + LANE / 2.0;
-            line class={ "wait " @if wait.kind == WaitKind::Line { "line" } @else { "backoff" } }
+            @let (class, dashes, title) = wait.kind.style();
+            line class={ "wait " (class) }
                 x1=(scale.x(wait.start)) y1=(y) x2=(scale.x(wait.end)) y2=(y)
                 stroke="#7a8591" stroke-width="2"
-                stroke-dasharray=(if wait.kind == WaitKind::Line { "2 3" } else { "6 3" }) {
-                title { @if wait.kind == WaitKind::Line { "waiting in its agent's line" } @else { "backoff before the next attempt" }
-                    ", " (duration_label(wait.start, wait.end)) }
+                stroke-dasharray=(dashes) {
+                title { (title) ", " (duration_label(wait.start, wait.end)) }
             }
         }
     }
@@ -621,6 +680,7 @@ fn mark_color(kind: MarkKind) -> &'static str {
         MarkKind::Compensation => "#c62828",
         MarkKind::Operator => "#6a1b9a",
         MarkKind::End => "#1d232a",
+        MarkKind::TimedOut => "#f2a900",
     }
 }
 
@@ -632,7 +692,7 @@ pub fn legend() -> Markup {
                 span.key { span.swatch style={ "background:" (outcome.color()) } {} (outcome.as_str()) }
             }
             span.key { span.swatch.undo {} "undo (lower half, outlined)" }
-            span.key { "┈ waiting in line, ╌ backoff" }
+            span.key { "┈ waiting in line, ╌ backoff, ┄ parked at a wait or delay, undo held" }
             span.key { span style={ "color:" (mark_color(MarkKind::Retry)) } { "▼" } " retry scheduled" }
             span.key { span style={ "color:" (mark_color(MarkKind::Operator)) } { "┆" } " operator action" }
         }
@@ -848,5 +908,51 @@ mod tests {
         assert_eq!(offset_label(1_500), "+1.5 s");
         assert_eq!(offset_label(120_000), "+2 min");
         assert_eq!(offset_label(5_400_000), "+1.5 h");
+    }
+
+    #[test]
+    fn waits_undo_holds_moves_and_timeouts_are_drawn_not_swallowed() {
+        use HistoryEvent as E;
+        // reserve, then a wait for approval (lane 1) ended by its event,
+        // moved to a new version, then a second wait (the charge lane used
+        // as one) timed out; the reservation's undo held, then sent.
+        let history = vec![
+            line(0, E::Received, None, None),
+            line(5, E::Dispatched, Some("reserve"), Some(1)),
+            line(30, E::StepCompleted, Some("reserve"), Some(1)),
+            line(31, E::Waiting, Some("charge"), None),
+            line(50, E::Moved, None, None),
+            line(80, E::WaitEnded, Some("charge"), None),
+            line(81, E::Waiting, Some("ship"), None),
+            line(200, E::WaitTimedOut, Some("ship"), None),
+            line(200, E::CompensationStarted, Some("ship"), None),
+            line(201, E::UndoWaits, Some("reserve"), None),
+            line(260, E::CompensationDispatched, Some("reserve"), Some(4)),
+            line(290, E::StepCompensated, Some("reserve"), Some(4)),
+            line(290, E::Compensated, None, None),
+        ];
+        let timeline = Timeline::build(&steps(), &history, at(10_000), false);
+        let waits: Vec<_> = timeline
+            .waits
+            .iter()
+            .map(|w| (w.lane, w.kind, w.start, w.end))
+            .collect();
+        assert_eq!(
+            waits,
+            vec![
+                (1, WaitKind::Parked, at(31), at(80)),
+                (2, WaitKind::Parked, at(81), at(200)),
+                (0, WaitKind::UndoHeld, at(201), at(260)),
+            ]
+        );
+        let marks: Vec<_> = timeline.marks.iter().map(|m| (m.kind, m.lane)).collect();
+        assert!(
+            marks.contains(&(MarkKind::Operator, None)),
+            "the move: {marks:?}"
+        );
+        assert!(marks.contains(&(MarkKind::TimedOut, Some(2))), "{marks:?}");
+        let svg = svg(&timeline).into_string();
+        assert!(svg.contains("waiting for its event or its time"), "{svg}");
+        assert!(svg.contains("undo held until its action can no longer land"));
     }
 }
