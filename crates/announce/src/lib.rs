@@ -15,8 +15,10 @@
 //! - [`request_message`]: one step request for its agent's queue.
 //! - [`replay::replay_dead_letter`]: a dead letter published again, for
 //!   the console and `sasctl` alike.
-//! - [`bulk::run_bulk`]: resubmitting or cancelling every order a filter
-//!   selects, for the console and `sasctl` alike.
+//! - [`bulk::run_bulk`]: resubmitting, resuming or cancelling every order a
+//!   filter selects, for the console and `sasctl` alike.
+//! - [`event::event_message`]: an event for orders' wait steps, for the
+//!   console, `sasctl` and the gateway alike.
 //!
 //! Metrics, under the names operators and the benchmark read:
 //! `sas_orders_finished_total{event}` (processed, compensated, failed),
@@ -26,6 +28,7 @@
 //! what a status message or a step request is belongs here.
 
 pub mod bulk;
+pub mod event;
 pub mod replay;
 
 use std::time::Duration;

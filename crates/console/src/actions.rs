@@ -11,9 +11,8 @@ use std::collections::BTreeMap;
 
 pub use sas_announce::bulk::BulkOutcome;
 use sas_announce::bulk::{run_bulk, Bulk, BulkError};
+use sas_announce::event::{event_message, EventAddress, NewEvent};
 use sas_announce::replay::{replay_dead_letter, ReplayError};
-use sas_broker::publish::json_properties;
-use sas_messages::{OrderEvent, SCHEMA_VERSION};
 use sas_store::machine::park::{OnTimeout, Park};
 use sas_store::machine::StepRow;
 use sas_store::reads::dead_letters::NotReplayable;
@@ -21,7 +20,7 @@ use sas_store::reads::search::OrderFilter;
 use sas_store::writes::dead_letters::Disposition;
 use sas_store::writes::moves::{MoveError, MoveReport, MoveRequest};
 use sas_store::writes::operator::{Cancel, Resubmit, Resume};
-use sas_store::{ProcessState, Progress, StepState};
+use sas_store::{ProcessState, Progress};
 use serde::Serialize;
 
 use crate::auth::Principal;
@@ -180,21 +179,20 @@ pub struct Waiting<'a> {
 }
 
 /// The wait step the order waits at for an event, if it does now: the
-/// order is pending and the step running with [`Park::Event`].
+/// step it is parked at ([`sas_store::machine::park::parked_at`], the
+/// state machine's rule) when that step waits for an event.
 pub fn waiting_for_event(state: ProcessState, steps: &[StepRow]) -> Option<Waiting<'_>> {
-    if state != ProcessState::Pending {
-        return None;
-    }
-    steps.iter().find_map(|step| match &step.park {
+    let step = &steps[sas_store::machine::park::parked_at(state, steps)?];
+    match &step.park {
         Some(Park::Event {
             event, on_timeout, ..
-        }) if step.state == StepState::Running => Some(Waiting {
+        }) => Some(Waiting {
             step,
             event,
             on_timeout: *on_timeout,
         }),
-        _ => None,
-    })
+        Some(Park::Delay { .. }) | None => None,
+    }
 }
 
 /// 400 unless `ask` can be a move: a workflow's name, two different
@@ -411,11 +409,24 @@ impl Console {
         event: &str,
         who: &Principal,
     ) -> Result<EventSent, Failure> {
-        if !sas_messages::order::is_workflow_name(event) {
-            return Err(Failure::bad_request(format!(
-                "an event's name is 1 to 64 letters, digits, '_' or '-' (got {event:?})"
-            )));
-        }
+        let identity = format!("console:{}", who.name);
+        let mut data = serde_json::Map::new();
+        data.insert("by".into(), serde_json::Value::String(who.name.clone()));
+        let (sent, message) = event_message(
+            &self.names,
+            NewEvent {
+                address: EventAddress::Order(order_id.to_owned()),
+                name: event.to_owned(),
+                event_id: None,
+                data: Some(data),
+                origin: "console",
+                // Sent on the operator's behalf: the schedulers believe the
+                // header from the console's broker user (amqp.delegating_users).
+                on_behalf_of: Some(&identity),
+                tenant: None,
+            },
+        )
+        .map_err(|invalid| Failure::bad_request(invalid.to_string()))?;
         let (summary, steps) = self
             .store
             .reads()
@@ -426,10 +437,7 @@ impl Console {
             Some(waiting) if waiting.event == event => {
                 // The schedulers would refuse it from an operator the wait
                 // does not accept: say so now, and send nothing.
-                let principals = self
-                    .tenancy
-                    .sender(&format!("console:{}", who.name))
-                    .principals;
+                let principals = self.tenancy.sender(&identity).principals;
                 let park = waiting.step.park.as_ref();
                 if park.is_some_and(|park| {
                     !park.accepts(&principals, sas_messages::ids::tenant_of(order_id))
@@ -463,34 +471,8 @@ impl Console {
                 "not connected to RabbitMQ: nothing was sent; try again once /readyz answers 200",
             )
         })?;
-        let mut data = serde_json::Map::new();
-        data.insert("by".into(), serde_json::Value::String(who.name.clone()));
-        let sent = OrderEvent {
-            schema_version: SCHEMA_VERSION,
-            order_id: Some(order_id.into()),
-            correlation_key: None,
-            name: event.to_owned(),
-            event_id: format!("console-{}", uuid::Uuid::now_v7()),
-            data: Some(data),
-        };
-        sent.validate().map_err(|invalid| {
-            Failure::bad_request(format!("the event is not valid: {}", invalid.0))
-        })?;
         publisher
-            .publish_json(
-                &sas_broker::topology::events_exchange(&self.settings.amqp),
-                &self.names.events(),
-                &sent,
-                // Sent on the operator's behalf: the schedulers believe the
-                // header from the console's broker user (amqp.delegating_users).
-                json_properties(&sent.event_id).with_headers(
-                    sas_broker::publish::string_headers([(
-                        sas_messages::headers::SENDER,
-                        format!("console:{}", who.name).as_str(),
-                    )]),
-                ),
-                true,
-            )
+            .send_batch(std::slice::from_ref(&message))
             .await
             .map_err(|error| {
                 Failure::new(

@@ -19,8 +19,9 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use sas_broker::publish::{json_properties, order_headers};
-use sas_messages::{OrderEvent, SCHEMA_VERSION};
+use sas_announce::event::{event_message, EventAddress, NewEvent};
+use sas_broker::publish::Outgoing;
+use sas_messages::{OrderEvent, QueueNames, SCHEMA_VERSION};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -60,12 +61,12 @@ pub struct EventAccepted {
     pub status_url: Option<String>,
 }
 
-/// Whom an event sent over HTTP is for: the path says.
-enum Address {
-    /// `/v1/orders/{order_id}/events`.
-    Order(String),
-    /// `/v1/correlation-keys/{key}/events`.
-    Key(String),
+/// Who sends an event over HTTP: a client, for its tenant, in the
+/// deployment `names`.
+struct Sender<'a> {
+    names: &'a QueueNames,
+    identity: &'a str,
+    tenant: &'a str,
 }
 
 /// `POST /v1/orders/{order_id}/events`.
@@ -76,7 +77,7 @@ pub async fn submit(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     match body {
-        Ok(body) => take(&gateway, &caller, Address::Order(order_id), &body).await,
+        Ok(body) => take(&gateway, &caller, EventAddress::Order(order_id), &body).await,
         Err(rejection) => unreadable_body(&rejection),
     }
 }
@@ -89,24 +90,35 @@ pub async fn submit_for_key(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     match body {
-        Ok(body) => take(&gateway, &caller, Address::Key(key), &body).await,
+        Ok(body) => take(&gateway, &caller, EventAddress::Key(key), &body).await,
         Err(rejection) => unreadable_body(&rejection),
     }
 }
 
 /// Validates and publishes an event for `address`, answering 202 once the
 /// broker confirmed it.
-async fn take(gateway: &Gateway, caller: &Caller, address: Address, body: &Bytes) -> Response {
-    let event = match parse(address, body, gateway.settings.amqp.max_message_bytes) {
-        Ok(event) => event,
+async fn take(gateway: &Gateway, caller: &Caller, address: EventAddress, body: &Bytes) -> Response {
+    let tenant = match gateway.tenant_of(caller) {
+        Ok(tenant) => tenant,
+        Err(refused) => return *refused,
+    };
+    let identity = caller.identity();
+    let sender = Sender {
+        names: &gateway.names,
+        identity: &identity,
+        tenant: &tenant,
+    };
+    let (event, message) = match parse(
+        address,
+        body,
+        gateway.settings.amqp.max_message_bytes,
+        &sender,
+    ) {
+        Ok(parsed) => parsed,
         Err((status, error)) => {
             counted("invalid");
             return problem(status, error);
         }
-    };
-    let tenant = match gateway.tenant_of(caller) {
-        Ok(tenant) => tenant,
-        Err(refused) => return *refused,
     };
     let separator = sas_messages::ids::TENANT_SEPARATOR;
     if event.names_a_tenant() {
@@ -121,7 +133,7 @@ async fn take(gateway: &Gateway, caller: &Caller, address: Address, body: &Bytes
         .clone()
         .or_else(|| event.correlation_key.clone())
         .unwrap_or_default();
-    match publish(gateway, &event, caller, &tenant).await {
+    match deliver_confirmed(gateway, message).await {
         Ok(()) => {
             counted("accepted");
             tracing::info!(order_id = %about, event = %event.name, event_id = %event.event_id, client = %caller.0, "event accepted over HTTP");
@@ -149,9 +161,15 @@ fn counted(outcome: &'static str) {
 }
 
 /// The event the body says for `address`, validated as the schedulers
-/// validate it, or the status and reason to refuse it with: 413 over
-/// `limit` bytes, 400 otherwise.
-fn parse(address: Address, body: &[u8], limit: usize) -> Result<OrderEvent, (StatusCode, String)> {
+/// validate it, and its message on the sender's behalf (see
+/// [`sas_announce::event`]), or the status and reason to refuse it with:
+/// 413 over `limit` bytes, 400 otherwise.
+fn parse(
+    address: EventAddress,
+    body: &[u8],
+    limit: usize,
+    sender: &Sender<'_>,
+) -> Result<(OrderEvent, Outgoing), (StatusCode, String)> {
     let submission: EventSubmission = match sas_messages::decode::decode(body, limit) {
         Ok(submission) => submission,
         Err(error @ sas_messages::decode::DecodeError::TooLarge { .. }) => {
@@ -159,50 +177,43 @@ fn parse(address: Address, body: &[u8], limit: usize) -> Result<OrderEvent, (Sta
         }
         Err(error) => return Err((StatusCode::BAD_REQUEST, error.to_string())),
     };
-    let (order_id, correlation_key) = match address {
-        Address::Order(order_id) => (Some(order_id.into()), None),
-        Address::Key(key) => (None, Some(key)),
-    };
-    let event = OrderEvent {
-        schema_version: submission.schema_version,
-        order_id,
-        correlation_key,
-        name: submission.name,
-        event_id: submission.event_id,
-        data: submission.data,
-    };
-    event
-        .validate()
-        .map_err(|error| (StatusCode::BAD_REQUEST, error.0))?;
-    Ok(event)
-}
-
-/// Publishes the event to the events exchange, persistent, and waits for
-/// the broker's confirm (up to `gateway.publish_timeout_ms`).
-///
-/// # Errors
-/// When the broker has not confirmed it by then.
-async fn publish(
-    gateway: &Gateway,
-    event: &OrderEvent,
-    caller: &Caller,
-    tenant: &str,
-) -> Result<(), sas_broker::BrokerError> {
+    if submission.schema_version != SCHEMA_VERSION {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            format!(
+                "unsupported schema_version {} (this system reads {SCHEMA_VERSION})",
+                submission.schema_version
+            ),
+        ));
+    }
     // Sent on the client's behalf: the schedulers address the event within
     // its tenant and check it against the wait's senders; a dead letter of
     // it is recorded under the order's stored id.
-    let mut headers = match &event.order_id {
-        Some(order_id) => order_headers(&order_id.qualified(tenant), None),
-        None => sas_broker::lapin::types::FieldTable::default(),
-    };
-    headers.insert(
-        sas_messages::headers::SENDER.into(),
-        sas_broker::lapin::types::AMQPValue::LongString(caller.identity().into()),
-    );
-    let properties =
-        json_properties(&format!("gateway-event-{}", event.event_id)).with_headers(headers);
-    let body = serde_json::to_vec(event).expect("wire types always serialize");
-    publish_confirmed(gateway, gateway.names.events(), body, properties).await
+    event_message(
+        sender.names,
+        NewEvent {
+            address,
+            name: submission.name,
+            event_id: Some(submission.event_id),
+            data: submission.data,
+            origin: "gateway",
+            on_behalf_of: Some(sender.identity),
+            tenant: Some(sender.tenant),
+        },
+    )
+    .map_err(|invalid| (StatusCode::BAD_REQUEST, invalid.0))
+}
+
+/// Publishes `message` and waits for the broker's confirm (up to
+/// `gateway.publish_timeout_ms`).
+///
+/// # Errors
+/// When the broker has not confirmed it by then.
+async fn deliver_confirmed(
+    gateway: &Gateway,
+    message: Outgoing,
+) -> Result<(), sas_broker::BrokerError> {
+    publish_confirmed(gateway, message.exchange, message.body, message.properties).await
 }
 
 #[cfg(test)]
@@ -210,8 +221,22 @@ mod tests {
     use super::*;
     use sas_messages::OrderId;
 
-    fn order() -> Address {
-        Address::Order("ord-1".into())
+    fn order() -> EventAddress {
+        EventAddress::Order("ord-1".into())
+    }
+
+    fn parse(
+        address: EventAddress,
+        body: &[u8],
+        limit: usize,
+    ) -> Result<OrderEvent, (StatusCode, String)> {
+        let names = QueueNames::new("t1.");
+        let sender = Sender {
+            names: &names,
+            identity: "gateway:shop",
+            tenant: "shop",
+        };
+        super::parse(address, body, limit, &sender).map(|(event, _)| event)
     }
 
     #[test]
@@ -248,7 +273,7 @@ mod tests {
             assert!(error.contains(reason), "{error}");
         }
         let (code, _) = parse(
-            Address::Order("a b".into()),
+            EventAddress::Order("a b".into()),
             br#"{"schema_version":1,"name":"a","event_id":"e"}"#,
             4096,
         )
@@ -265,13 +290,13 @@ mod tests {
     #[test]
     fn an_event_for_a_key_names_the_key_and_no_order() {
         let body = br#"{"schema_version":1,"name":"settled","event_id":"e-1"}"#;
-        let keyed = parse(Address::Key("INV-2031".into()), body, 4096).unwrap();
+        let keyed = parse(EventAddress::Key("INV-2031".into()), body, 4096).unwrap();
         assert_eq!(
             (keyed.order_id, keyed.correlation_key.as_deref()),
             (None, Some("INV-2031"))
         );
         let long = "k".repeat(sas_messages::event::MAX_CORRELATION_KEY_LEN + 1);
-        let (code, error) = parse(Address::Key(long), body, 4096).unwrap_err();
+        let (code, error) = parse(EventAddress::Key(long), body, 4096).unwrap_err();
         assert_eq!(code, StatusCode::BAD_REQUEST);
         assert!(error.contains("correlation_key"), "{error}");
     }

@@ -5,9 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use sas_broker::publish::json_properties;
-use sas_broker::topology;
-use sas_messages::{OrderEvent, SCHEMA_VERSION};
+use sas_announce::event::{event_message, EventAddress, NewEvent};
 
 use crate::Target;
 
@@ -40,33 +38,29 @@ pub struct SignalArgs {
 /// # Errors
 /// When the event is invalid or the broker does not confirm it.
 pub async fn run(target: &Target, args: SignalArgs) -> anyhow::Result<ExitCode> {
-    let (order_id, correlation_key) = if args.key {
-        (None, Some(args.order_id))
+    let address = if args.key {
+        EventAddress::Key(args.order_id)
     } else {
-        (Some(args.order_id.into()), None)
+        EventAddress::Order(args.order_id)
     };
-    let event = OrderEvent {
-        schema_version: SCHEMA_VERSION,
-        order_id,
-        correlation_key,
-        name: args.name,
-        event_id: args
-            .event_id
-            .unwrap_or_else(|| format!("sasctl-{}", uuid::Uuid::now_v7().simple())),
-        data: args.data,
-    };
-    event.validate().context("the event")?;
     let settings = target.amqp();
+    let (event, message) = event_message(
+        &settings.names(),
+        NewEvent {
+            address,
+            name: args.name,
+            event_id: args.event_id,
+            data: args.data,
+            origin: "sasctl",
+            // Sent as sasctl's own broker user: the schedulers name it so.
+            on_behalf_of: None,
+            tenant: None,
+        },
+    )?;
     let (_connection, publisher) =
         crate::submit::open_publisher(&settings, &settings.names().events()).await?;
     publisher
-        .publish_json(
-            &topology::events_exchange(&settings),
-            &settings.names().events(),
-            &event,
-            json_properties(&event.event_id),
-            true,
-        )
+        .send_batch(std::slice::from_ref(&message))
         .await
         .with_context(|| format!("event {} was not confirmed", event.event_id))?;
     println!("{}", event.event_id);

@@ -7,6 +7,9 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use super::StepRow;
+use crate::model::{ProcessState, StepState};
+
 /// What a parked step waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -81,6 +84,20 @@ pub struct MailboxEvent {
     pub principals: Vec<String>,
     /// Who sent it (`gateway:manager`), when known.
     pub sender: Option<String>,
+}
+
+/// The step an order is parked at, if it is: a pending order whose first
+/// step not completed is a wait or delay step that started. The one rule
+/// the state machine, the console and `sasctl` use (the store's lookup by
+/// correlation key only preselects candidates with SQL; the machine then
+/// decides for each).
+pub fn parked_at(state: ProcessState, steps: &[StepRow]) -> Option<usize> {
+    if state != ProcessState::Pending {
+        return None;
+    }
+    let index = steps.iter().position(|s| s.state != StepState::Completed)?;
+    let step = &steps[index];
+    (step.park.is_some() && step.state == StepState::Running).then_some(index)
 }
 
 impl Park {

@@ -55,6 +55,8 @@ pub struct EventSender<'a> {
 
 /// The `order_waits w` rows whose order still waits at that step (the
 /// rows stay after a wait ends): the one rule both lookups by key share.
+/// A preselection only: each order found is then given the event through
+/// the state machine, whose `parked_at` decides whether it takes it.
 macro_rules! still_waiting {
     () => {
         "JOIN order_process p ON p.order_id = w.order_id AND p.state = 'pending'

@@ -15,18 +15,9 @@ use crate::machine::park::{OnTimeout, Park, WaitKey};
 use crate::machine::{AlertKind, HistoryEvent, ProcessRow};
 use crate::model::{ProcessState, StepState};
 
-/// The step the order waits at: the first step of a forward run that is
-/// not completed, when it is a wait step that started.
+/// The step the order waits at ([`crate::machine::park::parked_at`]).
 pub(super) fn parked_step(draft: &Draft<'_>) -> Option<usize> {
-    if draft.process.state != ProcessState::Pending {
-        return None;
-    }
-    let index = draft
-        .steps
-        .iter()
-        .position(|s| s.state != StepState::Completed)?;
-    let step = &draft.steps[index];
-    (step.park.is_some() && step.state == StepState::Running).then_some(index)
+    crate::machine::park::parked_at(draft.process.state, &draft.steps)
 }
 
 /// The order reaches wait step `index`: an event it waits for that is in
