@@ -63,9 +63,14 @@ enum Finished {
     /// step now (a failure of the service); send nothing.
     Expired,
     /// The start deadline passed before this replica made any call for the
-    /// request (it waited in the queue, or for a call slot): say so, so the
+    /// request (it waited in the queue, for a call slot, or out the
+    /// service's pause), or after calls the service only answered "slow
+    /// down" (429: nothing applied, `throttled` says so): say so, so the
     /// order goes back to its line without counting a failure.
-    NotStarted,
+    NotStarted {
+        /// The service's last "slow down", when it answered one.
+        throttled: Option<String>,
+    },
     /// Shutting down, or the broker connection is lost: hand the request back.
     Interrupted,
 }
@@ -196,7 +201,7 @@ impl Agent {
                 tracing::warn!(complete_by = %request.complete_by, start_by = ?request.start_by, "start deadline passed and no call can have reached the service; stopping without a reply");
                 Err(Consumed::Ack)
             }
-            Finished::NotStarted if request.start_by.is_none() => {
+            Finished::NotStarted { .. } if request.start_by.is_none() => {
                 // Only schedulers that know this answer send start_by
                 // (docs/messages.md, Upgrades): an older one gets silence,
                 // as before the answer existed, and its supervisor retries
@@ -205,18 +210,22 @@ impl Agent {
                 tracing::warn!(complete_by = %request.complete_by, "start deadline passed before any call; the request has no start_by, so its sender may not know not_started: no reply");
                 Err(Consumed::Ack)
             }
-            Finished::NotStarted => {
+            Finished::NotStarted { throttled } => {
                 metrics::counter!("sas_agent_deadline_expired_total").increment(1);
                 let waited = (self.clock.database_now()
                     - request.dispatched_at.unwrap_or(request.complete_by))
                 .num_milliseconds()
                 .max(0);
-                tracing::info!(start_by = ?request.start_by, waited_ms = waited, "start deadline passed before any call; replying not started");
-                Ok(StepOutcome::NotStarted {
-                    reason: format!(
-                        "start-by passed before any call was made (waited {waited} ms since dispatch for the queue or a call slot)"
+                tracing::info!(start_by = ?request.start_by, waited_ms = waited, throttled = throttled.is_some(), "start deadline passed before any call was applied; replying not started");
+                let reason = match throttled {
+                    Some(error) => format!(
+                        "start-by passed while the service asked to slow down, nothing applied (waited {waited} ms since dispatch): {error}"
                     ),
-                })
+                    None => format!(
+                        "start-by passed before any call was made (waited {waited} ms since dispatch for the queue, a call slot or the service's pause)"
+                    ),
+                };
+                Ok(StepOutcome::NotStarted { reason })
             }
             Finished::Interrupted => Err(Consumed::Requeue),
         }
@@ -300,6 +309,17 @@ impl Agent {
             let Some(left) = self.time_left(deadlines.start_by) else {
                 return tries.expired();
             };
+            if let Some(paused) = lane.pause.remaining() {
+                // The service asked for quiet: no call before then, and no
+                // failure for waiting.
+                if paused >= left {
+                    return tries.expired();
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(paused) => continue,
+                    () = self.interrupted(connection_lost) => return Finished::Interrupted,
+                }
+            }
             let Some(permit) = lane.circuit.allow() else {
                 if let Err(finished) = self
                     .wait_for_circuit(lane, left, tries, connection_lost)
@@ -321,11 +341,26 @@ impl Agent {
             };
             let class = result.class();
             metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => class).increment(1);
+            let paused = match &result {
+                CallResult::Throttled { retry_after, .. } => {
+                    metrics::counter!("sas_agent_throttled_total", "agent" => lane.name.clone())
+                        .increment(1);
+                    retry_after.map(|asked| lane.pause.extend(asked))
+                }
+                _ => None,
+            };
             let (error, logged) = match tries.settle(permit, result) {
                 Ok(finished) => return finished,
                 Err(unsettled) => unsettled,
             };
-            let wait = tries.count_retry(&retries, class, error, logged);
+            let backoff = tries.count_retry(&retries, class, error, logged);
+            // A pause the service named replaces the backoff: the loop
+            // waits it out (every request of the lane does).
+            let wait = if paused.is_some() {
+                Duration::ZERO
+            } else {
+                backoff
+            };
             match self.time_left(deadlines.start_by) {
                 Some(left) if left > wait => {}
                 _ => return tries.expired(),
@@ -354,6 +389,7 @@ impl Agent {
         metrics::counter!("sas_agent_circuit_rejections_total", "agent" => lane.name.clone())
             .increment(1);
         tries.tried = true;
+        tries.met_service = true;
         let wait = lane.circuit.retry_after().max(Duration::from_millis(10));
         if wait >= left {
             return Err(tries.expired());
@@ -513,6 +549,14 @@ struct Tries {
     first_call: Option<DateTime<Utc>>,
     /// How long its calls waited for a call slot, in all.
     slot_wait: Duration,
+    /// The service's last "slow down" (429: nothing applied), if it
+    /// answered one.
+    throttled: Option<String>,
+    /// Something other than a 429 happened that may count as meeting the
+    /// service: another answer or error, the circuit holding it back, a
+    /// redelivery. Until then, calls that were all answered 429 applied
+    /// nothing, and the request may still answer "not started".
+    met_service: bool,
 }
 
 impl Tries {
@@ -527,6 +571,8 @@ impl Tries {
             tried: redelivered,
             first_call: None,
             slot_wait: Duration::ZERO,
+            throttled: None,
+            met_service: redelivered,
         }
     }
 
@@ -540,7 +586,30 @@ impl Tries {
         permit: Permit<'_>,
         result: CallResult,
     ) -> Result<Finished, (String, bool)> {
+        if !matches!(
+            result,
+            CallResult::Throttled {
+                maybe_applied: false,
+                ..
+            }
+        ) {
+            self.met_service = true;
+        }
         match result {
+            CallResult::Throttled {
+                error,
+                maybe_applied,
+                ..
+            } => {
+                // The service answered: it is up, and asks for quiet.
+                permit.succeeded();
+                if maybe_applied {
+                    self.maybe_applied = true;
+                } else {
+                    self.throttled = Some(error.clone());
+                }
+                Err((error, false))
+            }
             CallResult::Succeeded(result) => {
                 permit.succeeded();
                 Ok(Finished::Reply(StepOutcome::Succeeded { result }))
@@ -626,7 +695,12 @@ impl Tries {
     /// otherwise with a failure that says the step may have been applied.
     fn expired(&self) -> Finished {
         if !self.tried {
-            Finished::NotStarted
+            Finished::NotStarted { throttled: None }
+        } else if !self.met_service && !self.maybe_applied && self.throttled.is_some() {
+            // Every call was answered 429: nothing was applied.
+            Finished::NotStarted {
+                throttled: self.throttled.clone(),
+            }
         } else if self.maybe_applied {
             Finished::Reply(StepOutcome::Failed {
                 error: bounded_text(&format!(

@@ -16,6 +16,7 @@
 pub mod circuit;
 pub mod clock;
 pub mod handler;
+pub mod pause;
 pub mod remote;
 pub mod settings;
 pub mod turns;
@@ -50,6 +51,8 @@ pub struct Lane {
     pub calls: Arc<priority_semaphore::PrioritySemaphore>,
     /// The tenants' turns for the call slots.
     pub turns: Arc<turns::Turns>,
+    /// Until when the service asked not to be called (`Retry-After`).
+    pub pause: pause::Pause,
 }
 
 /// What every request handled by one agent replica shares.
@@ -108,6 +111,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 settings.agent.concurrency,
             )),
             turns: Arc::default(),
+            pause: pause::Pause::new(&name, Duration::from_millis(settings.agent.max_pause_ms)),
             name,
         }));
     }

@@ -10,9 +10,11 @@
 //! | 2xx with a body over `agent.max_answer_bytes` | `applied_unusable`: fails for good, may have been applied (an action's order is undone; an undo's ends in error) |
 //! | any 4xx but 408, 409, 425, 429 to an action | `refused`: nothing applied |
 //! | any 4xx but 408, 409, 425, 429 to a compensation, 404 included | `refused`: the undo is not proven (the order ends in error with an alert) |
-//! | connect error (refused, DNS, TLS handshake, certificate), 408, 425, 429 | `transient`: nothing applied |
+//! | connect error (refused, DNS, TLS handshake, certificate), 408, 425 | `transient`: nothing applied |
+//! | 429 | `throttled`: nothing applied; its `Retry-After` pauses the lane ([`crate::pause`]) |
+//! | 503 with `Retry-After` | `throttled`: may have been applied; the lane pauses |
 //! | 409 | `in_progress`: retry the same key later |
-//! | timeout or reset after sending, any 5xx, 1xx/3xx, a 2xx whose body is not JSON, empty or cut | `unknown`: may have been applied |
+//! | timeout or reset after sending, any other 5xx, 1xx/3xx, a 2xx whose body is not JSON, empty or cut | `unknown`: may have been applied |
 //!
 //! A 503 too: a gateway can answer it after the service behind it took the
 //! request, so it is never read as "nothing applied".
@@ -72,6 +74,18 @@ pub enum CallResult {
     },
     /// The service is applying this key right now (409): retry the same key later.
     InProgress(String),
+    /// The service asked to slow down: a 429 (nothing applied), or a 503
+    /// with `Retry-After` (which a proxy may send after the service took
+    /// the request: maybe applied). Its `Retry-After` pauses the lane
+    /// ([`crate::pause`]); not a failure of the service.
+    Throttled {
+        /// What happened.
+        error: String,
+        /// The pause it asked for, if it named one.
+        retry_after: Option<Duration>,
+        /// A 503: the call may have been applied.
+        maybe_applied: bool,
+    },
     /// The call may have been applied: a timeout or reset after sending, a
     /// 5xx, an unusable 2xx answer.
     Unknown {
@@ -86,7 +100,7 @@ pub enum CallResult {
 impl CallResult {
     /// The class name, for logs and the metric `sas_agent_calls_total{class}`:
     /// `succeeded`, `applied_unusable`, `refused`, `transient`,
-    /// `in_progress` or `unknown`.
+    /// `in_progress`, `throttled` or `unknown`.
     pub fn class(&self) -> &'static str {
         match self {
             Self::Succeeded(_) => "succeeded",
@@ -94,6 +108,7 @@ impl CallResult {
             Self::Refused(_) => "refused",
             Self::Transient { .. } => "transient",
             Self::InProgress(_) => "in_progress",
+            Self::Throttled { .. } => "throttled",
             Self::Unknown { .. } => "unknown",
         }
     }
@@ -212,8 +227,21 @@ impl RemoteClient {
             Err(error) => return self.transport_error(&url, &error, timeout),
         };
         let status = response.status().as_u16();
+        let asked = matches!(status, 429 | 503)
+            .then(|| {
+                response
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|value| value.to_str().ok())
+                    .and_then(crate::pause::retry_after)
+            })
+            .flatten();
         let body = read_bounded(&mut response, self.max_answer_bytes).await;
-        classify(&url, status, request.kind, body, self.max_answer_bytes)
+        throttled(
+            classify(&url, status, request.kind, body, self.max_answer_bytes),
+            status,
+            asked,
+        )
     }
 
     /// The URL a request calls: `<base_url><path>` when it names a path,
@@ -452,6 +480,26 @@ pub fn classify(url: &str, status: u16, kind: StepKind, body: Body, limit: usize
     }
 }
 
+/// A 429, or a 503 that names a `Retry-After`, as the service asking to
+/// slow down ([`CallResult::Throttled`]); any other answer as classified.
+fn throttled(result: CallResult, status: u16, retry_after: Option<Duration>) -> CallResult {
+    match (status, result) {
+        (429, CallResult::Transient { error, .. }) => CallResult::Throttled {
+            error,
+            retry_after,
+            maybe_applied: false,
+        },
+        (503, CallResult::Unknown { error, .. }) if retry_after.is_some() => {
+            CallResult::Throttled {
+                error,
+                retry_after,
+                maybe_applied: true,
+            }
+        }
+        (_, result) => result,
+    }
+}
+
 /// Longest URL quoted in an error text, in characters: the text must keep
 /// room for what happened and what to do within [`MAX_ERROR_CHARS`].
 const QUOTED_URL_CHARS: usize = 160;
@@ -534,6 +582,61 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_429_is_throttled_not_applied_and_a_503_naming_a_pause_is_throttled_maybe_applied() {
+        let pause = Some(Duration::from_secs(2));
+        let slow_down = throttled(
+            classify(
+                URL,
+                429,
+                StepKind::Action,
+                Body::Complete(b"{}".to_vec()),
+                1000,
+            ),
+            429,
+            pause,
+        );
+        assert!(
+            matches!(
+                slow_down,
+                CallResult::Throttled {
+                    retry_after: Some(_),
+                    maybe_applied: false,
+                    ..
+                }
+            ),
+            "{slow_down:?}"
+        );
+        let busy = throttled(
+            classify(URL, 503, StepKind::Action, Body::Complete(Vec::new()), 1000),
+            503,
+            pause,
+        );
+        assert!(
+            matches!(
+                busy,
+                CallResult::Throttled {
+                    maybe_applied: true,
+                    ..
+                }
+            ),
+            "{busy:?}"
+        );
+        // A 503 without Retry-After stays unknown; other answers unchanged.
+        let unknown = throttled(
+            classify(URL, 503, StepKind::Action, Body::Complete(Vec::new()), 1000),
+            503,
+            None,
+        );
+        assert_eq!(unknown.class(), "unknown");
+        let refused = throttled(
+            classify(URL, 422, StepKind::Action, Body::Complete(Vec::new()), 1000),
+            422,
+            pause,
+        );
+        assert_eq!(refused.class(), "refused");
+    }
+
     use super::*;
 
     const URL: &str = "http://remote/charge";
@@ -866,6 +969,7 @@ mod tests {
             concurrency: 1,
             retry_base_ms: 50,
             retry_max_ms: 2000,
+            max_pause_ms: 300_000,
             drain_ms: 1000,
         }
     }

@@ -79,6 +79,9 @@ pub struct AgentSettings {
     pub retry_base_ms: u64,
     /// Longest retry wait, in milliseconds.
     pub retry_max_ms: u64,
+    /// Longest pause a remote's `Retry-After` may ask of the lane, in
+    /// milliseconds (see [`crate::pause`]).
+    pub max_pause_ms: u64,
     /// Longest wait for in-flight requests at shutdown, in milliseconds.
     pub drain_ms: u64,
 }
@@ -360,6 +363,12 @@ impl Validate for Settings {
         }
         if agent.concurrency == 0 {
             return Err("agent.concurrency must be at least 1".into());
+        }
+        if !(1..=86_400_000).contains(&agent.max_pause_ms) {
+            return Err(format!(
+                "agent.max_pause_ms must be between 1 and 86400000 (a day), got {}",
+                agent.max_pause_ms
+            ));
         }
         if self.circuit.failure_threshold == 0 || self.circuit.cool_down_ms == 0 {
             return Err(

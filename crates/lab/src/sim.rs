@@ -214,6 +214,23 @@ impl SimClient {
         Ok(())
     }
 
+    /// Makes `service` answer every call 429 with `Retry-After` for the
+    /// next `for_ms` milliseconds (nothing applied).
+    ///
+    /// # Errors
+    /// When remote-sim refuses.
+    pub async fn throttle(&self, service: &str, for_ms: u64) -> anyhow::Result<()> {
+        self.admin(
+            self.http
+                .put(format!("{}/admin/throttle/{service}", self.base)),
+        )
+        .json(&serde_json::json!({ "for_ms": for_ms }))
+        .send()
+        .await?
+        .error_for_status()?;
+        Ok(())
+    }
+
     /// Sets the provider behaviour (`{"mode": "strict", "late_answer_rate":
     /// 0.1, "late_answer_ms": 6500, "late_action": "refuse"}`).
     ///

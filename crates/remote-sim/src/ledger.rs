@@ -87,6 +87,9 @@ pub struct Stats {
     pub nothing_to_undo: u64,
     /// Strict mode: action keys refused for good because their undo came first.
     pub tombstones: u64,
+    /// Calls answered 429 with `Retry-After` while their service was
+    /// throttled (`PUT /admin/throttle/{service}`); nothing applied.
+    pub throttled: u64,
 }
 
 /// Decisions per key, in order, with an optional journal.

@@ -10,6 +10,9 @@
 //!   change latency and fault rates at run time.
 //! - `GET`/`PUT /admin/provider`: the provider mode (`lenient` or `strict`)
 //!   and its late answers, at run time.
+//! - `PUT /admin/throttle/{service}` `{"for_ms": N}`: the service answers
+//!   every call 429 with `Retry-After` for the next N ms (nothing applied),
+//!   as a provider rate-limiting an API key does.
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics` (`sas_sim_calls_total{service,outcome}`).
 //!
 //! With `sim.auth_token` set, the service routes require
@@ -76,6 +79,10 @@ pub struct SimState {
     in_flight: Arc<Mutex<HashSet<String>>>,
     auth_token: Option<Arc<str>>,
     admin_token: Option<Arc<str>>,
+    /// Services answering 429 with `Retry-After` until the instant each
+    /// names (`PUT /admin/throttle/{service}`), as a provider rate-limiting
+    /// an API key does.
+    throttles: Arc<Mutex<HashMap<String, std::time::Instant>>>,
 }
 
 /// Marks a key in flight until the answer is sent or the caller went away
@@ -120,6 +127,7 @@ impl SimState {
             in_flight: Arc::default(),
             auth_token: settings.sim.auth_token.get().map(Arc::from),
             admin_token: settings.sim.admin_token.get().map(Arc::from),
+            throttles: Arc::default(),
         })
     }
 
@@ -151,6 +159,7 @@ pub fn router(state: SimState) -> Router {
         .route("/admin/faults", put(set_faults))
         .route("/admin/faults/{service}", put(set_service_faults))
         .route("/admin/provider", get(get_provider).put(set_provider))
+        .route("/admin/throttle/{service}", put(set_throttle))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_admin_token,
@@ -375,6 +384,9 @@ async fn call(
     if !state.record_bodies {
         call.body = serde_json::Value::Null;
     }
+    if let Some(answer) = throttled(&state, &call.service) {
+        return answer;
+    }
     let faults = state.faults_for(&call.service);
     let provider = state.provider();
     let decided = match decide(&state, &call, &faults, &provider) {
@@ -392,6 +404,63 @@ async fn call(
         "call decided"
     );
     deliver(&state, &faults, &provider, decided).await
+}
+
+/// A 429 with `Retry-After` (whole seconds, rounded up) while `service`
+/// is throttled: counted, nothing applied or recorded for its key.
+fn throttled(state: &SimState, service: &str) -> Option<Response> {
+    let until = *state
+        .throttles
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(service)?;
+    let left = until.checked_duration_since(std::time::Instant::now())?;
+    let mut ledger = state.ledger();
+    ledger.stats.calls += 1;
+    ledger.stats.throttled += 1;
+    metrics::counter!("sas_sim_calls_total", "service" => service.to_owned()).increment(1);
+    let seconds = left.as_millis().div_ceil(1000).max(1);
+    let mut response = error(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!("rate limited: retry after {seconds} s; nothing applied"),
+    );
+    response.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from(seconds as u64),
+    );
+    Some(response)
+}
+
+/// Body of `PUT /admin/throttle/{service}`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Throttle {
+    /// How long the service answers 429, from now, in milliseconds (0 ends it).
+    for_ms: u64,
+}
+
+async fn set_throttle(
+    State(state): State<SimState>,
+    Path(service): Path<String>,
+    Json(throttle): Json<Throttle>,
+) -> Response {
+    if !SERVICES.iter().any(|(name, _)| *name == service) {
+        return error(StatusCode::NOT_FOUND, format!("no service {service:?}"));
+    }
+    if throttle.for_ms > 86_400_000 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "for_ms must be at most a day (86400000)",
+        );
+    }
+    tracing::info!(service, for_ms = throttle.for_ms, "throttled");
+    let until = std::time::Instant::now() + Duration::from_millis(throttle.for_ms);
+    state
+        .throttles
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(service, until);
+    StatusCode::NO_CONTENT.into_response()
 }
 
 /// Decides the call and records it in the ledger, under one lock, so two

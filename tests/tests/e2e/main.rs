@@ -47,6 +47,8 @@
 //! - [`undo_proof`]: no undo before its action may have landed, on every
 //!   road to one, and "undone" only with proof, against remotes whose late
 //!   actions are real.
+//! - [`throttle`]: a remote's `Retry-After` pauses the agent's lane, with
+//!   no failure counted.
 //! - [`traces`]: OpenTelemetry: one order's spans make one trace across the
 //!   services.
 //! - [`waits`]: steps that wait for an event or a time, the orders'
@@ -77,6 +79,7 @@ mod state_machine;
 mod tenant_quotas;
 mod tenant_turns;
 mod tenants;
+mod throttle;
 mod tls;
 mod traces;
 mod undo_proof;
