@@ -55,6 +55,11 @@ struct Cli {
     /// slow remote absorbs.
     #[arg(long, conflicts_with = "throughput_only")]
     neighbours_only: bool,
+    /// In the noisy-neighbour phase, give the noisy tenant a quota of this
+    /// many orders a second (refused beyond: `tenants.<t>.quota`, over =
+    /// "refuse"), as an operator facing a noisy tenant would.
+    #[arg(long, value_name = "ORDERS_PER_SEC")]
+    noisy_quota: Option<f64>,
     /// One order in this many of the overload phase's 3x and 10x loads is
     /// urgent (priority 9). At the default, 10, urgent orders alone ask
     /// for the whole remote at 10x; 20 leaves them half of it.
@@ -189,6 +194,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         throughput_only: cli.throughput_only,
         overload_only: cli.overload_only,
         neighbours_only: cli.neighbours_only,
+        noisy_quota: cli.noisy_quota,
         urgent_every: usize::from(cli.urgent_every),
     };
     let report = phases::run_all(sizes, options, &progress).await?;

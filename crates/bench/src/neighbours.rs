@@ -45,7 +45,9 @@ const NOISY_FACTOR: f64 = 10.0;
 /// 256 by default).
 pub const STARTING_LIMIT: u32 = 8;
 
-/// Runs the phase: the quiet tenant alone for `secs`, then both for `secs`.
+/// Runs the phase: the quiet tenant alone for `secs`, then both for `secs`;
+/// with `noisy_quota`, the noisy tenant has a quota of that many orders a
+/// second, refused beyond it.
 ///
 /// # Errors
 /// When the quiet tenant's orders do not all end within two minutes.
@@ -54,6 +56,7 @@ pub async fn run(
     publisher: &Publisher,
     system: &mut BenchSystem,
     secs: f64,
+    noisy_quota: Option<f64>,
 ) -> anyhow::Result<Neighbours> {
     for agent in &mut system.agents {
         agent.kill9().await;
@@ -68,9 +71,12 @@ pub async fn run(
         .user()
         .ok_or_else(|| anyhow::anyhow!("the broker URL names no user"))?;
     let tenancy = std::env::temp_dir().join(format!("{}-neighbours.toml", env.id));
+    let quota = noisy_quota.map_or_else(String::new, |per_second| {
+        format!("quota = {{ per_second = {per_second}, over = \"refuse\" }}\n")
+    });
     std::fs::write(
         &tenancy,
-        "[tenants.quiet]\nmembers = [\"gateway:quiet\"]\n[tenants.noisy]\nmembers = [\"gateway:noisy\"]\n",
+        format!("[tenants.quiet]\nmembers = [\"gateway:quiet\"]\n[tenants.noisy]\nmembers = [\"gateway:noisy\"]\n{quota}"),
     )?;
     let mut vars = quiet();
     vars.push(Setting::SchedulerTenancyFile(tenancy.display().to_string()));
@@ -120,6 +126,11 @@ pub async fn run(
     )
     .fetch_one(&env.db)
     .await?;
+    let noisy_stored: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_process WHERE order_id LIKE 'nb-noisy-%@noisy'",
+    )
+    .fetch_one(&env.db)
+    .await?;
     listener
         .wait_for_processed(4 + 2 * quiet_n, Duration::from_secs(10))
         .await;
@@ -131,6 +142,8 @@ pub async fn run(
         quiet_alone_ms: percentiles(latencies(&listener, &alone_sent, "quiet")),
         quiet_beside_noisy_ms: percentiles(latencies(&listener, &quiet_sent, "quiet")),
         noisy_goodput_fraction: noisy_processed as f64 / window / capacity,
+        noisy_quota_per_sec: noisy_quota,
+        noisy_stored: usize::try_from(noisy_stored).unwrap_or(0),
     })
 }
 

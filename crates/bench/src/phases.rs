@@ -55,6 +55,8 @@ pub struct Options {
     pub overload_only: bool,
     /// Skip from the warm-up straight to the noisy-neighbour phase.
     pub neighbours_only: bool,
+    /// The noisy tenant's quota in the noisy-neighbour phase, orders/s.
+    pub noisy_quota: Option<f64>,
     /// One order in this many of the overload phase's loads is urgent.
     pub urgent_every: usize,
 }
@@ -110,7 +112,16 @@ pub async fn run_all(
     let (_connection, publisher) = env.broker().await;
     let mut system = start_warm(&env, &publisher, &mut report).await?;
     if options.neighbours_only {
-        return neighbours(&env, &publisher, &mut system, sizes, report, progress).await;
+        return neighbours(
+            &env,
+            &publisher,
+            &mut system,
+            sizes,
+            options.noisy_quota,
+            report,
+            progress,
+        )
+        .await;
     }
     if options.overload_only {
         for agent in &mut system.agents {
@@ -136,7 +147,16 @@ pub async fn run_all(
     scaling(&env, &publisher, &mut system, sizes, &mut report, progress).await?;
     recovery(&env, &publisher, &system, sizes, &mut report, progress).await?;
     let report = overload(&env, &publisher, &system, sizes, options, report, progress).await?;
-    neighbours(&env, &publisher, &mut system, sizes, report, progress).await
+    neighbours(
+        &env,
+        &publisher,
+        &mut system,
+        sizes,
+        options.noisy_quota,
+        report,
+        progress,
+    )
+    .await
 }
 
 /// The calibrations: the broker's and Postgres's own limits, against which
@@ -514,12 +534,14 @@ async fn neighbours(
     publisher: &Publisher,
     system: &mut BenchSystem,
     sizes: Sizes,
+    noisy_quota: Option<f64>,
     mut report: Report,
     progress: &ProgressBar,
 ) -> anyhow::Result<Report> {
     progress.set_message("neighbours: a quiet tenant beside one sending 10x the capacity");
-    report.neighbours =
-        Some(crate::neighbours::run(env, publisher, system, sizes.neighbours_secs).await?);
+    report.neighbours = Some(
+        crate::neighbours::run(env, publisher, system, sizes.neighbours_secs, noisy_quota).await?,
+    );
     progress.inc(1);
     Ok(report)
 }

@@ -73,6 +73,10 @@ pub struct Neighbours {
     /// The noisy tenant's orders processed per second while the quiet
     /// tenant's were, as a fraction of the capacity: it keeps the rest.
     pub noisy_goodput_fraction: f64,
+    /// The noisy tenant's quota, orders/s (`--noisy-quota`), if it had one.
+    pub noisy_quota_per_sec: Option<f64>,
+    /// The noisy tenant's orders stored (the rest refused by its quota).
+    pub noisy_stored: usize,
 }
 
 /// How the saturation phase's writes were grouped (see `Report`).
@@ -413,8 +417,11 @@ impl Report {
         row(
             out,
             &format!(
-                "neighbours: quiet beside noisy at 10x ({} orders)",
-                n.noisy_orders
+                "neighbours: quiet beside noisy at 10x ({} orders, {} stored{})",
+                n.noisy_orders,
+                n.noisy_stored,
+                n.noisy_quota_per_sec
+                    .map_or_else(String::new, |q| format!(", quota {q}/s"))
             ),
             format!(
                 "p50/p99 {:.0}/{:.0} ms ({:.2}x alone)  noisy goodput {:.2}",
