@@ -431,6 +431,12 @@ fn throttled(state: &SimState, service: &str) -> Option<Response> {
     Some(response)
 }
 
+/// 404 for a service remote-sim does not offer.
+fn unknown_service(service: &str) -> Option<Response> {
+    (!SERVICES.iter().any(|(name, _)| *name == service))
+        .then(|| error(StatusCode::NOT_FOUND, format!("no service {service:?}")))
+}
+
 /// Body of `PUT /admin/throttle/{service}`.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -444,8 +450,8 @@ async fn set_throttle(
     Path(service): Path<String>,
     Json(throttle): Json<Throttle>,
 ) -> Response {
-    if !SERVICES.iter().any(|(name, _)| *name == service) {
-        return error(StatusCode::NOT_FOUND, format!("no service {service:?}"));
+    if let Some(unknown) = unknown_service(&service) {
+        return unknown;
     }
     if throttle.for_ms > 86_400_000 {
         return error(
@@ -735,8 +741,8 @@ async fn set_service_faults(
     Path(service): Path<String>,
     Json(faults): Json<Faults>,
 ) -> Response {
-    if !SERVICES.iter().any(|(name, _)| *name == service) {
-        return error(StatusCode::NOT_FOUND, format!("no service {service:?}"));
+    if let Some(unknown) = unknown_service(&service) {
+        return unknown;
     }
     if let Err(message) = faults.validate() {
         return error(StatusCode::BAD_REQUEST, message);

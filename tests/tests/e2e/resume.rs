@@ -139,28 +139,12 @@ async fn orders_stopped_by_a_refusing_remote_resume_from_the_failed_step_once_it
     assert_eq!(code, 0, "{out}");
     let preview: serde_json::Value = serde_json::from_str(&out).expect("the preview as JSON");
     assert_eq!(preview["count"], rest);
-    let (code, _) = env
-        .sasctl(&[
-            "bulk",
-            "resume",
-            "--state",
-            "error",
-            "--confirm",
-            &rest.to_string(),
-        ])
-        .await;
+    let confirm = rest.to_string();
+    let bulk = ["bulk", "resume", "--state", "error", "--confirm", &confirm];
+    let (code, _) = env.sasctl(&bulk).await;
     assert_ne!(code, 0, "a bulk resume without a reason is refused");
     let (code, out) = env
-        .sasctl(&[
-            "bulk",
-            "resume",
-            "--state",
-            "error",
-            "--confirm",
-            &rest.to_string(),
-            "--reason",
-            reason,
-        ])
+        .sasctl(&[&bulk[..], &["--reason", reason]].concat())
         .await;
     assert_eq!(code, 0, "{out}");
     env.wait_for_count(

@@ -494,25 +494,14 @@ fn an_undo_whose_template_finds_no_value_is_never_sent_and_the_order_ends_in_err
 
 #[test]
 fn an_action_whose_request_cannot_be_built_is_refused_unsent_and_the_order_undone() {
-    let mut steps = workflow();
-    steps[1].calls = Some(crate::machine::call::StepCalls {
-        on_failure: crate::machine::call::OnFailure::Compensate,
+    let mut snapshot = charging_with(crate::machine::call::StepCalls {
         action: Some(crate::machine::call::CallTemplate {
             method: None,
             path: Some("/accounts/${/attributes/account}/charges".into()),
             body: None,
         }),
-        compensation: None,
+        ..Default::default()
     });
-    let mut snapshot = Snapshot::new_order(
-        "o-1",
-        serde_json::json!({ "order_id": "o-1" }),
-        None,
-        None,
-        5,
-        &steps,
-        t(0),
-    );
     snapshot.process.state = ProcessState::Processing;
     step(&mut snapshot, 0, StepState::Running, 1);
     snapshot.process.locked_by = Some(SCHEDULER.into());
@@ -1734,15 +1723,11 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
     );
 }
 
-/// An order whose `charge_payment` says `on_failure = "stop"`, processing
-/// that step (attempt 2) after `reserve_stock` completed.
-fn charging_with_stop() -> Snapshot {
+/// A new order of the workflow whose `charge_payment` is called as `calls` say.
+fn charging_with(calls: crate::machine::call::StepCalls) -> Snapshot {
     let mut steps = workflow();
-    steps[1].calls = Some(crate::machine::call::StepCalls {
-        on_failure: crate::machine::call::OnFailure::Stop,
-        ..Default::default()
-    });
-    let mut snapshot = Snapshot::new_order(
+    steps[1].calls = Some(calls);
+    Snapshot::new_order(
         "o-1",
         serde_json::json!({ "order_id": "o-1" }),
         None,
@@ -1750,7 +1735,16 @@ fn charging_with_stop() -> Snapshot {
         5,
         &steps,
         t(0),
-    );
+    )
+}
+
+/// An order whose `charge_payment` says `on_failure = "stop"`, processing
+/// that step (attempt 2) after `reserve_stock` completed.
+fn charging_with_stop() -> Snapshot {
+    let mut snapshot = charging_with(crate::machine::call::StepCalls {
+        on_failure: crate::machine::call::OnFailure::Stop,
+        ..Default::default()
+    });
     snapshot.process.state = ProcessState::Processing;
     step(&mut snapshot, 0, StepState::Completed, 1);
     step(&mut snapshot, 1, StepState::Running, 2);
