@@ -1,6 +1,6 @@
 //! `sasctl orders`, `alerts`, `dead-letters`: read the state store.
 
-use sas_store::machine::park::Park;
+use sas_store::machine::kind::Kind;
 use std::process::ExitCode;
 
 use sas_store::Store;
@@ -77,17 +77,17 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
     println!("\nSTEPS");
     for step in &detail.steps {
         // A wait step has no agent: what it waits for, and until when.
-        let does = match &step.park {
-            Some(Park::Event { event, .. }) => format!("wait:{event}"),
-            Some(Park::Delay { .. }) => "delay".to_owned(),
-            None => step.agent.clone(),
+        let does = match step.kind() {
+            Kind::Wait { event, .. } => format!("wait:{event}"),
+            Kind::Delay => "delay".to_owned(),
+            Kind::Call => step.agent.clone(),
         };
-        let until = match (&step.park, step.state) {
-            (Some(_), sas_store::StepState::Running) => step
-                .complete_by
+        let until = if step.kind().parks() && step.state == sas_store::StepState::Running {
+            step.complete_by
                 .map(|at| format!("  (until {})", at.to_rfc3339()))
-                .unwrap_or_default(),
-            _ => String::new(),
+                .unwrap_or_default()
+        } else {
+            String::new()
         };
         // Members of a parallel group run side by side.
         let beside = step

@@ -620,7 +620,7 @@ async fn run_case(
     let mut admission = BTreeMap::new();
     let mut caps = BTreeMap::new();
     let cap = if case.is_multiple_of(3) { 2 } else { 0 };
-    let calls = workflow.iter().filter(|step| step.park.is_none());
+    let calls = workflow.iter().filter(|step| step.kind().calls_out());
     for (step, &full) in calls.zip(full) {
         let in_flight = i32::from(full);
         sqlx::query(

@@ -9,7 +9,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use maud::{html, Markup};
-use sas_store::machine::park::Park;
+use sas_store::machine::kind::Kind;
 use sas_store::machine::StepRow;
 use sas_store::reads::queries::{Delivery, OrderDetail};
 use sas_store::{ProcessState, StepState};
@@ -206,10 +206,10 @@ fn what_remains(detail: &OrderDetail) -> Markup {
         } @else {
             ol #remaining { @for step in &remaining {
                 li { (step.name) " ("
-                    @match &step.park {
-                        Some(Park::Event { event, .. }) => { "waits for the event " (event) }
-                        Some(Park::Delay { .. }) => { "waits for a time" }
-                        None => {
+                    @match step.kind() {
+                        Kind::Wait { event, .. } => { "waits for the event " (event) }
+                        Kind::Delay => { "waits for a time" }
+                        Kind::Call => {
                             (step.agent) ": "
                             @if what == "to undo" { (step.compensation.as_deref().unwrap_or("-")) } @else { (step.action) }
                         }

@@ -18,6 +18,8 @@
 //! - [`names`]: history events and alert kinds.
 //! - [`dispatch`]: the one constructor of a step request, with its key,
 //!   payload, deadline and history detail.
+//! - [`kind`]: what a step does (a call, a wait, a delay): the closed set
+//!   the rules match on.
 //! - [`undo`]: when a step may be undone, the one rule every road to
 //!   compensation follows.
 //! - `rules`: the decisions, one function per event.
@@ -25,6 +27,7 @@
 pub mod admission;
 pub mod call;
 pub mod dispatch;
+pub mod kind;
 pub mod moves;
 pub mod names;
 pub mod park;

@@ -103,7 +103,7 @@ pub fn plan_move(
     for (position, definition) in (0..).zip(steps) {
         let mut row = StepRow::new(&snapshot.order_id, position, definition);
         if let Some(old) = carried.get(definition.name.as_str()) {
-            if old.state == StepState::Running && old.park.is_some() != definition.park.is_some() {
+            if old.state == StepState::Running && old.kind().parks() != definition.kind().parks() {
                 return Err(Unsafe(format!(
                     "the order waits at step {:?}, which is no wait step in version {to}",
                     old.name
@@ -168,9 +168,11 @@ pub fn plan_move(
 fn may_have_acted(old: &StepRow) -> bool {
     match old.state {
         StepState::Completed | StepState::Compensating => true,
-        StepState::Running => old.park.is_none(),
-        StepState::Failed => old.maybe_applied,
-        StepState::NotStarted | StepState::Compensated => false,
+        StepState::Running => old.kind().calls_out(),
+        // A step resumed by an operator keeps "maybe applied" until its
+        // new attempt settles it.
+        StepState::Failed | StepState::NotStarted => old.maybe_applied,
+        StepState::Compensated => false,
     }
 }
 

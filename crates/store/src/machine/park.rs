@@ -97,7 +97,7 @@ pub fn parked_at(state: ProcessState, steps: &[StepRow]) -> Option<usize> {
     }
     let index = steps.iter().position(|s| s.state != StepState::Completed)?;
     let step = &steps[index];
-    (step.park.is_some() && step.state == StepState::Running).then_some(index)
+    (step.kind().parks() && step.state == StepState::Running).then_some(index)
 }
 
 impl Park {

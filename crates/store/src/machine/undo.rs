@@ -35,7 +35,7 @@ use crate::model::StepState;
 /// now, because no call of its action can still land.
 pub fn undo_not_before(step: &StepRow, grace: Duration) -> Option<DateTime<Utc>> {
     let unsettled = match step.state {
-        StepState::Running => step.park.is_none(),
+        StepState::Running => step.kind().calls_out(),
         StepState::Failed => step.maybe_applied,
         StepState::NotStarted
         | StepState::Completed

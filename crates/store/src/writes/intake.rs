@@ -9,6 +9,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::Writes;
+use crate::machine::kind::Kind;
 use crate::machine::{decide, Context, Event, Snapshot};
 use crate::model::{Dispatch, NewStep, Plan, Progress};
 use crate::StoreError;
@@ -240,12 +241,11 @@ impl Writes<'_> {
         // wait, an order its tenant's quota holds back, or a first request
         // that cannot be built (a template with a hole, a request too
         // large), takes the write kernel, where the machine decides.
-        let (fast, slow): (Vec<usize>, Vec<usize>) = if steps[0].park.is_some() {
-            (Vec::new(), distinct.clone())
-        } else {
-            distinct.iter().partition(|&&index| {
+        let (fast, slow): (Vec<usize>, Vec<usize>) = match steps[0].kind() {
+            Kind::Wait { .. } | Kind::Delay => (Vec::new(), distinct.clone()),
+            Kind::Call => distinct.iter().partition(|&&index| {
                 submissions[index].start_at.is_none() && batch.first_request_builds(index)
-            })
+            }),
         };
         let fast_ids: Vec<Uuid> = fast
             .iter()

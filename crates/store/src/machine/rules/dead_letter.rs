@@ -30,7 +30,7 @@ pub(super) fn dead_lettered(
     let state = draft.process.state;
     let current = |expected: StepState| {
         draft.steps.iter().position(|s| {
-            s.attempt_id == Some(attempt_id) && s.state == expected && s.park.is_none()
+            s.attempt_id == Some(attempt_id) && s.state == expected && s.kind().calls_out()
         })
     };
     let (index, given_up) = match state {

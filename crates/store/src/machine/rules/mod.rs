@@ -20,6 +20,7 @@ use chrono::{DateTime, Utc};
 use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 
 use super::dispatch::{attempt_detail, operation, payload, Unbuilt};
+use super::kind::Kind;
 use super::undo::undo_not_before;
 use super::{
     admission_delta, admit_key, status, AdmissionDelta, AlertKind, Context, Decision, Event,
@@ -295,8 +296,9 @@ impl<'a> Draft<'a> {
     }
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
-        if self.steps[index].park.is_some() {
-            return park::start(self, index);
+        match self.steps[index].kind() {
+            Kind::Wait { .. } | Kind::Delay => return park::start(self, index),
+            Kind::Call => {}
         }
         if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
             return self.wait_for_slot(index, kind);

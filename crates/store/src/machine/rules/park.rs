@@ -205,7 +205,7 @@ fn from(event: &crate::machine::park::MailboxEvent) -> String {
 pub(super) fn end_waits(draft: &mut Draft<'_>, why: &str) {
     for index in 0..draft.steps.len() {
         let step = &draft.steps[index];
-        if step.park.is_some() && step.state == StepState::Running {
+        if step.kind().parks() && step.state == StepState::Running {
             fail_step(draft, index, why);
         }
     }

@@ -33,7 +33,7 @@ pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
     if let Some(index) = (state == ProcessState::Compensating)
         .then(|| current(StepState::Running))
         .flatten()
-        .filter(|&index| draft.steps[index].park.is_none())
+        .filter(|&index| draft.steps[index].kind().calls_out())
     {
         return late_answer(draft, index, reply);
     }

@@ -1,0 +1,115 @@
+//! What a step does: the closed set of step kinds, as the state machine
+//! sees them. Every rule that depends on a step's kind matches on
+//! [`Kind`] (or asks one of its questions below, each one exhaustive
+//! match), never on "has a park or not": a new kind is a new variant here,
+//! and the compiler lists every place that must decide what it does.
+//!
+//! Steps are stored as they always were (an agent and action for a call,
+//! [`Park`] for a wait or a delay); [`Kind`] is the view the rules read.
+
+use super::park::{OnTimeout, Park};
+use super::StepRow;
+use crate::model::NewStep;
+
+/// What one step does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind<'a> {
+    /// Calls its agent's remote service: the action forward, its
+    /// compensation when undone.
+    Call,
+    /// Waits for an event from the outside world, for at most its timeout.
+    Wait {
+        /// The event's name.
+        event: &'a str,
+        /// What a timeout means.
+        on_timeout: OnTimeout,
+    },
+    /// Waits for a time.
+    Delay,
+}
+
+impl Kind<'_> {
+    /// The kind a step's stored wait or delay (`None`: a call) makes.
+    pub fn of(park: Option<&Park>) -> Kind<'_> {
+        match park {
+            None => Kind::Call,
+            Some(Park::Event {
+                event, on_timeout, ..
+            }) => Kind::Wait {
+                event,
+                on_timeout: *on_timeout,
+            },
+            Some(Park::Delay { .. }) => Kind::Delay,
+        }
+    }
+
+    /// Whether a step of this kind, running, may have a call of its own in
+    /// flight that can land (and so may need undoing): a call may; a wait
+    /// or a delay calls nobody.
+    pub fn calls_out(self) -> bool {
+        match self {
+            Kind::Call => true,
+            Kind::Wait { .. } | Kind::Delay => false,
+        }
+    }
+
+    /// Whether reaching a step of this kind parks its order (pending, held
+    /// by nobody, until an event or a time): waits and delays do.
+    pub fn parks(self) -> bool {
+        match self {
+            Kind::Call => false,
+            Kind::Wait { .. } | Kind::Delay => true,
+        }
+    }
+}
+
+impl StepRow {
+    /// What this step does (see [`Kind`]).
+    pub fn kind(&self) -> Kind<'_> {
+        Kind::of(self.park.as_ref())
+    }
+}
+
+impl NewStep {
+    /// What this step does (see [`Kind`]).
+    pub fn kind(&self) -> Kind<'_> {
+        Kind::of(self.park.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_calls_out_and_a_wait_or_delay_parks() {
+        let wait = Park::Event {
+            event: "approved".into(),
+            on_timeout: OnTimeout::Fail,
+            correlation_key: None,
+            senders: Vec::new(),
+        };
+        let delay = Park::Delay {
+            delay_ms: 5,
+            not_before: None,
+        };
+        assert_eq!(
+            Kind::of(Some(&wait)),
+            Kind::Wait {
+                event: "approved",
+                on_timeout: OnTimeout::Fail
+            }
+        );
+        for (kind, calls_out, parks) in [
+            (Kind::of(None), true, false),
+            (Kind::of(Some(&wait)), false, true),
+            (Kind::of(Some(&delay)), false, true),
+        ] {
+            assert_eq!(
+                (kind.calls_out(), kind.parks()),
+                (calls_out, parks),
+                "{kind:?}"
+            );
+        }
+    }
+}
