@@ -69,7 +69,7 @@ pub fn document() -> Value {
                         "403": error("The client's tenant may not use this workflow or priority, or the client belongs to no tenant."),
                         "409": error("The id names an order of this client's tenant with other content."),
                         "413": error("The body exceeds amqp.max_message_bytes."),
-                        "429": error("Too many failed authentications from this address: see Retry-After."),
+                        "429": error("Too many failed authentications from this address, or the client's tenant is over its quota (tenants.<t>.quota): see Retry-After; nothing was sent."),
                         "503": error("The broker did not confirm or the store cannot be reached: send the same order again (see Retry-After)."),
                     },
                 },

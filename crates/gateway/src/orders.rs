@@ -202,6 +202,10 @@ pub async fn submit(
     if let Some(answer) = answer_if_stored(&gateway, &order, &stored_id).await {
         return answer;
     }
+    if let Some(refused) = refuse_over_quota(&gateway, &tenant).await {
+        counted("over_quota");
+        return refused;
+    }
     match publish_order(&gateway, &order, &stored_id, &caller).await {
         Ok(()) => {
             counted("accepted");
@@ -214,6 +218,34 @@ pub async fn submit(
             not_confirmed(&format!("the order was not accepted: the broker did not confirm it ({error}); send the same order again, which is safe (idempotent on order_id)"))
         }
     }
+}
+
+/// 429 with `Retry-After` when the tenant is over its quota now (read
+/// without taking a turn; intake takes it, and still refuses what gets
+/// past this check in a race). A store that cannot be read lets the order
+/// through: intake enforces the quota either way.
+async fn refuse_over_quota(gateway: &Gateway, tenant: &str) -> Option<Response> {
+    let quota = gateway.tenancy.quota(tenant)?;
+    let wait = match gateway.store.admission().quota_wait(tenant, quota).await {
+        Ok(wait) => wait?,
+        Err(error) => {
+            tracing::warn!(tenant, %error, "the tenant's quota could not be read: the order goes to intake, which applies it");
+            return None;
+        }
+    };
+    let seconds = wait.as_secs_f64().ceil().max(1.0) as u64;
+    let mut response = problem(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!(
+            "over tenant {tenant}'s quota ({} orders a second, burst {}): nothing was sent; send it again in {seconds} s",
+            quota.per_second, quota.burst
+        ),
+    );
+    response.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from(seconds),
+    );
+    Some(response)
 }
 
 /// The answer refusing `order` at once for what its client's tenant may

@@ -87,4 +87,31 @@ impl Admission<'_> {
             fits_in.unwrap_or(0.0),
         )))
     }
+
+    /// How long until `tenant`'s quota would take one more order, read
+    /// without taking a turn (`None`: it would take it now, or within the
+    /// wait a queued quota allows). The gateway's answer at once (429 with
+    /// `Retry-After`) for an order intake would refuse; intake still takes
+    /// the turn, so a race between the two only ever refuses later.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn quota_wait(
+        self,
+        tenant: &str,
+        quota: &Quota,
+    ) -> Result<Option<Duration>, StoreError> {
+        let over: Option<f64> = sqlx::query_scalar(
+            "SELECT EXTRACT(EPOCH FROM GREATEST(tat, now()) - now())::float8 - $2 - $3
+               FROM tenant_quota WHERE tenant = $1",
+        )
+        .bind(tenant)
+        .bind(quota.tolerance().as_secs_f64())
+        .bind(quota.max_wait.as_secs_f64())
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(over
+            .filter(|seconds| *seconds > 0.0)
+            .map(Duration::from_secs_f64))
+    }
 }

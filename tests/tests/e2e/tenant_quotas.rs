@@ -268,3 +268,72 @@ async fn a_tenant_over_its_quota_is_refused_or_held_back_and_the_others_are_not(
     )
     .await;
 }
+
+/// A gateway client whose tenant is over its quota hears so at once: 429
+/// with `Retry-After`, nothing sent; the same order sent again is still
+/// answered as a duplicate (a stored order takes no turn).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gateway_answers_an_order_over_its_tenant_s_quota_at_once_with_retry_after() {
+    const SECRET: &str = "slow-secret-0123456789abcdef";
+    let env = TestEnv::new().await;
+    let file = std::env::temp_dir().join(format!("{}-gateway-quota.toml", env.id));
+    std::fs::write(
+        &file,
+        "[tenants.slow]\nmembers = [\"gateway:slow\"]\nquota = { per_second = 0.1, burst = 1 }\n",
+    )
+    .unwrap();
+    let user = env.amqp().user().expect("a broker user");
+    let _scheduler = env.scheduler(
+        0,
+        &[
+            Setting::SchedulerTenancyFile(file.display().to_string()),
+            Setting::AmqpDelegatingUsers(user),
+        ],
+    );
+    let port = sas_tests::process::free_port();
+    let _gateway = env.spawn(
+        "gateway",
+        "gateway",
+        &[
+            Setting::Listen(port),
+            Setting::GatewayClients(format!("slow:{SECRET}")),
+            Setting::GatewayTenancyFile(file.display().to_string()),
+        ],
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    sas_tests::wait::wait_ready("the gateway", &base).await;
+    let post = |id: &str| {
+        sas_tests::http_client()
+            .post(format!("{base}/v1/orders"))
+            .bearer_auth(SECRET)
+            .json(&order(id))
+            .send()
+    };
+    let first = post("g-1").await.expect("the gateway answers");
+    assert_eq!(first.status(), reqwest::StatusCode::ACCEPTED);
+    wait_until("g-1 stored", Duration::from_secs(20), || async {
+        (stored(&env, "slow", None).await == 1)
+            .then_some(())
+            .ok_or_else(|| "not stored yet".to_owned())
+    })
+    .await;
+
+    // One order in ten seconds: the next is over the quota, said at once.
+    let over = post("g-2").await.expect("the gateway answers");
+    assert_eq!(over.status(), reqwest::StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = over
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("a Retry-After in seconds");
+    assert!((1..=10).contains(&retry_after), "Retry-After {retry_after}");
+    let body: serde_json::Value = over.json().await.unwrap();
+    assert!(
+        body.to_string().contains("over tenant slow's quota"),
+        "{body}"
+    );
+    // A stored order sent again takes no turn: answered as a duplicate.
+    let again = post("g-1").await.expect("the gateway answers");
+    assert_eq!(again.status(), reqwest::StatusCode::OK);
+}
