@@ -30,7 +30,6 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sas_messages::{
     AttemptId, OrderEvent, OrderId, StepKind, StepOutcome, StepReply, SCHEMA_VERSION,
 };
-use sas_store::machine::moves::plan_move;
 use sas_store::machine::park::{MailboxEvent, OnTimeout, Park};
 use sas_store::machine::undo::undo_not_before;
 use sas_store::machine::{
@@ -326,37 +325,28 @@ impl Model {
     }
 
     /// What an operator's move of version 1 to `plan` (version 2) does to
-    /// the order, as `move_orders` writes it: the machine's `plan_move`,
-    /// the order out of its line, a `moved` line in its history.
+    /// the order: the machine's decision ([`Event::Moved`]), recorded as
+    /// any other.
     fn move_to(
         &mut self,
         plan: &[NewStep],
         mapping: &BTreeMap<String, String>,
-        now: DateTime<Utc>,
+        ctx: &Context<'_>,
     ) -> Returned {
         if self.version != 1 {
             return Returned::Moved(0);
         }
-        let Ok(moved) = plan_move(&self.snapshot, plan, mapping, (1, 2)) else {
-            return Returned::Moved(0);
+        let event = Event::Moved {
+            plan,
+            mapping,
+            from: 1,
+            to: 2,
         };
-        self.snapshot.steps = moved.steps;
-        let process = &mut self.snapshot.process;
-        if let Some(agent) = process.waiting_for.take() {
-            let counters = self.admission.get_mut(&agent).expect("a registered agent");
-            counters.1 = (counters.1 - 1).max(0);
-            process.admit_key = None;
-            process.not_before = now;
+        let decision = decide(&self.snapshot, &event, ctx);
+        if decision.verdict != Verdict::Applied {
+            return Returned::Moved(0);
         }
-        self.history.push((
-            OPERATOR.to_owned(),
-            HistoryLine {
-                event: HistoryEvent::Moved,
-                step: None,
-                attempt_id: None,
-                detail: Some(moved.detail),
-            },
-        ));
+        self.record(&decision, OPERATOR);
         self.version = 2;
         Returned::Moved(1)
     }
@@ -579,6 +569,7 @@ fn expected(decision: &Decision) -> Returned {
         Verdict::Refused(state) => Returned::Refused(state.to_string()),
         Verdict::Resumed { from, key_kept } => Returned::Resumed(from.clone(), *key_kept),
         Verdict::NotResumable(_) => Returned::NotResumable,
+        Verdict::NotMovable(_) => Returned::Moved(0),
         Verdict::Stale(_) | Verdict::Unchanged(_) => Returned::NotApplied,
     }
 }
@@ -994,7 +985,7 @@ async fn run_case(
         };
         let event = match (step, &event_reply) {
             (_, Some(reply)) => Event::Reply(reply),
-            // A move is no event of the machine: `Model::move_to` below.
+            // A move needs its plan: `Model::move_to` below.
             (Step::Moved, _) => Event::EventArrived,
             (Step::DeadlineMissed, _) => Event::DeadlineMissed {
                 policy: &policy,
@@ -1066,7 +1057,7 @@ async fn run_case(
                 .insert("the head of a line claimed".into());
         }
         let decided = if matches!(step, Step::Moved) {
-            model.move_to(&version_2, &mapping, now)
+            model.move_to(&version_2, &mapping, &ctx)
         } else if untouched_in_line {
             Returned::NotApplied
         } else {

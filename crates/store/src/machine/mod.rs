@@ -252,6 +252,9 @@ impl Snapshot {
         if let Some(process) = &decision.process {
             self.process = process.clone();
         }
+        if let Some(steps) = &decision.moved_steps {
+            self.steps.clone_from(steps);
+        }
         for change in &decision.steps {
             if let Some(step) = self
                 .steps
@@ -327,6 +330,19 @@ pub enum Event<'a> {
     /// An event arrived in the order's mailbox (already in the snapshot's
     /// `mailbox`): a wait step waiting for it uses it.
     EventArrived,
+    /// An operator moves the order from version `from` of its workflow to
+    /// version `to`, whose steps are `plan`, old step names mapped to new
+    /// ones by `mapping` (see [`moves::plan_move`]).
+    Moved {
+        /// The new version's steps.
+        plan: &'a [NewStep],
+        /// Old step names to new ones (a step absent keeps its name).
+        mapping: &'a std::collections::BTreeMap<String, String>,
+        /// The order's version now.
+        from: i32,
+        /// The version it moves to.
+        to: i32,
+    },
 }
 
 /// The inputs of a decision that come from outside the order.
@@ -378,6 +394,9 @@ pub enum Verdict {
     },
     /// An operator's resume the order's steps do not allow, and why.
     NotResumable(String),
+    /// An operator's move the order does not allow (it is running, or the
+    /// move would lose what it did), and why.
+    NotMovable(String),
 }
 
 /// A step's new row, guarded by what it was decided on.
@@ -438,6 +457,9 @@ pub struct Decision {
     /// The business key the order waits with from now on (its wait step
     /// reads one): events naming it go to the order.
     pub wait_key: Option<park::WaitKey>,
+    /// Every step of the order under a new plan, when a move replaced them
+    /// (positions and names may change, so they are not [`StepChange`]s).
+    pub moved_steps: Option<Vec<StepRow>>,
 }
 
 impl Decision {

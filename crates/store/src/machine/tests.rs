@@ -167,6 +167,7 @@ fn outcome(decision: &Decision, before: ProcessState) -> String {
             after.as_str().to_owned()
         }
         Verdict::NotResumable(_) => "not resumable".into(),
+        Verdict::NotMovable(_) => "not movable".into(),
         Verdict::Stale(_) => "stale".into(),
         Verdict::Unchanged(_) => "-".into(),
         Verdict::Refused(_) => "refused".into(),

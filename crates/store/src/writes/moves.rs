@@ -1,6 +1,6 @@
 //! Moving waiting orders to another version of their workflow, as an
 //! operator asks: the plans every scheduler registers, and the move itself,
-//! decided for each order by [`crate::machine::moves::plan_move`] and
+//! decided for each order by the state machine ([`Event::Moved`]) and
 //! recorded in its history.
 
 use std::collections::BTreeMap;
@@ -9,8 +9,7 @@ use sqlx::types::Json;
 
 use super::apply::load_snapshots;
 use super::Writes;
-use crate::machine::moves::plan_move;
-use crate::machine::HistoryEvent;
+use crate::machine::{decide, Event, HistoryEvent, StepRow, Verdict};
 use crate::model::{NewStep, Plan};
 use crate::StoreError;
 
@@ -108,7 +107,8 @@ impl Writes<'_> {
 
     /// Moves the orders of `request.workflow` at version `request.from`
     /// that wait (in a line, in backoff or at a wait step) to version
-    /// `request.to`, each as [`plan_move`] decides, in one transaction: its
+    /// `request.to`, each as the state machine decides ([`Event::Moved`]),
+    /// in one transaction: its
     /// steps replaced, taken out of any agent's line (a claim puts it back
     /// in the right one), and a `moved` line in its history by `actor`.
     /// An order the move is unsafe for is left as it is, with the reason.
@@ -158,17 +158,36 @@ impl Writes<'_> {
             not_waiting,
             ..MoveReport::default()
         };
+        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&mut *tx)
+            .await?;
+        let ctx = self.store.context(now, actor);
+        let event = Event::Moved {
+            plan: &steps,
+            mapping: request.mapping,
+            from: request.from,
+            to: request.to,
+        };
         let mut planned = Vec::new();
         for snapshot in &snapshots {
             let order_id = snapshot.order_id.as_str().to_owned();
-            match plan_move(
-                snapshot,
-                &steps,
-                request.mapping,
-                (request.from, request.to),
-            ) {
-                Ok(moved) => planned.push((snapshot, moved)),
-                Err(unsafe_move) => report.refused.push((order_id, unsafe_move.0)),
+            let decision = decide(snapshot, &event, &ctx);
+            match (decision.verdict, decision.moved_steps) {
+                (Verdict::Applied, Some(steps)) => {
+                    let detail = decision
+                        .history
+                        .into_iter()
+                        .find(|line| line.event == HistoryEvent::Moved)
+                        .and_then(|line| line.detail)
+                        .unwrap_or_default();
+                    planned.push((snapshot, Moved { steps, detail }));
+                }
+                (Verdict::NotMovable(why), _) => report.refused.push((order_id, why)),
+                (other, _) => {
+                    return Err(
+                        StoreError::Invariant(format!("a move was decided as {other:?}")).into(),
+                    )
+                }
             }
         }
         if let (true, Some(confirmed)) = (request.apply, request.confirmed) {
@@ -197,11 +216,18 @@ impl Writes<'_> {
     }
 }
 
+/// One order's move as decided: its steps under the new plan, and what
+/// changed (the history line's detail).
+struct Moved {
+    steps: Vec<StepRow>,
+    detail: String,
+}
+
 /// Writes one move: the new steps, the order out of its line, the history.
 async fn replace(
     tx: &mut sqlx::PgConnection,
     snapshot: &crate::machine::Snapshot,
-    moved: &crate::machine::moves::Moved,
+    moved: &Moved,
     version: i32,
     actor: &str,
 ) -> Result<(), StoreError> {

@@ -8,6 +8,7 @@
 mod dead_letter;
 mod deadline;
 mod group;
+mod moved;
 mod operator;
 mod park;
 mod reply;
@@ -48,6 +49,12 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
         Event::Resumed { reason, earlier } => operator::resumed(&mut draft, reason, earlier),
         Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
         Event::EventArrived => park::event_arrived(&mut draft),
+        Event::Moved {
+            plan,
+            mapping,
+            from,
+            to,
+        } => moved::moved(&mut draft, plan, mapping, (from, to)),
     }
     draft.finish()
 }
@@ -92,6 +99,8 @@ struct Draft<'a> {
     used_event: Option<String>,
     /// The business key the order now waits with, if its wait has one.
     wait_key: Option<crate::machine::park::WaitKey>,
+    /// A move replaced the steps (see [`Decision::moved_steps`]).
+    moved: bool,
 }
 
 impl<'a> Draft<'a> {
@@ -116,6 +125,7 @@ impl<'a> Draft<'a> {
             answered: None,
             used_event: None,
             wait_key: None,
+            moved: false,
         }
     }
 
@@ -484,11 +494,13 @@ impl<'a> Draft<'a> {
                 admission: Vec::new(),
                 used_event: None,
                 wait_key: None,
+                moved_steps: None,
             };
         }
         let steps = self
             .changed
             .iter()
+            .filter(|_| !self.moved)
             .filter(|&&index| self.steps[index] != self.snapshot.steps[index])
             .map(|&index| {
                 let before = &self.snapshot.steps[index];
@@ -529,6 +541,7 @@ impl<'a> Draft<'a> {
             admission[at].queued_ms = queued_ms;
             admission[at].slot_wait_ms = slot_wait_ms;
         }
+        let moved = self.moved;
         Decision {
             admission,
             verdict: self.verdict,
@@ -540,6 +553,7 @@ impl<'a> Draft<'a> {
             progress: self.progress,
             used_event: self.used_event,
             wait_key: self.wait_key,
+            moved_steps: moved.then_some(self.steps),
         }
     }
 }
