@@ -311,14 +311,17 @@ impl Agent {
             };
             if let Some(paused) = lane.pause.remaining() {
                 // The service asked for quiet: no call before then, and no
-                // failure for waiting.
+                // failure for waiting. A pause past the start deadline is
+                // waited out to the deadline (answering at once would send
+                // the order back to be dispatched again at once).
+                tokio::select! {
+                    () = tokio::time::sleep(paused.min(left)) => {}
+                    () = self.interrupted(connection_lost) => return Finished::Interrupted,
+                }
                 if paused >= left {
                     return tries.expired();
                 }
-                tokio::select! {
-                    () = tokio::time::sleep(paused) => continue,
-                    () = self.interrupted(connection_lost) => return Finished::Interrupted,
-                }
+                continue;
             }
             let Some(permit) = lane.circuit.allow() else {
                 if let Err(finished) = self
@@ -356,7 +359,7 @@ impl Agent {
             let backoff = tries.count_retry(&retries, class, error, logged);
             // A pause the service named replaces the backoff: the loop
             // waits it out (every request of the lane does).
-            let wait = if paused.is_some() {
+            let wait = if paused.is_some_and(|pause| !pause.is_zero()) {
                 Duration::ZERO
             } else {
                 backoff
@@ -428,6 +431,18 @@ impl Agent {
         };
         tries.slot_wait += asked.elapsed();
         received.turn.granted();
+        // Another request may have heard "slow down" while this one waited
+        // for its slot: the pause holds for it too.
+        if let Some(paused) = lane.pause.remaining() {
+            let left = self.time_left(deadlines.start_by).unwrap_or_default();
+            tokio::select! {
+                () = tokio::time::sleep(paused.min(left)) => {}
+                () = self.interrupted(connection_lost) => return Err(Finished::Interrupted),
+            }
+            if paused >= left {
+                return Err(tries.expired());
+            }
+        }
         let (Some(_), Some(until_complete)) = (
             self.time_left(deadlines.start_by),
             self.time_left(deadlines.complete_by),

@@ -12,9 +12,9 @@
 //! stop the lane for a day; the cap is logged). It is this replica's: each
 //! replica learns it from its own first call, one call each.
 //!
-//! Visible as `sas_agent_paused_until_seconds{agent}` (Unix time; 0 when
-//! not paused) and `sas_agent_throttled_total{agent}` (answers that asked
-//! to slow down).
+//! Visible as `sas_agent_paused_until_seconds{agent}` (Unix time the last
+//! pause ends; 0 when the lane never paused) and
+//! `sas_agent_throttled_total{agent}` (answers that asked to slow down).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

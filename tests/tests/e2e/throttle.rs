@@ -73,6 +73,13 @@ async fn a_remote_s_retry_after_pauses_its_lane_without_a_failure_and_orders_kee
         not_started >= 1,
         "requests waited past their start deadline"
     );
+    // Each request waited out the pause to its start deadline before it
+    // answered (a step's window, 2 s): a few rounds an order, not one every
+    // claim.
+    assert!(
+        not_started <= 5 * ORDERS as i64,
+        "{not_started} not-started answers for {ORDERS} orders in a 5 s pause"
+    );
 
     // The agent paused instead of retrying each request on its own backoff:
     // at most one 429 per request it held when the pause began, then quiet.

@@ -88,7 +88,7 @@ pub struct MailboxEvent {
 
 /// The step an order is parked at, if it is: a pending order whose first
 /// step not completed is a wait or delay step that started. The one rule
-/// the state machine, the console and `sasctl` use (the store's lookup by
+/// the state machine and the console use (the store's lookup by
 /// correlation key only preselects candidates with SQL; the machine then
 /// decides for each).
 pub fn parked_at(state: ProcessState, steps: &[StepRow]) -> Option<usize> {

@@ -1826,6 +1826,15 @@ fn a_step_that_says_stop_out_of_retries_resumes_with_its_key_kept_and_stays_to_u
     assert!(snapshot.steps[1].maybe_applied);
     let key = snapshot.steps[1].idempotency_key.clone();
 
+    // Resubmitted instead, it keeps that key too (a fresh one could charge
+    // twice), and the step stays to be undone.
+    let resubmitted = decide(&snapshot, &Event::Resubmitted { earlier: 0 }, &ctx(t(90)));
+    let mut again = snapshot.clone();
+    again.apply(&resubmitted);
+    assert_eq!(again.steps[1].idempotency_key, key);
+    assert!(again.steps[1].needs_undo());
+    assert_eq!(again.steps[0].state, StepState::Completed);
+
     let event = Event::Resumed {
         reason: "the payment provider is back",
         earlier: 0,
@@ -1903,5 +1912,36 @@ fn an_order_stopped_in_error_may_be_cancelled_and_one_whose_undo_began_may_not_b
     assert_eq!(
         decide(&in_error, &cancel, &ctx(t(60))).verdict,
         Verdict::Refused(ProcessState::Error)
+    );
+}
+
+#[test]
+fn an_order_stopped_while_in_a_line_leaves_the_line() {
+    // Sent back by a not-started reply, the charge waits in payment's line;
+    // its request is dead-lettered: the step says stop.
+    let mut snapshot = charging_with_stop();
+    snapshot.process.state = ProcessState::Pending;
+    snapshot.process.locked_by = None;
+    snapshot.process.waiting_for = Some("payment".into());
+    snapshot.process.admit_key = Some(t(1));
+    let decision = decide(
+        &snapshot,
+        &Event::DeadLettered {
+            attempt_id: attempt(2),
+            reason: "delivery limit",
+            no_call: false,
+        },
+        &ctx(t(4)),
+    );
+    let process = decision.process.as_ref().unwrap();
+    assert_eq!(process.state, ProcessState::Error);
+    assert_eq!((&process.waiting_for, process.admit_key), (&None, None));
+    assert!(
+        decision
+            .admission
+            .iter()
+            .any(|delta| delta.agent == "payment" && delta.waiting == -1),
+        "{:?}",
+        decision.admission
     );
 }

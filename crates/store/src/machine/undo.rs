@@ -36,11 +36,10 @@ use crate::model::StepState;
 pub fn undo_not_before(step: &StepRow, grace: Duration) -> Option<DateTime<Utc>> {
     let unsettled = match step.state {
         StepState::Running => step.kind().calls_out(),
-        StepState::Failed => step.maybe_applied,
-        StepState::NotStarted
-        | StepState::Completed
-        | StepState::Compensating
-        | StepState::Compensated => false,
+        // A step an operator resumed or resubmitted keeps "maybe applied"
+        // and the deadline of the attempt that may have applied.
+        StepState::Failed | StepState::NotStarted => step.maybe_applied,
+        StepState::Completed | StepState::Compensating | StepState::Compensated => false,
     };
     if !unsettled {
         return None;

@@ -194,6 +194,9 @@ impl<'a> Draft<'a> {
         self.process.state = ProcessState::Error;
         self.process.locked_by = None;
         self.process.complete_by = None;
+        // Out of any agent's line: an order in error waits for no slot.
+        self.process.waiting_for = None;
+        self.process.admit_key = None;
         self.process.last_error = Some(failure.last_error.to_owned());
         self.log(
             HistoryEvent::Error,

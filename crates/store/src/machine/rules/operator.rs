@@ -36,20 +36,34 @@ pub(super) fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
     } else {
         let order_id = draft.snapshot.order_id.clone();
         for index in 0..draft.steps.len() {
-            if draft.steps[index].state != StepState::Completed {
+            let step = &draft.steps[index];
+            if step.state == StepState::Completed {
+                continue;
+            }
+            // A step whose action may have applied and was never undone (an
+            // order stopped by `on_failure = "stop"` after an unknown
+            // outcome) keeps its key and stays to be undone: a fresh key
+            // could apply it twice. One undone (compensated) starts afresh.
+            if step.maybe_applied && step.state != StepState::Compensated {
                 draft.change_step(index, |step| {
                     step.state = StepState::NotStarted;
                     step.attempt_id = None;
-                    step.complete_by = None;
-                    step.result = None;
                     step.last_error = None;
-                    step.maybe_applied = false;
-                    step.undo_generation = 0;
-                    step.undo_refused = false;
-                    step.undo_result = None;
-                    step.idempotency_key = resubmitted_key(&order_id, &step.name, earlier + 1);
                 });
+                continue;
             }
+            draft.change_step(index, |step| {
+                step.state = StepState::NotStarted;
+                step.attempt_id = None;
+                step.complete_by = None;
+                step.result = None;
+                step.last_error = None;
+                step.maybe_applied = false;
+                step.undo_generation = 0;
+                step.undo_refused = false;
+                step.undo_result = None;
+                step.idempotency_key = resubmitted_key(&order_id, &step.name, earlier + 1);
+            });
         }
         (ProcessState::Pending, ResubmitAction::WorkflowRestarted)
     };
@@ -117,19 +131,20 @@ pub(super) fn resumed(draft: &mut Draft<'_>, reason: &str, earlier: i64) {
         draft.change_step(index, |step| {
             step.state = StepState::NotStarted;
             step.attempt_id = None;
-            step.complete_by = None;
             step.last_error = None;
-            // maybe_applied stays: a compensation after the resume still
-            // undoes what an earlier attempt may have done.
+            // maybe_applied stays, and the deadline of the attempt that may
+            // have applied: a compensation after the resume still undoes
+            // it, and not before that attempt could land.
             if let Some(key) = fresh {
                 step.idempotency_key = key;
+                step.complete_by = None;
             }
         });
     }
     let key = if key_kept {
         "its key kept (an earlier attempt's outcome is unknown: the remote answers it once)"
     } else {
-        "a fresh key (its remote refused the old one)"
+        "a fresh key (no attempt of it may have applied)"
     };
     draft.process.state = ProcessState::Pending;
     draft.process.failure_count = 0;
