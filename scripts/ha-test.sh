@@ -542,9 +542,9 @@ steady
 # still cut off (it must not act as primary), then connected again.
 both=$(primary) || fail "no primary"
 say "i. the Postgres primary $both cut off from etcd and frozen for 30 s, resumed still cut off"
-t=$(now)
 docker network disconnect "$dcs" "$(container "$both")"
 freeze "$both"
+t=$(now)
 fault "the Postgres primary cut off from etcd and frozen 30 s, resumed still cut off" "$t"
 until_epoch "$(awk -v t="$t" 'BEGIN { printf "%.3f", t + 30 }')"
 docker unpause "$(container "$both")" >/dev/null

@@ -339,7 +339,9 @@ impl Agent {
                 .call_once(lane, received, &deadlines, left, tries, connection_lost)
                 .await
             {
-                Ok(result) => result,
+                Ok(Some(result)) => result,
+                // The lane paused while it waited for a slot: look again.
+                Ok(None) => continue,
                 Err(finished) => return finished,
             };
             let class = result.class();
@@ -403,7 +405,8 @@ impl Agent {
         }
     }
 
-    /// Makes one call once a call slot is free: `Ok` with its result, `Err`
+    /// Makes one call once a call slot is free: `Ok` with its result (`None`
+    /// when the lane paused while it waited for the slot: look again), `Err`
     /// with how the request ends when the start deadline passes first or
     /// the request is interrupted. `left` is the time to the start deadline.
     async fn call_once(
@@ -414,7 +417,7 @@ impl Agent {
         left: Duration,
         tries: &mut Tries,
         connection_lost: &CancellationToken,
-    ) -> Result<CallResult, Finished> {
+    ) -> Result<Option<CallResult>, Finished> {
         // Waiting for a call slot counts against the deadline too: a call
         // must never start after start-by, when the supervisor may soon
         // send the undo.
@@ -432,16 +435,10 @@ impl Agent {
         tries.slot_wait += asked.elapsed();
         received.turn.granted();
         // Another request may have heard "slow down" while this one waited
-        // for its slot: the pause holds for it too.
-        if let Some(paused) = lane.pause.remaining() {
-            let left = self.time_left(deadlines.start_by).unwrap_or_default();
-            tokio::select! {
-                () = tokio::time::sleep(paused.min(left)) => {}
-                () = self.interrupted(connection_lost) => return Err(Finished::Interrupted),
-            }
-            if paused >= left {
-                return Err(tries.expired());
-            }
+        // for its slot: the pause holds for it too; the slot (and the
+        // circuit's permit) go back while it waits, at the loop's top.
+        if lane.pause.remaining().is_some() {
+            return Ok(None);
         }
         let (Some(_), Some(until_complete)) = (
             self.time_left(deadlines.start_by),
@@ -473,7 +470,7 @@ impl Agent {
             }
         };
         drop(permit);
-        Ok(result)
+        Ok(Some(result))
     }
 
     /// What the reply says of the time the request queued (see
@@ -616,11 +613,14 @@ impl Tries {
                 maybe_applied,
                 ..
             } => {
-                // The service answered: it is up, and asks for quiet.
-                permit.succeeded();
                 if maybe_applied {
+                    // A 503: a proxy says so for a service that is down,
+                    // Retry-After or not; it counts against the circuit.
+                    permit.failed();
                     self.maybe_applied = true;
                 } else {
+                    // A 429: the service answered; it is up, and asks for quiet.
+                    permit.succeeded();
                     self.throttled = Some(error.clone());
                 }
                 Err((error, false))

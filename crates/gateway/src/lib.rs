@@ -123,7 +123,20 @@ async fn guard(State(gateway): State<Arc<Gateway>>, mut request: Request, next: 
         request.extensions_mut().insert(Caller(name));
         return next.run(request).await;
     }
-    let turn = gateway.clients.turn(&presented).await;
+    // Checks of one name take turns; a queue of guesses (from many
+    // addresses) holds a request at most this long, then it is told to
+    // come back rather than wait behind them.
+    let Ok(turn) = tokio::time::timeout(CHECK_TURN_WAIT, gateway.clients.turn(&presented)).await
+    else {
+        let mut response = orders::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the secret checks of this client are busy (many failed attempts lately): try again in 1 s",
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(1u64));
+        return response;
+    };
     if let Some(wait) = gateway.logins.blocked(&keys) {
         return too_many_failures(wait);
     }
@@ -142,6 +155,9 @@ async fn guard(State(gateway): State<Arc<Gateway>>, mut request: Request, next: 
         }
     }
 }
+
+/// The longest a request waits for its turn to have its secret checked.
+pub const CHECK_TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// 429 with `Retry-After`: too many failed logins under these keys.
 fn too_many_failures(wait: std::time::Duration) -> Response {

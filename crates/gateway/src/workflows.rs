@@ -29,36 +29,68 @@ struct Known {
 /// sends made-up names makes at most one read a second.
 pub const UNKNOWN_RETRY: Duration = Duration::from_secs(1);
 
+/// The registered workflows as last read, shared by the requests.
+type Catalog = std::sync::Arc<BTreeMap<String, Known>>;
+
 /// The registered workflows, read lazily.
 #[derive(Default)]
 pub struct Workflows {
-    cache: Mutex<Option<(Instant, BTreeMap<String, Known>)>>,
+    /// When they were last read (or last failed to be), and what was read;
+    /// held only to copy or swap the `Arc`, never across a read or a check.
+    cache: std::sync::Mutex<Option<(Instant, Catalog)>>,
+    /// One read of the store at a time: the requests that find the cache
+    /// stale meanwhile wait for it, then use what it read.
+    reading: Mutex<()>,
 }
 
 impl Workflows {
+    /// The workflows as read, if the cache holds them fresh for `name`.
+    fn fresh(&self, name: &str) -> Option<Catalog> {
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let (read, known) = cache.as_ref()?;
+        let stale = read.elapsed() > FRESH_FOR
+            || (!known.contains_key(name) && read.elapsed() > UNKNOWN_RETRY);
+        (!stale).then(|| known.clone())
+    }
+
+    /// The workflows, read again if stale for `name`. A store that cannot
+    /// be read leaves what was read before (nothing, at first), read again
+    /// as if just read (after [`UNKNOWN_RETRY`] for a name not in it), so
+    /// an outage costs about one read a second, not one a request.
+    async fn known(&self, store: &Store, name: &str) -> Catalog {
+        if let Some(known) = self.fresh(name) {
+            return known;
+        }
+        let _one = self.reading.lock().await;
+        if let Some(known) = self.fresh(name) {
+            return known;
+        }
+        let known = match store.reads().workflow_schemas().await {
+            Ok(rows) => Catalog::new(compile(rows)),
+            Err(error) => {
+                tracing::warn!(%error, "cannot read the registered workflows; intake will check the orders meanwhile");
+                let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+                cache
+                    .as_ref()
+                    .map(|(_, known)| known.clone())
+                    .unwrap_or_default()
+            }
+        };
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Instant::now(), known.clone()));
+        known
+    }
+
     /// Why intake would refuse `order` for its workflow, if it would: a
     /// workflow no scheduler registered, or attributes that do not match
     /// its newest version's schema (the path of the first error). `None`
     /// also when the store cannot be read (intake checks anyway).
     pub async fn refusal(&self, store: &Store, order: &SubmitOrder) -> Option<String> {
         let name = order.workflow();
-        let mut cache = self.cache.lock().await;
-        let stale = cache.as_ref().is_none_or(|(read, known)| {
-            read.elapsed() > FRESH_FOR
-                || (!known.contains_key(name) && read.elapsed() > UNKNOWN_RETRY)
-        });
-        if stale {
-            match store.reads().workflow_schemas().await {
-                Ok(rows) => *cache = Some((Instant::now(), compile(rows))),
-                Err(error) => {
-                    tracing::warn!(%error, "cannot read the registered workflows; intake will check this order");
-                    return None;
-                }
-            }
-        }
-        let (_, known) = cache.as_ref()?;
+        let known = self.known(store, name).await;
         if known.is_empty() {
-            // No scheduler has registered yet: intake decides.
+            // No scheduler has registered yet, or the store cannot be
+            // read: intake decides.
             return None;
         }
         let Some(workflow) = known.get(name) else {

@@ -117,15 +117,20 @@ pub fn judge(delivery: &Delivery, amqp: &ServiceAmqpSettings, names: &QueueNames
             .flatten()
             .and_then(|v| v.get("order_id")?.as_str().map(|id| bounded(id.to_owned())))
     });
-    // A tenant's stored id (`ord-1@shop`) is believed only from a service
-    // that sends on a client's behalf (the gateway, which names the id its
-    // client's GET looks up); from anyone else it is taken as the bare id,
-    // so no client can mark another tenant's order as refused.
+    // A client's message (an order, an event) names a tenant's stored id
+    // (`ord-1@shop`) believably only from a service that sends on a
+    // client's behalf (the gateway, which names the id its client's GET
+    // looks up); from any other client it is taken as the bare id, so no
+    // client can mark another tenant's order as refused. The services'
+    // own messages (step requests, replies) name the stored id, always.
     let delegated = origin
         .as_deref()
         .is_some_and(|user| amqp.delegating_users.iter().any(|d| d == user));
+    let from_clients = claimed_source
+        .as_deref()
+        .is_none_or(|queue| queue == names.orders() || queue == names.events());
     let claimed_order = claimed_order.map(|id| {
-        if delegated {
+        if delegated || !from_clients {
             id
         } else {
             sas_messages::ids::client_id(&id).to_owned()
@@ -471,6 +476,38 @@ mod tests {
         );
         // Without identities configured, everyone is trusted, as before.
         assert!(judge(&dead_letter(None, &headers, b"{}"), &amqp("", ""), &names).may_settle);
+    }
+
+    #[test]
+    fn a_tenant_s_stored_id_is_kept_for_our_messages_and_cut_from_a_client_s() {
+        let names = QueueNames::new("");
+        let strict = amqp("sas-agent", "sas-scheduler");
+        // A step request of a tenant's order, dead-lettered by RabbitMQ.
+        let request = [
+            (headers::FIRST_DEATH_REASON, "delivery_limit"),
+            (headers::FIRST_DEATH_QUEUE, "sas.agent.payment"),
+            (headers::ORDER_ID, "ord-1@shop"),
+        ];
+        let judged = judge(
+            &dead_letter(Some("sas-scheduler"), &request, b"{}"),
+            &strict,
+            &names,
+        );
+        assert_eq!(judged.order_id.as_deref(), Some("ord-1@shop"));
+        // A client's order naming another tenant's stored id, refused at
+        // intake: taken as the bare id.
+        let order = [
+            (headers::DEAD_LETTER_REASON, "refused"),
+            (headers::DEAD_LETTER_SOURCE_QUEUE, "sas.orders"),
+            (headers::ORDER_ID, "ord-1@shop"),
+            (ORIGINAL_USER_HEADER, "rival"),
+        ];
+        let judged = judge(
+            &dead_letter(Some("sas-scheduler"), &order, b"{}"),
+            &strict,
+            &names,
+        );
+        assert_eq!(judged.order_id.as_deref(), Some("ord-1"));
     }
 
     #[test]

@@ -313,6 +313,22 @@ approver = ["gateway:manager", "amqp:{mgr_user}"]
     );
     let ended = in_history(&env, "big-1@shop", "wait_ended", "mgr-1").await;
     assert!(ended.contains("from gateway:manager"), "{ended}");
+    // rival's "approval" never reached shop's order, not even to be
+    // refused there: not in its mailbox, not in its history.
+    let (kept,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM order_events WHERE order_id = 'big-1@shop' AND event_id = 'rival-1'",
+    )
+    .fetch_one(&env.db)
+    .await
+    .unwrap();
+    assert_eq!(kept, 0, "rival's event reached shop's mailbox");
+    assert!(
+        !history(&env, "big-1@shop")
+            .await
+            .iter()
+            .any(|(_, detail)| detail.as_deref().is_some_and(|d| d.contains("rival-1"))),
+        "rival's event reached shop's order"
+    );
 
     // rival squats an id first: shop's order of that id is shop's own.
     let mut squat = order("ord-squat");

@@ -4,7 +4,7 @@
 //! visible; against real processes and remote-sim rate-limiting one
 //! service.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sas_store::ProcessState;
 use sas_tests::process::{free_port, wait_for_metric};
@@ -30,7 +30,6 @@ async fn a_remote_s_retry_after_pauses_its_lane_without_a_failure_and_orders_kee
         .await
         .expect("throttle payment");
     let throttle_ends = chrono::Utc::now() + chrono::Duration::from_std(throttle).unwrap();
-    let started = Instant::now();
     env.publish_orders(&publisher, "slow", ORDERS).await;
 
     // The pause is visible while it lasts.
@@ -52,10 +51,6 @@ async fn a_remote_s_retry_after_pauses_its_lane_without_a_failure_and_orders_kee
         Duration::from_secs(60),
     )
     .await;
-    assert!(
-        started.elapsed() >= throttle - Duration::from_millis(500),
-        "no charge before the remote's time"
-    );
 
     // Nothing failed: no missed deadline, no transient failure, no retry
     // scheduled; the waits were "not started", back in line.
@@ -102,6 +97,15 @@ async fn a_remote_s_retry_after_pauses_its_lane_without_a_failure_and_orders_kee
         reserved.iter().all(|at| *at < throttle_ends),
         "{reserved:?}"
     );
-    let charged = effects.iter().filter(|e| e.operation == "charge").count();
-    assert_eq!(charged, ORDERS, "each order charged once");
+    let charged: Vec<_> = effects
+        .iter()
+        .filter(|e| e.operation == "charge")
+        .filter_map(|e| e.applied_at)
+        .collect();
+    assert_eq!(charged.len(), ORDERS, "each order charged once");
+    let quiet_from = throttle_ends - chrono::Duration::seconds(1);
+    assert!(
+        charged.iter().all(|at| *at >= quiet_from),
+        "a charge before the remote's time: {charged:?}"
+    );
 }

@@ -429,25 +429,14 @@ fn an_undo_carries_the_result_of_its_own_step_only() {
 /// The order whose charge refunds with `DELETE /charges/{id}`, the id
 /// read from the charge's result.
 fn refunding_by_id() -> Snapshot {
-    let mut steps = workflow();
-    steps[1].calls = Some(crate::machine::call::StepCalls {
-        on_failure: crate::machine::call::OnFailure::Compensate,
-        action: None,
+    charging_with(crate::machine::call::StepCalls {
         compensation: Some(crate::machine::call::CallTemplate {
             method: Some("DELETE".into()),
             path: Some("/charges/${/results/charge_payment/id}".into()),
             body: None,
         }),
-    });
-    Snapshot::new_order(
-        "o-1",
-        serde_json::json!({ "order_id": "o-1" }),
-        None,
-        None,
-        5,
-        &steps,
-        t(0),
-    )
+        ..Default::default()
+    })
 }
 
 #[test]

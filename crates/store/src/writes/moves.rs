@@ -9,7 +9,8 @@ use sqlx::types::Json;
 
 use super::apply::load_snapshots;
 use super::Writes;
-use crate::machine::{decide, Event, HistoryEvent, StepRow, Verdict};
+use crate::machine::moves::Moved;
+use crate::machine::{decide, Event, HistoryEvent, Verdict};
 use crate::model::{NewStep, Plan};
 use crate::StoreError;
 
@@ -153,14 +154,11 @@ impl Writes<'_> {
         .fetch_one(&mut *tx)
         .await?;
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let (snapshots, _) = load_snapshots(&mut tx, &ids).await?;
+        let (snapshots, now) = load_snapshots(&mut tx, &ids).await?;
         let mut report = MoveReport {
             not_waiting,
             ..MoveReport::default()
         };
-        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut *tx)
-            .await?;
         let ctx = self.store.context(now, actor);
         let event = Event::Moved {
             plan: &steps,
@@ -214,13 +212,6 @@ impl Writes<'_> {
         }
         Ok(report)
     }
-}
-
-/// One order's move as decided: its steps under the new plan, and what
-/// changed (the history line's detail).
-struct Moved {
-    steps: Vec<StepRow>,
-    detail: String,
 }
 
 /// Writes one move: the new steps, the order out of its line, the history.
