@@ -387,7 +387,7 @@ impl Console {
     }
 
     /// Sends the event `event` to order `order_id`'s wait step, as
-    /// `sasctl signal` does: an [`OrderEvent`] with the id
+    /// `sasctl signal` does: an [`OrderEvent`](sas_messages::OrderEvent) with the id
     /// `console-<uuid v7>` and the data `{"by": "<user>"}`, published to
     /// the events exchange with a confirm. The scheduler that uses it
     /// records the wait's end with the event's id; the console records
