@@ -82,6 +82,11 @@ impl Publisher {
 
     /// After a failed send: when the broker has closed the channel, the
     /// session must replace it (see `lost`).
+    /// Whether its channel is open: a publisher of a lost connection is not.
+    pub fn is_open(&self) -> bool {
+        self.channel.status().connected()
+    }
+
     fn check_channel(&self, error: &BrokerError) {
         if self.channel.status().connected() {
             return;

@@ -72,6 +72,8 @@ pub struct Scheduler {
     /// Refused orders this instance answered lately, so that a redelivery
     /// is not answered twice.
     pub answered: refusal::Answered,
+    /// The channel refusal answers go on, one at a time.
+    pub answers: refusal::Answers,
     /// Wakes the claim loop before its interval: see [`Scheduler::slot_freed`].
     pub claim_wake: tokio::sync::Notify,
     /// When a claim last took an order (see [`Scheduler::slot_freed`]).
@@ -142,6 +144,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         intake,
         replies,
         answered: refusal::Answered::default(),
+        answers: refusal::Answers::default(),
         claim_wake: tokio::sync::Notify::new(),
         last_claimed: claim::LastClaimed::default(),
         acknowledged: audit::Acknowledged::default(),
@@ -295,6 +298,13 @@ impl Scheduler {
         publisher: Publisher,
     ) -> Result<(), BrokerError> {
         self.declare(&connection).await?;
+        self.answers
+            .open(
+                &connection,
+                &publisher,
+                self.settings.amqp.broker.operation_timeout(),
+            )
+            .await;
         let drain = Duration::from_millis(self.settings.scheduler.drain_ms);
         let orders = self.clone().consume_orders(&connection, &publisher, drain);
         let replies = self.clone().consume_replies(&connection, &publisher, drain);

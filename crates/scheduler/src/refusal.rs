@@ -19,7 +19,11 @@
 //!   can carry any character; only the store cannot).
 //! - **How.** Default exchange, mandatory, confirmed: a queue that does not
 //!   exist is reported by the broker (the message comes back) and counted,
-//!   never waited on. Whatever happens to the answer, the message is
+//!   never waited on. Answers go one at a time on a channel of their own
+//!   ([`Answers`]): lapin hands a returned message to whichever confirm of
+//!   its channel an ack (possibly covering several) resolves first, so on
+//!   the shared channel a returned answer was counted as sent, and another
+//!   message taken for unroutable. Whatever happens to the answer, the message is
 //!   dead-lettered as before: an answer that cannot be sent never holds up
 //!   intake nor brings the message back.
 //! - **Once.** The answer's `message_id` is a digest of the refused message,
@@ -236,9 +240,15 @@ impl Scheduler {
             pairs.push((headers::TRACEPARENT, traceparent.as_str()));
         }
         let properties = properties.with_headers(string_headers(pairs));
-        let sent = publisher
+        let own = self.answers.channel.lock().await;
+        let via = own
+            .as_ref()
+            .filter(|own| own.is_open())
+            .unwrap_or(publisher);
+        let sent = via
             .publish_json("", &answer.reply_to, &answer.status, properties, true)
             .await;
+        drop(own);
         let order_id = answer.status.order_id.as_str();
         match sent {
             Ok(()) => {
@@ -255,6 +265,37 @@ impl Scheduler {
                 count("failed");
             }
         }
+    }
+}
+
+/// The channel refusal answers are published on, one at a time (see the
+/// module docs): opened by [`Answers::open`] on each broker connection.
+#[derive(Default)]
+pub struct Answers {
+    channel: tokio::sync::Mutex<Option<Publisher>>,
+}
+
+impl Answers {
+    /// Opens the answers' channel on `connection` (with `like`'s identity),
+    /// in place of the last connection's. When it cannot be opened, answers
+    /// go on the shared channel, as before.
+    pub async fn open(
+        &self,
+        connection: &sas_broker::lapin::Connection,
+        like: &Publisher,
+        timeout: std::time::Duration,
+    ) {
+        let opened = match Publisher::open(connection, timeout).await {
+            Ok(publisher) => Some(match like.user_id() {
+                Some(user) => publisher.identified_as(user),
+                None => publisher,
+            }),
+            Err(error) => {
+                tracing::warn!(error = %error, "cannot open a channel for refusal answers; they go on the shared channel");
+                None
+            }
+        };
+        *self.channel.lock().await = opened;
     }
 }
 
