@@ -105,6 +105,8 @@ settings! {
     SchedulerEventTtlSecs(u64) => "SAS_SCHEDULER__EVENT_TTL_SECS",
     /// `scheduler.claim_interval_ms`: how often due orders are claimed.
     SchedulerClaimIntervalMs(u64) => "SAS_SCHEDULER__CLAIM_INTERVAL_MS",
+    /// `scheduler.schedule_interval_ms`: how often due schedules are looked for.
+    SchedulerScheduleIntervalMs(u64) => "SAS_SCHEDULER__SCHEDULE_INTERVAL_MS",
     /// `scheduler.claim_batch`: orders claimed in one statement.
     SchedulerClaimBatch(u32) => "SAS_SCHEDULER__CLAIM_BATCH",
     /// `scheduler.admission_initial`: an agent's first admission limit.

@@ -5,11 +5,13 @@
 //! - [`inspect`]: orders, alerts and dead letters from the state store.
 //! - [`operate`]: bulk actions by filter, alerts, dead-letter replays, stats.
 //! - [`probe`]: a minimal HTTP health check for containers.
+//! - [`schedules`]: durable schedules: create, list, pause, resume, trigger, delete.
 
 pub mod inspect;
 pub mod moves;
 pub mod operate;
 pub mod probe;
+pub mod schedules;
 pub mod signal;
 pub mod submit;
 pub mod watch;
@@ -270,6 +272,11 @@ pub enum Command {
         /// The shell.
         shell: clap_complete::Shell,
     },
+    /// Durable schedules: a workflow run on a cron expression in a time
+    /// zone, each occurrence once (`create`, `list`, `show`, `pause`,
+    /// `resume`, `trigger`, `delete`).
+    #[command(subcommand)]
+    Schedules(schedules::SchedulesCommand),
     /// Recorded dead letters, newest first; `replay ID`, `discard ID`.
     DeadLetters {
         /// Replay or discard one.
@@ -388,6 +395,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Cancel { order_id, reason } => {
             inspect::cancel(&cli.target, &order_id, &reason).await
+        }
+        Command::Schedules(command) => {
+            schedules::run(
+                &cli.target.store()?,
+                command,
+                &cli.target.actor()?,
+                cli.output,
+            )
+            .await
         }
         Command::DeadLetters {
             action: Some(action),

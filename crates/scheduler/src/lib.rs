@@ -2,7 +2,8 @@
 //!
 //! It owns the workflow: it takes in submitted orders ([`intake`]), sends each
 //! step to its agent and advances on the agent's reply ([`replies`]), and
-//! claims the orders the supervisor sent back for another try ([`claim`]).
+//! claims the orders the supervisor sent back for another try ([`claim`]),
+//! and fires the durable schedules that are due ([`schedules`]).
 //! Every state change is a transaction in the state store; requests and
 //! status messages are published only after it commits (by
 //! [`sas_announce::Announcer`], which the supervisor shares).
@@ -19,6 +20,7 @@ pub mod intake;
 mod quota;
 pub mod refusal;
 pub mod replies;
+pub mod schedules;
 pub mod senders;
 pub mod settings;
 pub mod workflow;
@@ -310,7 +312,8 @@ impl Scheduler {
         let replies = self.clone().consume_replies(&connection, &publisher, drain);
         let events = self.clone().consume_events(&connection, &publisher, drain);
         let claims = self.clone().claim_loop(publisher.clone());
-        tokio::try_join!(orders, replies, events, claims)?;
+        let schedules = self.clone().schedule_loop(publisher.clone());
+        tokio::try_join!(orders, replies, events, claims, schedules)?;
         Ok(())
     }
 

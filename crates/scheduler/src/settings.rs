@@ -69,10 +69,18 @@ pub struct SchedulerSettings {
     /// start, who holds which role. Empty: one tenant for everyone.
     #[serde(default)]
     pub tenancy_file: String,
+    /// Interval between looks for due schedules, in milliseconds: how late
+    /// an occurrence may start (see [`crate::schedules`]).
+    #[serde(default = "default_schedule_interval_ms")]
+    pub schedule_interval_ms: u64,
 }
 
 fn default_acknowledged_audit_secs() -> u64 {
     60
+}
+
+fn default_schedule_interval_ms() -> u64 {
+    1000
 }
 
 impl Validate for Settings {
@@ -85,6 +93,9 @@ impl Validate for Settings {
         }
         if self.scheduler.claim_interval_ms == 0 {
             return Err("scheduler.claim_interval_ms must be positive".into());
+        }
+        if !(10..=60_000).contains(&self.scheduler.schedule_interval_ms) {
+            return Err("scheduler.schedule_interval_ms must be 10 to 60000 (a minute): an occurrence may start that late".into());
         }
         if self.scheduler.acknowledged_audit_secs > 3600 {
             return Err(

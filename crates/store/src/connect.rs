@@ -371,6 +371,12 @@ impl Store {
         crate::Admission::new(self)
     }
 
+    /// The schedules: managed by operators and tenants' clients, fired by
+    /// the schedulers.
+    pub fn schedules(&self) -> crate::Schedules<'_> {
+        crate::Schedules::new(self)
+    }
+
     /// The inputs of a decision taken now (database clock) by `actor`.
     pub(crate) fn context<'a>(
         &self,

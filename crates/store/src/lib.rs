@@ -19,6 +19,8 @@
 //! - [`timing`]: the deadline margins (start margin, grace) and their check.
 //! - [`model`]: the states and the messages a transition produces.
 //! - [`quota`]: tenants' quotas, taken by intake (on [`Store::admission`]).
+//! - [`schedules`]: durable schedules (on [`Store::schedules`]): workflows
+//!   run on a cron expression, each occurrence once.
 //!
 //! Every transition runs in one transaction that first locks the orders'
 //! `order_process` rows and reads its snapshot, asks [`machine::decide`],
@@ -36,6 +38,7 @@ mod migration_lock;
 pub mod model;
 pub mod quota;
 pub mod reads;
+pub mod schedules;
 mod step_columns;
 pub mod timing;
 pub mod writes;
@@ -46,6 +49,7 @@ pub use error::StoreError;
 pub use machine::call::{CallTemplate, OnFailure, StepCalls};
 pub use model::{Dispatch, NewStep, Plan, ProcessState, Progress, StepState};
 pub use reads::Reads;
+pub use schedules::Schedules;
 pub use timing::DeadlineSettings;
 pub use writes::Writes;
 

@@ -40,6 +40,8 @@
 //! - [`retention`]: finished orders and old dead letters are deleted, and
 //!   everything else kept.
 //! - [`sasctl_operate`]: `sasctl` does what the console does.
+//! - [`schedules`]: durable schedules fired by three schedulers through a
+//!   kill -9 and a freeze, caught up after an outage, managed with sasctl.
 //! - [`security`]: secure by default, proven against the local RabbitMQ and
 //!   Postgres.
 //! - [`state_machine`]: the store's SQL paths held to the pure state
@@ -74,6 +76,7 @@ mod resilience;
 mod resume;
 mod retention;
 mod sasctl_operate;
+mod schedules;
 mod security;
 mod state_machine;
 mod tenant_quotas;

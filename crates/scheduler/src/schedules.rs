@@ -1,0 +1,160 @@
+//! Firing durable schedules: every `schedule_interval_ms`, this scheduler
+//! decides the schedules that are due (whichever scheduler locks one
+//! first decides it; see [`sas_store::schedules`]) and stores each started
+//! run's order through intake, as if its tenant had submitted it. Runs
+//! another scheduler decided and did not fire (it died or froze) are fired
+//! here once they are [`UNFIRED_AFTER`] old.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sas_broker::{BrokerError, Publisher};
+use sas_messages::SubmitOrder;
+use sas_runtime::Next;
+use sas_store::schedules::Intent;
+use sas_store::writes::intake::{Intake, Submission};
+
+use crate::Scheduler;
+
+/// How long a started run may stay unfired before any scheduler fires
+/// it: far longer than storing an order takes, short enough that a run
+/// whose scheduler froze starts within a few seconds of its time.
+pub const UNFIRED_AFTER: Duration = Duration::from_secs(3);
+
+/// The most schedules one tick decides; a full batch ticks again at once.
+const BATCH: i64 = 50;
+
+/// Who submits a schedule's orders, as their history records it.
+fn submitter(intent: &Intent) -> String {
+    format!("schedule:{}", intent.name)
+}
+
+impl Scheduler {
+    /// Decides and fires due schedules every `schedule_interval_ms`, until
+    /// shutdown.
+    ///
+    /// # Errors
+    /// Never: a database or broker failure is logged and the next tick tries again.
+    pub async fn schedule_loop(self: Arc<Self>, publisher: Publisher) -> Result<(), BrokerError> {
+        let interval = Duration::from_millis(self.settings.scheduler.schedule_interval_ms);
+        sas_runtime::every(interval, &self.shutdown, || self.schedule_once(&publisher)).await
+    }
+
+    /// One tick: the due schedules decided, their started runs' orders
+    /// stored, and runs left unfired by others fired.
+    ///
+    /// # Errors
+    /// Never (see [`Scheduler::schedule_loop`]).
+    pub async fn schedule_once(&self, publisher: &Publisher) -> Result<Next, BrokerError> {
+        let schedules = self.store.schedules();
+        // In a task of its own, as a claim's: run to its end, the
+        // transaction commits or rolls back even when this loop is dropped
+        // with its broker connection.
+        let decided = {
+            let (store, id) = (self.store.clone(), self.id.clone());
+            tokio::spawn(async move { store.schedules().decide_due(&id, BATCH).await })
+        };
+        let mut intents = match decided.await {
+            Ok(Ok(intents)) => intents,
+            Ok(Err(error)) => {
+                tracing::warn!(error = %error, "cannot decide due schedules");
+                return Ok(Next::Wait);
+            }
+            Err(error) => {
+                tracing::error!(error = %error, "the schedule task failed");
+                return Ok(Next::Wait);
+            }
+        };
+        let full = intents.len() as i64 >= BATCH;
+        match schedules.unfired(UNFIRED_AFTER, BATCH).await {
+            Ok(unfired) => intents.extend(unfired),
+            Err(error) => tracing::warn!(error = %error, "cannot read unfired schedule runs"),
+        }
+        for intent in &intents {
+            let refusal = match self.fire(intent, publisher).await {
+                Fired::Later => continue,
+                Fired::Stored => None,
+                Fired::Refused(reason) => {
+                    metrics::counter!("sas_schedule_runs_refused_total").increment(1);
+                    tracing::warn!(schedule = %intent.name, tenant = %intent.tenant, occurrence = %intent.occurrence, reason = %reason, "a schedule's run was refused by intake");
+                    Some(reason)
+                }
+            };
+            if let Err(error) = schedules.mark_fired(intent, refusal.as_deref()).await {
+                tracing::warn!(schedule = %intent.name, error = %error, "cannot mark a schedule run fired; it is fired again later");
+            }
+        }
+        Ok(if full { Next::Again } else { Next::Wait })
+    }
+
+    /// Stores `intent`'s order as intake stores a submitted one (the same
+    /// checks of workflow, attributes and tenancy; not the tenant's quota:
+    /// a schedule is the tenant's own standing order) and publishes its
+    /// first request.
+    async fn fire(&self, intent: &Intent, publisher: &Publisher) -> Fired {
+        let order: SubmitOrder = match serde_json::from_value(intent.order_body.0.clone()) {
+            Ok(order) => order,
+            Err(error) => {
+                return Fired::Refused(format!(
+                    "the schedule's order does not read as an order: {error}"
+                ))
+            }
+        };
+        if let Err(error) = order.validate() {
+            return Fired::Refused(error.to_string());
+        }
+        let workflow = match self.workflows.entry_for(&order) {
+            Ok(entry) => entry.workflow.name.clone(),
+            Err(reason) => return Fired::Refused(reason),
+        };
+        if let Err(reason) = self
+            .tenancy
+            .may_start(&intent.tenant, &workflow, order.priority())
+        {
+            return Fired::Refused(reason);
+        }
+        let mut order = order;
+        order.order_id = order.order_id.qualified(&intent.tenant);
+        let trace = sas_messages::TraceParent::new_root();
+        let submission = Submission {
+            submitted_by: Some(submitter(intent)),
+            ..Submission::new(order.clone(), trace.trace_id.clone())
+        };
+        let stored = match self.intake.submit(submission).await {
+            Some(Ok(intake)) => intake,
+            Some(Err(error)) => {
+                tracing::warn!(schedule = %intent.name, order_id = %order.order_id, error = %error, "cannot store a schedule's order; the next tick tries again");
+                return Fired::Later;
+            }
+            None => return Fired::Later,
+        };
+        match stored {
+            Intake::Accepted(progress) => {
+                metrics::counter!("sas_schedule_runs_started_total").increment(1);
+                tracing::info!(schedule = %intent.name, tenant = %intent.tenant, order_id = %order.order_id, occurrence = %intent.occurrence, "schedule run started");
+                if let Err(error) = self.announce(Some(publisher), &progress).await {
+                    // Stored: the supervisor retries its first step once
+                    // its deadline passes, as for any order.
+                    tracing::warn!(order_id = %order.order_id, error = %error, "a schedule's order is stored but its first request was not confirmed; the supervisor will retry it");
+                }
+                Fired::Stored
+            }
+            // Fired before by a scheduler that did not get to mark it.
+            Intake::Duplicate => Fired::Stored,
+            Intake::Conflict => Fired::Refused(format!(
+                "order_id {:?} is already used by an order with different content",
+                order.order_id.client_id()
+            )),
+        }
+    }
+}
+
+/// What became of firing one run.
+enum Fired {
+    /// Its order is stored (now or before).
+    Stored,
+    /// Intake refuses it, for good: recorded with the run.
+    Refused(String),
+    /// Not now (the store failed, or shutdown): the next tick fires it.
+    Later,
+}

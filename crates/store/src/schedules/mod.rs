@@ -1,0 +1,639 @@
+//! Durable schedules (migration 0029): a workflow run on a cron expression
+//! in a time zone, stored in Postgres and fired by whichever scheduler's
+//! tick gets to it first.
+//!
+//! - [`spec`]: a schedule's definition, checked (name, [`spec::Timing`],
+//!   [`spec::Overlap`], the id of each occurrence's order).
+//! - [`plan`]: what becomes of the due occurrences, pure.
+//! - [`Schedules`] (here): the rows; managing them (operators, tenants'
+//!   clients) and deciding the due ones (schedulers).
+//!
+//! Firing is in two steps so that no occurrence is lost or doubled:
+//! [`Schedules::decide_due`] records each due occurrence's fate and moves
+//! the schedule on in one transaction; the scheduler then stores each
+//! started run's order through intake, whose id is derived from the
+//! occurrence (so storing it twice stores it once), and marks the run
+//! fired ([`Schedules::mark_fired`]). A run left unfired (the scheduler
+//! died or froze in between) is fired by any scheduler's next tick
+//! ([`Schedules::unfired`]).
+
+pub mod plan;
+pub mod spec;
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use serde::Serialize;
+use sqlx::types::Json;
+use sqlx::AssertSqlSafe;
+
+use crate::{Store, StoreError};
+use plan::{Due, Outcome};
+use spec::{occurrence_order_id, Overlap, Timing};
+
+/// The schedules of a [`Store`] (see [`Store::schedules`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Schedules<'a> {
+    store: &'a Store,
+}
+
+/// A schedule to create, checked.
+#[derive(Debug, Clone)]
+pub struct NewSchedule {
+    /// The tenant whose orders its runs are.
+    pub tenant: String,
+    /// Its name, unique within the tenant ([`spec::check_name`]).
+    pub name: String,
+    /// When it runs.
+    pub timing: Timing,
+    /// What an occurrence does while the last run goes on.
+    pub overlap: Overlap,
+    /// How old an occurrence may be and still start (after an outage).
+    pub catch_up: Duration,
+    /// The order each run submits, without its `order_id` (a
+    /// [`sas_messages::SubmitOrder`] as JSON, checked by the caller).
+    pub order: serde_json::Map<String, serde_json::Value>,
+    /// Whether it starts paused.
+    pub paused: bool,
+}
+
+/// One schedule, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct ScheduleRow {
+    /// Its tenant.
+    pub tenant: String,
+    /// Its name.
+    pub name: String,
+    /// The workflow its runs follow.
+    pub workflow: String,
+    /// The cron expression.
+    pub cron: String,
+    /// The IANA time zone it is read in.
+    pub time_zone: String,
+    /// The order each run submits, without its id.
+    pub order_template: Json<serde_json::Value>,
+    /// `skip`, `buffer_one` or `allow`.
+    pub overlap: String,
+    /// The catch-up window, in milliseconds.
+    pub catch_up_ms: i64,
+    /// Paused: no occurrence is decided (a run asked by hand still starts).
+    pub paused: bool,
+    /// The first occurrence not decided yet.
+    pub next_run: Option<DateTime<Utc>>,
+    /// An occurrence waiting for the last run to end (`buffer_one`).
+    pub buffered: Option<DateTime<Utc>>,
+    /// A run asked by hand, not decided yet.
+    pub trigger_at: Option<DateTime<Utc>>,
+    /// The stored id of the last run's order.
+    pub last_order_id: Option<String>,
+    /// Who created it.
+    pub created_by: String,
+    /// When.
+    pub created_at: DateTime<Utc>,
+    /// Who changed it last.
+    pub updated_by: String,
+    /// When.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// One decided occurrence of a schedule, as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct RunRow {
+    /// When it was due (or asked for).
+    pub occurrence: DateTime<Utc>,
+    /// Asked by hand.
+    pub by_hand: bool,
+    /// `started`, `skipped` or `missed`.
+    pub outcome: String,
+    /// Why skipped.
+    pub reason: Option<String>,
+    /// Started: the stored id of its order.
+    pub order_id: Option<String>,
+    /// Missed: the last occurrence of the stretch.
+    pub missed_through: Option<DateTime<Utc>>,
+    /// Missed: how many.
+    pub missed_count: Option<i32>,
+    /// Which scheduler decided it.
+    pub recorded_by: String,
+    /// When.
+    pub recorded_at: DateTime<Utc>,
+    /// Started: when intake stored (or refused) its order.
+    pub fired_at: Option<DateTime<Utc>>,
+    /// Started: why intake refused its order.
+    pub refusal: Option<String>,
+}
+
+/// A started run whose order is to be stored: the order as its run row
+/// holds it.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Intent {
+    /// The schedule's tenant.
+    pub tenant: String,
+    /// The schedule's name.
+    pub name: String,
+    /// The occurrence.
+    pub occurrence: DateTime<Utc>,
+    /// Asked by hand.
+    pub by_hand: bool,
+    /// The order, its client id set (not qualified by the tenant).
+    pub order_body: Json<serde_json::Value>,
+}
+
+/// What became of a change asked of one schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Done.
+    Done,
+    /// No such schedule (or deleted).
+    NotFound,
+}
+
+/// What [`Schedules::create`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Created {
+    /// Stored; its first occurrence (none if the expression has none to come).
+    Created(Option<DateTime<Utc>>),
+    /// A schedule of that name exists in the tenant: nothing changed.
+    Exists,
+    /// No scheduler runs the workflow its order names: nothing stored.
+    /// The names they do run, sorted.
+    UnknownWorkflow(Vec<String>),
+}
+
+impl<'a> Schedules<'a> {
+    pub(crate) fn new(store: &'a Store) -> Self {
+        Self { store }
+    }
+
+    fn pool(&self) -> &'a sqlx::PgPool {
+        self.store.pool()
+    }
+}
+
+/// The columns of [`ScheduleRow`].
+const SCHEDULE_COLUMNS: &str = "tenant, name, workflow, cron, time_zone, order_template, overlap,
+    catch_up_ms, paused, next_run, buffered, trigger_at, last_order_id, created_by, created_at,
+    updated_by, updated_at";
+
+impl Schedules<'_> {
+    /// Stores `schedule`, its first occurrence the first after now
+    /// (database clock); a deleted schedule of the same name is replaced.
+    /// Refused when no scheduler has registered the workflow its order
+    /// names (its attributes are checked when each run is stored).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn create(self, schedule: &NewSchedule, actor: &str) -> Result<Created, StoreError> {
+        let workflow = schedule
+            .order
+            .get("workflow")
+            .and_then(|w| w.as_str())
+            .unwrap_or(sas_messages::order::DEFAULT_WORKFLOW);
+        let known: Vec<String> =
+            sqlx::query_scalar("SELECT DISTINCT name FROM workflow_plans ORDER BY name")
+                .fetch_all(self.pool())
+                .await?;
+        if !known.iter().any(|name| name == workflow) {
+            return Ok(Created::UnknownWorkflow(known));
+        }
+        let mut tx = self.pool().begin().await?;
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&mut *tx)
+            .await?;
+        let next_run = schedule.timing.next_after(now);
+        let stored = sqlx::query(
+            "INSERT INTO schedules (tenant, name, workflow, cron, time_zone, order_template, overlap,
+                                    catch_up_ms, paused, next_run, created_by, updated_by)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $11)
+             ON CONFLICT (tenant, name) DO UPDATE
+                SET workflow = EXCLUDED.workflow, cron = EXCLUDED.cron,
+                    time_zone = EXCLUDED.time_zone, order_template = EXCLUDED.order_template,
+                    overlap = EXCLUDED.overlap, catch_up_ms = EXCLUDED.catch_up_ms,
+                    paused = EXCLUDED.paused, next_run = EXCLUDED.next_run, buffered = NULL,
+                    trigger_at = NULL, last_order_id = NULL, created_by = EXCLUDED.created_by,
+                    created_at = now(), updated_by = EXCLUDED.updated_by, updated_at = now(),
+                    deleted_at = NULL
+              WHERE schedules.deleted_at IS NOT NULL",
+        )
+        .bind(&schedule.tenant)
+        .bind(&schedule.name)
+        .bind(workflow)
+        .bind(schedule.timing.expression())
+        .bind(schedule.timing.zone())
+        .bind(Json(&schedule.order))
+        .bind(schedule.overlap.as_str())
+        .bind(i64::try_from(schedule.catch_up.as_millis()).unwrap_or(i64::MAX))
+        .bind(schedule.paused)
+        .bind(next_run)
+        .bind(actor)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok(if stored == 1 {
+            Created::Created(next_run)
+        } else {
+            Created::Exists
+        })
+    }
+
+    /// The schedules of `tenant` (of every tenant when `None`), by tenant and name.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn list(self, tenant: Option<&str>) -> Result<Vec<ScheduleRow>, StoreError> {
+        Ok(sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {SCHEDULE_COLUMNS} FROM schedules
+              WHERE deleted_at IS NULL AND ($1::text IS NULL OR tenant = $1)
+              ORDER BY tenant, name"
+        )))
+        .bind(tenant)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// One schedule, if it exists.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn get(self, tenant: &str, name: &str) -> Result<Option<ScheduleRow>, StoreError> {
+        Ok(sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {SCHEDULE_COLUMNS} FROM schedules
+              WHERE deleted_at IS NULL AND tenant = $1 AND name = $2"
+        )))
+        .bind(tenant)
+        .bind(name)
+        .fetch_optional(self.pool())
+        .await?)
+    }
+
+    /// The latest `limit` decided occurrences of one schedule, newest first.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn runs(
+        self,
+        tenant: &str,
+        name: &str,
+        limit: i64,
+    ) -> Result<Vec<RunRow>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT r.occurrence, r.by_hand, r.outcome, r.reason, r.order_id, r.missed_through,
+                    r.missed_count, r.recorded_by, r.recorded_at, r.fired_at, r.refusal
+               FROM schedule_runs r JOIN schedules s USING (tenant, name)
+              WHERE r.tenant = $1 AND r.name = $2 AND s.deleted_at IS NULL
+                AND r.recorded_at >= s.created_at
+              ORDER BY r.occurrence DESC, r.by_hand DESC LIMIT $3",
+        )
+        .bind(tenant)
+        .bind(name)
+        .bind(limit.clamp(1, 1000))
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Pauses a schedule: no occurrence is decided until it is resumed (a
+    /// run asked by hand still starts).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn pause(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
+        self.update(tenant, name, actor, "paused = true, buffered = NULL")
+            .await
+    }
+
+    /// Resumes a paused schedule from the first occurrence after now: the
+    /// occurrences while it was paused are not caught up.
+    ///
+    /// # Errors
+    /// When the database fails, or the stored expression no longer parses.
+    pub async fn resume(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
+        let Some(row) = self.get(tenant, name).await? else {
+            return Ok(Change::NotFound);
+        };
+        let timing = row.timing()?;
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(self.pool())
+            .await?;
+        let changed = sqlx::query(
+            "UPDATE schedules SET paused = false, next_run = $4, updated_by = $3, updated_at = now()
+              WHERE tenant = $1 AND name = $2 AND deleted_at IS NULL AND paused",
+        )
+        .bind(tenant)
+        .bind(name)
+        .bind(actor)
+        .bind(timing.next_after(now))
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        // Not paused (or deleted meanwhile): nothing to resume, and its
+        // next occurrence stays as it was.
+        Ok(if changed == 0 && row.paused {
+            Change::NotFound
+        } else {
+            Change::Done
+        })
+    }
+
+    /// Deletes a schedule: it decides nothing more, its name may be used
+    /// again, and the runs it started go on as ordinary orders.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn delete(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
+        self.update(tenant, name, actor, "deleted_at = now()").await
+    }
+
+    /// Asks for a run now, whatever the expression, the overlap policy or
+    /// a pause say: the next tick of any scheduler starts it (once, however
+    /// often this is asked before then).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn trigger(
+        self,
+        tenant: &str,
+        name: &str,
+        actor: &str,
+    ) -> Result<Change, StoreError> {
+        self.update(
+            tenant,
+            name,
+            actor,
+            "trigger_at = coalesce(trigger_at, now())",
+        )
+        .await
+    }
+
+    /// Sets `set` on one live schedule.
+    async fn update(
+        self,
+        tenant: &str,
+        name: &str,
+        actor: &str,
+        set: &'static str,
+    ) -> Result<Change, StoreError> {
+        let changed = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE schedules SET {set}, updated_by = $3, updated_at = now()
+              WHERE tenant = $1 AND name = $2 AND deleted_at IS NULL"
+        )))
+        .bind(tenant)
+        .bind(name)
+        .bind(actor)
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        Ok(if changed == 0 {
+            Change::NotFound
+        } else {
+            Change::Done
+        })
+    }
+}
+
+/// A due schedule as the deciding transaction reads it.
+#[derive(sqlx::FromRow)]
+struct DueRow {
+    tenant: String,
+    name: String,
+    cron: String,
+    time_zone: String,
+    order_template: Json<serde_json::Map<String, serde_json::Value>>,
+    overlap: String,
+    catch_up_ms: i64,
+    paused: bool,
+    next_run: Option<DateTime<Utc>>,
+    buffered: Option<DateTime<Utc>>,
+    trigger_at: Option<DateTime<Utc>>,
+    last_order_id: Option<String>,
+    last_running: bool,
+    now: DateTime<Utc>,
+}
+
+/// The rows one decision writes.
+#[derive(Default)]
+struct Decided {
+    tenants: Vec<String>,
+    names: Vec<String>,
+    occurrences: Vec<DateTime<Utc>>,
+    by_hand: Vec<bool>,
+    outcomes: Vec<&'static str>,
+    reasons: Vec<Option<&'static str>>,
+    order_ids: Vec<Option<String>>,
+    bodies: Vec<Option<Json<serde_json::Value>>>,
+    missed_through: Vec<Option<DateTime<Utc>>>,
+    missed_count: Vec<Option<i32>>,
+}
+
+impl Schedules<'_> {
+    /// Decides up to `limit` due schedules (those whose next occurrence has
+    /// come, with a run asked by hand, or with an occurrence buffered), in
+    /// one transaction: each occurrence is recorded once as started,
+    /// skipped or missed ([`plan::plan`]), and each schedule moves on.
+    /// Schedules another scheduler is deciding are skipped (`SKIP LOCKED`).
+    /// Returns the started runs, whose orders the caller stores.
+    ///
+    /// # Errors
+    /// When the database fails (nothing was decided), or a stored
+    /// expression no longer parses.
+    pub async fn decide_due(self, actor: &str, limit: i64) -> Result<Vec<Intent>, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let due: Vec<DueRow> = sqlx::query_as(
+            "WITH due AS (
+                 SELECT tenant, name FROM schedules
+                  WHERE deleted_at IS NULL AND NOT paused AND next_run <= now()
+                 UNION
+                 SELECT tenant, name FROM schedules
+                  WHERE deleted_at IS NULL AND (trigger_at IS NOT NULL OR buffered IS NOT NULL))
+             SELECT s.tenant, s.name, s.cron, s.time_zone, s.order_template, s.overlap,
+                    s.catch_up_ms, s.paused, s.next_run, s.buffered, s.trigger_at, s.last_order_id,
+                    coalesce(p.state NOT IN ('processed', 'compensated', 'error'),
+                             EXISTS (SELECT 1 FROM schedule_runs r
+                                      WHERE r.tenant = s.tenant AND r.name = s.name
+                                        AND r.order_id = s.last_order_id AND r.fired_at IS NULL))
+                        AS last_running,
+                    now() AS now
+               FROM schedules s
+               JOIN due USING (tenant, name)
+               LEFT JOIN order_process p ON p.order_id = s.last_order_id
+              ORDER BY s.next_run NULLS LAST
+              LIMIT $1
+                FOR UPDATE OF s SKIP LOCKED",
+        )
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+        if due.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut decided = Decided::default();
+        let mut intents = Vec::new();
+        for row in &due {
+            let timing = Timing::parse(&row.cron, &row.time_zone).map_err(|error| {
+                StoreError::Invariant(format!(
+                    "schedule {}/{}: the stored definition no longer parses: {error}",
+                    row.tenant, row.name
+                ))
+            })?;
+            let overlap: Overlap = row
+                .overlap
+                .parse()
+                .map_err(|error: spec::InvalidSchedule| StoreError::Invariant(error.to_string()))?;
+            let plan = plan::plan(
+                &Due {
+                    next_run: row.next_run,
+                    buffered: row.buffered,
+                    trigger_at: row.trigger_at,
+                    paused: row.paused,
+                    overlap,
+                    catch_up: TimeDelta::milliseconds(row.catch_up_ms),
+                    last_running: row.last_running,
+                },
+                &timing,
+                row.now,
+            );
+            let mut last_order_id = row.last_order_id.clone();
+            for run in plan.runs {
+                decided.tenants.push(row.tenant.clone());
+                decided.names.push(row.name.clone());
+                decided.occurrences.push(run.occurrence);
+                decided.by_hand.push(run.by_hand);
+                let (outcome, reason, through, count) = match run.outcome {
+                    Outcome::Start => ("started", None, None, None),
+                    Outcome::Skip(reason) => ("skipped", Some(reason), None, None),
+                    Outcome::Missed { through, count } => (
+                        "missed",
+                        None,
+                        Some(through),
+                        Some(i32::try_from(count).unwrap_or(i32::MAX)),
+                    ),
+                };
+                decided.outcomes.push(outcome);
+                decided.reasons.push(reason);
+                decided.missed_through.push(through);
+                decided.missed_count.push(count);
+                if outcome == "started" {
+                    let client_id = occurrence_order_id(&row.name, run.occurrence, run.by_hand);
+                    let stored_id = sas_messages::OrderId::from(client_id.clone())
+                        .qualified(&row.tenant)
+                        .to_string();
+                    let mut body = row.order_template.0.clone();
+                    body.insert("order_id".into(), client_id.into());
+                    let body = serde_json::Value::Object(body);
+                    decided.order_ids.push(Some(stored_id.clone()));
+                    decided.bodies.push(Some(Json(body.clone())));
+                    last_order_id = Some(stored_id);
+                    intents.push(Intent {
+                        tenant: row.tenant.clone(),
+                        name: row.name.clone(),
+                        occurrence: run.occurrence,
+                        by_hand: run.by_hand,
+                        order_body: Json(body),
+                    });
+                } else {
+                    decided.order_ids.push(None);
+                    decided.bodies.push(None);
+                }
+            }
+            sqlx::query(
+                "UPDATE schedules SET next_run = $3, buffered = $4, trigger_at = NULL,
+                        last_order_id = $5
+                  WHERE tenant = $1 AND name = $2",
+            )
+            .bind(&row.tenant)
+            .bind(&row.name)
+            .bind(plan.next_run)
+            .bind(plan.buffered)
+            .bind(last_order_id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(
+            "INSERT INTO schedule_runs (tenant, name, occurrence, by_hand, outcome, reason, order_id,
+                                        order_body, missed_through, missed_count, recorded_by)
+             SELECT *, $11 FROM UNNEST($1::text[], $2::text[], $3::timestamptz[], $4::bool[],
+                                       $5::text[], $6::text[], $7::text[], $8::jsonb[],
+                                       $9::timestamptz[], $10::int4[])
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(&decided.tenants)
+        .bind(&decided.names)
+        .bind(&decided.occurrences)
+        .bind(&decided.by_hand)
+        .bind(&decided.outcomes)
+        .bind(&decided.reasons)
+        .bind(&decided.order_ids)
+        .bind(&decided.bodies)
+        .bind(&decided.missed_through)
+        .bind(&decided.missed_count)
+        .bind(actor)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(intents)
+    }
+
+    /// Started runs whose orders were not stored `older_than` after they
+    /// were decided (their scheduler died or froze in between), oldest
+    /// first: any scheduler stores them (at worst again, which intake
+    /// takes as the duplicate it is).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn unfired(
+        self,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<Vec<Intent>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT tenant, name, occurrence, by_hand, order_body FROM schedule_runs
+              WHERE outcome = 'started' AND fired_at IS NULL
+                AND recorded_at < now() - make_interval(secs => $1)
+              ORDER BY recorded_at LIMIT $2",
+        )
+        .bind(older_than.as_secs_f64())
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Records that intake stored `intent`'s order, or refused it for `refusal`.
+    ///
+    /// # Errors
+    /// When the database fails (the run is then fired again later, which
+    /// stores nothing new).
+    pub async fn mark_fired(
+        self,
+        intent: &Intent,
+        refusal: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE schedule_runs SET fired_at = now(), refusal = $5
+              WHERE tenant = $1 AND name = $2 AND occurrence = $3 AND by_hand = $4
+                AND fired_at IS NULL",
+        )
+        .bind(&intent.tenant)
+        .bind(&intent.name)
+        .bind(intent.occurrence)
+        .bind(intent.by_hand)
+        .bind(refusal)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+}
+
+impl ScheduleRow {
+    /// Its timing, parsed again from what is stored.
+    ///
+    /// # Errors
+    /// [`StoreError::Invariant`] when the stored definition no longer parses.
+    pub fn timing(&self) -> Result<Timing, StoreError> {
+        Timing::parse(&self.cron, &self.time_zone).map_err(|error| {
+            StoreError::Invariant(format!(
+                "schedule {}/{}: the stored definition no longer parses: {error}",
+                self.tenant, self.name
+            ))
+        })
+    }
+}

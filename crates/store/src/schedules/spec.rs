@@ -1,0 +1,317 @@
+//! What a schedule says, checked: its name, its cron expression in its
+//! time zone ([`Timing`]), what it does when a run is still going
+//! ([`Overlap`]), and the id of the order each occurrence becomes
+//! ([`occurrence_order_id`]).
+//!
+//! Daylight-saving changes follow the Open Container Initiative's cron
+//! rules, as `croner` implements them: a fixed time that falls in a
+//! skipped hour runs at the first time after the gap (02:30 on the night
+//! clocks go forward runs at 03:00); a fixed time in a doubled hour runs
+//! once, at its first instance; an interval expression (`*/15 * * * *`,
+//! `0 * * * *`) runs on both instances of a doubled hour and not in a
+//! skipped one.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, LocalResult, TimeDelta, TimeZone as _, Utc};
+use chrono_tz::Tz;
+use croner::parser::{CronParser, Seconds, Year};
+use croner::Cron;
+
+/// Longest schedule name: its orders' ids are `<name>:<UTC time>` (or
+/// `<name>:now-<UTC time with milliseconds>` for a run asked by hand),
+/// which must fit an order id's 64 characters.
+pub const MAX_NAME_LEN: usize = 38;
+
+/// Why a schedule's definition is refused: what is wrong and what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidSchedule(pub String);
+
+/// Checks a schedule name: 1 to [`MAX_NAME_LEN`] letters, digits, `_` or `-`.
+///
+/// # Errors
+/// [`InvalidSchedule`] saying what a name may hold.
+pub fn check_name(name: &str) -> Result<(), InvalidSchedule> {
+    let ok = (1..=MAX_NAME_LEN).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidSchedule(format!(
+            "a schedule name is 1 to {MAX_NAME_LEN} letters, digits, '_' or '-' (got {name:?})"
+        )))
+    }
+}
+
+/// When a schedule's occurrences fall: a cron expression of 5 fields
+/// (minute to day of week) or 6 (seconds first), or a nickname such as
+/// `@daily`, read in an IANA time zone.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    cron: Cron,
+    zone: Tz,
+    expression: String,
+}
+
+impl Timing {
+    /// Parses `expression` in the zone named `zone` (`Europe/Berlin`, `UTC`).
+    ///
+    /// # Errors
+    /// [`InvalidSchedule`] naming what is wrong: the number of fields, a
+    /// field the parser refuses, an unknown zone, or an expression that
+    /// never matches.
+    pub fn parse(expression: &str, zone: &str) -> Result<Self, InvalidSchedule> {
+        let expression = expression.trim();
+        let fields = expression.split_whitespace().count();
+        if !expression.starts_with('@') && !(5..=6).contains(&fields) {
+            return Err(InvalidSchedule(format!(
+                "a cron expression has 5 fields (minute hour day-of-month month day-of-week) or 6 (seconds first); {expression:?} has {fields}"
+            )));
+        }
+        let parser = CronParser::builder()
+            .seconds(Seconds::Optional)
+            .year(Year::Disallowed)
+            .build();
+        let cron = parser
+            .parse(expression)
+            .map_err(|error| InvalidSchedule(format!("cron expression {expression:?}: {error}")))?;
+        let zone = Tz::from_str(zone).map_err(|_| {
+            InvalidSchedule(format!(
+                "unknown time zone {zone:?}: name an IANA zone such as \"UTC\" or \"Europe/Berlin\""
+            ))
+        })?;
+        let timing = Self {
+            cron,
+            zone,
+            expression: expression.to_owned(),
+        };
+        if timing.next_after(Utc::now()).is_none() {
+            return Err(InvalidSchedule(format!(
+                "cron expression {expression:?} never matches a time to come"
+            )));
+        }
+        Ok(timing)
+    }
+
+    /// The expression as given (trimmed).
+    pub fn expression(&self) -> &str {
+        &self.expression
+    }
+
+    /// The zone's IANA name.
+    pub fn zone(&self) -> &str {
+        self.zone.name()
+    }
+
+    /// The first occurrence strictly after `after`, if the expression has one.
+    pub fn next_after(&self, after: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let local = after.with_timezone(&self.zone);
+        // In a doubled hour, croner yields the second instance of an
+        // interval expression's time only right after the first, so a
+        // search that starts between them would miss it: start before the
+        // first instance of this wall-clock time, and skip to `after`.
+        let start = match self.zone.from_local_datetime(&local.naive_local()) {
+            LocalResult::Ambiguous(earliest, _) => earliest - TimeDelta::seconds(1),
+            _ => local,
+        };
+        self.cron
+            .iter_after(start)
+            .map(|at| at.with_timezone(&Utc))
+            .find(|&at| at > after)
+    }
+
+    /// The first occurrence at or after `from`, if any.
+    pub fn next_from(&self, from: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.next_after(from - TimeDelta::nanoseconds(1))
+    }
+
+    /// The next `count` occurrences after `after`, for listings.
+    pub fn upcoming(&self, after: DateTime<Utc>, count: usize) -> Vec<DateTime<Utc>> {
+        let mut times = Vec::with_capacity(count);
+        let mut at = after;
+        while times.len() < count {
+            match self.next_after(at) {
+                Some(next) => {
+                    times.push(next);
+                    at = next;
+                }
+                None => break,
+            }
+        }
+        times
+    }
+}
+
+/// What a schedule does with an occurrence that comes while its last run
+/// has not ended (Temporal's overlap policies, by the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// The occurrence is skipped (recorded as such).
+    Skip,
+    /// The first such occurrence waits for the run to end and then starts;
+    /// later ones while one waits are skipped.
+    BufferOne,
+    /// Every occurrence starts, whatever is still running.
+    Allow,
+}
+
+impl Overlap {
+    /// The name stored and shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Skip => "skip",
+            Self::BufferOne => "buffer_one",
+            Self::Allow => "allow",
+        }
+    }
+}
+
+impl fmt::Display for Overlap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Overlap {
+    type Err = InvalidSchedule;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "skip" => Ok(Self::Skip),
+            "buffer_one" => Ok(Self::BufferOne),
+            "allow" => Ok(Self::Allow),
+            other => Err(InvalidSchedule(format!(
+                "overlap policy {other:?}: use skip, buffer_one or allow"
+            ))),
+        }
+    }
+}
+
+/// The client id of the order occurrence `at` of schedule `name` becomes:
+/// `<name>:<UTC time, to the second>` (`nightly:20261129T020000Z`), or for
+/// a run asked by hand, `<name>:now-<UTC time, to the millisecond>`. The
+/// same occurrence always gives the same id, so however many schedulers
+/// fire it, and whatever dies in between, intake stores it once.
+pub fn occurrence_order_id(name: &str, at: DateTime<Utc>, by_hand: bool) -> String {
+    if by_hand {
+        format!("{name}:now-{}", at.format("%Y%m%dT%H%M%S%.3fZ"))
+    } else {
+        format!("{name}:{}", at.format("%Y%m%dT%H%M%SZ"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn utc(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn five_and_six_fields_are_read_and_others_refused_with_the_count() {
+        let five = Timing::parse("*/10 * * * *", "UTC").unwrap();
+        assert_eq!(
+            five.next_after(utc("2026-11-29T10:00:00Z")),
+            Some(utc("2026-11-29T10:10:00Z"))
+        );
+        let six = Timing::parse("*/10 * * * * *", "UTC").unwrap();
+        assert_eq!(
+            six.next_after(utc("2026-11-29T10:00:00Z")),
+            Some(utc("2026-11-29T10:00:10Z"))
+        );
+        let four = Timing::parse("* * * *", "UTC").unwrap_err();
+        assert!(four.0.contains("has 4"), "{four}");
+        let seven = Timing::parse("0 0 0 1 1 * 2030", "UTC").unwrap_err();
+        assert!(seven.0.contains("has 7"), "{seven}");
+        assert!(Timing::parse("61 * * * *", "UTC").is_err());
+        let zone = Timing::parse("0 2 * * *", "Mars/Olympus").unwrap_err();
+        assert!(zone.0.contains("unknown time zone"), "{zone}");
+        assert!(Timing::parse("@daily", "UTC").is_ok());
+    }
+
+    #[test]
+    fn a_nightly_time_in_the_hour_clocks_skip_runs_once_right_after_the_gap() {
+        // Europe/Berlin goes from 02:00 to 03:00 on 2027-03-28.
+        let nightly = Timing::parse("30 2 * * *", "Europe/Berlin").unwrap();
+        let runs = nightly.upcoming(utc("2027-03-26T12:00:00Z"), 3);
+        let berlin = chrono_tz::Europe::Berlin;
+        let local: Vec<_> = runs
+            .iter()
+            .map(|at| at.with_timezone(&berlin).naive_local().to_string())
+            .collect();
+        assert_eq!(
+            local,
+            [
+                "2027-03-27 02:30:00",
+                "2027-03-28 03:00:00",
+                "2027-03-29 02:30:00"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_nightly_time_in_the_doubled_hour_runs_once_and_an_hourly_one_twice() {
+        // Europe/Berlin goes from 03:00 back to 02:00 on 2026-10-25: 02:30
+        // happens at 00:30 and at 01:30 UTC.
+        let nightly = Timing::parse("30 2 * * *", "Europe/Berlin").unwrap();
+        let runs = nightly.upcoming(utc("2026-10-24T12:00:00Z"), 2);
+        assert_eq!(
+            runs,
+            [utc("2026-10-25T00:30:00Z"), utc("2026-10-26T01:30:00Z")]
+        );
+        let hourly = Timing::parse("30 * * * *", "Europe/Berlin").unwrap();
+        let runs = hourly.upcoming(utc("2026-10-24T23:45:00Z"), 3);
+        assert_eq!(
+            runs,
+            [
+                utc("2026-10-25T00:30:00Z"),
+                utc("2026-10-25T01:30:00Z"),
+                utc("2026-10-25T02:30:00Z")
+            ]
+        );
+        // From either instance, the next is the one after it (a scheduler
+        // deciding one occurrence at a time must not lose the second).
+        assert_eq!(
+            hourly.next_after(utc("2026-10-25T00:30:00Z")),
+            Some(utc("2026-10-25T01:30:00Z"))
+        );
+        assert_eq!(
+            hourly.next_after(utc("2026-10-25T01:30:00Z")),
+            Some(utc("2026-10-25T02:30:00Z"))
+        );
+    }
+
+    #[test]
+    fn an_occurrence_always_names_the_same_order_and_fits_an_order_id() {
+        let at = Utc.with_ymd_and_hms(2026, 11, 29, 2, 0, 0).unwrap();
+        assert_eq!(
+            occurrence_order_id("nightly", at, false),
+            "nightly:20261129T020000Z"
+        );
+        let longest = "n".repeat(MAX_NAME_LEN);
+        let by_hand = occurrence_order_id(&longest, at, true);
+        assert!(
+            by_hand.len() <= sas_messages::order::MAX_ID_LEN,
+            "{by_hand}"
+        );
+        assert!(check_name(&longest).is_ok());
+        assert!(check_name(&format!("{longest}n")).is_err());
+        assert!(check_name("a b").is_err());
+    }
+
+    #[test]
+    fn overlap_names_read_back() {
+        for overlap in [Overlap::Skip, Overlap::BufferOne, Overlap::Allow] {
+            assert_eq!(overlap.as_str().parse::<Overlap>().unwrap(), overlap);
+        }
+        assert!("queue".parse::<Overlap>().is_err());
+    }
+}

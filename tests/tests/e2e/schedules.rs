@@ -1,0 +1,456 @@
+//! Durable schedules against real processes: three schedulers fire one
+//! schedule while one is killed -9 and another frozen, and each occurrence
+//! becomes one order, close to its time; after every scheduler was down,
+//! the occurrences within the catch-up window run once each, in order, and
+//! the older ones are recorded as missed; pause, trigger and delete do
+//! what sasctl says.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use sas_tests::{wait_until, Setting, TestEnv};
+
+/// The order each run submits (no order_id: each run gets its own).
+const ORDER: &str = r#"{"schema_version": 1, "customer_id": "cust-s", "items": [{"sku": "sku-s", "quantity": 1}], "amount_cents": 100, "currency": "EUR"}"#;
+
+/// How often each scheduler looks for due schedules in these tests.
+const TICK_MS: u64 = 250;
+
+fn tick() -> Setting {
+    Setting::SchedulerScheduleIntervalMs(TICK_MS)
+}
+
+/// Waits until a scheduler has registered the built-in workflow, which a
+/// schedule's order must name.
+async fn wait_for_workflow(env: &TestEnv) {
+    wait_until("a registered workflow", Duration::from_secs(20), || async {
+        let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM workflow_plans")
+            .fetch_one(&env.db)
+            .await
+            .map_err(|e| e.to_string())?;
+        if n > 0 {
+            Ok(())
+        } else {
+            Err("none".into())
+        }
+    })
+    .await;
+}
+
+/// A decided run: occurrence, outcome, order id, missed count.
+type Decided = (DateTime<Utc>, String, Option<String>, Option<i32>);
+
+/// A schedule's decided runs, oldest first.
+async fn runs(env: &TestEnv, name: &str) -> Vec<Decided> {
+    sqlx::query_as(
+        "SELECT occurrence, outcome, order_id, missed_count FROM schedule_runs
+          WHERE name = $1 AND NOT by_hand ORDER BY occurrence",
+    )
+    .bind(name)
+    .fetch_all(&env.db)
+    .await
+    .expect("read the runs")
+}
+
+/// Each started run's order: (occurrence, seconds from the occurrence to
+/// the order's receipt), oldest first; panics naming a started run with no
+/// order, or an order of the schedule with no started run.
+async fn started_orders(env: &TestEnv, name: &str) -> Vec<(DateTime<Utc>, f64)> {
+    let rows: Vec<(DateTime<Utc>, Option<f64>)> = sqlx::query_as(
+        "SELECT r.occurrence, extract(epoch FROM o.received_at - r.occurrence)::float8
+           FROM schedule_runs r LEFT JOIN orders o ON o.order_id = r.order_id
+          WHERE r.name = $1 AND r.outcome = 'started' AND NOT r.by_hand
+          ORDER BY r.occurrence",
+    )
+    .bind(name)
+    .fetch_all(&env.db)
+    .await
+    .expect("read the started runs");
+    let (orders,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM orders WHERE order_id LIKE $1 || ':%'")
+            .bind(name)
+            .fetch_one(&env.db)
+            .await
+            .expect("count the orders");
+    assert_eq!(
+        orders,
+        rows.len() as i64,
+        "one order per started run, no other order of the schedule"
+    );
+    rows.into_iter()
+        .map(|(at, late)| {
+            (
+                at,
+                late.unwrap_or_else(|| panic!("the run of {at} has no order")),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_schedulers_one_killed_one_frozen_start_each_occurrence_once_and_on_time() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _supervisor = env.supervisor(0, &[]);
+    let mut schedulers: Vec<_> = (0..3).map(|i| env.scheduler(i, &[tick()])).collect();
+    wait_for_workflow(&env).await;
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "every2",
+            "--cron",
+            "*/2 * * * * *",
+            "--order",
+            ORDER,
+            "--overlap",
+            "allow",
+            "--catch-up-secs",
+            "60",
+        ])
+        .await;
+    assert_eq!(code, 0, "the schedule is created");
+    let started_at = Utc::now();
+    let started_by = |n: usize| {
+        let env = &env;
+        async move {
+            wait_until("started runs", Duration::from_secs(60), || async {
+                let count = runs(env, "every2")
+                    .await
+                    .iter()
+                    .filter(|run| run.1 == "started")
+                    .count();
+                if count >= n {
+                    Ok(())
+                } else {
+                    Err(format!("{count} started"))
+                }
+            })
+            .await;
+        }
+    };
+    started_by(3).await;
+    // kill -9 one scheduler; the other two go on.
+    schedulers[0].kill9().await;
+    started_by(6).await;
+    // Freeze another for 8 s (four occurrences), then thaw it.
+    let frozen = Pid::from_raw(schedulers[1].pid() as i32);
+    kill(frozen, Signal::SIGSTOP).expect("freeze scheduler-1");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    kill(frozen, Signal::SIGCONT).expect("thaw scheduler-1");
+    started_by(14).await;
+    let (code, _) = env.sasctl(&["schedules", "pause", "every2"]).await;
+    assert_eq!(code, 0);
+    let stopped_at = Utc::now();
+
+    // Every occurrence from the first to the last decided is there once,
+    // two seconds apart, and started (overlap allow, none missed).
+    let decided = runs(&env, "every2").await;
+    assert!(decided.iter().all(|run| run.1 == "started"), "{decided:?}");
+    for pair in decided.windows(2) {
+        assert_eq!(
+            (pair[1].0 - pair[0].0).num_milliseconds(),
+            2000,
+            "consecutive occurrences, none lost or doubled: {:?} then {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+    assert!(decided[0].0 <= started_at + chrono::TimeDelta::seconds(2));
+    assert!(decided.last().unwrap().0 >= stopped_at - chrono::TimeDelta::seconds(3));
+    // Each became one order, soon after its time: within a tick and the
+    // time to store it, but for a run whose scheduler froze after deciding
+    // it, which another fires once it is unfired for 3 s, or a schedule
+    // locked by the frozen one's open transaction, freed when Postgres
+    // ends that session (5 s idle in a transaction).
+    let orders = started_orders(&env, "every2").await;
+    let mut late: Vec<f64> = orders.iter().map(|(_, late)| *late).collect();
+    late.sort_by(f64::total_cmp);
+    eprintln!("seconds from occurrence to order: {late:?}");
+    assert!(late[0] >= 0.0, "no run starts before its time: {late:?}");
+    let on_time = late.iter().filter(|&&s| s <= 1.0).count();
+    assert!(
+        on_time + 3 >= late.len(),
+        "all but at most three runs within a second of their time: {late:?}"
+    );
+    assert!(
+        *late.last().unwrap() <= 10.0,
+        "none later than the freeze's recovery: {late:?}"
+    );
+    // The orders ran like any other.
+    wait_until("the runs' orders processed", Duration::from_secs(60), || async {
+        let (open,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM order_process WHERE order_id LIKE 'every2:%' AND state <> 'processed'",
+        )
+        .fetch_one(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        if open == 0 {
+            Ok(())
+        } else {
+            Err(format!("{open} not processed"))
+        }
+    })
+    .await;
+    for scheduler in &mut schedulers[1..] {
+        assert!(scheduler.is_running(), "{} exited", scheduler.name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_every_scheduler_was_down_the_window_runs_once_in_order_and_older_ones_are_missed() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let mut scheduler = env.scheduler(0, &[tick()]);
+    wait_for_workflow(&env).await;
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "each",
+            "--cron",
+            "* * * * * *",
+            "--order",
+            ORDER,
+            "--overlap",
+            "allow",
+            "--catch-up-secs",
+            "4",
+        ])
+        .await;
+    assert_eq!(code, 0);
+    wait_until("two started runs", Duration::from_secs(30), || async {
+        let n = runs(&env, "each").await.len();
+        if n >= 2 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+    scheduler.kill9().await;
+    let before = runs(&env, "each").await.len();
+    assert!(before >= 2);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let back = Utc::now();
+    let _scheduler = env.scheduler(1, &[tick()]);
+    wait_until("the outage decided", Duration::from_secs(30), || async {
+        let decided = runs(&env, "each").await;
+        match decided.last() {
+            Some(last) if last.0 >= back => Ok(()),
+            last => Err(format!("{last:?}")),
+        }
+    })
+    .await;
+    let decided = runs(&env, "each").await;
+    // Contiguous: a missed stretch counts for each second it covers.
+    let mut expected = decided[0].0;
+    for (at, outcome, _, missed) in &decided {
+        assert_eq!(*at, expected, "no occurrence lost or doubled: {decided:?}");
+        let seconds = if outcome == "missed" {
+            missed.unwrap()
+        } else {
+            1
+        };
+        expected += chrono::TimeDelta::seconds(i64::from(seconds));
+    }
+    // The first decision of the scheduler that came back: one missed
+    // stretch, then the window's occurrences started.
+    let first: Vec<Decided> = sqlx::query_as(
+        "SELECT occurrence, outcome, order_id, missed_count FROM schedule_runs
+          WHERE name = 'each' AND recorded_at = (SELECT min(recorded_at) FROM schedule_runs
+                                                  WHERE name = 'each' AND recorded_by = 'scheduler-1')
+          ORDER BY occurrence",
+    )
+    .fetch_all(&env.db)
+    .await
+    .expect("read the first decision");
+    assert!(first.len() > before.min(1), "{first:?}");
+    let (missed, caught_up) = first.split_at(1);
+    assert_eq!(missed[0].1, "missed", "{first:?}");
+    assert!(
+        missed[0].3.unwrap() >= 5,
+        "the ten seconds down, less the four-second window, are missed: {first:?}"
+    );
+    assert!(
+        (4..=5).contains(&caught_up.len()) && caught_up.iter().all(|run| run.1 == "started"),
+        "the four seconds of the window started: {first:?}"
+    );
+    // Stored once each, in occurrence order.
+    let ids: Vec<&str> = caught_up
+        .iter()
+        .filter_map(|run| run.2.as_deref())
+        .collect();
+    let stored: Vec<(String,)> = sqlx::query_as(
+        "SELECT order_id FROM orders WHERE order_id = ANY($1) ORDER BY received_at, order_id",
+    )
+    .bind(&ids)
+    .fetch_all(&env.db)
+    .await
+    .expect("read the orders");
+    let stored: Vec<&str> = stored.iter().map(|(id,)| id.as_str()).collect();
+    assert_eq!(stored, ids, "stored once each, in occurrence order");
+    started_orders(&env, "each").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sasctl_pauses_triggers_and_deletes_a_schedule_and_refuses_bad_definitions() {
+    let env = TestEnv::new().await;
+    let _scheduler = env.scheduler(0, &[tick()]);
+    wait_for_workflow(&env).await;
+    // Refused with what is wrong.
+    for (args, says) in [
+        (vec!["--cron", "* * * *"], "has 4"),
+        (
+            vec!["--cron", "0 2 * * *", "--time-zone", "Mars/Olympus"],
+            "unknown time zone",
+        ),
+        (
+            vec!["--cron", "0 2 * * *", "--overlap", "queue"],
+            "overlap policy",
+        ),
+    ] {
+        let mut all = vec!["schedules", "create", "nightly", "--order", ORDER];
+        all.extend(args);
+        let (code, _) = env.sasctl(&all).await;
+        assert_eq!(code, 1, "{says}");
+    }
+    let with_id = ORDER.replacen('{', r#"{"order_id": "x", "#, 1);
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "nightly",
+            "--cron",
+            "0 2 * * *",
+            "--order",
+            &with_id,
+        ])
+        .await;
+    assert_eq!(code, 1, "an order_id in the template is refused");
+    let unknown = ORDER.replacen('{', r#"{"workflow": "nope", "#, 1);
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "nightly",
+            "--cron",
+            "0 2 * * *",
+            "--order",
+            &unknown,
+        ])
+        .await;
+    assert_eq!(code, 1, "a workflow no scheduler runs is refused");
+    // A nightly schedule, paused at once: a trigger still runs it, once.
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "nightly",
+            "--cron",
+            "0 2 * * *",
+            "--time-zone",
+            "Europe/Berlin",
+            "--order",
+            ORDER,
+            "--paused",
+        ])
+        .await;
+    assert_eq!(code, 0);
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "nightly",
+            "--cron",
+            "0 3 * * *",
+            "--order",
+            ORDER,
+        ])
+        .await;
+    assert_eq!(code, 1, "a second schedule of the same name is refused");
+    // A run a scheduler decided and died before storing (its row as that
+    // scheduler left it): another stores it, once it is 3 s old.
+    let body = ORDER.replacen('{', r#"{"order_id": "nightly:20260101T010000Z", "#, 1);
+    sqlx::query(
+        "INSERT INTO schedule_runs (tenant, name, occurrence, outcome, order_id, order_body, recorded_by)
+         VALUES ('default', 'nightly', '2026-01-01T01:00:00Z', 'started', 'nightly:20260101T010000Z',
+                 $1::jsonb, 'scheduler-gone')",
+    )
+    .bind(&body)
+    .execute(&env.db)
+    .await
+    .expect("a run left unfired");
+    let waited: f64 = wait_until(
+        "the unfired run stored",
+        Duration::from_secs(20),
+        || async {
+            let row: Option<(f64,)> = sqlx::query_as(
+                "SELECT extract(epoch FROM o.received_at - r.recorded_at)::float8
+               FROM schedule_runs r JOIN orders o USING (order_id)
+              WHERE r.order_id = 'nightly:20260101T010000Z' AND r.fired_at IS NOT NULL",
+            )
+            .fetch_optional(&env.db)
+            .await
+            .map_err(|e| e.to_string())?;
+            row.map(|(s,)| s).ok_or_else(|| "not yet".into())
+        },
+    )
+    .await;
+    eprintln!("an unfired run was stored {waited} s after it was decided");
+    assert!(
+        (3.0..6.0).contains(&waited),
+        "stored after it was 3 s unfired, within a tick or two: {waited} s"
+    );
+    for _ in 0..2 {
+        let (code, _) = env.sasctl(&["schedules", "trigger", "nightly"]).await;
+        assert_eq!(code, 0);
+    }
+    let order_id: String = wait_until("the triggered run", Duration::from_secs(20), || async {
+        let ids: Vec<(String,)> =
+            sqlx::query_as("SELECT order_id FROM orders WHERE order_id LIKE 'nightly:now-%'")
+                .fetch_all(&env.db)
+                .await
+                .map_err(|e| e.to_string())?;
+        match ids.as_slice() {
+            [(id,)] => Ok(id.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let (code, shown) = env.sasctl(&["schedules", "show", "nightly"]).await;
+    assert_eq!(code, 0);
+    assert!(shown.contains(&order_id), "{shown}");
+    assert!(shown.contains("paused     true"), "{shown}");
+    // Resumed, its next run is the next 02:00 in Berlin; listed with it.
+    let (code, _) = env.sasctl(&["schedules", "resume", "nightly"]).await;
+    assert_eq!(code, 0);
+    let (code, listed) = env.sasctl(&["-o", "json", "schedules", "list"]).await;
+    assert_eq!(code, 0);
+    let listed: serde_json::Value = serde_json::from_str(&listed).expect("JSON");
+    let next: DateTime<Utc> =
+        serde_json::from_value(listed[0]["next_runs"][0].clone()).expect("a next run");
+    let berlin = next.with_timezone(&chrono_tz::Europe::Berlin);
+    assert_eq!(berlin.format("%H:%M:%S").to_string(), "02:00:00");
+    assert!(next > Utc::now() && next - Utc::now() <= chrono::TimeDelta::hours(25));
+    let (code, _) = env.sasctl(&["schedules", "delete", "nightly"]).await;
+    assert_eq!(code, 0);
+    let (code, _) = env.sasctl(&["schedules", "pause", "nightly"]).await;
+    assert_eq!(code, 1, "a deleted schedule is gone");
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "nightly",
+            "--cron",
+            "0 3 * * *",
+            "--order",
+            ORDER,
+        ])
+        .await;
+    assert_eq!(code, 0, "its name may be used again");
+}
