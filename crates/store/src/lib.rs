@@ -4,14 +4,16 @@
 //! who holds each one and until when, each step's current attempt, and every
 //! decision taken. The services are stateless between messages.
 //!
-//! A [`Store`] is a connection pool that hands out three roles:
+//! A [`Store`] is a connection pool that hands out four roles:
 //!
 //! - [`Store::writes`] ([`writes`]): every transition of an order, through
 //!   one write kernel, and the operators' records;
 //! - [`Store::reads`] ([`reads`]): what operators, clients and metrics are
 //!   shown (queries, search, overview, dead letters);
 //! - [`Store::admission`] ([`admission`]): the agents' shared admission
-//!   counters and limits.
+//!   counters and limits;
+//! - [`Store::schedules`] ([`schedules`]): durable schedules, managed by
+//!   operators and fired by the schedulers.
 //!
 //! Beside them:
 //! - [`machine`]: the order state machine, pure: every transition is decided there.
@@ -19,8 +21,6 @@
 //! - [`timing`]: the deadline margins (start margin, grace) and their check.
 //! - [`model`]: the states and the messages a transition produces.
 //! - [`quota`]: tenants' quotas, taken by intake (on [`Store::admission`]).
-//! - [`schedules`]: durable schedules (on [`Store::schedules`]): workflows
-//!   run on a cron expression, each occurrence once.
 //!
 //! Every transition runs in one transaction that first locks the orders'
 //! `order_process` rows and reads its snapshot, asks [`machine::decide`],
