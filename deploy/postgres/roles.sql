@@ -11,10 +11,11 @@
 -- creates. It may not DELETE or TRUNCATE anything (history is append-only),
 -- and may only read _sqlx_migrations, so a compromised service can neither
 -- erase what happened nor mark a migration as applied. Retention deletes
--- through two functions the owner's migrations create (SECURITY DEFINER:
--- sas_retire_finished, sas_retire_dead_letters), which delete only finished
--- orders (none with an open alert) and dead letters older than the age they
--- are given; only app_role may execute the owner's functions.
+-- through functions the owner's migrations create (SECURITY DEFINER:
+-- sas_retire_finished, sas_retire_dead_letters, sas_retire_schedule_runs),
+-- which delete only finished orders (none with an open alert), dead letters
+-- and decided schedule runs older than the age they are given; only
+-- app_role may execute the owner's functions.
 --
 -- reader_role (sas_reader; optional: given with -v reader_role=sas_reader
 -- -v reader_password=...) is what the HTTP gateway logs in as: it only

@@ -36,6 +36,12 @@ pub fn routes() -> Router<Arc<Console>> {
         .route("/api/bulk/{action}", post(bulk))
         .route("/api/workflows", get(workflows))
         .route("/api/workflows/move", post(move_orders))
+        .route("/api/schedules", get(schedules).post(create_schedule))
+        .route("/api/schedules/{tenant}/{name}", get(schedule))
+        .route(
+            "/api/schedules/{tenant}/{name}/{action}",
+            post(act_on_schedule),
+        )
         .route("/api/alerts", get(alerts))
         .route("/api/alerts/{id}/acknowledge", post(acknowledge))
         .route("/api/alerts/{id}/resolve", post(resolve))
@@ -243,6 +249,42 @@ async fn workflows(
     State(console): State<Arc<Console>>,
 ) -> ApiResult<Vec<crate::pages::workflows::WorkflowView>> {
     Ok(Json(crate::pages::workflows::load(&console).await?))
+}
+
+async fn schedules(
+    State(console): State<Arc<Console>>,
+) -> ApiResult<Vec<crate::pages::schedules::Listed>> {
+    Ok(Json(crate::pages::schedules::load(&console).await?))
+}
+
+async fn schedule(
+    State(console): State<Arc<Console>>,
+    Path((tenant, name)): Path<(String, String)>,
+) -> ApiResult<Value> {
+    let (schedule, runs) = crate::pages::schedules::load_one(&console, &tenant, &name).await?;
+    Ok(Json(json!({ "schedule": schedule, "runs": runs })))
+}
+
+async fn create_schedule(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Done> {
+    let ask: sas_store::schedules::ScheduleAsk = serde_json::from_slice(&bytes)
+        .map_err(|e| Failure::bad_request(format!("the body is not the schedule expected: {e}")))?;
+    Ok(Json(console.create_schedule(&ask, &who).await?))
+}
+
+async fn act_on_schedule(
+    State(console): State<Arc<Console>>,
+    Extension(who): Extension<Principal>,
+    Path((tenant, name, action)): Path<(String, String, String)>,
+) -> ApiResult<Done> {
+    Ok(Json(
+        console
+            .act_on_schedule(&tenant, &name, &action, &who)
+            .await?,
+    ))
 }
 
 /// Body of a move of waiting orders: without `confirm`, a look.

@@ -24,6 +24,7 @@ pub mod guard;
 pub mod live;
 pub mod overview;
 pub mod pages;
+pub mod schedules;
 pub mod settings;
 pub mod timeline;
 

@@ -17,6 +17,7 @@ pub mod events;
 pub mod long_polls;
 pub mod openapi;
 pub mod orders;
+pub mod schedules;
 pub mod settings;
 pub mod workflows;
 
@@ -206,6 +207,7 @@ pub fn router(gateway: Arc<Gateway>, ops: Option<Router>) -> Router {
             "/v1/correlation-keys/{key}/events",
             post(events::submit_for_key),
         )
+        .route("/v1/schedules", get(schedules::list))
         .layer(axum::middleware::from_fn_with_state(gateway.clone(), guard))
         .with_state(gateway);
     let document = Router::new().route(

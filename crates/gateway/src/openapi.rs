@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 use crate::events::{EventAccepted, EventSubmission};
 use crate::orders::{OrderStatusView, Problem, RejectedView, Submitted};
+use crate::schedules::ScheduleView;
 
 /// The document.
 pub fn document() -> Value {
@@ -21,6 +22,7 @@ pub fn document() -> Value {
     let problem = generator.subschema_for::<Problem>();
     let event = generator.subschema_for::<EventSubmission>();
     let event_accepted = generator.subschema_for::<EventAccepted>();
+    let schedules = generator.subschema_for::<Vec<ScheduleView>>();
     let schemas = generator.take_definitions(true);
     let error = |description: &str| {
         json!({
@@ -104,6 +106,24 @@ pub fn document() -> Value {
             },
             "/v1/orders/{order_id}/events": events_path(&event, &event_accepted, &error, EventsFor::Order),
             "/v1/correlation-keys/{key}/events": events_path(&event, &event_accepted, &error, EventsFor::Key),
+            "/v1/schedules": {
+                "get": {
+                    "operationId": "listSchedules",
+                    "summary": "This client's tenant's schedules, with their next and latest runs",
+                    "description": "Read only: an operator creates and changes schedules (sasctl schedules, the console). \
+                        Each started run is an order of this tenant, read with GET /v1/orders/{order_id}.",
+                    "responses": {
+                        "200": {
+                            "description": "The schedules, by name: five next runs each (none while paused) and the five latest decided, newest first.",
+                            "content": { "application/json": { "schema": schedules } },
+                        },
+                        "401": error("No client secret, or a wrong one."),
+                        "403": error("The client belongs to no tenant."),
+                        "429": error("Too many failed authentications from this address (see Retry-After)."),
+                        "503": error("The store cannot be reached: ask again (see Retry-After)."),
+                    },
+                },
+            },
         },
     })
 }

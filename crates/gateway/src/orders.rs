@@ -135,7 +135,8 @@ pub fn problem(status: StatusCode, error: impl Into<String>) -> Response {
     (status, Json(Problem { error })).into_response()
 }
 
-fn store_unavailable(error: &sas_store::StoreError) -> Response {
+/// 503 with `Retry-After` for a store that failed (logged).
+pub(crate) fn store_unavailable(error: &sas_store::StoreError) -> Response {
     tracing::warn!(%error, "the state store failed");
     let mut response = problem(
         StatusCode::SERVICE_UNAVAILABLE,

@@ -2,13 +2,11 @@
 //! (see [`sas_store::schedules`]); the schedulers fire them.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use sas_messages::{OrderId, SubmitOrder};
-use sas_store::schedules::spec::{check_name, occurrence_order_id, Overlap, Timing};
-use sas_store::schedules::{Change, Created, NewSchedule, ScheduleRow};
+use sas_messages::OrderId;
+use sas_store::schedules::{Change, Created, ScheduleAction, ScheduleAsk, ScheduleRow};
 use sas_store::Store;
 
 use crate::operate::{print_json, Output};
@@ -100,37 +98,24 @@ pub async fn run(
     actor: &str,
     output: Output,
 ) -> anyhow::Result<ExitCode> {
-    let schedules = store.schedules();
-    let (which, change, done) = match command {
+    let (which, action) = match command {
         SchedulesCommand::Create(args) => return create(store, args, actor).await,
         SchedulesCommand::List { tenant, next } => {
             return list(store, tenant.as_deref(), next, output).await
         }
         SchedulesCommand::Show { which, runs } => return show(store, &which, runs, output).await,
-        SchedulesCommand::Pause(which) => {
-            let change = schedules.pause(&which.tenant, &which.name, actor).await?;
-            (which, change, "paused")
-        }
-        SchedulesCommand::Resume(which) => {
-            let change = schedules.resume(&which.tenant, &which.name, actor).await?;
-            (which, change, "resumed")
-        }
-        SchedulesCommand::Trigger(which) => {
-            let change = schedules.trigger(&which.tenant, &which.name, actor).await?;
-            (
-                which,
-                change,
-                "triggered: a scheduler starts its run within a tick",
-            )
-        }
-        SchedulesCommand::Delete(which) => {
-            let change = schedules.delete(&which.tenant, &which.name, actor).await?;
-            (which, change, "deleted")
-        }
+        SchedulesCommand::Pause(which) => (which, ScheduleAction::Pause),
+        SchedulesCommand::Resume(which) => (which, ScheduleAction::Resume),
+        SchedulesCommand::Trigger(which) => (which, ScheduleAction::Trigger),
+        SchedulesCommand::Delete(which) => (which, ScheduleAction::Delete),
     };
+    let change = store
+        .schedules()
+        .act(&which.tenant, &which.name, action, actor)
+        .await?;
     match change {
         Change::Done => {
-            println!("schedule {}/{} {done}", which.tenant, which.name);
+            println!("schedule {}/{} {}", which.tenant, which.name, action.done());
             Ok(ExitCode::SUCCESS)
         }
         Change::NotFound => {
@@ -143,24 +128,24 @@ pub async fn run(
 /// Checks a schedule's definition as the schedulers will read it, and
 /// stores it.
 async fn create(store: &Store, args: CreateArgs, actor: &str) -> anyhow::Result<ExitCode> {
-    check_name(&args.name)?;
-    let timing = Timing::parse(&args.cron, &args.time_zone)?;
-    let overlap: Overlap = args.overlap.parse()?;
     let text = match args.order.strip_prefix('@') {
         Some(path) => std::fs::read_to_string(path)
             .map_err(|error| anyhow::anyhow!("cannot read the order file {path}: {error}"))?,
         None => args.order.clone(),
     };
-    let order = order_template(&text, &args.name)?;
-    let schedule = NewSchedule {
+    let order = serde_json::from_str(&text)
+        .map_err(|error| anyhow::anyhow!("--order is not JSON: {error}"))?;
+    let schedule = ScheduleAsk {
         tenant: args.tenant.clone(),
         name: args.name.clone(),
-        timing,
-        overlap,
-        catch_up: Duration::from_secs(args.catch_up_secs),
+        cron: args.cron,
+        time_zone: args.time_zone,
         order,
+        overlap: args.overlap,
+        catch_up_secs: Some(args.catch_up_secs),
         paused: args.paused,
-    };
+    }
+    .check()?;
     match store.schedules().create(&schedule, actor).await? {
         Created::Created(first) => {
             let first = first.map_or_else(|| "none to come".to_owned(), |at| at.to_rfc3339());
@@ -170,50 +155,12 @@ async fn create(store: &Store, args: CreateArgs, actor: &str) -> anyhow::Result<
             );
             Ok(ExitCode::SUCCESS)
         }
-        Created::Exists => {
-            eprintln!(
-                "schedule {}/{} exists: delete it first to replace it",
-                args.tenant, args.name
-            );
-            Ok(ExitCode::FAILURE)
-        }
-        Created::UnknownWorkflow(known) => {
-            eprintln!(
-                "no scheduler runs the workflow this order names; they run: {}",
-                if known.is_empty() {
-                    "nothing yet (start a scheduler first)".to_owned()
-                } else {
-                    known.join(", ")
-                }
-            );
+        refused => {
+            let why = refused.refusal().unwrap_or_default();
+            eprintln!("schedule {}/{} not created: {why}", args.tenant, args.name);
             Ok(ExitCode::FAILURE)
         }
     }
-}
-
-/// The order template of `text`: a JSON object that, with an occurrence's
-/// `order_id`, is a valid order; an `order_id` given is refused (each run
-/// gets its own).
-///
-/// # Errors
-/// What is wrong with it, as intake would say.
-pub fn order_template(
-    text: &str,
-    name: &str,
-) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
-    let template = crate::submit::parse_json_object(text)
-        .map_err(|error| anyhow::anyhow!("--order {error}"))?;
-    anyhow::ensure!(
-        !template.contains_key("order_id"),
-        "--order names an order_id: leave it out, each run's order gets its own (<name>:<UTC time>)"
-    );
-    let mut sample = template.clone();
-    let id = occurrence_order_id(name, Utc::now(), true);
-    sample.insert("order_id".into(), id.into());
-    let order: SubmitOrder = serde_json::from_value(serde_json::Value::Object(sample))
-        .map_err(|error| anyhow::anyhow!("--order is not an order: {error}"))?;
-    order.validate()?;
-    Ok(template)
 }
 
 /// A schedule as listed: its row and its next runs.
@@ -233,15 +180,7 @@ async fn list(
     let rows = store.schedules().list(tenant).await?;
     let mut listed = Vec::with_capacity(rows.len());
     for row in &rows {
-        let next_runs = match (row.paused, row.next_run) {
-            (false, Some(first)) => {
-                let mut runs = vec![first];
-                runs.extend(row.timing()?.upcoming(first, next.saturating_sub(1)));
-                runs.truncate(next);
-                runs
-            }
-            _ => Vec::new(),
-        };
+        let next_runs = row.next_runs(next)?;
         listed.push(Listed { row, next_runs });
     }
     if output == Output::Json {
@@ -306,20 +245,7 @@ async fn show(store: &Store, which: &Which, runs: i64, output: Output) -> anyhow
             .order_id
             .as_deref()
             .map_or_else(String::new, |id| OrderId::from(id).client_id().to_owned());
-        let detail = match run.outcome.as_str() {
-            "missed" => format!(
-                "{} through {}",
-                run.missed_count.unwrap_or(0),
-                at(run.missed_through)
-            ),
-            "skipped" => run.reason.clone().unwrap_or_default(),
-            _ => match (&run.refusal, run.fired_at, run.by_hand) {
-                (Some(refusal), _, _) => format!("refused: {refusal}"),
-                (None, None, _) => "not stored yet".to_owned(),
-                (None, Some(_), true) => "asked by hand".to_owned(),
-                (None, Some(_), false) => String::new(),
-            },
-        };
+        let detail = run.detail();
         println!(
             "{:<26} {:<8} {:<30} {detail}",
             run.occurrence.to_rfc3339(),
@@ -328,27 +254,4 @@ async fn show(store: &Store, which: &Which, runs: i64, output: Output) -> anyhow
         );
     }
     Ok(ExitCode::SUCCESS)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const ORDER: &str = r#"{"schema_version": 1, "customer_id": "c", "items": [{"sku": "s", "quantity": 1}], "amount_cents": 1, "currency": "EUR"}"#;
-
-    #[test]
-    fn an_order_template_is_an_order_without_its_id() {
-        let template = order_template(ORDER, "nightly").expect("a valid template");
-        assert!(!template.contains_key("order_id"));
-        let with_id = ORDER.replacen('{', r#"{"order_id": "x", "#, 1);
-        let refused = order_template(&with_id, "nightly").unwrap_err().to_string();
-        assert!(refused.contains("names an order_id"), "{refused}");
-        let invalid = ORDER.replace("EUR", "euro");
-        let refused = order_template(&invalid, "nightly").unwrap_err().to_string();
-        assert!(refused.contains("currency"), "{refused}");
-        let unknown = ORDER.replacen('{', r#"{"colour": "red", "#, 1);
-        let refused = order_template(&unknown, "nightly").unwrap_err().to_string();
-        assert!(refused.contains("not an order"), "{refused}");
-        assert!(order_template("[1]", "nightly").is_err());
-    }
 }

@@ -152,6 +152,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         acknowledged: audit::Acknowledged::default(),
     });
     tokio::spawn(audit::run(scheduler.clone()));
+    tokio::spawn(scheduler.clone().schedule_loop());
     session
         .run(shutdown, |connection, publisher| {
             let scheduler = scheduler.clone();
@@ -312,8 +313,7 @@ impl Scheduler {
         let replies = self.clone().consume_replies(&connection, &publisher, drain);
         let events = self.clone().consume_events(&connection, &publisher, drain);
         let claims = self.clone().claim_loop(publisher.clone());
-        let schedules = self.clone().schedule_loop(publisher.clone());
-        tokio::try_join!(orders, replies, events, claims, schedules)?;
+        tokio::try_join!(orders, replies, events, claims)?;
         Ok(())
     }
 

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sas_broker::{BrokerError, Publisher};
 use sas_messages::SubmitOrder;
 use sas_runtime::Next;
 use sas_store::schedules::Intent;
@@ -31,38 +30,49 @@ fn submitter(intent: &Intent) -> String {
 
 impl Scheduler {
     /// Decides and fires due schedules every `schedule_interval_ms`, until
-    /// shutdown.
-    ///
-    /// # Errors
-    /// Never: a database or broker failure is logged and the next tick tries again.
-    pub async fn schedule_loop(self: Arc<Self>, publisher: Publisher) -> Result<(), BrokerError> {
+    /// shutdown. It needs only the database: while the broker is away,
+    /// occurrences are still decided and their orders stored (their first
+    /// requests go out once it is back, or the supervisor retries them), so
+    /// an outage of the broker longer than the catch-up window misses none.
+    pub async fn schedule_loop(self: Arc<Self>) {
         let interval = Duration::from_millis(self.settings.scheduler.schedule_interval_ms);
-        sas_runtime::every(interval, &self.shutdown, || self.schedule_once(&publisher)).await
+        let _ = sas_runtime::every(interval, &self.shutdown, || async {
+            Ok::<_, std::convert::Infallible>(self.schedule_once().await)
+        })
+        .await;
     }
 
     /// One tick: the due schedules decided, their started runs' orders
-    /// stored, and runs left unfired by others fired.
-    ///
-    /// # Errors
-    /// Never (see [`Scheduler::schedule_loop`]).
-    pub async fn schedule_once(&self, publisher: &Publisher) -> Result<Next, BrokerError> {
+    /// stored, and runs left unfired by others fired. A failure is logged,
+    /// and the next tick tries again.
+    pub async fn schedule_once(&self) -> Next {
         let schedules = self.store.schedules();
+        // Two ticks and a second: an occurrence is never missed only because
+        // the tick deciding it came after it.
+        let least_catch_up = Duration::from_millis(self.settings.scheduler.schedule_interval_ms)
+            * 2
+            + Duration::from_secs(1);
         // In a task of its own, as a claim's: run to its end, the
         // transaction commits or rolls back even when this loop is dropped
         // with its broker connection.
         let decided = {
             let (store, id) = (self.store.clone(), self.id.clone());
-            tokio::spawn(async move { store.schedules().decide_due(&id, BATCH).await })
+            tokio::spawn(async move {
+                store
+                    .schedules()
+                    .decide_due(&id, BATCH, least_catch_up)
+                    .await
+            })
         };
         let mut intents = match decided.await {
             Ok(Ok(intents)) => intents,
             Ok(Err(error)) => {
                 tracing::warn!(error = %error, "cannot decide due schedules");
-                return Ok(Next::Wait);
+                return Next::Wait;
             }
             Err(error) => {
                 tracing::error!(error = %error, "the schedule task failed");
-                return Ok(Next::Wait);
+                return Next::Wait;
             }
         };
         let full = intents.len() as i64 >= BATCH;
@@ -71,7 +81,7 @@ impl Scheduler {
             Err(error) => tracing::warn!(error = %error, "cannot read unfired schedule runs"),
         }
         for intent in &intents {
-            let refusal = match self.fire(intent, publisher).await {
+            let refusal = match self.fire(intent).await {
                 Fired::Later => continue,
                 Fired::Stored => None,
                 Fired::Refused(reason) => {
@@ -84,14 +94,18 @@ impl Scheduler {
                 tracing::warn!(schedule = %intent.name, error = %error, "cannot mark a schedule run fired; it is fired again later");
             }
         }
-        Ok(if full { Next::Again } else { Next::Wait })
+        if full {
+            Next::Again
+        } else {
+            Next::Wait
+        }
     }
 
     /// Stores `intent`'s order as intake stores a submitted one (the same
     /// checks of workflow, attributes and tenancy; not the tenant's quota:
     /// a schedule is the tenant's own standing order) and publishes its
     /// first request.
-    async fn fire(&self, intent: &Intent, publisher: &Publisher) -> Fired {
+    async fn fire(&self, intent: &Intent) -> Fired {
         let order: SubmitOrder = match serde_json::from_value(intent.order_body.0.clone()) {
             Ok(order) => order,
             Err(error) => {
@@ -122,17 +136,19 @@ impl Scheduler {
         };
         let stored = match self.intake.submit(submission).await {
             Some(Ok(intake)) => intake,
-            Some(Err(error)) => {
+            Some(Err(error)) if error.is_transient() => {
                 tracing::warn!(schedule = %intent.name, order_id = %order.order_id, error = %error, "cannot store a schedule's order; the next tick tries again");
                 return Fired::Later;
             }
+            // Fails the same way every time: recorded, not retried for ever.
+            Some(Err(error)) => return Fired::Refused(format!("intake failed: {error}")),
             None => return Fired::Later,
         };
         match stored {
             Intake::Accepted(progress) => {
                 metrics::counter!("sas_schedule_runs_started_total").increment(1);
                 tracing::info!(schedule = %intent.name, tenant = %intent.tenant, order_id = %order.order_id, occurrence = %intent.occurrence, "schedule run started");
-                if let Err(error) = self.announce(Some(publisher), &progress).await {
+                if let Err(error) = self.announce(None, &progress).await {
                     // Stored: the supervisor retries its first step once
                     // its deadline passes, as for any order.
                     tracing::warn!(order_id = %order.order_id, error = %error, "a schedule's order is stored but its first request was not confirmed; the supervisor will retry it");

@@ -76,3 +76,43 @@ CREATE TABLE schedule_runs (
 
 CREATE INDEX schedule_runs_unfired ON schedule_runs (recorded_at)
     WHERE outcome = 'started' AND fired_at IS NULL;
+-- Retention takes the oldest first.
+CREATE INDEX schedule_runs_recorded ON schedule_runs (recorded_at);
+-- Whether the last run's order is still to be stored (a tick's overlap
+-- check): found among the unfired runs only, however many runs are kept.
+CREATE INDEX schedule_runs_unfired_order ON schedule_runs (order_id)
+    WHERE outcome = 'started' AND fired_at IS NULL;
+
+-- Retention (called with retention.finished_secs, the age at which the
+-- runs' orders go too): decided runs recorded longer ago than that, but
+-- never a started run not fired yet, and schedules deleted that long ago.
+-- The services may not DELETE, so it is a function of the owner's, with
+-- the retention floor checked first as for the others.
+CREATE FUNCTION sas_retire_schedule_runs(older_than interval, batch integer)
+RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
+DECLARE
+    runs integer;
+    schedules integer;
+BEGIN
+    IF older_than <= interval '0' OR batch < 1 THEN
+        RAISE EXCEPTION 'sas_retire_schedule_runs: older_than must be positive and batch at least 1 (got %, %)',
+            older_than, batch;
+    END IF;
+    PERFORM sas_check_retention_age('sas_retire_schedule_runs', older_than);
+    DELETE FROM schedule_runs WHERE (tenant, name, occurrence, by_hand) IN (
+        SELECT tenant, name, occurrence, by_hand FROM schedule_runs
+         WHERE recorded_at < now() - older_than
+           AND NOT (outcome = 'started' AND fired_at IS NULL)
+         ORDER BY recorded_at
+         LIMIT batch
+           FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS runs = ROW_COUNT;
+    DELETE FROM schedules WHERE (tenant, name) IN (
+        SELECT tenant, name FROM schedules
+         WHERE deleted_at < now() - older_than
+         LIMIT batch
+           FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS schedules = ROW_COUNT;
+    RETURN runs + schedules;
+END $$;

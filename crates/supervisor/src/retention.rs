@@ -39,16 +39,22 @@ impl Supervisor {
                         .increment(retired.orders);
                     metrics::counter!("sas_retired_total", "what" => "dead_letters")
                         .increment(retired.dead_letters);
-                    if retired.orders + retired.dead_letters > 0 {
+                    metrics::counter!("sas_retired_total", "what" => "schedule_runs")
+                        .increment(retired.schedule_runs);
+                    if retired.orders + retired.dead_letters + retired.schedule_runs > 0 {
                         tracing::debug!(
                             orders = retired.orders,
                             dead_letters = retired.dead_letters,
+                            schedule_runs = retired.schedule_runs,
                             "retired"
                         );
                     }
+                    let most = retired
+                        .orders
+                        .max(retired.dead_letters)
+                        .max(retired.schedule_runs);
                     Next::after(
-                        usize::try_from(retired.orders.max(retired.dead_letters))
-                            .unwrap_or(usize::MAX),
+                        usize::try_from(most).unwrap_or(usize::MAX),
                         i64::from(retention.batch),
                     )
                 }

@@ -116,6 +116,55 @@ async fn finished_orders_and_old_dead_letters_go_and_everything_else_stays() {
         .await
         .unwrap();
     assert_eq!(dead_letters, ["new"]);
+    // Schedules' decided runs go at the finished orders' age, but never a
+    // started run whose order was not stored yet; a deleted schedule goes.
+    // Without a scheduler, which would store (here: refuse) the unfired run.
+    let mut scheduler = system.schedulers.remove(0);
+    scheduler.kill9().await;
+    sqlx::query(
+        "INSERT INTO schedule_runs (tenant, name, occurrence, outcome, reason, order_id, order_body,
+                                    recorded_by, recorded_at, fired_at)
+         VALUES ('default', 's', now() - interval '3 hours', 'started', NULL, 's:1', '{}', 'x',
+                 now() - interval '2 hours', now() - interval '2 hours'),
+                ('default', 's', now() - interval '2 hours', 'skipped', 'busy', NULL, NULL, 'x',
+                 now() - interval '2 hours', NULL),
+                ('default', 's', now() - interval '1 hour', 'started', NULL, 's:unfired', '{}', 'x',
+                 now() - interval '2 hours', NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO schedules (tenant, name, workflow, cron, time_zone, order_template, overlap,
+                                catch_up_ms, created_by, updated_by, deleted_at)
+         VALUES ('default', 'deleted', 'order', '@daily', 'UTC', '{}', 'skip', 0, 'x', 'x',
+                 now() - interval '2 hours'),
+                ('default', 'live', 'order', '@daily', 'UTC', '{}', 'skip', 0, 'x', 'x', NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    wait_until(
+        "old schedule runs deleted",
+        Duration::from_secs(30),
+        || async {
+            let runs: Vec<Option<String>> =
+                sqlx::query_scalar("SELECT order_id FROM schedule_runs")
+                    .fetch_all(pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            let schedules: Vec<String> = sqlx::query_scalar("SELECT name FROM schedules")
+                .fetch_all(pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            if runs == [Some("s:unfired".to_owned())] && schedules == ["live"] {
+                Ok(())
+            } else {
+                Err(format!("runs {runs:?}, schedules {schedules:?}"))
+            }
+        },
+    )
+    .await;
     // Counted, by the two supervisors together.
     let mut retired = 0.0;
     for port in ops {

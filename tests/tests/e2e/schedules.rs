@@ -406,22 +406,26 @@ async fn sasctl_pauses_triggers_and_deletes_a_schedule_and_refuses_bad_definitio
         (3.0..6.0).contains(&waited),
         "stored after it was 3 s unfired, within a tick or two: {waited} s"
     );
-    for _ in 0..2 {
-        let (code, _) = env.sasctl(&["schedules", "trigger", "nightly"]).await;
-        assert_eq!(code, 0);
-    }
-    let order_id: String = wait_until("the triggered run", Duration::from_secs(20), || async {
+    let (code, _) = env.sasctl(&["schedules", "trigger", "nightly"]).await;
+    assert_eq!(code, 0);
+    let by_hand = || async {
         let ids: Vec<(String,)> =
             sqlx::query_as("SELECT order_id FROM orders WHERE order_id LIKE 'nightly:now-%'")
                 .fetch_all(&env.db)
                 .await
-                .map_err(|e| e.to_string())?;
-        match ids.as_slice() {
+                .expect("read the orders");
+        ids
+    };
+    let order_id: String = wait_until("the triggered run", Duration::from_secs(20), || async {
+        match by_hand().await.as_slice() {
             [(id,)] => Ok(id.clone()),
             other => Err(format!("{other:?}")),
         }
     })
     .await;
+    // One trigger, one run, however many ticks pass.
+    tokio::time::sleep(Duration::from_millis(4 * TICK_MS)).await;
+    assert_eq!(by_hand().await.len(), 1);
     let (code, shown) = env.sasctl(&["schedules", "show", "nightly"]).await;
     assert_eq!(code, 0);
     assert!(shown.contains(&order_id), "{shown}");
@@ -453,4 +457,308 @@ async fn sasctl_pauses_triggers_and_deletes_a_schedule_and_refuses_bad_definitio
         ])
         .await;
     assert_eq!(code, 0, "its name may be used again");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_creates_triggers_pauses_and_deletes_a_schedule_and_a_viewer_only_looks() {
+    use reqwest::{Method, StatusCode};
+    use sas_tests::console::As;
+
+    let env = TestEnv::new().await;
+    let _scheduler = env.scheduler(0, &[tick()]);
+    wait_for_workflow(&env).await;
+    let (_console_process, console) = env.console(&[]).await;
+    // The page's form, as a browser posts it.
+    let created = console
+        .request(Method::POST, "/schedules", As::Operator)
+        .form(&[
+            ("csrf_token", console.csrf(As::Operator).await.as_str()),
+            ("tenant", "default"),
+            ("name", "hourly"),
+            ("cron", "0 * * * *"),
+            ("time_zone", "Europe/Berlin"),
+            ("overlap", "buffer_one"),
+            ("catch_up_secs", "600"),
+            ("order", ORDER),
+        ])
+        .send()
+        .await
+        .expect("the console answers");
+    assert_eq!(created.status(), StatusCode::SEE_OTHER);
+    let page = console
+        .get("/schedules", As::Viewer)
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains(r#"data-schedule="hourly""#), "{page}");
+    assert!(!page.contains("new-schedule"), "a viewer sees no form");
+    let listed: serde_json::Value = console
+        .get("/api/schedules", As::Viewer)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed[0]["overlap"], "buffer_one");
+    assert_eq!(listed[0]["next_runs"].as_array().map(Vec::len), Some(3));
+    // Refused with what is wrong; a viewer may not act.
+    let bad = console
+        .act(
+            "/api/schedules",
+            As::Operator,
+            serde_json::json!({"name": "bad", "cron": "* * * *", "order": serde_json::from_str::<serde_json::Value>(ORDER).unwrap()}),
+        )
+        .await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    assert!(bad.text().await.unwrap().contains("has 4"));
+    let viewer = console
+        .act(
+            "/api/schedules/default/hourly/trigger",
+            As::Viewer,
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(viewer.status(), StatusCode::FORBIDDEN);
+    let missing = console
+        .act(
+            "/api/schedules/default/nope/pause",
+            As::Operator,
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    // Triggered: one run by hand, its order linked from the schedule's page.
+    let triggered = console
+        .act(
+            "/api/schedules/default/hourly/trigger",
+            As::Operator,
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(triggered.status(), StatusCode::OK);
+    let run = wait_until("the triggered run", Duration::from_secs(20), || async {
+        let shown: serde_json::Value = console
+            .get("/api/schedules/default/hourly", As::Viewer)
+            .await
+            .json()
+            .await
+            .map_err(|e| e.to_string())?;
+        match shown["runs"].as_array().map(Vec::as_slice) {
+            Some([run]) if run["fired_at"].is_string() => Ok(run.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(run["by_hand"], true);
+    let order_id = run["order_id"].as_str().expect("its order").to_owned();
+    let page = console
+        .get("/schedules/default/hourly", As::Viewer)
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains(&format!("/orders/{order_id}")), "{page}");
+    // Paused, then deleted.
+    let paused = console
+        .act(
+            "/api/schedules/default/hourly/pause",
+            As::Operator,
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(paused.status(), StatusCode::OK);
+    let listed: serde_json::Value = console
+        .get("/api/schedules", As::Viewer)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed[0]["paused"], true);
+    assert_eq!(listed[0]["next_runs"].as_array().map(Vec::len), Some(0));
+    let deleted = console
+        .act(
+            "/api/schedules/default/hourly/delete",
+            As::Operator,
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(deleted.status(), StatusCode::OK);
+    let listed: serde_json::Value = console
+        .get("/api/schedules", As::Viewer)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed, serde_json::json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gateway_shows_a_client_its_own_tenants_schedules_only() {
+    use reqwest::StatusCode;
+
+    const SHOP: &str = "shop-secret-0123456789abcdef";
+    const RIVAL: &str = "rival-secret-0123456789abcdef";
+    let env = TestEnv::new().await;
+    let _scheduler = env.scheduler(0, &[tick()]);
+    wait_for_workflow(&env).await;
+    for (tenant, name) in [("shop", "nightly"), ("rival", "hourly")] {
+        let (code, _) = env
+            .sasctl(&[
+                "schedules",
+                "create",
+                name,
+                "--tenant",
+                tenant,
+                "--cron",
+                "0 2 * * *",
+                "--order",
+                ORDER,
+            ])
+            .await;
+        assert_eq!(code, 0);
+    }
+    let (code, _) = env
+        .sasctl(&["schedules", "trigger", "nightly", "--tenant", "shop"])
+        .await;
+    assert_eq!(code, 0);
+    let tenancy = env.dir.join("tenants.toml");
+    std::fs::write(
+        &tenancy,
+        "[tenants.shop]\nmembers = [\"gateway:shop\"]\n\n[tenants.rival]\nmembers = [\"gateway:rival\"]\n",
+    )
+    .unwrap();
+    let port = sas_tests::process::free_port();
+    let _gateway = env.spawn(
+        "gateway",
+        "gateway",
+        &[
+            Setting::Listen(port),
+            Setting::GatewayClients(format!("shop:{SHOP},rival:{RIVAL}")),
+            Setting::GatewayTenancyFile(tenancy.display().to_string()),
+        ],
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    sas_tests::wait::wait_ready("the gateway", &base).await;
+    let list = |secret: &'static str| {
+        let url = format!("{base}/v1/schedules");
+        async move {
+            let response = sas_tests::http_client()
+                .get(url)
+                .bearer_auth(secret)
+                .send()
+                .await
+                .expect("the gateway answers");
+            assert_eq!(response.status(), StatusCode::OK);
+            response.json::<serde_json::Value>().await.expect("JSON")
+        }
+    };
+    let shop = wait_until("shop's triggered run", Duration::from_secs(20), || async {
+        let shop = list(SHOP).await;
+        match shop[0]["latest_runs"][0]["order_id"].as_str() {
+            Some(_) => Ok(shop),
+            None => Err(shop.to_string()),
+        }
+    })
+    .await;
+    assert_eq!(shop.as_array().map(Vec::len), Some(1), "{shop}");
+    assert_eq!(shop[0]["name"], "nightly");
+    assert_eq!(shop[0]["next_runs"].as_array().map(Vec::len), Some(5));
+    let order_id = shop[0]["latest_runs"][0]["order_id"].as_str().unwrap();
+    assert!(
+        order_id.starts_with("nightly:now-") && !order_id.contains('@'),
+        "the id shop reads its order with: {order_id}"
+    );
+    let order = sas_tests::http_client()
+        .get(format!("{base}/v1/orders/{order_id}"))
+        .bearer_auth(SHOP)
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(order.status(), StatusCode::OK, "shop reads its run's order");
+    let rival = list(RIVAL).await;
+    assert_eq!(rival.as_array().map(Vec::len), Some(1), "{rival}");
+    assert_eq!(rival[0]["name"], "hourly");
+    let nobody = sas_tests::http_client()
+        .get(format!("{base}/v1/schedules"))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(nobody.status(), StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_overlap_skip_no_run_starts_while_the_last_one_goes_on_and_the_others_are_recorded_skipped(
+) {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    // Each order takes two seconds or more: its reservation is slow.
+    sim.set_faults(
+        Some("inventory"),
+        serde_json::json!({ "latency_ms": 2000, "transient_fault_rate": 0.0,
+                            "permanent_fault_rate": 0.0, "hang_rate": 0.0 }),
+    )
+    .await
+    .expect("set remote-sim's faults");
+    let _agents = env.agents(1, &sim, &[]);
+    let _schedulers: Vec<_> = (0..2).map(|i| env.scheduler(i, &[tick()])).collect();
+    wait_for_workflow(&env).await;
+    let (code, _) = env
+        .sasctl(&[
+            "schedules",
+            "create",
+            "busy",
+            "--cron",
+            "* * * * * *",
+            "--order",
+            ORDER,
+            "--overlap",
+            "skip",
+        ])
+        .await;
+    assert_eq!(code, 0);
+    wait_until("three processed runs", Duration::from_secs(60), || async {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM order_process WHERE order_id LIKE 'busy:%' AND state = 'processed'",
+        )
+        .fetch_one(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        if n >= 3 {
+            Ok(())
+        } else {
+            Err(format!("{n} processed"))
+        }
+    })
+    .await;
+    let (code, _) = env.sasctl(&["schedules", "pause", "busy"]).await;
+    assert_eq!(code, 0);
+    let decided = runs(&env, "busy").await;
+    for pair in decided.windows(2) {
+        assert_eq!(
+            (pair[1].0 - pair[0].0).num_milliseconds(),
+            1000,
+            "every second decided once: {decided:?}"
+        );
+    }
+    let skipped: Vec<_> = decided.iter().filter(|run| run.1 == "skipped").collect();
+    assert!(skipped.len() >= 3, "about two skipped per run: {decided:?}");
+    // Each run started after the one before had ended.
+    let started: Vec<(DateTime<Utc>, DateTime<Utc>, String)> = sqlx::query_as(
+        "SELECT o.received_at, p.updated_at, p.state::text FROM schedule_runs r
+           JOIN orders o USING (order_id) JOIN order_process p USING (order_id)
+          WHERE r.name = 'busy' AND r.outcome = 'started' ORDER BY r.occurrence",
+    )
+    .fetch_all(&env.db)
+    .await
+    .expect("read the started runs");
+    for pair in started.windows(2) {
+        let (previous, next) = (&pair[0], &pair[1]);
+        assert_eq!(previous.2, "processed");
+        assert!(
+            next.0 >= previous.1,
+            "a run started at {} while the one before ran until {}",
+            next.0,
+            previous.1
+        );
+    }
 }

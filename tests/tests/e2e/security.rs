@@ -785,6 +785,11 @@ async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_sti
             "SELECT sas_retire_dead_letters(interval '1 microsecond', 1000)",
         ),
         (
+            "retire schedule runs with an age of a microsecond",
+            "SELECT sas_retire_schedule_runs(interval '1 microsecond', 1000)",
+        ),
+        ("delete schedule runs", "DELETE FROM schedule_runs"),
+        (
             "lower the retention floor",
             "UPDATE retention_floor SET min_age = interval '0'",
         ),

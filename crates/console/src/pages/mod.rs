@@ -8,6 +8,8 @@
 //!   the event its wait step waits for.
 //! - [`workflows`]: the registered workflow versions with their orders by
 //!   state; moving waiting orders from one version to another.
+//! - [`schedules`]: durable schedules, their runs; create, pause, resume,
+//!   trigger, delete.
 //! - [`alerts`], [`dead_letters`]: their lists and actions.
 
 pub mod alerts;
@@ -15,6 +17,7 @@ pub mod dead_letters;
 pub mod order;
 pub mod orders;
 pub mod overview;
+pub mod schedules;
 pub mod workflows;
 
 use std::sync::Arc;
@@ -43,6 +46,9 @@ pub fn routes() -> Router<Arc<Console>> {
         .route("/bulk/{action}", get(orders::preview).post(orders::bulk))
         .route("/workflows", get(workflows::page))
         .route("/workflows/move", post(workflows::move_orders))
+        .route("/schedules", get(schedules::page).post(schedules::create))
+        .route("/schedules/{tenant}/{name}", get(schedules::show))
+        .route("/schedules/{tenant}/{name}/{action}", post(schedules::act))
         .route("/alerts", get(alerts::page))
         .route("/alerts/{id}/acknowledge", post(alerts::acknowledge))
         .route("/alerts/{id}/resolve", post(alerts::resolve))
@@ -88,6 +94,7 @@ pub fn layout(title: &str, here: &str, who: &Principal, body: Markup) -> Html<St
         ("/", "Overview"),
         ("/orders", "Orders"),
         ("/workflows", "Workflows"),
+        ("/schedules", "Schedules"),
         ("/alerts", "Alerts"),
         ("/dead-letters", "Dead letters"),
     ];

@@ -57,6 +57,73 @@ pub struct NewSchedule {
     pub paused: bool,
 }
 
+/// A schedule as an operator or a tenant's client asks for it, unchecked
+/// (sasctl's options, the console's form and API): [`ScheduleAsk::check`]
+/// makes it a [`NewSchedule`] or says what is wrong.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleAsk {
+    /// The tenant whose orders its runs are (`default` when empty).
+    #[serde(default)]
+    pub tenant: String,
+    /// Its name.
+    pub name: String,
+    /// The cron expression.
+    pub cron: String,
+    /// The IANA time zone (`UTC` when empty).
+    #[serde(default)]
+    pub time_zone: String,
+    /// The order each run submits, without `order_id`.
+    pub order: serde_json::Value,
+    /// `skip` (when empty), `buffer_one` or `allow`.
+    #[serde(default)]
+    pub overlap: String,
+    /// The catch-up window in seconds ([`spec::DEFAULT_CATCH_UP_SECS`] when absent).
+    #[serde(default)]
+    pub catch_up_secs: Option<u64>,
+    /// Create it paused.
+    #[serde(default)]
+    pub paused: bool,
+}
+
+impl ScheduleAsk {
+    /// The schedule asked for, checked as the schedulers will read it.
+    ///
+    /// # Errors
+    /// [`spec::InvalidSchedule`] naming what is wrong.
+    pub fn check(&self) -> Result<NewSchedule, spec::InvalidSchedule> {
+        let or = |value: &str, default: &str| {
+            if value.trim().is_empty() {
+                default.to_owned()
+            } else {
+                value.trim().to_owned()
+            }
+        };
+        spec::check_name(&self.name)?;
+        let tenant = or(&self.tenant, sas_messages::ids::DEFAULT_TENANT);
+        spec::check_tenant(&tenant)?;
+        let catch_up_secs = self.catch_up_secs.unwrap_or(spec::DEFAULT_CATCH_UP_SECS);
+        if catch_up_secs > spec::MAX_CATCH_UP_SECS {
+            return Err(spec::InvalidSchedule(format!(
+                "a catch-up window is at most {} seconds (31 days; got {catch_up_secs})",
+                spec::MAX_CATCH_UP_SECS
+            )));
+        }
+        let timing = Timing::parse(&self.cron, &or(&self.time_zone, "UTC"))?;
+        let overlap: Overlap = or(&self.overlap, Overlap::Skip.as_str()).parse()?;
+        let order = spec::check_order(&self.order, &self.name)?;
+        Ok(NewSchedule {
+            tenant,
+            name: self.name.clone(),
+            timing,
+            overlap,
+            catch_up: Duration::from_secs(catch_up_secs),
+            order,
+            paused: self.paused,
+        })
+    }
+}
+
 /// One schedule, as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct ScheduleRow {
@@ -123,6 +190,29 @@ pub struct RunRow {
     pub refusal: Option<String>,
 }
 
+impl RunRow {
+    /// What became of the run beyond its outcome, said for people: how many
+    /// were missed, why one was skipped, or whether its order was stored.
+    pub fn detail(&self) -> String {
+        let at =
+            |time: Option<DateTime<Utc>>| time.map_or_else(|| "-".to_owned(), |t| t.to_rfc3339());
+        match self.outcome.as_str() {
+            "missed" => format!(
+                "{} missed, through {}",
+                self.missed_count.unwrap_or(0),
+                at(self.missed_through)
+            ),
+            "skipped" => self.reason.clone().unwrap_or_default(),
+            _ => match (&self.refusal, self.fired_at, self.by_hand) {
+                (Some(refusal), _, _) => format!("refused: {refusal}"),
+                (None, None, _) => "not stored yet".to_owned(),
+                (None, Some(_), true) => "asked by hand".to_owned(),
+                (None, Some(_), false) => String::new(),
+            },
+        }
+    }
+}
+
 /// A started run whose order is to be stored: the order as its run row
 /// holds it.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -148,6 +238,56 @@ pub enum Change {
     NotFound,
 }
 
+/// What an operator (or a tenant's client) may do to one schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleAction {
+    /// [`Schedules::pause`].
+    Pause,
+    /// [`Schedules::resume`].
+    Resume,
+    /// [`Schedules::trigger`].
+    Trigger,
+    /// [`Schedules::delete`].
+    Delete,
+}
+
+impl ScheduleAction {
+    /// Its name in paths and commands.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pause => "pause",
+            Self::Resume => "resume",
+            Self::Trigger => "trigger",
+            Self::Delete => "delete",
+        }
+    }
+
+    /// What was done, said after the schedule's name.
+    pub fn done(self) -> &'static str {
+        match self {
+            Self::Pause => "paused",
+            Self::Resume => "resumed from its next occurrence after now",
+            Self::Trigger => "triggered: a scheduler starts its run within a tick",
+            Self::Delete => "deleted",
+        }
+    }
+}
+
+impl std::str::FromStr for ScheduleAction {
+    type Err = spec::InvalidSchedule;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        [Self::Pause, Self::Resume, Self::Trigger, Self::Delete]
+            .into_iter()
+            .find(|action| action.as_str() == text)
+            .ok_or_else(|| {
+                spec::InvalidSchedule(format!(
+                    "no schedule action {text:?}: pause, resume, trigger or delete"
+                ))
+            })
+    }
+}
+
 /// What [`Schedules::create`] did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Created {
@@ -158,6 +298,27 @@ pub enum Created {
     /// No scheduler runs the workflow its order names: nothing stored.
     /// The names they do run, sorted.
     UnknownWorkflow(Vec<String>),
+}
+
+impl Created {
+    /// Why nothing was created, said for the one who asked (`None`: created).
+    pub fn refusal(&self) -> Option<String> {
+        match self {
+            Self::Created(_) => None,
+            Self::Exists => Some(
+                "a schedule of that name exists in the tenant: delete it first to replace it"
+                    .into(),
+            ),
+            Self::UnknownWorkflow(known) => Some(format!(
+                "no scheduler runs the workflow the order names; they run: {}",
+                if known.is_empty() {
+                    "nothing yet (start a scheduler first)".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            )),
+        }
+    }
 }
 
 impl<'a> Schedules<'a> {
@@ -292,14 +453,33 @@ impl Schedules<'_> {
         .await?)
     }
 
+    /// Does `action` to one schedule.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn act(
+        self,
+        tenant: &str,
+        name: &str,
+        action: ScheduleAction,
+        actor: &str,
+    ) -> Result<Change, StoreError> {
+        match action {
+            ScheduleAction::Pause => self.pause(tenant, name, actor).await,
+            ScheduleAction::Resume => self.resume(tenant, name, actor).await,
+            ScheduleAction::Trigger => self.trigger(tenant, name, actor).await,
+            ScheduleAction::Delete => self.delete(tenant, name, actor).await,
+        }
+    }
+
     /// Pauses a schedule: no occurrence is decided until it is resumed (a
-    /// run asked by hand still starts).
+    /// run asked by hand still starts; an occurrence buffered behind the
+    /// last run keeps its place, and starts once resumed).
     ///
     /// # Errors
     /// When the database fails.
     pub async fn pause(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
-        self.update(tenant, name, actor, "paused = true, buffered = NULL")
-            .await
+        self.update(tenant, name, actor, "paused = true").await
     }
 
     /// Resumes a paused schedule from the first occurrence after now: the
@@ -308,31 +488,38 @@ impl Schedules<'_> {
     /// # Errors
     /// When the database fails, or the stored expression no longer parses.
     pub async fn resume(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
-        let Some(row) = self.get(tenant, name).await? else {
-            return Ok(Change::NotFound);
-        };
-        let timing = row.timing()?;
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(self.pool())
-            .await?;
-        let changed = sqlx::query(
-            "UPDATE schedules SET paused = false, next_run = $4, updated_by = $3, updated_at = now()
-              WHERE tenant = $1 AND name = $2 AND deleted_at IS NULL AND paused",
+        let mut tx = self.pool().begin().await?;
+        let row: Option<(String, String, bool, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT cron, time_zone, paused, now() FROM schedules
+              WHERE tenant = $1 AND name = $2 AND deleted_at IS NULL FOR UPDATE",
         )
         .bind(tenant)
         .bind(name)
-        .bind(actor)
-        .bind(timing.next_after(now))
-        .execute(self.pool())
-        .await?
-        .rows_affected();
-        // Not paused (or deleted meanwhile): nothing to resume, and its
-        // next occurrence stays as it was.
-        Ok(if changed == 0 && row.paused {
-            Change::NotFound
-        } else {
-            Change::Done
-        })
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((cron, zone, paused, now)) = row else {
+            return Ok(Change::NotFound);
+        };
+        // Not paused: nothing to resume, and its next occurrence stays.
+        if paused {
+            let timing = Timing::parse(&cron, &zone).map_err(|error| {
+                StoreError::Invariant(format!(
+                    "schedule {tenant}/{name}: the stored definition no longer parses: {error}"
+                ))
+            })?;
+            sqlx::query(
+                "UPDATE schedules SET paused = false, next_run = $4, updated_by = $3, updated_at = now()
+                  WHERE tenant = $1 AND name = $2",
+            )
+            .bind(tenant)
+            .bind(name)
+            .bind(actor)
+            .bind(timing.next_after(now))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(Change::Done)
     }
 
     /// Deletes a schedule: it decides nothing more, its name may be used
@@ -391,7 +578,7 @@ impl Schedules<'_> {
     }
 }
 
-/// A due schedule as the deciding transaction reads it.
+/// A due schedule as the deciding transaction reads it, locked.
 #[derive(sqlx::FromRow)]
 struct DueRow {
     tenant: String,
@@ -406,7 +593,6 @@ struct DueRow {
     buffered: Option<DateTime<Utc>>,
     trigger_at: Option<DateTime<Utc>>,
     last_order_id: Option<String>,
-    last_running: bool,
     now: DateTime<Utc>,
 }
 
@@ -425,60 +611,131 @@ struct Decided {
     missed_count: Vec<Option<i32>>,
 }
 
+impl Decided {
+    fn push(&mut self, row: &DueRow, run: &plan::Run, order: Option<(String, serde_json::Value)>) {
+        let (outcome, reason, through, count) = match run.outcome {
+            Outcome::Start => ("started", None, None, None),
+            Outcome::Skip(reason) => ("skipped", Some(reason), None, None),
+            Outcome::Missed { through, count } => (
+                "missed",
+                None,
+                Some(through),
+                Some(i32::try_from(count).unwrap_or(i32::MAX)),
+            ),
+        };
+        self.tenants.push(row.tenant.clone());
+        self.names.push(row.name.clone());
+        self.occurrences.push(run.occurrence);
+        self.by_hand.push(run.by_hand);
+        self.outcomes.push(outcome);
+        self.reasons.push(reason);
+        self.missed_through.push(through);
+        self.missed_count.push(count);
+        let (order_id, body) = order.unzip();
+        self.order_ids.push(order_id);
+        self.bodies.push(body.map(Json));
+    }
+}
+
+/// The schedules due now, locked, their due conditions checked again on
+/// the row as locked (a row changed since the statement's snapshot, by a
+/// scheduler that decided it or an operator who paused or deleted it, is
+/// returned as it is now, and left out if it is no longer due). An
+/// occurrence buffered behind a run is due once that run's order ended.
+const LOCK_DUE: &str = "WITH due AS (
+         SELECT tenant, name FROM schedules
+          WHERE deleted_at IS NULL AND NOT paused AND next_run <= now()
+         UNION
+         SELECT s.tenant, s.name FROM schedules s
+           LEFT JOIN order_process p ON p.order_id = s.last_order_id
+          WHERE s.deleted_at IS NULL
+            AND (s.trigger_at IS NOT NULL
+                 OR (s.buffered IS NOT NULL AND NOT s.paused
+                     AND coalesce(p.state IN ('processed', 'compensated', 'error'), true))))
+     SELECT s.tenant, s.name, s.cron, s.time_zone, s.order_template, s.overlap, s.catch_up_ms,
+            s.paused, s.next_run, s.buffered, s.trigger_at, s.last_order_id, now() AS now
+       FROM schedules s JOIN due USING (tenant, name)
+      WHERE s.deleted_at IS NULL
+        AND ((NOT s.paused AND (s.next_run <= now() OR s.buffered IS NOT NULL))
+             OR s.trigger_at IS NOT NULL)
+      ORDER BY s.next_run NULLS LAST
+      LIMIT $1
+        FOR UPDATE OF s SKIP LOCKED";
+
+/// Of the locked schedules `$1`/`$2` (tenants, names), those whose last
+/// run (started by the expression, not by hand) has not ended: its order
+/// is not `processed`, `compensated` or `error`, or is not stored yet. Read
+/// after the lock, by a statement with a snapshot of its own, so that a
+/// run another scheduler committed just before is seen.
+const STILL_RUNNING: &str = "SELECT s.tenant, s.name FROM schedules s
+       LEFT JOIN order_process p ON p.order_id = s.last_order_id
+      WHERE (s.tenant, s.name) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))
+        AND coalesce(p.state NOT IN ('processed', 'compensated', 'error'),
+                     EXISTS (SELECT 1 FROM schedule_runs r
+                              WHERE r.order_id = s.last_order_id
+                                AND r.outcome = 'started' AND r.fired_at IS NULL))";
+
 impl Schedules<'_> {
     /// Decides up to `limit` due schedules (those whose next occurrence has
-    /// come, with a run asked by hand, or with an occurrence buffered), in
-    /// one transaction: each occurrence is recorded once as started,
-    /// skipped or missed ([`plan::plan`]), and each schedule moves on.
-    /// Schedules another scheduler is deciding are skipped (`SKIP LOCKED`).
+    /// come, with a run asked by hand, or with an occurrence buffered
+    /// behind a run that ended), in one transaction: each occurrence is
+    /// recorded once as started, skipped or missed ([`plan::plan`]), and
+    /// each schedule moves on. Schedules another scheduler is deciding are
+    /// skipped (`SKIP LOCKED`). The catch-up window is never taken as less
+    /// than `least_catch_up` (the caller's two ticks and a second: an
+    /// occurrence is not missed only because the tick that decides it
+    /// comes after it). A schedule whose stored definition no longer parses
+    /// is paused, with an error logged, and the others are decided.
     /// Returns the started runs, whose orders the caller stores.
     ///
     /// # Errors
-    /// When the database fails (nothing was decided), or a stored
-    /// expression no longer parses.
-    pub async fn decide_due(self, actor: &str, limit: i64) -> Result<Vec<Intent>, StoreError> {
+    /// When the database fails: nothing was decided.
+    pub async fn decide_due(
+        self,
+        actor: &str,
+        limit: i64,
+        least_catch_up: Duration,
+    ) -> Result<Vec<Intent>, StoreError> {
         let mut tx = self.pool().begin().await?;
-        let due: Vec<DueRow> = sqlx::query_as(
-            "WITH due AS (
-                 SELECT tenant, name FROM schedules
-                  WHERE deleted_at IS NULL AND NOT paused AND next_run <= now()
-                 UNION
-                 SELECT tenant, name FROM schedules
-                  WHERE deleted_at IS NULL AND (trigger_at IS NOT NULL OR buffered IS NOT NULL))
-             SELECT s.tenant, s.name, s.cron, s.time_zone, s.order_template, s.overlap,
-                    s.catch_up_ms, s.paused, s.next_run, s.buffered, s.trigger_at, s.last_order_id,
-                    coalesce(p.state NOT IN ('processed', 'compensated', 'error'),
-                             EXISTS (SELECT 1 FROM schedule_runs r
-                                      WHERE r.tenant = s.tenant AND r.name = s.name
-                                        AND r.order_id = s.last_order_id AND r.fired_at IS NULL))
-                        AS last_running,
-                    now() AS now
-               FROM schedules s
-               JOIN due USING (tenant, name)
-               LEFT JOIN order_process p ON p.order_id = s.last_order_id
-              ORDER BY s.next_run NULLS LAST
-              LIMIT $1
-                FOR UPDATE OF s SKIP LOCKED",
-        )
-        .bind(limit)
-        .fetch_all(&mut *tx)
-        .await?;
+        let due: Vec<DueRow> = sqlx::query_as(LOCK_DUE)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
         if due.is_empty() {
             return Ok(Vec::new());
         }
+        let tenants: Vec<&str> = due.iter().map(|row| row.tenant.as_str()).collect();
+        let names: Vec<&str> = due.iter().map(|row| row.name.as_str()).collect();
+        let running: Vec<(String, String)> = sqlx::query_as(STILL_RUNNING)
+            .bind(&tenants)
+            .bind(&names)
+            .fetch_all(&mut *tx)
+            .await?;
+        let least_catch_up = TimeDelta::from_std(least_catch_up).unwrap_or(TimeDelta::MAX);
         let mut decided = Decided::default();
         let mut intents = Vec::new();
         for row in &due {
-            let timing = Timing::parse(&row.cron, &row.time_zone).map_err(|error| {
-                StoreError::Invariant(format!(
-                    "schedule {}/{}: the stored definition no longer parses: {error}",
-                    row.tenant, row.name
-                ))
-            })?;
-            let overlap: Overlap = row
-                .overlap
-                .parse()
-                .map_err(|error: spec::InvalidSchedule| StoreError::Invariant(error.to_string()))?;
+            let parsed = Timing::parse(&row.cron, &row.time_zone)
+                .and_then(|timing| Ok((timing, row.overlap.parse::<Overlap>()?)));
+            let (timing, overlap) = match parsed {
+                Ok(parsed) => parsed,
+                Err(error) => {
+                    tracing::error!(tenant = %row.tenant, schedule = %row.name, %error, "a stored schedule no longer parses; it is paused");
+                    sqlx::query(
+                        "UPDATE schedules SET paused = true, updated_by = $3, updated_at = now()
+                          WHERE tenant = $1 AND name = $2",
+                    )
+                    .bind(&row.tenant)
+                    .bind(&row.name)
+                    .bind(actor)
+                    .execute(&mut *tx)
+                    .await?;
+                    continue;
+                }
+            };
+            let last_running = running
+                .iter()
+                .any(|(tenant, name)| *tenant == row.tenant && *name == row.name);
             let plan = plan::plan(
                 &Due {
                     next_run: row.next_run,
@@ -486,54 +743,46 @@ impl Schedules<'_> {
                     trigger_at: row.trigger_at,
                     paused: row.paused,
                     overlap,
-                    catch_up: TimeDelta::milliseconds(row.catch_up_ms),
-                    last_running: row.last_running,
+                    catch_up: TimeDelta::milliseconds(row.catch_up_ms).max(least_catch_up),
+                    last_running,
                 },
                 &timing,
                 row.now,
             );
+            if plan.runs.is_empty()
+                && plan.next_run == row.next_run
+                && plan.buffered == row.buffered
+            {
+                // A buffered occurrence whose run had not ended after all:
+                // nothing to write.
+                continue;
+            }
             let mut last_order_id = row.last_order_id.clone();
-            for run in plan.runs {
-                decided.tenants.push(row.tenant.clone());
-                decided.names.push(row.name.clone());
-                decided.occurrences.push(run.occurrence);
-                decided.by_hand.push(run.by_hand);
-                let (outcome, reason, through, count) = match run.outcome {
-                    Outcome::Start => ("started", None, None, None),
-                    Outcome::Skip(reason) => ("skipped", Some(reason), None, None),
-                    Outcome::Missed { through, count } => (
-                        "missed",
-                        None,
-                        Some(through),
-                        Some(i32::try_from(count).unwrap_or(i32::MAX)),
-                    ),
-                };
-                decided.outcomes.push(outcome);
-                decided.reasons.push(reason);
-                decided.missed_through.push(through);
-                decided.missed_count.push(count);
-                if outcome == "started" {
-                    let client_id = occurrence_order_id(&row.name, run.occurrence, run.by_hand);
-                    let stored_id = sas_messages::OrderId::from(client_id.clone())
-                        .qualified(&row.tenant)
-                        .to_string();
-                    let mut body = row.order_template.0.clone();
-                    body.insert("order_id".into(), client_id.into());
-                    let body = serde_json::Value::Object(body);
-                    decided.order_ids.push(Some(stored_id.clone()));
-                    decided.bodies.push(Some(Json(body.clone())));
-                    last_order_id = Some(stored_id);
-                    intents.push(Intent {
-                        tenant: row.tenant.clone(),
-                        name: row.name.clone(),
-                        occurrence: run.occurrence,
-                        by_hand: run.by_hand,
-                        order_body: Json(body),
-                    });
-                } else {
-                    decided.order_ids.push(None);
-                    decided.bodies.push(None);
+            for run in &plan.runs {
+                if run.outcome != Outcome::Start {
+                    decided.push(row, run, None);
+                    continue;
                 }
+                let client_id = occurrence_order_id(&row.name, run.occurrence, run.by_hand);
+                let stored_id = sas_messages::OrderId::from(client_id.clone())
+                    .qualified(&row.tenant)
+                    .to_string();
+                let mut body = row.order_template.0.clone();
+                body.insert("order_id".into(), client_id.into());
+                let body = serde_json::Value::Object(body);
+                // The overlap policy follows the runs of the expression; a
+                // run asked by hand is the operator's, outside it.
+                if !run.by_hand {
+                    last_order_id = Some(stored_id.clone());
+                }
+                decided.push(row, run, Some((stored_id, body.clone())));
+                intents.push(Intent {
+                    tenant: row.tenant.clone(),
+                    name: row.name.clone(),
+                    occurrence: run.occurrence,
+                    by_hand: run.by_hand,
+                    order_body: Json(body),
+                });
             }
             sqlx::query(
                 "UPDATE schedules SET next_run = $3, buffered = $4, trigger_at = NULL,
@@ -548,7 +797,7 @@ impl Schedules<'_> {
             .execute(&mut *tx)
             .await?;
         }
-        sqlx::query(
+        let recorded = sqlx::query(
             "INSERT INTO schedule_runs (tenant, name, occurrence, by_hand, outcome, reason, order_id,
                                         order_body, missed_through, missed_count, recorded_by)
              SELECT *, $11 FROM UNNEST($1::text[], $2::text[], $3::timestamptz[], $4::bool[],
@@ -568,7 +817,17 @@ impl Schedules<'_> {
         .bind(&decided.missed_count)
         .bind(actor)
         .execute(&mut *tx)
-        .await?;
+        .await?
+        .rows_affected();
+        if recorded != decided.tenants.len() as u64 {
+            // Under the schedules' locks, an occurrence is decided once: a
+            // run already recorded means a bug, and nothing is fired.
+            return Err(StoreError::Invariant(format!(
+                "{} of {} decided schedule runs were recorded before",
+                decided.tenants.len() as u64 - recorded,
+                decided.tenants.len()
+            )));
+        }
         tx.commit().await?;
         Ok(intents)
     }
@@ -624,6 +883,20 @@ impl Schedules<'_> {
 }
 
 impl ScheduleRow {
+    /// Its next `count` runs (none while paused).
+    ///
+    /// # Errors
+    /// [`StoreError::Invariant`] when the stored definition no longer parses.
+    pub fn next_runs(&self, count: usize) -> Result<Vec<DateTime<Utc>>, StoreError> {
+        let (false, Some(first)) = (self.paused, self.next_run) else {
+            return Ok(Vec::new());
+        };
+        let mut runs = vec![first];
+        runs.extend(self.timing()?.upcoming(first, count.saturating_sub(1)));
+        runs.truncate(count);
+        Ok(runs)
+    }
+
     /// Its timing, parsed again from what is stored.
     ///
     /// # Errors

@@ -146,7 +146,9 @@ fn due_occurrences(
     timing: &Timing,
     now: DateTime<Utc>,
 ) -> (Option<Run>, Vec<DateTime<Utc>>, Option<DateTime<Utc>>) {
-    let cutoff = now - due.catch_up;
+    let cutoff = now
+        .checked_sub_signed(due.catch_up)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
     let mut missed: Option<Run> = None;
     let mut window = Vec::new();
     let mut at = due.next_run;

@@ -19,10 +19,40 @@ use chrono_tz::Tz;
 use croner::parser::{CronParser, Seconds, Year};
 use croner::Cron;
 
+/// The catch-up window of a schedule that names none: an hour.
+pub const DEFAULT_CATCH_UP_SECS: u64 = 3600;
+
+/// The longest catch-up window: 31 days.
+pub const MAX_CATCH_UP_SECS: u64 = 31 * 24 * 3600;
+
+/// Checks a tenant's name as schedules store it: 1 to 64 letters, digits,
+/// `_` or `-` (an `@` would make its orders' ids name another tenant).
+///
+/// # Errors
+/// [`InvalidSchedule`] saying what a tenant's name may hold.
+pub fn check_tenant(tenant: &str) -> Result<(), InvalidSchedule> {
+    if sas_messages::order::is_workflow_name(tenant) {
+        Ok(())
+    } else {
+        Err(InvalidSchedule(format!(
+            "a tenant's name is 1 to 64 letters, digits, '_' or '-' (got {tenant:?})"
+        )))
+    }
+}
+
 /// Longest schedule name: its orders' ids are `<name>:<UTC time>` (or
 /// `<name>:now-<UTC time with milliseconds>` for a run asked by hand),
 /// which must fit an order id's 64 characters.
 pub const MAX_NAME_LEN: usize = 38;
+
+/// The most times [`Timing::next_after`] looks at: a doubled hour of a
+/// per-second expression, and the quarter of an hour before it, are 8,100.
+const MAX_STEPS: usize = 20_000;
+
+/// How far [`Timing::next_after`] steps back, a quarter of an hour at a
+/// time, to the start of a doubled hour: past four hours, the span of a
+/// two-hour shift's doubled time (both instances).
+const FOLD_STEPS_BACK: usize = 8 * 2 + 1;
 
 /// Why a schedule's definition is refused: what is wrong and what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -109,19 +139,44 @@ impl Timing {
 
     /// The first occurrence strictly after `after`, if the expression has one.
     pub fn next_after(&self, after: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        let local = after.with_timezone(&self.zone);
-        // In a doubled hour, croner yields the second instance of an
-        // interval expression's time only right after the first, so a
-        // search that starts between them would miss it: start before the
-        // first instance of this wall-clock time, and skip to `after`.
-        let start = match self.zone.from_local_datetime(&local.naive_local()) {
-            LocalResult::Ambiguous(earliest, _) => earliest - TimeDelta::seconds(1),
-            _ => local,
+        // In a doubled hour croner yields, for each wall-clock time, its
+        // first instance and then its second, so its times are not in
+        // order there, and a search that starts inside the doubled hour
+        // never yields the second instances of the wall-clock times before
+        // its start: start before the doubled hour, and take the earliest
+        // time after `after`. A time that is the first (or only) instance
+        // of its wall-clock time comes before everything yielded after it.
+        let ambiguous = |at: DateTime<Utc>| {
+            let local = at.with_timezone(&self.zone).naive_local();
+            matches!(
+                self.zone.from_local_datetime(&local),
+                LocalResult::Ambiguous(..)
+            )
         };
-        self.cron
-            .iter_after(start)
-            .map(|at| at.with_timezone(&Utc))
-            .find(|&at| at > after)
+        let mut start = after;
+        for _ in 0..FOLD_STEPS_BACK {
+            if !ambiguous(start) {
+                break;
+            }
+            start -= TimeDelta::minutes(15);
+        }
+        let start = start.with_timezone(&self.zone);
+        let mut best: Option<DateTime<Utc>> = None;
+        for at in self.cron.iter_after(start).take(MAX_STEPS) {
+            let utc = at.with_timezone(&Utc);
+            if utc <= after {
+                continue;
+            }
+            best = Some(best.map_or(utc, |best| best.min(utc)));
+            let first_instance = match self.zone.from_local_datetime(&at.naive_local()) {
+                LocalResult::Ambiguous(earliest, _) => earliest == at,
+                _ => true,
+            };
+            if first_instance {
+                break;
+            }
+        }
+        best
     }
 
     /// The first occurrence at or after `from`, if any.
@@ -190,6 +245,40 @@ impl FromStr for Overlap {
             ))),
         }
     }
+}
+
+/// Checks the order a schedule's runs submit: a JSON object that, with an
+/// occurrence's `order_id`, is a valid order. An `order_id` of its own is
+/// refused: each run gets its own.
+///
+/// # Errors
+/// [`InvalidSchedule`] saying what is wrong, as intake would.
+pub fn check_order(
+    order: &serde_json::Value,
+    name: &str,
+) -> Result<serde_json::Map<String, serde_json::Value>, InvalidSchedule> {
+    let Some(template) = order.as_object() else {
+        return Err(InvalidSchedule(
+            "the order must be a JSON object: an order as sasctl submit --file reads one, without order_id".into(),
+        ));
+    };
+    if template.contains_key("order_id") {
+        return Err(InvalidSchedule(
+            "the order names an order_id: leave it out, each run's order gets its own (<name>:<UTC time>)".into(),
+        ));
+    }
+    let mut sample = template.clone();
+    sample.insert(
+        "order_id".into(),
+        occurrence_order_id(name, Utc::now(), true).into(),
+    );
+    let order: sas_messages::SubmitOrder =
+        serde_json::from_value(serde_json::Value::Object(sample))
+            .map_err(|error| InvalidSchedule(format!("the order is not an order: {error}")))?;
+    order
+        .validate()
+        .map_err(|error| InvalidSchedule(error.to_string()))?;
+    Ok(template.clone())
 }
 
 /// The client id of the order occurrence `at` of schedule `name` becomes:
@@ -277,6 +366,30 @@ mod tests {
                 utc("2026-10-25T02:30:00Z")
             ]
         );
+        // Several times an hour: both instances of each, in time order.
+        let quarterly = Timing::parse("*/15 * * * *", "Europe/Berlin").unwrap();
+        let runs = quarterly.upcoming(utc("2026-10-24T23:50:00Z"), 9);
+        let expected: Vec<_> = (0..9)
+            .map(|i| utc("2026-10-25T00:00:00Z") + TimeDelta::minutes(15 * i))
+            .collect();
+        assert_eq!(runs, expected);
+        for (after, next) in [
+            ("2026-10-25T00:00:00Z", "2026-10-25T00:15:00Z"),
+            ("2026-10-25T00:45:00Z", "2026-10-25T01:00:00Z"),
+            ("2026-10-25T01:00:00Z", "2026-10-25T01:15:00Z"),
+            ("2026-10-25T01:45:00Z", "2026-10-25T02:00:00Z"),
+        ] {
+            assert_eq!(
+                quarterly.next_after(utc(after)),
+                Some(utc(next)),
+                "after {after}"
+            );
+        }
+        let every_second = Timing::parse("* * * * * *", "Europe/Berlin").unwrap();
+        assert_eq!(
+            every_second.next_after(utc("2026-10-25T01:30:00Z")),
+            Some(utc("2026-10-25T01:30:01Z"))
+        );
         // From either instance, the next is the one after it (a scheduler
         // deciding one occurrence at a time must not lose the second).
         assert_eq!(
@@ -305,6 +418,28 @@ mod tests {
         assert!(check_name(&longest).is_ok());
         assert!(check_name(&format!("{longest}n")).is_err());
         assert!(check_name("a b").is_err());
+    }
+
+    #[test]
+    fn an_order_template_is_an_order_without_its_id() {
+        let order: serde_json::Value = serde_json::json!({
+            "schema_version": 1, "customer_id": "c", "items": [{"sku": "s", "quantity": 1}],
+            "amount_cents": 1, "currency": "EUR"
+        });
+        let template = check_order(&order, "nightly").expect("a valid template");
+        assert!(!template.contains_key("order_id"));
+        let refused = |change: &dyn Fn(&mut serde_json::Value)| {
+            let mut order = order.clone();
+            change(&mut order);
+            check_order(&order, "nightly").unwrap_err().0
+        };
+        assert!(refused(&|o| o["order_id"] = "x".into()).contains("names an order_id"));
+        assert!(refused(&|o| o["currency"] = "euro".into()).contains("currency"));
+        assert!(refused(&|o| o["colour"] = "red".into()).contains("not an order"));
+        assert!(check_order(&serde_json::json!([1]), "nightly")
+            .unwrap_err()
+            .0
+            .contains("JSON object"));
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub struct Retired {
     pub orders: u64,
     /// Dead letters deleted.
     pub dead_letters: u64,
+    /// Decided schedule runs, and schedules deleted long ago, deleted
+    /// (`retention.finished_secs`, as the runs' orders).
+    pub schedule_runs: u64,
 }
 
 impl Retention {
@@ -62,8 +65,9 @@ impl Writes<'_> {
         Ok(Duration::from_secs_f64(secs.max(0.0)))
     }
 
-    /// Deletes at most one batch of finished orders and one of dead letters
-    /// past their age. Orders held by someone else are skipped, not waited
+    /// Deletes at most one batch of finished orders (and one of decided
+    /// schedule runs, at the same age) and one of dead letters past their
+    /// age. Orders held by someone else are skipped, not waited
     /// for, so several supervisors share the work and live traffic is not
     /// slowed.
     ///
@@ -75,6 +79,13 @@ impl Writes<'_> {
             retired.orders = self
                 .retire_with(
                     "SELECT sas_retire_finished(make_interval(secs => $1), $2)",
+                    age,
+                    retention.batch,
+                )
+                .await?;
+            retired.schedule_runs = self
+                .retire_with(
+                    "SELECT sas_retire_schedule_runs(make_interval(secs => $1), $2)",
                     age,
                     retention.batch,
                 )
