@@ -511,31 +511,27 @@ async fn the_console_creates_triggers_pauses_and_deletes_a_schedule_and_a_viewer
         .await;
     assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
     assert!(bad.text().await.unwrap().contains("has 4"));
-    let viewer = console
-        .act(
-            "/api/schedules/default/hourly/trigger",
-            As::Viewer,
-            serde_json::json!({}),
-        )
-        .await;
-    assert_eq!(viewer.status(), StatusCode::FORBIDDEN);
-    let missing = console
-        .act(
-            "/api/schedules/default/nope/pause",
-            As::Operator,
-            serde_json::json!({}),
-        )
-        .await;
-    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    // An action on schedule `name` as `who`: its status.
+    let act = |name: &'static str, action: &'static str, who: As| {
+        let console = &console;
+        async move {
+            let path = format!("/api/schedules/default/{name}/{action}");
+            console
+                .act(&path, who, serde_json::json!({}))
+                .await
+                .status()
+        }
+    };
+    assert_eq!(
+        act("hourly", "trigger", As::Viewer).await,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        act("nope", "pause", As::Operator).await,
+        StatusCode::NOT_FOUND
+    );
     // Triggered: one run by hand, its order linked from the schedule's page.
-    let triggered = console
-        .act(
-            "/api/schedules/default/hourly/trigger",
-            As::Operator,
-            serde_json::json!({}),
-        )
-        .await;
-    assert_eq!(triggered.status(), StatusCode::OK);
+    assert_eq!(act("hourly", "trigger", As::Operator).await, StatusCode::OK);
     let run = wait_until("the triggered run", Duration::from_secs(20), || async {
         let shown: serde_json::Value = console
             .get("/api/schedules/default/hourly", As::Viewer)
@@ -559,14 +555,7 @@ async fn the_console_creates_triggers_pauses_and_deletes_a_schedule_and_a_viewer
         .unwrap();
     assert!(page.contains(&format!("/orders/{order_id}")), "{page}");
     // Paused, then deleted.
-    let paused = console
-        .act(
-            "/api/schedules/default/hourly/pause",
-            As::Operator,
-            serde_json::json!({}),
-        )
-        .await;
-    assert_eq!(paused.status(), StatusCode::OK);
+    assert_eq!(act("hourly", "pause", As::Operator).await, StatusCode::OK);
     let listed: serde_json::Value = console
         .get("/api/schedules", As::Viewer)
         .await
@@ -575,14 +564,7 @@ async fn the_console_creates_triggers_pauses_and_deletes_a_schedule_and_a_viewer
         .unwrap();
     assert_eq!(listed[0]["paused"], true);
     assert_eq!(listed[0]["next_runs"].as_array().map(Vec::len), Some(0));
-    let deleted = console
-        .act(
-            "/api/schedules/default/hourly/delete",
-            As::Operator,
-            serde_json::json!({}),
-        )
-        .await;
-    assert_eq!(deleted.status(), StatusCode::OK);
+    assert_eq!(act("hourly", "delete", As::Operator).await, StatusCode::OK);
     let listed: serde_json::Value = console
         .get("/api/schedules", As::Viewer)
         .await

@@ -185,12 +185,7 @@ fn due_occurrences(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn utc(text: &str) -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339(text)
-            .unwrap()
-            .with_timezone(&Utc)
-    }
+    use crate::schedules::spec::tests::utc;
 
     fn every_ten_seconds() -> Timing {
         Timing::parse("*/10 * * * * *", "UTC").unwrap()

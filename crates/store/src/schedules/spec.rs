@@ -295,10 +295,11 @@ pub fn occurrence_order_id(name: &str, at: DateTime<Utc>, by_hand: bool) -> Stri
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn utc(text: &str) -> DateTime<Utc> {
+    /// An instant from its RFC 3339 text.
+    pub(crate) fn utc(text: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(text)
             .unwrap()
             .with_timezone(&Utc)
