@@ -315,6 +315,16 @@ impl TestEnv {
     /// # Panics
     /// When sasctl cannot be started.
     pub async fn sasctl(&self, args: &[&str]) -> (i32, String) {
+        let (code, stdout, _) = self.sasctl_with_errors(args).await;
+        (code, stdout)
+    }
+
+    /// [`TestEnv::sasctl`], with its standard error too: what a refusal
+    /// says.
+    ///
+    /// # Panics
+    /// When sasctl cannot be started.
+    pub async fn sasctl_with_errors(&self, args: &[&str]) -> (i32, String, String) {
         let output = Command::new(bin_dir().join("sasctl"))
             .args(args)
             .envs(
@@ -331,11 +341,9 @@ impl TestEnv {
             .await
             .expect("run sasctl");
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        eprintln!(
-            "sasctl {args:?}: {stdout}{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        (output.status.code().unwrap_or(-1), stdout)
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        eprintln!("sasctl {args:?}: {stdout}{stderr}");
+        (output.status.code().unwrap_or(-1), stdout, stderr)
     }
 }
 

@@ -44,6 +44,35 @@ fn attributes_refusal(order: &SubmitOrder) -> Option<String> {
 }
 
 impl Scheduler {
+    /// The workflow `order` starts, or why intake refuses it for what it
+    /// says: an invalid field, attributes the store cannot keep, a workflow
+    /// this scheduler does not run or attributes its schema refuses.
+    /// Submitted orders and schedules' runs alike.
+    ///
+    /// # Errors
+    /// The reason, for the refusal.
+    pub fn workflow_of(&self, order: &SubmitOrder) -> Result<String, String> {
+        order.validate().map_err(|error| error.to_string())?;
+        if let Some(reason) = attributes_refusal(order) {
+            return Err(reason);
+        }
+        Ok(self.workflows.entry_for(order)?.workflow.name.clone())
+    }
+
+    /// Whether `tenant` may start `order` of `workflow` (its tenancy rules:
+    /// the workflows and priorities it may use).
+    ///
+    /// # Errors
+    /// Why not, for the refusal.
+    pub fn may_start(
+        &self,
+        order: &SubmitOrder,
+        tenant: &str,
+        workflow: &str,
+    ) -> Result<(), String> {
+        self.tenancy.may_start(tenant, workflow, order.priority())
+    }
+
     /// Handles one message of the orders queue.
     ///
     /// Invalid input is answered `rejected` on the `reply_to` it named (see
@@ -69,14 +98,8 @@ impl Scheduler {
             Ok(order) => order,
             Err(error) => return self.refuse(&delivery, publisher, error.to_string()).await,
         };
-        if let Err(error) = order.validate() {
-            return self.refuse(&delivery, publisher, error.to_string()).await;
-        }
-        if let Some(reason) = attributes_refusal(&order) {
-            return self.refuse(&delivery, publisher, reason).await;
-        }
-        let workflow = match self.workflows.entry_for(&order) {
-            Ok(entry) => entry.workflow.name.clone(),
+        let workflow = match self.workflow_of(&order) {
+            Ok(workflow) => workflow,
             Err(reason) => return self.refuse(&delivery, publisher, reason).await,
         };
         // Who sent it, from the broker's validated user_id, never the body;
@@ -92,7 +115,7 @@ impl Scheduler {
             );
             return self.refuse(&delivery, publisher, reason).await;
         };
-        if let Err(reason) = self.tenancy.may_start(&tenant, &workflow, order.priority()) {
+        if let Err(reason) = self.may_start(&order, &tenant, &workflow) {
             return self.refuse(&delivery, publisher, reason).await;
         }
         let mut order = order;

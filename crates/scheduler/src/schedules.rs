@@ -82,7 +82,7 @@ impl Scheduler {
         }
         for intent in &intents {
             let refusal = match self.fire(intent).await {
-                Fired::Later => continue,
+                Fired::Later | Fired::Gone => continue,
                 Fired::Stored => None,
                 Fired::Refused(reason) => {
                     metrics::counter!("sas_schedule_runs_refused_total").increment(1);
@@ -114,18 +114,23 @@ impl Scheduler {
                 ))
             }
         };
-        if let Err(error) = order.validate() {
-            return Fired::Refused(error.to_string());
-        }
-        let workflow = match self.workflows.entry_for(&order) {
-            Ok(entry) => entry.workflow.name.clone(),
+        let workflow = match self.workflow_of(&order) {
+            Ok(workflow) => workflow,
             Err(reason) => return Fired::Refused(reason),
         };
-        if let Err(reason) = self
-            .tenancy
-            .may_start(&intent.tenant, &workflow, order.priority())
-        {
+        if let Err(reason) = self.may_start(&order, &intent.tenant, &workflow) {
             return Fired::Refused(reason);
+        }
+        // Fired by another scheduler meanwhile (this one froze after its
+        // decision), and perhaps retired since with its order: storing it
+        // now would run the occurrence twice.
+        match self.store.schedules().is_unfired(intent).await {
+            Ok(true) => {}
+            Ok(false) => return Fired::Gone,
+            Err(error) => {
+                tracing::warn!(schedule = %intent.name, error = %error, "cannot check a schedule run; the next tick tries again");
+                return Fired::Later;
+            }
         }
         let mut order = order;
         order.order_id = order.order_id.qualified(&intent.tenant);
@@ -173,4 +178,6 @@ enum Fired {
     Refused(String),
     /// Not now (the store failed, or shutdown): the next tick fires it.
     Later,
+    /// Fired already by another scheduler, or retired: nothing to do.
+    Gone,
 }

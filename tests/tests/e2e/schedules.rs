@@ -302,49 +302,53 @@ async fn sasctl_pauses_triggers_and_deletes_a_schedule_and_refuses_bad_definitio
     let env = TestEnv::new().await;
     let _scheduler = env.scheduler(0, &[tick()]);
     wait_for_workflow(&env).await;
-    // Refused with what is wrong.
+    // Refused with what is wrong, nothing stored.
+    let with_id = ORDER.replacen('{', r#"{"order_id": "x", "#, 1);
+    let unknown = ORDER.replacen('{', r#"{"workflow": "nope", "#, 1);
     for (args, says) in [
-        (vec!["--cron", "* * * *"], "has 4"),
+        (vec!["--cron", "* * * *", "--order", ORDER], "has 4"),
         (
-            vec!["--cron", "0 2 * * *", "--time-zone", "Mars/Olympus"],
+            vec![
+                "--cron",
+                "0 2 * * *",
+                "--time-zone",
+                "Mars/Olympus",
+                "--order",
+                ORDER,
+            ],
             "unknown time zone",
         ),
         (
-            vec!["--cron", "0 2 * * *", "--overlap", "queue"],
+            vec![
+                "--cron",
+                "0 2 * * *",
+                "--overlap",
+                "queue",
+                "--order",
+                ORDER,
+            ],
             "overlap policy",
         ),
+        (
+            vec!["--cron", "0 2 * * *", "--order", &with_id],
+            "names an order_id",
+        ),
+        (
+            vec!["--cron", "0 2 * * *", "--order", &unknown],
+            "no scheduler runs the workflow",
+        ),
     ] {
-        let mut all = vec!["schedules", "create", "nightly", "--order", ORDER];
+        let mut all = vec!["schedules", "create", "nightly"];
         all.extend(args);
-        let (code, _) = env.sasctl(&all).await;
+        let (code, _, refusal) = env.sasctl_with_errors(&all).await;
         assert_eq!(code, 1, "{says}");
+        assert!(refusal.contains(says), "{says}: {refusal}");
     }
-    let with_id = ORDER.replacen('{', r#"{"order_id": "x", "#, 1);
-    let (code, _) = env
-        .sasctl(&[
-            "schedules",
-            "create",
-            "nightly",
-            "--cron",
-            "0 2 * * *",
-            "--order",
-            &with_id,
-        ])
-        .await;
-    assert_eq!(code, 1, "an order_id in the template is refused");
-    let unknown = ORDER.replacen('{', r#"{"workflow": "nope", "#, 1);
-    let (code, _) = env
-        .sasctl(&[
-            "schedules",
-            "create",
-            "nightly",
-            "--cron",
-            "0 2 * * *",
-            "--order",
-            &unknown,
-        ])
-        .await;
-    assert_eq!(code, 1, "a workflow no scheduler runs is refused");
+    let (stored,): (i64,) = sqlx::query_as("SELECT count(*) FROM schedules")
+        .fetch_one(&env.db)
+        .await
+        .expect("count the schedules");
+    assert_eq!(stored, 0, "a refused schedule is not stored");
     // A nightly schedule, paused at once: a trigger still runs it, once.
     let (code, _) = env
         .sasctl(&[
@@ -402,6 +406,22 @@ async fn sasctl_pauses_triggers_and_deletes_a_schedule_and_refuses_bad_definitio
     )
     .await;
     eprintln!("an unfired run was stored {waited} s after it was decided");
+    // The scheduler that decided it, waking from a freeze with the run in
+    // hand, finds it fired and stores nothing; nor one retired since.
+    let intent = |occurrence: &str| sas_store::schedules::Intent {
+        tenant: "default".into(),
+        name: "nightly".into(),
+        occurrence: DateTime::parse_from_rfc3339(occurrence).unwrap().into(),
+        by_hand: false,
+        order_body: sqlx::types::Json(serde_json::json!({})),
+    };
+    let schedules = env.store.schedules();
+    for gone in ["2026-01-01T01:00:00Z", "2025-01-01T01:00:00Z"] {
+        assert!(
+            !schedules.is_unfired(&intent(gone)).await.unwrap(),
+            "{gone}"
+        );
+    }
     assert!(
         (3.0..6.0).contains(&waited),
         "stored after it was 3 s unfired, within a tick or two: {waited} s"

@@ -856,6 +856,28 @@ impl Schedules<'_> {
         .await?)
     }
 
+    /// Whether `intent`'s run is still to be stored: not fired by another
+    /// scheduler meanwhile, and not retired since. Checked just before a
+    /// run is stored, so that a scheduler that wakes from a freeze does
+    /// not store a run another stored (and retention perhaps deleted,
+    /// order and all) while it slept.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn is_unfired(self, intent: &Intent) -> Result<bool, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM schedule_runs
+                             WHERE tenant = $1 AND name = $2 AND occurrence = $3
+                               AND by_hand = $4 AND fired_at IS NULL)",
+        )
+        .bind(&intent.tenant)
+        .bind(&intent.name)
+        .bind(intent.occurrence)
+        .bind(intent.by_hand)
+        .fetch_one(self.pool())
+        .await?)
+    }
+
     /// Records that intake stored `intent`'s order, or refused it for `refusal`.
     ///
     /// # Errors
