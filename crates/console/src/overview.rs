@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sas_store::admission::AdmissionLine;
+use sas_store::admission::{AdmissionLine, KeyLine};
 use sas_store::reads::overview::Activity;
 use sas_store::reads::queries::Alert;
 use serde::Serialize;
@@ -15,6 +15,9 @@ use serde::Serialize;
 use crate::broker::QueueDepth;
 use crate::error::Failure;
 use crate::Console;
+
+/// The most key lines the overview shows.
+pub const KEY_LINES_SHOWN: i64 = 20;
 
 /// Agents shown before any has been seen (the built-in workflow's).
 const DEFAULT_AGENTS: [&str; 3] = ["inventory", "payment", "shipping"];
@@ -27,6 +30,9 @@ pub struct Overview {
     /// Each agent's line: the real backlog, which admission control keeps
     /// in Postgres while the agent queues stay short.
     pub admission: Vec<AdmissionLine>,
+    /// The busiest key lines of the workflows' concurrency limits (at most
+    /// [`KEY_LINES_SHOWN`]).
+    pub keys: Vec<KeyLine>,
     /// Each queue's depth and consumers.
     pub queues: Vec<QueueDepth>,
     /// The newest open alerts (at most 10).
@@ -52,6 +58,7 @@ impl Console {
         }
         let activity = self.store.reads().activity().await?;
         let admission = self.store.admission().lines().await?;
+        let keys = self.store.admission().key_lines(KEY_LINES_SHOWN).await?;
         let mut agents = self.store.reads().known_agents().await?;
         if agents.is_empty() {
             agents = DEFAULT_AGENTS.iter().map(|a| (*a).to_owned()).collect();
@@ -70,6 +77,7 @@ impl Console {
         let overview = Arc::new(Overview {
             activity,
             admission,
+            keys,
             queues,
             alerts,
         });

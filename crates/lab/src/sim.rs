@@ -179,6 +179,23 @@ impl SimClient {
         by_order
     }
 
+    /// Calls in flight and the most at once, per `<service>:<merchant>`
+    /// (see [`remote_sim::concurrency`]).
+    ///
+    /// # Errors
+    /// When remote-sim cannot be reached.
+    pub async fn concurrency(
+        &self,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, remote_sim::concurrency::KeyCalls>> {
+        Ok(self
+            .admin(self.http.get(format!("{}/concurrency", self.base)))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
     /// The counters.
     ///
     /// # Errors

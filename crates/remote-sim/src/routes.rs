@@ -83,6 +83,8 @@ pub struct SimState {
     /// names (`PUT /admin/throttle/{service}`), as a provider rate-limiting
     /// an API key does.
     throttles: Arc<Mutex<HashMap<String, std::time::Instant>>>,
+    /// Calls in flight per merchant (`GET /concurrency`).
+    concurrency: crate::concurrency::Concurrency,
 }
 
 /// Marks a key in flight until the answer is sent or the caller went away
@@ -128,6 +130,7 @@ impl SimState {
             auth_token: settings.sim.auth_token.get().map(Arc::from),
             admin_token: settings.sim.admin_token.get().map(Arc::from),
             throttles: Arc::default(),
+            concurrency: crate::concurrency::Concurrency::default(),
         })
     }
 
@@ -156,6 +159,7 @@ pub fn router(state: SimState) -> Router {
     let admin = Router::new()
         .route("/side-effects", get(side_effects))
         .route("/stats", get(stats))
+        .route("/concurrency", get(concurrency))
         .route("/admin/faults", put(set_faults))
         .route("/admin/faults/{service}", put(set_service_faults))
         .route("/admin/provider", get(get_provider).put(set_provider))
@@ -384,6 +388,9 @@ async fn call(
     if !state.record_bodies {
         call.body = serde_json::Value::Null;
     }
+    // At the remote from here to its answer (a throttled call too: the
+    // merchant's API saw it).
+    let _counted = state.concurrency.enter(&call.service, &call.order);
     if let Some(answer) = throttled(&state, &call.service) {
         return answer;
     }
@@ -720,6 +727,12 @@ fn now_micros() -> chrono::DateTime<chrono::Utc> {
 
 async fn side_effects(State(state): State<SimState>) -> Json<Vec<Entry>> {
     Json(state.ledger().entries().cloned().collect())
+}
+
+async fn concurrency(
+    State(state): State<SimState>,
+) -> Json<std::collections::BTreeMap<String, crate::concurrency::KeyCalls>> {
+    Json(state.concurrency.snapshot())
 }
 
 async fn stats(State(state): State<SimState>) -> Json<crate::ledger::Stats> {

@@ -355,10 +355,13 @@ pub async fn dead_letter(target: &Target, command: DeadLettersCommand) -> anyhow
 pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
     let activity = store.reads().activity().await?;
     let lines = store.admission().lines().await?;
+    let keys = store.admission().key_lines(KEY_LINES_SHOWN).await?;
     if output == Output::Json {
-        // The activity's keys, and the lines beside them under `admission`.
+        // The activity's keys, and the lines beside them under `admission`
+        // and `keys`.
         let mut json = serde_json::to_value(&activity)?;
         json["admission"] = serde_json::to_value(&lines)?;
+        json["keys"] = serde_json::to_value(&keys)?;
         print_json(&json)?;
         return Ok(ExitCode::SUCCESS);
     }
@@ -382,11 +385,40 @@ pub async fn stats(store: &Store, output: Output) -> anyhow::Result<ExitCode> {
         println!("{event:<22} {n:>10}");
     }
     print_admission(&lines);
+    print_key_lines(&keys);
     println!(
         "\nopen alerts {}, dead letters to look at {}",
         activity.open_alerts, activity.pending_dead_letters
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The most key lines `sasctl stats` shows.
+const KEY_LINES_SHOWN: i64 = 20;
+
+/// The busiest keys of the workflows' concurrency limits: waiting first,
+/// then in flight (keys with neither have no state).
+fn print_key_lines(keys: &[sas_store::admission::KeyLine]) {
+    if keys.is_empty() {
+        println!("\nno key has an attempt in flight or an order waiting");
+        return;
+    }
+    println!(
+        "\n{:<32} {:>8} {:>10} {:>6} {:>12}",
+        "KEY", "WAITING", "IN FLIGHT", "LIMIT", "OLDEST WAIT"
+    );
+    for key in keys {
+        let oldest = key
+            .oldest_wait_secs
+            .map_or_else(|| "-".to_owned(), |secs| format!("{secs:.1}s"));
+        let limit = key
+            .limit
+            .map_or_else(|| "-".to_owned(), |limit| limit.to_string());
+        println!(
+            "{:<32} {:>8} {:>10} {:>6} {:>12}",
+            key.key, key.waiting, key.in_flight, limit, oldest
+        );
+    }
 }
 
 /// The agents' lines: the real backlog, which admission control keeps in

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use sas_store::machine::park::{OnTimeout, Park};
-use sas_store::{CallTemplate, NewStep, OnFailure, StepCalls};
+use sas_store::{CallTemplate, Concurrency, NewStep, OnFailure, StepCalls};
 use serde::Deserialize;
 
 /// The built-in order workflow: reserve stock, charge payment, create shipment.
@@ -107,6 +107,12 @@ pub struct StepDefinition {
     /// nothing undone, for an operator to resume from this step).
     #[serde(default)]
     pub on_failure: Option<OnFailure>,
+    /// How many of a `call` step's attempts may be in flight at once per
+    /// key: `{ key = "/attributes/merchant_id", limit = 5 }` (one line per
+    /// value, `default` for an order without one) or a fixed name shared
+    /// across workflows (`{ key = "partner_api", limit = 2 }`).
+    #[serde(default)]
+    pub concurrency: Option<Concurrency>,
 }
 
 /// What a step does.
@@ -205,6 +211,15 @@ impl StepDefinition {
         if self.on_failure == Some(OnFailure::Stop) && self.group.is_some() {
             return Err("on_failure = \"stop\" is for a step that runs alone: a group's members are undone together when one fails".into());
         }
+        if let Some(concurrency) = &self.concurrency {
+            concurrency.check()?;
+            if concurrency.is_pointer() && !reads_what_is_known(&concurrency.key, earlier, None) {
+                return Err(format!(
+                    "concurrency.key must be a JSON pointer into /order/..., /attributes/... or /results/<an earlier step>/..., or a fixed name (got {:?})",
+                    concurrency.key
+                ));
+            }
+        }
         for (field, template, own) in [
             ("request", &self.request, false),
             ("compensation_request", &self.compensation_request, true),
@@ -225,8 +240,9 @@ impl StepDefinition {
             || self.request.is_some()
             || self.compensation_request.is_some()
             || self.on_failure.is_some()
+            || self.concurrency.is_some()
         {
-            return Err("a wait or delay step calls no agent: remove agent, action, compensation, request and on_failure".into());
+            return Err("a wait or delay step calls no agent: remove agent, action, compensation, request, on_failure and concurrency".into());
         }
         if self.kind == StepType::Wait {
             let event = self.event.as_deref().unwrap_or_default();
@@ -388,11 +404,13 @@ impl Workflow {
                 group: step.group.clone(),
                 calls: (step.request.is_some()
                     || step.compensation_request.is_some()
-                    || step.on_failure.is_some_and(|o| !o.is_default()))
+                    || step.on_failure.is_some_and(|o| !o.is_default())
+                    || step.concurrency.is_some())
                 .then(|| StepCalls {
                     action: step.request.clone(),
                     compensation: step.compensation_request.clone(),
                     on_failure: step.on_failure.unwrap_or_default(),
+                    concurrency: step.concurrency.clone(),
                 }),
             })
             .collect()
@@ -636,6 +654,59 @@ mod tests {
                     call("c", "group = \"a b\"\n")
                 ),
                 "group must be",
+            ),
+        ] {
+            let error = Workflow::parse(&format!("name = \"x\"\n{text}"))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(expected), "{expected:?} not in {error}");
+        }
+    }
+
+    #[test]
+    fn a_call_s_concurrency_limit_is_kept_with_its_plan_and_checked() {
+        let charge = |limit: &str| {
+            format!("[[steps]]\nname = \"charge\"\nagent = \"payment\"\naction = \"charge\"\ntimeout_ms = 1000\nconcurrency = {limit}\n")
+        };
+        let ok = Workflow::parse(&format!(
+            "name = \"x\"\n{}",
+            charge("{ key = \"/attributes/merchant_id\", limit = 5, default = \"unknown\" }")
+        ))
+        .unwrap();
+        let limit = ok.new_steps()[0]
+            .calls
+            .as_ref()
+            .and_then(|calls| calls.concurrency.clone())
+            .expect("the limit is kept with the plan");
+        assert_eq!(
+            (limit.key.as_str(), limit.limit, limit.default.as_deref()),
+            ("/attributes/merchant_id", 5, Some("unknown"))
+        );
+        let wait = "[[steps]]\nname = \"w\"\nkind = \"wait\"\nevent = \"ok\"\ntimeout_ms = 1000\n";
+        for (text, expected) in [
+            (
+                charge("{ key = \"/attributes/merchant_id\", limit = 0 }"),
+                "steps[0] (charge): concurrency.limit must be between 1 and 10000",
+            ),
+            (
+                charge("{ key = \"/results/charge/id\", limit = 2 }"),
+                "concurrency.key must be a JSON pointer into",
+            ),
+            (
+                charge("{ key = \"partner api\", limit = 2 }"),
+                "concurrency.key must be a JSON pointer (/attributes/merchant_id) or a name",
+            ),
+            (
+                charge("{ key = \"partner\", limit = 2, default = \"x\" }"),
+                "concurrency.default is for a key read from the order",
+            ),
+            (
+                charge("{ key = \"partner\", limit = 2, scope = \"x\" }"),
+                "unknown field `scope`",
+            ),
+            (
+                format!("{wait}concurrency = {{ key = \"partner\", limit = 2 }}\n"),
+                "a wait or delay step calls no agent",
             ),
         ] {
             let error = Workflow::parse(&format!("name = \"x\"\n{text}"))

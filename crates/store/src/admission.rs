@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
+use sqlx::AssertSqlSafe;
 
 use crate::machine::admission::{adapted_cap, adapted_limit, Window};
 use crate::{Store, StoreError};
@@ -113,6 +114,23 @@ pub struct AdmissionLine {
     pub admit_cap: i32,
     /// The highest the limit may go.
     pub ceiling: i32,
+    /// Seconds the longest-waiting order of the line has waited (none when
+    /// nobody waits).
+    pub oldest_wait_secs: Option<f64>,
+}
+
+/// One key's line (see [`crate::machine::concurrency`]) for operators:
+/// its attempts in flight, its orders waiting, its limit, the oldest wait.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct KeyLine {
+    /// The key line (`payment:m-17`, or a fixed name).
+    pub key: String,
+    /// Attempts in flight under the key.
+    pub in_flight: i64,
+    /// Orders waiting in its line.
+    pub waiting: i64,
+    /// The most in flight at once, as its steps declare it.
+    pub limit: Option<i32>,
     /// Seconds the longest-waiting order of the line has waited (none when
     /// nobody waits).
     pub oldest_wait_secs: Option<f64>,
@@ -279,6 +297,40 @@ impl Admission<'_> {
         .fetch_all(self.pool())
         .await?;
         Ok(rows)
+    }
+
+    /// The busiest key lines (see [`crate::machine::concurrency`]), at most
+    /// `limit`: those with orders waiting first (most waiting first), then
+    /// those with attempts in flight. Keys with neither have no state and
+    /// are not listed. Read from the steps and the lines themselves (the
+    /// counts the claims use), so it costs the attempts in flight and the
+    /// orders waiting under a key, never a scan of idle keys.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn key_lines(self, limit: i64) -> Result<Vec<KeyLine>, StoreError> {
+        Ok(sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT key, sum(in_flight)::int8 AS in_flight, sum(waiting)::int8 AS waiting,
+                    max(key_limit) AS limit,
+                    EXTRACT(EPOCH FROM now() - min(since))::float8 AS oldest_wait_secs
+               FROM (SELECT s.limit_key AS key, 1 AS in_flight, 0 AS waiting,
+                            (s.request->'concurrency'->>'limit')::int4 AS key_limit,
+                            NULL::timestamptz AS since
+                       {IN_FLIGHT} AND s.limit_key IS NOT NULL
+                     UNION ALL
+                     SELECT p.waiting_key, 0, 1,
+                            (SELECT max((s.request->'concurrency'->>'limit')::int4) FROM steps s
+                              WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
+                            p.not_before
+                       FROM order_process p
+                      WHERE p.waiting_key IS NOT NULL) k
+              GROUP BY key
+              ORDER BY sum(waiting) DESC, sum(in_flight) DESC, key
+              LIMIT $1"
+        )))
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?)
     }
 
     /// Every agent's counters as its orders say they are (agent, in flight,

@@ -282,6 +282,10 @@ pub struct Store {
     /// what was committed before may be worth checking
     /// ([`Store::connections_opened`]).
     connections_opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// The last key line this store's claims served (see
+    /// `Writes::claim_key_heads`): the next claim goes on after it, so
+    /// that with more key lines than a claim serves none waits for good.
+    pub(crate) key_cursor: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 /// The largest step request a store builds unless told otherwise: the
@@ -318,6 +322,7 @@ impl Store {
             deadlines: crate::DeadlineSettings::default(),
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             connections_opened,
+            key_cursor: std::sync::Arc::default(),
         })
     }
 
@@ -391,6 +396,7 @@ impl Store {
             grace: self.deadlines.grace(),
             max_request_bytes: self.max_request_bytes,
             closed: None,
+            closed_key: None,
         }
     }
 
@@ -436,6 +442,7 @@ impl Store {
             deadlines: crate::DeadlineSettings::default(),
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             connections_opened: std::sync::Arc::default(),
+            key_cursor: std::sync::Arc::default(),
         }
     }
 

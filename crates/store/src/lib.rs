@@ -47,6 +47,7 @@ pub use admission::Admission;
 pub use connect::{DatabaseSettings, Store};
 pub use error::StoreError;
 pub use machine::call::{CallTemplate, OnFailure, StepCalls};
+pub use machine::concurrency::Concurrency;
 pub use model::{Dispatch, NewStep, Plan, ProcessState, Progress, StepState};
 pub use reads::Reads;
 pub use schedules::Schedules;

@@ -37,6 +37,7 @@ pub(crate) struct StepColumns {
     calls: &'static str,
     park: &'static str,
     group: &'static str,
+    limit_key: &'static str,
 }
 
 /// A step's columns beside its order's: `state`, `complete_by` and
@@ -63,6 +64,7 @@ pub(crate) const BESIDE_ORDER: StepColumns = StepColumns {
     calls: "request",
     park: "park",
     group: "step_group",
+    limit_key: "limit_key",
 };
 
 /// The next step the fast path started, its columns prefixed `next_`.
@@ -87,6 +89,7 @@ pub(crate) const NEXT: StepColumns = StepColumns {
     calls: "next_request",
     park: "next_park",
     group: "next_group",
+    limit_key: "next_limit_key",
 };
 
 /// The select list of [`BESIDE_ORDER`], for a query on `steps s`.
@@ -95,7 +98,8 @@ macro_rules! step_select {
         "s.position, s.name, s.agent, s.action, s.compensation, s.timeout_ms,
          s.state AS step_state, s.attempt, s.attempt_id, s.complete_by AS step_complete_by,
          s.idempotency_key, s.result, s.last_error AS step_last_error,
-         s.maybe_applied, s.undo_generation, s.undo_refused, s.undo_result, s.request, s.park, s.step_group"
+         s.maybe_applied, s.undo_generation, s.undo_refused, s.undo_result, s.request, s.park, s.step_group,
+         s.limit_key"
     };
 }
 pub(crate) use step_select;
@@ -130,6 +134,7 @@ impl StepColumns {
                 .try_get::<Option<Json<Park>>, _>(self.park)?
                 .map(|park| park.0),
             group: row.try_get(self.group)?,
+            limit_key: row.try_get(self.limit_key)?,
         })
     }
 }

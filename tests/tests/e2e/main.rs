@@ -68,6 +68,7 @@ mod deployment;
 mod disruptive;
 mod failover;
 mod gateway;
+mod key_limits;
 mod operations;
 mod orders_flow;
 mod overload;

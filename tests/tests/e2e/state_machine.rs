@@ -394,7 +394,7 @@ impl Model {
 async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
     let process = sqlx::query(
         "SELECT state, locked_by, complete_by, failure_count, not_before, last_error,
-                waiting_for, admit_key
+                waiting_for, admit_key, waiting_key
            FROM order_process WHERE order_id = $1",
     )
     .bind(order_id)
@@ -410,11 +410,13 @@ async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
         last_error: process.get("last_error"),
         waiting_for: process.get("waiting_for"),
         admit_key: process.get("admit_key"),
+        waiting_key: process.get("waiting_key"),
     };
     let steps = sqlx::query(
         "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
                 attempt_id, complete_by, idempotency_key, result, last_error, maybe_applied,
-                undo_generation, undo_refused, undo_result, request, park, step_group
+                undo_generation, undo_refused, undo_result, request, park, step_group,
+                limit_key
            FROM steps WHERE order_id = $1 ORDER BY position",
     )
     .bind(order_id)
@@ -448,6 +450,7 @@ async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
         park: row
             .get::<Option<sqlx::types::Json<sas_store::machine::park::Park>>, _>("park")
             .map(|park| park.0),
+        limit_key: row.get("limit_key"),
         group: row.get("step_group"),
     })
     .collect();
@@ -704,6 +707,7 @@ async fn run_case(
         grace: DeadlineSettings::default().grace(),
         max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
         closed: None,
+        closed_key: None,
     };
     let decision = model.decide(&Event::Submitted, &ctx, None);
     model.record(&decision, INTAKE);
@@ -982,6 +986,7 @@ async fn run_case(
             grace: DeadlineSettings::default().grace(),
             max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
             closed: None,
+            closed_key: None,
         };
         let event = match (step, &event_reply) {
             (_, Some(reply)) => Event::Reply(reply),

@@ -145,6 +145,7 @@ pub fn fragment(overview: &Overview) -> Markup {
             (last_hour_counts(overview))
             (last_hour_charts(overview))
             (agents_lines(overview))
+            (key_lines(overview))
             (queue_depths(overview))
             (open_alerts(overview))
         }
@@ -245,6 +246,40 @@ fn agents_lines(overview: &Overview) -> Markup {
     }
 }
 
+/// The "Keys' lines" section: the busiest keys of the workflows'
+/// concurrency limits, with orders waiting or attempts in flight.
+fn key_lines(overview: &Overview) -> Markup {
+    html! {
+        section {
+            h2 { "Keys' lines" }
+            p.muted { "Steps limited by key (a merchant's API): orders wait here when their key is at its limit. Idle keys are not listed." }
+            @if overview.keys.is_empty() {
+                p.muted #key-lines { "No key has an attempt in flight or an order waiting." }
+            } @else {
+                table #key-lines {
+                    tr { th { "key" } th { "waiting" } th { "in flight" } th { "limit" } th { "oldest wait" } }
+                    @for key in &overview.keys {
+                        tr data-key=(key.key) {
+                            td { (key.key) }
+                            td.num data-field="waiting" { (key.waiting) }
+                            td.num data-field="in_flight" { (key.in_flight) }
+                            td.num data-field="limit" {
+                                @match key.limit { Some(limit) => { (limit) } None => { "-" } }
+                            }
+                            td.num data-field="oldest_wait" {
+                                @match key.oldest_wait_secs {
+                                    Some(secs) => { (format!("{secs:.1} s")) }
+                                    None => { "-" }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The "Queues" section: each queue's ready messages and consumers, or why
 /// the broker could not say.
 fn queue_depths(overview: &Overview) -> Markup {
@@ -325,6 +360,7 @@ mod tests {
                 pending_dead_letters: 0,
             },
             admission: Vec::new(),
+            keys: Vec::new(),
             queues: Vec::new(),
             alerts: Vec::new(),
         };

@@ -70,6 +70,10 @@ pub struct StepCalls {
     /// (the default), or stop it in `error` for an operator to resume.
     #[serde(default, skip_serializing_if = "OnFailure::is_default")]
     pub on_failure: OnFailure,
+    /// How many of its attempts may be in flight at once per key, if the
+    /// workflow limits them (see [`super::concurrency`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<super::concurrency::Concurrency>,
 }
 
 /// What a call step that fails for good (refused, or out of retries) does

@@ -26,6 +26,7 @@
 
 pub mod admission;
 pub mod call;
+pub mod concurrency;
 pub mod dispatch;
 pub mod kind;
 pub mod moves;
@@ -68,8 +69,12 @@ pub struct ProcessRow {
     pub last_error: Option<String>,
     /// The agent whose slot the order waits for (admission), if any.
     pub waiting_for: Option<String>,
-    /// The order's place in that agent's line (see [`admit_key`]).
+    /// The order's place in that agent's line (see [`admit_key`]), or in
+    /// its key's.
     pub admit_key: Option<DateTime<Utc>>,
+    /// The key whose line the order waits in, its step's concurrency limit
+    /// full (see [`concurrency`]), if any.
+    pub waiting_key: Option<String>,
 }
 
 /// One step of an order: its definition (copied at intake) and its state.
@@ -118,6 +123,9 @@ pub struct StepRow {
     /// The parallel group it starts with, if any (see
     /// [`crate::NewStep::group`]).
     pub group: Option<String>,
+    /// The key line of its current attempt, or of the attempt waiting for
+    /// room, when its workflow limits it by key (see [`concurrency`]).
+    pub limit_key: Option<String>,
 }
 
 impl StepRow {
@@ -144,6 +152,7 @@ impl StepRow {
             calls: step.calls.clone(),
             park: step.park.clone(),
             group: step.group.clone(),
+            limit_key: None,
         }
     }
 
@@ -229,6 +238,7 @@ impl Snapshot {
                 last_error: None,
                 waiting_for: None,
                 admit_key: None,
+                waiting_key: None,
             },
             steps: (0..)
                 .zip(steps)
@@ -368,6 +378,9 @@ pub struct Context<'a> {
     /// An agent with no slot free for this decision: an attempt for it is
     /// not started, the order waits in that agent's line instead.
     pub closed: Option<&'a str>,
+    /// A key line with no room for this decision (see [`concurrency`]): an
+    /// attempt in it is not started, the order waits in its line instead.
+    pub closed_key: Option<&'a str>,
 }
 
 /// Whether an event changed the order.
@@ -479,6 +492,25 @@ impl Decision {
 }
 
 impl Decision {
+    /// The key lines this decision starts attempts in, each with its
+    /// limit and whether the attempt is an undo: the store checks each has
+    /// room before applying (see [`concurrency`]).
+    pub fn takes_keys(&self) -> Vec<(&str, i32, sas_messages::StepKind)> {
+        self.steps
+            .iter()
+            .filter(|change| change.row.attempt_id != change.expected_attempt_id)
+            .filter_map(|change| {
+                let kind = match change.row.state {
+                    StepState::Running => sas_messages::StepKind::Action,
+                    StepState::Compensating => sas_messages::StepKind::Compensation,
+                    _ => return None,
+                };
+                let limit = change.row.calls.as_ref()?.concurrency.as_ref()?.limit;
+                Some((change.row.limit_key.as_deref()?, limit, kind))
+            })
+            .collect()
+    }
+
     /// True when the store has rows to write.
     pub fn writes(&self) -> bool {
         self.process.is_some()

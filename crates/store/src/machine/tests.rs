@@ -61,6 +61,7 @@ fn ctx(now: DateTime<Utc>) -> Context<'static> {
         grace: Duration::from_secs(2),
         max_request_bytes: crate::connect::DEFAULT_MAX_REQUEST_BYTES,
         closed: None,
+        closed_key: None,
     }
 }
 
@@ -1933,4 +1934,117 @@ fn an_order_stopped_while_in_a_line_leaves_the_line() {
         "{:?}",
         decision.admission
     );
+}
+
+/// `fresh()` with its first step limited to 2 attempts at once per
+/// merchant, for merchant `m-7`.
+fn limited_by_merchant() -> Snapshot {
+    let mut steps = workflow();
+    steps[0].calls = Some(crate::StepCalls {
+        concurrency: Some(crate::Concurrency {
+            key: "/attributes/merchant_id".into(),
+            limit: 2,
+            default: None,
+        }),
+        ..crate::StepCalls::default()
+    });
+    Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1", "attributes": { "merchant_id": "m-7" } }),
+        None,
+        None,
+        5,
+        &steps,
+        t(0),
+    )
+}
+
+#[test]
+fn an_attempt_limited_by_key_names_its_key_and_waits_in_its_line_when_full() {
+    // Room: the attempt starts, and its step names the key it holds.
+    let open = decide(&limited_by_merchant(), &Event::Submitted, &ctx(t(0)));
+    assert_eq!(open.progress.dispatches.len(), 1);
+    assert_eq!(
+        open.takes_keys(),
+        [("inventory:m-7", 2, sas_messages::StepKind::Action)]
+    );
+    assert_eq!(
+        open.steps[0].row.limit_key.as_deref(),
+        Some("inventory:m-7")
+    );
+
+    // No room: no attempt, no deadline, no slot of the agent; the order
+    // waits in the key's line with the step naming the key.
+    let closed = Context {
+        closed_key: Some("inventory:m-7"),
+        ..ctx(t(0))
+    };
+    let full = decide(&limited_by_merchant(), &Event::Submitted, &closed);
+    assert!(full.progress.dispatches.is_empty());
+    assert!(full.takes_keys().is_empty());
+    let process = full.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Pending);
+    assert_eq!((process.locked_by, process.complete_by), (None, None));
+    assert_eq!(
+        (
+            process.waiting_for.as_deref(),
+            process.waiting_key.as_deref()
+        ),
+        (None, Some("inventory:m-7"))
+    );
+    assert_eq!(process.admit_key, Some(t(-50)), "placed by priority");
+    assert!(full.admission.is_empty(), "no agent slot or place taken");
+    let queued = full.history.last().unwrap();
+    assert_eq!(queued.event, HistoryEvent::Queued);
+    assert!(queued.detail.as_deref().unwrap().contains("limit of 2"));
+
+    // Taken from the line and put back (the key filled again): it keeps
+    // its place.
+    let mut waiting = limited_by_merchant();
+    waiting.apply(&full);
+    let back = decide(
+        &waiting,
+        &Event::Claimed,
+        &Context {
+            closed_key: Some("inventory:m-7"),
+            ..ctx(t(30))
+        },
+    );
+    assert_eq!(back.process.as_ref().unwrap().admit_key, Some(t(-50)));
+
+    // Claimed with room: out of the line, the attempt starts.
+    let claimed = decide(&waiting, &Event::Claimed, &ctx(t(30)));
+    let process = claimed.process.clone().unwrap();
+    assert_eq!(process.waiting_key, None);
+    assert_eq!(claimed.progress.dispatches[0].step, "reserve_stock");
+    assert_eq!(
+        claimed.takes_keys(),
+        [("inventory:m-7", 2, sas_messages::StepKind::Action)]
+    );
+
+    // A closed key of another merchant, or a closed agent's line, is
+    // not this order's.
+    let other = decide(
+        &limited_by_merchant(),
+        &Event::Submitted,
+        &Context {
+            closed_key: Some("inventory:m-8"),
+            ..ctx(t(0))
+        },
+    );
+    assert_eq!(other.progress.dispatches.len(), 1);
+}
+
+#[test]
+fn a_cancel_takes_an_order_out_of_its_key_line() {
+    let closed = Context {
+        closed_key: Some("inventory:m-7"),
+        ..ctx(t(0))
+    };
+    let mut waiting = limited_by_merchant();
+    waiting.apply(&decide(&waiting.clone(), &Event::Submitted, &closed));
+    assert!(waiting.process.waiting_key.is_some());
+    let cancelled = decide(&waiting, &Event::Cancelled { reason: "test" }, &ctx(t(1)));
+    let process = cancelled.process.unwrap();
+    assert_eq!(process.waiting_key, None, "{process:?}");
 }

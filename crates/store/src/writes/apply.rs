@@ -19,11 +19,13 @@ use std::collections::{BTreeMap, HashMap};
 use chrono::{DateTime, Utc};
 use sas_messages::{AttemptId, StepKind};
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
+use sqlx::{AssertSqlSafe, PgConnection, Row};
 use uuid::Uuid;
 
 use super::Writes;
+use crate::admission::IN_FLIGHT;
 use crate::machine::admission::has_room;
+use crate::machine::concurrency::key_has_room;
 use crate::machine::park::MailboxEvent;
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
 use crate::step_columns::{step_select, BESIDE_ORDER};
@@ -189,6 +191,12 @@ async fn mark_used_events(conn: &mut PgConnection, decided: &[Decided]) -> Resul
 struct Room {
     read: HashMap<String, Option<(i32, i32, i32)>>,
     taken: HashMap<String, (i32, i32)>,
+    /// Each key line's attempts in flight and whether orders wait in its
+    /// line, read once for the batch under the key's lock (`None`: another
+    /// transaction holds the key, which has no room for this one), and the
+    /// attempts the batch's decisions so far start in it.
+    keys: HashMap<String, Option<(i64, bool)>>,
+    keys_taken: HashMap<String, i64>,
 }
 
 impl Room {
@@ -198,6 +206,37 @@ impl Room {
             taken.0 += delta.in_flight;
             taken.1 += delta.waiting;
         }
+        for (line, _, _) in decision.takes_keys() {
+            *self.keys_taken.entry(line.to_owned()).or_default() += 1;
+        }
+    }
+
+    /// Whether key `line` has room for one more attempt under `limit`
+    /// ([`key_has_room`]). The key is locked for the rest of the
+    /// transaction first (an advisory lock on its name), so that two
+    /// schedulers never both count the last slot free; a key another
+    /// transaction holds has no room now: the order waits in its line,
+    /// and the claim that serves the line starts it (a lock that waited
+    /// could deadlock against a batch taking keys in another order).
+    async fn key_has_room(
+        &mut self,
+        conn: &mut PgConnection,
+        line: &str,
+        limit: i32,
+        first_in_line: bool,
+    ) -> Result<bool, StoreError> {
+        let read = match self.keys.get(line) {
+            Some(read) => *read,
+            None => {
+                let read = read_key_line(&mut *conn, line).await?;
+                self.keys.insert(line.to_owned(), read);
+                read
+            }
+        };
+        let taken = self.keys_taken.get(line).copied().unwrap_or_default();
+        Ok(read.is_some_and(|(in_flight, waiting)| {
+            key_has_room(in_flight + taken, limit, waiting, first_in_line)
+        }))
     }
 
     /// Whether `agent` has a slot for one more attempt ([`has_room`]).
@@ -289,6 +328,7 @@ pub(crate) async fn load_snapshots(
     let rows = sqlx::query(concat!(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
+                p.waiting_key,
                 o.body, o.submitted_by, now() AS now, ",
         step_select!(),
         "
@@ -373,6 +413,7 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
             last_error: row.try_get("last_error")?,
             waiting_for: row.try_get("waiting_for")?,
             admit_key: row.try_get("admit_key")?,
+            waiting_key: row.try_get("waiting_key")?,
         },
         steps: Vec::new(),
         mailbox: Vec::new(),
@@ -417,29 +458,31 @@ async fn apply_all(
                 SET state = d.state::process_state, locked_by = d.locked_by,
                     complete_by = d.complete_by, failure_count = d.failure_count,
                     not_before = d.not_before, last_error = d.last_error,
-                    waiting_for = d.waiting_for, admit_key = d.admit_key, updated_at = now()
+                    waiting_for = d.waiting_for, admit_key = d.admit_key,
+                    waiting_key = d.waiting_key, updated_at = now()
                FROM UNNEST($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::int4[],
-                           $6::timestamptz[], $7::text[], $8::text[], $9::timestamptz[])
+                           $6::timestamptz[], $7::text[], $8::text[], $9::timestamptz[], $43::text[])
                     AS d(order_id, state, locked_by, complete_by, failure_count, not_before,
-                         last_error, waiting_for, admit_key)
+                         last_error, waiting_for, admit_key, waiting_key)
               WHERE o.order_id = d.order_id
           RETURNING 1),
          c AS (
              SELECT * FROM UNNEST($10::text[], $11::int4[], $12::text[], $13::int4[], $14::uuid[],
                                   $15::timestamptz[], $16::text[], $17::jsonb[], $18::text[],
                                   $19::text[], $20::uuid[], $21::bool[], $22::int4[], $23::bool[],
-                                  $24::jsonb[])
+                                  $24::jsonb[], $44::text[])
                     AS c(order_id, position, state, attempt, attempt_id, complete_by,
                          idempotency_key, result, last_error, expected_state,
                          expected_attempt_id, maybe_applied, undo_generation, undo_refused,
-                         undo_result)),
+                         undo_result, limit_key)),
          s AS (
              UPDATE steps st
                 SET state = c.state::step_state, attempt = c.attempt, attempt_id = c.attempt_id,
                     complete_by = c.complete_by, idempotency_key = c.idempotency_key,
                     result = c.result, last_error = c.last_error,
                     maybe_applied = c.maybe_applied, undo_generation = c.undo_generation,
-                    undo_refused = c.undo_refused, undo_result = c.undo_result, updated_at = now()
+                    undo_refused = c.undo_refused, undo_result = c.undo_result,
+                    limit_key = c.limit_key, updated_at = now()
                FROM c
               WHERE st.order_id = c.order_id AND st.position = c.position
                 AND st.state = c.expected_state::step_state
@@ -516,6 +559,8 @@ async fn apply_all(
     .bind(&rows.admission.in_flight_ms)
     .bind(&rows.admission.queued_ms)
     .bind(&rows.admission.slot_wait_ms)
+    .bind(&rows.process.waiting_key)
+    .bind(&rows.steps.limit_key)
     .fetch_one(&mut *conn)
     .await?;
     let (changed_process, changed_steps): (i64, i64) =
@@ -561,6 +606,7 @@ struct ProcessColumns<'a> {
     last_error: Vec<Option<&'a str>>,
     waiting_for: Vec<Option<&'a str>>,
     admit_key: Vec<Option<DateTime<Utc>>>,
+    waiting_key: Vec<Option<&'a str>>,
 }
 
 #[derive(Default)]
@@ -580,6 +626,7 @@ struct StepColumns<'a> {
     undo_generation: Vec<i32>,
     undo_refused: Vec<bool>,
     undo_result: Vec<Option<serde_json::Value>>,
+    limit_key: Vec<Option<&'a str>>,
 }
 
 #[derive(Default)]
@@ -640,6 +687,7 @@ impl<'a> Rows<'a> {
                 p.last_error.push(process.last_error.as_deref());
                 p.waiting_for.push(process.waiting_for.as_deref());
                 p.admit_key.push(process.admit_key);
+                p.waiting_key.push(process.waiting_key.as_deref());
             }
             for change in &decision.steps {
                 let (c, row) = (&mut rows.steps, &change.row);
@@ -659,6 +707,7 @@ impl<'a> Rows<'a> {
                 c.undo_generation.push(row.undo_generation);
                 c.undo_refused.push(row.undo_refused);
                 c.undo_result.push(row.undo_result.clone());
+                c.limit_key.push(row.limit_key.as_deref());
             }
             for line in &decision.history {
                 let h = &mut rows.history;
@@ -736,12 +785,65 @@ async fn decide_admitted(
             break;
         }
     }
-    let Some(agent) = full else {
+    if let Some(agent) = full {
+        let closed = Context {
+            closed: Some(&agent),
+            ..*ctx
+        };
+        return Ok(decide(snapshot, event, &closed));
+    }
+    let mut full_key = None;
+    for (line, limit, kind) in decision.takes_keys() {
+        let first_in_line =
+            kind == StepKind::Compensation || snapshot.process.waiting_key.as_deref() == Some(line);
+        if !room
+            .key_has_room(&mut *conn, line, limit, first_in_line)
+            .await?
+        {
+            full_key = Some(line.to_owned());
+            break;
+        }
+    }
+    let Some(line) = full_key else {
         return Ok(decision);
     };
     let closed = Context {
-        closed: Some(&agent),
+        closed_key: Some(&line),
         ..*ctx
     };
     Ok(decide(snapshot, event, &closed))
 }
+
+/// Locks key `line` for the rest of the transaction, if no other holds it,
+/// and reads its attempts in flight (as [`crate::machine::admission::slots_held`]
+/// counts an agent's) and whether orders wait in its line. `None` when
+/// another transaction holds the key.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn read_key_line(
+    conn: &mut PgConnection,
+    line: &str,
+) -> Result<Option<(i64, bool)>, StoreError> {
+    let locked: bool = sqlx::query_scalar(KEY_LOCK)
+        .bind(line)
+        .fetch_one(&mut *conn)
+        .await?;
+    if !locked {
+        return Ok(None);
+    }
+    let read: (i64, bool) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) {IN_FLIGHT} AND s.limit_key = $1),
+                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1)"
+    )))
+    .bind(line)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(Some(read))
+}
+
+/// Takes key `$1`'s lock for the rest of the transaction if it is free
+/// (true), or says it is not (false): a transaction that took it again
+/// holds it still.
+pub(crate) const KEY_LOCK: &str =
+    "SELECT pg_try_advisory_xact_lock(hashtextextended('sas.key:' || $1, 0))";

@@ -135,7 +135,8 @@ impl Writes<'_> {
               RETURNING n.order_id, n.position, n.name, n.agent, n.action, n.compensation,
                         n.timeout_ms, n.state, n.attempt, n.attempt_id, n.complete_by,
                         n.idempotency_key, n.result, n.last_error, n.maybe_applied,
-                        n.undo_generation, n.undo_refused, n.undo_result, n.request, n.park, n.step_group),
+                        n.undo_generation, n.undo_refused, n.undo_result, n.request, n.park, n.step_group,
+                        n.limit_key),
              process AS (
                  UPDATE order_process op
                     SET state = CASE WHEN next.order_id IS NULL THEN 'processed' ELSE 'processing' END::process_state,
@@ -198,6 +199,7 @@ impl Writes<'_> {
                     next.undo_generation AS next_undo_generation,
                     next.undo_refused AS next_undo_refused, next.undo_result AS next_undo_result,
                     next.request AS next_request, next.park AS next_park, next.step_group AS next_group,
+                    next.limit_key AS next_limit_key,
                     CASE WHEN next.order_id IS NOT NULL THEN
                         (SELECT body FROM orders o WHERE o.order_id = done.order_id) END AS body,
                     CASE WHEN next.order_id IS NOT NULL THEN

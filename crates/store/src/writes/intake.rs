@@ -153,6 +153,7 @@ impl Batch<'_> {
             // Not admitted: the first agent had no room, and the statement
             // put the order in its line.
             closed: (!admitted).then(|| self.steps[0].agent.as_str()),
+            closed_key: None,
         };
         Intake::Accepted(decide(&snapshot, &Event::Submitted, &ctx).progress)
     }
@@ -238,11 +239,13 @@ impl Writes<'_> {
         let attempt_ids: Vec<Uuid> = distinct.iter().map(|_| Uuid::now_v7()).collect();
         // The single statement starts the first step as the machine would
         // when its request can be built; a workflow that starts with a
-        // wait, an order its tenant's quota holds back, or a first request
-        // that cannot be built (a template with a hole, a request too
-        // large), takes the write kernel, where the machine decides.
+        // wait or with a step limited by key (whose key must have room),
+        // an order its tenant's quota holds back, or a first request that
+        // cannot be built (a template with a hole, a request too large),
+        // takes the write kernel, where the machine decides.
         let (fast, slow): (Vec<usize>, Vec<usize>) = match steps[0].kind() {
             Kind::Wait { .. } | Kind::Delay => (Vec::new(), distinct.clone()),
+            Kind::Call if starts_limited(steps) => (Vec::new(), distinct.clone()),
             Kind::Call => distinct.iter().partition(|&&index| {
                 submissions[index].start_at.is_none() && batch.first_request_builds(index)
             }),
@@ -631,5 +634,28 @@ impl Writes<'_> {
         } else {
             Intake::Conflict
         })
+    }
+}
+
+/// Whether the first step of `steps` (or a member of its parallel group)
+/// is limited by key: the write kernel must find its key's room before it
+/// starts (see [`crate::machine::concurrency`]).
+fn starts_limited(steps: &[NewStep]) -> bool {
+    let limited = |step: &NewStep| {
+        step.calls
+            .as_ref()
+            .is_some_and(|calls| calls.concurrency.is_some())
+    };
+    match steps.first() {
+        Some(first) => {
+            limited(first)
+                || first.group.as_ref().is_some_and(|group| {
+                    steps
+                        .iter()
+                        .take_while(|s| s.group.as_ref() == Some(group))
+                        .any(limited)
+                })
+        }
+        None => false,
     }
 }

@@ -236,8 +236,13 @@ async fn replace(
             .bind(agent)
             .execute(&mut *tx)
             .await?;
+    }
+    // Out of its line (an agent's or a key's): its place there was for a
+    // step of the old plan.
+    if snapshot.process.waiting_for.is_some() || snapshot.process.waiting_key.is_some() {
         sqlx::query(
-            "UPDATE order_process SET waiting_for = NULL, admit_key = NULL, not_before = now()
+            "UPDATE order_process SET waiting_for = NULL, waiting_key = NULL, admit_key = NULL,
+                                      not_before = now()
               WHERE order_id = $1",
         )
         .bind(order_id)

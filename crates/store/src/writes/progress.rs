@@ -14,7 +14,7 @@ use sas_messages::{StepOutcome, StepReply};
 
 use sqlx::AssertSqlSafe;
 
-use super::apply::{transition, Decided, Slots};
+use super::apply::{read_key_line, transition, Decided, Slots};
 use super::Writes;
 use crate::admission::IN_FLIGHT;
 use crate::machine::admission::{Levels, UNDO_LEVEL};
@@ -108,6 +108,34 @@ const MOVE_HEAD: &str = "moved AS (
                FROM (SELECT max(admit_key) AS head FROM heads WHERE turn IS NOT NULL) h
               WHERE a.agent = $2 AND h.head > a.line_head)";
 
+/// The most key lines one claim serves: the claims that follow, as
+/// replies free room, take the next.
+const KEY_LINES_AT_ONCE: i64 = 64;
+
+/// The key lines orders wait in, at most `$1`, each once: first those
+/// after `$2` (where the last claim stopped), then from the start. Read
+/// by skipping through the index of waiting orders, one probe a line
+/// however long it is.
+const WAITING_KEY_LINES: &str = "
+    WITH RECURSIVE after AS (
+         (SELECT waiting_key AS line FROM order_process
+           WHERE waiting_key > $2 ORDER BY waiting_key LIMIT 1)
+         UNION ALL
+         SELECT (SELECT waiting_key FROM order_process
+                  WHERE waiting_key > after.line ORDER BY waiting_key LIMIT 1)
+           FROM after WHERE after.line IS NOT NULL),
+     upto AS (
+         (SELECT waiting_key AS line FROM order_process
+           WHERE waiting_key IS NOT NULL AND waiting_key <= $2 ORDER BY waiting_key LIMIT 1)
+         UNION ALL
+         SELECT (SELECT waiting_key FROM order_process
+                  WHERE waiting_key > upto.line AND waiting_key <= $2
+                  ORDER BY waiting_key LIMIT 1)
+           FROM upto WHERE upto.line IS NOT NULL)
+    SELECT line FROM (SELECT line FROM after UNION ALL SELECT line FROM upto) l
+     WHERE line IS NOT NULL
+     LIMIT $1";
+
 /// What became of an agent's reply.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReplyOutcome {
@@ -157,6 +185,10 @@ impl Writes<'_> {
     /// When the database fails; nothing is claimed then.
     pub async fn claim_ready(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
         let mut claimed = self.claim_heads(actor, limit).await?;
+        let left = limit - claimed.len() as i64;
+        if left > 0 {
+            claimed.extend(self.claim_key_heads(actor, left).await?);
+        }
         let left = limit - claimed.len() as i64;
         if left > 0 {
             claimed.extend(self.claim_due(actor, left).await?);
@@ -219,6 +251,81 @@ impl Writes<'_> {
         self.start_claimed(tx, &ready, actor, true).await
     }
 
+    /// The heads of the key lines (see [`crate::machine::concurrency`]), as
+    /// many as each key has room for: only keys with orders in line are
+    /// looked at (at most [`KEY_LINES_AT_ONCE`] a claim, from a random
+    /// point, so none is left behind), each locked while it is served, so
+    /// that two schedulers do not hand out the same room. Each head is
+    /// then decided as any claimed order: its agent may have no slot, and
+    /// the order joins the agent's line.
+    async fn claim_key_heads(self, actor: &str, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+        let cursor = self
+            .store
+            .key_cursor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        // Read before any transaction: with no key line (no workflow
+        // limits a key, or none is full), a claim costs one index probe.
+        let lines: Vec<String> = sqlx::query_scalar(WAITING_KEY_LINES)
+            .bind(KEY_LINES_AT_ONCE)
+            .bind(&cursor)
+            .fetch_all(self.pool())
+            .await?;
+        if lines.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.pool().begin().await?;
+        let mut ready: Vec<String> = Vec::new();
+        for line in lines {
+            let left = limit - ready.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            line.clone_into(
+                &mut self
+                    .store
+                    .key_cursor
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
+            let Some((in_flight, _)) = read_key_line(&mut tx, &line).await? else {
+                continue;
+            };
+            // The limit of the line's head: every step that names a key
+            // declares one, and a key is one remote's.
+            let key_limit: Option<i32> = sqlx::query_scalar(
+                "SELECT (s.request->'concurrency'->>'limit')::int4
+                   FROM order_process p
+                   JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
+                  WHERE p.waiting_key = $1
+                  ORDER BY p.admit_key
+                  LIMIT 1",
+            )
+            .bind(&line)
+            .fetch_optional(&mut *tx)
+            .await?
+            .flatten();
+            let room = i64::from(key_limit.unwrap_or(0)) - in_flight;
+            if room <= 0 {
+                continue;
+            }
+            let heads: Vec<String> = sqlx::query_scalar(
+                "SELECT order_id FROM order_process
+                  WHERE waiting_key = $1 AND not_before <= now()
+                  ORDER BY admit_key
+                  LIMIT $2
+                    FOR UPDATE SKIP LOCKED",
+            )
+            .bind(&line)
+            .bind(room.min(left))
+            .fetch_all(&mut *tx)
+            .await?;
+            ready.extend(heads);
+        }
+        self.start_claimed(tx, &ready, actor, false).await
+    }
+
     /// Orders back from the supervisor's backoff and compensations nobody
     /// holds, oldest first: each takes a slot if one is free, or joins its
     /// agent's line.
@@ -227,7 +334,7 @@ impl Writes<'_> {
         let due: Vec<String> = sqlx::query_scalar(
             "SELECT order_id FROM order_process
               WHERE (state = 'pending' OR (state = 'compensating' AND locked_by IS NULL))
-                AND waiting_for IS NULL AND not_before <= now()
+                AND waiting_for IS NULL AND waiting_key IS NULL AND not_before <= now()
               ORDER BY not_before
               LIMIT $1
                 FOR UPDATE SKIP LOCKED",

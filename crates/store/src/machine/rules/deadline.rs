@@ -78,6 +78,7 @@ pub(super) fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, ji
         last_error: Some(reason.clone()),
         waiting_for: None,
         admit_key: None,
+        waiting_key: None,
     };
     let detail = format!("{reason}; next attempt not before {not_before}");
     draft.log(event, name.as_deref(), None, Some(detail));

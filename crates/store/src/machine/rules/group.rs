@@ -60,6 +60,12 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
     if let Some(&waits) = closed {
         return draft.wait_for_slot(waits, StepKind::Action);
     }
+    let closed_key = starting
+        .iter()
+        .find_map(|&i| Some((i, draft.closed_key_line(i)?)));
+    if let Some((waits, line)) = closed_key {
+        return draft.wait_for_key(waits, StepKind::Action, line);
+    }
     // Every member's request is built before any starts: one that cannot
     // be is refused, and the group does not start.
     let mut calls = Vec::with_capacity(starting.len());

@@ -194,8 +194,9 @@ impl<'a> Draft<'a> {
         self.process.state = ProcessState::Error;
         self.process.locked_by = None;
         self.process.complete_by = None;
-        // Out of any agent's line: an order in error waits for no slot.
+        // Out of any line: an order in error waits for no slot.
         self.process.waiting_for = None;
+        self.process.waiting_key = None;
         self.process.admit_key = None;
         self.process.last_error = Some(failure.last_error.to_owned());
         self.log(
@@ -304,6 +305,7 @@ impl<'a> Draft<'a> {
         self.process.locked_by = None;
         self.process.complete_by = None;
         self.process.waiting_for = None;
+        self.process.waiting_key = None;
         self.process.admit_key = None;
         self.process.not_before = at;
     }
@@ -315,6 +317,9 @@ impl<'a> Draft<'a> {
         }
         if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
             return self.wait_for_slot(index, kind);
+        }
+        if let Some(line) = self.closed_key_line(index) {
+            return self.wait_for_key(index, kind, line);
         }
         match self.prepare_call(index, kind, self.ctx.next_attempt_id) {
             Ok((started, dispatch)) => self.start_call(index, kind, started, dispatch),
@@ -338,6 +343,7 @@ impl<'a> Draft<'a> {
         };
         started.attempt += 1;
         started.attempt_id = Some(attempt_id);
+        started.limit_key = self.key_line(index);
         started.complete_by =
             Some(self.ctx.now + chrono::Duration::milliseconds(i64::from(started.timeout_ms)));
         let results = self
@@ -432,6 +438,17 @@ impl<'a> Draft<'a> {
         let step = &self.steps[index];
         let agent = step.agent.clone();
         let name = step.name.clone();
+        self.leave_held(kind, since);
+        let detail = format!("{agent} {why}");
+        self.process.waiting_for = Some(agent);
+        self.process.waiting_key = None;
+        self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
+    }
+
+    /// The order held by nobody, with no deadline, pending (or
+    /// compensating), placed in a line as if it had started waiting at
+    /// `since`.
+    fn leave_held(&mut self, kind: StepKind, since: DateTime<Utc>) {
         if self.process.state == ProcessState::Processing {
             self.process.state = ProcessState::Pending;
         }
@@ -443,8 +460,49 @@ impl<'a> Draft<'a> {
             self.snapshot.priority,
             kind == StepKind::Compensation,
         ));
-        let detail = format!("{agent} {why}");
-        self.process.waiting_for = Some(agent);
+    }
+
+    /// The key line of step `index`'s next attempt, when its workflow
+    /// limits it by key ([`super::concurrency`]).
+    pub(super) fn key_line(&self, index: usize) -> Option<String> {
+        let step = &self.steps[index];
+        let concurrency = step.calls.as_ref()?.concurrency.as_ref()?;
+        let results = self
+            .steps
+            .iter()
+            .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
+        let context = super::call::context_of(&payload(&self.snapshot.body, results));
+        Some(concurrency.line(&step.agent, &context))
+    }
+
+    /// Step `index`'s key line, when the store found it with no room for
+    /// this decision.
+    pub(super) fn closed_key_line(&self, index: usize) -> Option<String> {
+        let closed = self.ctx.closed_key?;
+        self.key_line(index).filter(|line| line == closed)
+    }
+
+    /// Step `index`'s key `line` has no room: the order waits in the
+    /// key's line, held by nobody and with no deadline. An order taken
+    /// from that line and put back keeps its place.
+    pub(super) fn wait_for_key(&mut self, index: usize, kind: StepKind, line: String) {
+        let back = self.snapshot.process.waiting_key.as_ref() == Some(&line);
+        let place = self.snapshot.process.admit_key.filter(|_| back);
+        let limit = self.steps[index]
+            .calls
+            .as_ref()
+            .and_then(|calls| calls.concurrency.as_ref())
+            .map_or(0, |c| c.limit);
+        self.leave_held(kind, self.ctx.now);
+        if place.is_some() {
+            self.process.admit_key = place;
+        }
+        self.change_step(index, |step| step.limit_key = Some(line.clone()));
+        let name = self.steps[index].name.clone();
+        let detail =
+            format!("key {line} has no room under its limit of {limit}; waiting in its line");
+        self.process.waiting_for = None;
+        self.process.waiting_key = Some(line);
         self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
     }
 

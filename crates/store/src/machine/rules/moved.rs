@@ -27,9 +27,10 @@ pub(super) fn moved(
     };
     draft.steps = moved.steps;
     draft.moved = true;
-    if draft.process.waiting_for.is_some() {
+    if draft.process.waiting_for.is_some() || draft.process.waiting_key.is_some() {
         // Out of its line: its place there was for a step of the old plan.
         draft.process.waiting_for = None;
+        draft.process.waiting_key = None;
         draft.process.admit_key = None;
         draft.process.not_before = draft.ctx.now;
     }

@@ -86,6 +86,7 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
         not_before: until,
         waiting_for: None,
         admit_key: None,
+        waiting_key: None,
         ..draft.process.clone()
     };
     let name = draft.steps[index].name.clone();

@@ -52,6 +52,7 @@ pub(super) fn claimed(draft: &mut Draft<'_>) {
     }
     draft.log(HistoryEvent::Claimed, None, None, None);
     draft.process.waiting_for = None;
+    draft.process.waiting_key = None;
     draft.process.admit_key = None;
     if draft.process.state == ProcessState::Pending {
         draft.process.state = ProcessState::Processing;

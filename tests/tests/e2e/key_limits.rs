@@ -1,0 +1,167 @@
+//! Concurrency limits by key (issue 49): a payment step limited to a few
+//! attempts at once per merchant, against real processes (two schedulers,
+//! three payment agents, remote-sim counting the calls it is answering per
+//! merchant). The remote is the judge: whatever the schedulers and agents
+//! do, kill -9 included, no merchant's API sees more calls at once than
+//! the limit, every order is processed, and nothing stays counted.
+
+use std::time::Duration;
+
+use sas_store::ProcessState;
+use sas_tests::{order, Setting, TestEnv};
+
+const MERCHANTS: usize = 8;
+const LIMIT: u32 = 3;
+/// Twenty times what the limits let run at once.
+const ORDERS: usize = 480;
+
+/// The test's order workflow, its payment step limited by merchant.
+fn limited_workflow(env: &TestEnv) -> String {
+    format!(
+        "name = \"order\"\nversion = 1\n{}{}concurrency = {{ key = \"/attributes/merchant_id\", limit = {LIMIT} }}\n\n{}",
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
+        env.call_step(("charge_payment", "payment", "charge", "refund"), None),
+        env.call_step(("create_shipment", "shipping", "ship", "cancel"), None),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_merchant_sees_more_than_its_limit_across_schedulers_and_agents_through_kill_9() {
+    let env = TestEnv::with_step_timeout(3_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[Setting::SimFaultsLatencyMs(30)]).await;
+    let mut schedulers_settings = env
+        .workflows(&[("order.toml", &limited_workflow(&env))])
+        .to_vec();
+    // The agents' lines are not what holds the calls back.
+    schedulers_settings.extend([
+        Setting::SchedulerAdmissionInitial(64),
+        Setting::SchedulerAdmissionCeiling(128),
+    ]);
+    let wide = [Setting::AgentConcurrency(16)];
+    let mut payments: Vec<_> = (0..3)
+        .map(|i| env.agent("payment", i, &sim, &wide))
+        .collect();
+    let _inventory = env.agent("inventory", 0, &sim, &wide);
+    let _shipping = env.agent("shipping", 0, &sim, &wide);
+    let mut schedulers: Vec<_> = (0..2)
+        .map(|i| env.scheduler(i, &schedulers_settings))
+        .collect();
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+
+    for n in 0..ORDERS {
+        let mut submitted = order(&format!("keyed-{n}"));
+        let merchant = format!("m-{}", n % MERCHANTS);
+        submitted.attributes = Some(
+            serde_json::json!({ "merchant_id": merchant })
+                .as_object()
+                .cloned()
+                .unwrap(),
+        );
+        env.publish_order(&publisher, &submitted).await;
+    }
+    // The lines are visible while they last: the busiest keys, each with
+    // its limit, never more than it in flight.
+    let busy = sas_tests::wait_until("a merchant's line", Duration::from_secs(30), || async {
+        let keys = env
+            .store
+            .admission()
+            .key_lines(20)
+            .await
+            .map_err(|e| e.to_string())?;
+        match keys.iter().find(|k| k.waiting > 0) {
+            Some(line) => Ok(line.clone()),
+            None => Err(format!("no key has orders waiting: {keys:?}")),
+        }
+    })
+    .await;
+    assert!(busy.key.starts_with("payment:m-"), "{busy:?}");
+    assert_eq!(busy.limit, Some(LIMIT as i32));
+    assert!(busy.in_flight <= i64::from(LIMIT), "{busy:?}");
+    assert!(busy.oldest_wait_secs.is_some());
+    let (code, stats) = env.sasctl(&["stats"]).await;
+    assert_eq!(code, 0, "{stats}");
+    assert!(
+        stats.contains("KEY") && stats.contains("payment:m-"),
+        "{stats}"
+    );
+
+    // Under way: a third processed. Then kill -9 a scheduler and a payment
+    // agent, whatever they hold.
+    env.wait_for_count(
+        ProcessState::Processed,
+        (ORDERS / 3) as i64,
+        Duration::from_secs(90),
+    )
+    .await;
+    schedulers[1].kill9().await;
+    payments[2].kill9().await;
+    env.wait_for_count(
+        ProcessState::Processed,
+        ORDERS as i64,
+        Duration::from_secs(180),
+    )
+    .await;
+
+    // The remote's count: never more than the limit at once per merchant,
+    // and the limit was reached (the merchants' lines were what held the
+    // calls back, not the agents).
+    let seen = sim.concurrency().await.expect("read remote-sim's counts");
+    let charges: Vec<_> = seen
+        .iter()
+        .filter(|(key, _)| key.starts_with("payment:"))
+        .collect();
+    assert_eq!(charges.len(), MERCHANTS, "{seen:?}");
+    for (key, calls) in &charges {
+        assert!(
+            calls.peak <= LIMIT,
+            "{key}: {} calls at once at the remote, over its limit of {LIMIT}",
+            calls.peak
+        );
+        assert_eq!(calls.in_flight, 0, "{key}");
+    }
+    assert!(
+        charges.iter().any(|(_, calls)| calls.peak == LIMIT),
+        "no merchant reached its limit: {charges:?}"
+    );
+    // Other steps are not limited: some ran more than the limit at once.
+    let reserves_peak = seen
+        .iter()
+        .filter(|(key, _)| key.starts_with("inventory:"))
+        .map(|(_, calls)| calls.peak)
+        .max()
+        .unwrap_or(0);
+    assert!(reserves_peak > LIMIT, "{seen:?}");
+
+    // Orders waited in their merchant's line, and nothing is left in one
+    // or counted in flight (no slot leaked through the kills).
+    let (queued, waiting, in_flight): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM history
+                  WHERE event = 'waiting_for_admission' AND detail LIKE 'key payment:m-%'),
+                (SELECT count(*) FROM order_process WHERE waiting_key IS NOT NULL),
+                (SELECT count(*) FROM steps
+                  WHERE limit_key IS NOT NULL AND state IN ('running', 'compensating'))",
+    )
+    .fetch_one(&env.db)
+    .await
+    .expect("read the lines");
+    assert!(queued > 0, "no order waited for its merchant's room");
+    assert_eq!((waiting, in_flight), (0, 0));
+    let keys = env
+        .store
+        .admission()
+        .key_lines(20)
+        .await
+        .expect("read the key lines");
+    assert!(keys.is_empty(), "idle keys have no state: {keys:?}");
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT limit_key FROM steps WHERE limit_key IS NOT NULL ORDER BY 1",
+    )
+    .fetch_all(&env.db)
+    .await
+    .expect("read the keys");
+    let expected: Vec<String> = (0..MERCHANTS).map(|m| format!("payment:m-{m}")).collect();
+    assert_eq!(keys, expected);
+    sim.assert_every_order_done_once().await;
+    drop(schedulers);
+}
