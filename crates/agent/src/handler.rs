@@ -54,6 +54,17 @@ fn refuse_unknown_sender(
     )))
 }
 
+/// What a reply's headers carry beside its body (see
+/// [`sas_messages::headers`]).
+struct ReplyHeaders {
+    /// [`StepReply::queued_ms`].
+    queued_ms: Option<u64>,
+    /// [`StepReply::slot_wait_ms`].
+    slot_wait_ms: Option<u64>,
+    /// [`StepReply::retry_after_ms`].
+    retry_after_ms: Option<u64>,
+}
+
 /// How a request ended, before the reply.
 enum Finished {
     /// Send this outcome.
@@ -70,6 +81,10 @@ enum Finished {
     NotStarted {
         /// The service's last "slow down", when it answered one.
         throttled: Option<String>,
+        /// A request limited by key that the service answered 429 with
+        /// `Retry-After`: how long its key must rest (the scheduler pauses
+        /// the key; this replica's lane does not pause).
+        retry_after: Option<Duration>,
     },
     /// Shutting down, or the broker connection is lost: hand the request back.
     Interrupted,
@@ -158,6 +173,13 @@ impl Agent {
             .call_until_deadline(lane, received, &mut tries, connection_lost)
             .await;
         metrics::gauge!("sas_agent_requests_in_flight").decrement(1.0);
+        let retry_after_ms = match &finished {
+            Finished::NotStarted {
+                retry_after: Some(rest),
+                ..
+            } => Some(u64::try_from(rest.as_millis()).unwrap_or(u64::MAX)),
+            _ => None,
+        };
         let outcome = match self.outcome_of(finished, request) {
             Ok(outcome) => outcome,
             Err(consumed) => return consumed,
@@ -169,8 +191,13 @@ impl Agent {
             StepOutcome::Failed { error, .. } => Some(error.clone()),
             StepOutcome::Succeeded { .. } | StepOutcome::NotStarted { .. } => None,
         };
-        let queue_times = self.queue_times(request, &tries);
-        match self.reply(received, outcome, queue_times, publisher).await {
+        let (queued_ms, slot_wait_ms) = self.queue_times(request, &tries);
+        let headers = ReplyHeaders {
+            queued_ms,
+            slot_wait_ms,
+            retry_after_ms,
+        };
+        match self.reply(received, outcome, headers, publisher).await {
             Ok(()) => {
                 match failure {
                     Some(error) => tracing::warn!(outcome = label, error = %error, "replied"),
@@ -210,7 +237,10 @@ impl Agent {
                 tracing::warn!(complete_by = %request.complete_by, "start deadline passed before any call; the request has no start_by, so its sender may not know not_started: no reply");
                 Err(Consumed::Ack)
             }
-            Finished::NotStarted { throttled } => {
+            Finished::NotStarted {
+                throttled,
+                retry_after,
+            } => {
                 metrics::counter!("sas_agent_deadline_expired_total").increment(1);
                 let waited = (self.clock.database_now()
                     - request.dispatched_at.unwrap_or(request.complete_by))
@@ -218,6 +248,10 @@ impl Agent {
                 .max(0);
                 tracing::info!(start_by = ?request.start_by, waited_ms = waited, throttled = throttled.is_some(), "start deadline passed before any call was applied; replying not started");
                 let reason = match throttled {
+                    Some(error) if retry_after.is_some() => format!(
+                        "the service asked key {} to rest (429 with Retry-After), nothing applied: {error}",
+                        request.limit_key.as_deref().unwrap_or_default()
+                    ),
                     Some(error) => format!(
                         "start-by passed while the service asked to slow down, nothing applied (waited {waited} ms since dispatch): {error}"
                     ),
@@ -247,13 +281,18 @@ impl Agent {
         &self,
         received: &Received,
         outcome: StepOutcome,
-        (queued_ms, slot_wait_ms): (Option<u64>, Option<u64>),
+        ReplyHeaders {
+            queued_ms,
+            slot_wait_ms,
+            retry_after_ms,
+        }: ReplyHeaders,
         publisher: &Publisher,
     ) -> Result<(), sas_broker::BrokerError> {
         let request = &received.request;
         let reply = StepReply {
             queued_ms,
             slot_wait_ms,
+            retry_after_ms,
             schema_version: SCHEMA_VERSION,
             order_id: request.order_id.clone(),
             step: request.step.clone(),
@@ -261,13 +300,15 @@ impl Agent {
             agent_id: self.id.clone(),
             outcome,
         };
-        // The queue times go in headers: a scheduler that does not know
-        // them ignores headers, where it refuses unknown body fields.
+        // The queue times and a key's rest go in headers: a scheduler that
+        // does not know them ignores headers, where it refuses unknown body
+        // fields.
         let mut headers =
             sas_broker::publish::order_headers(&request.order_id, received.trace_id.as_deref());
         for (key, value) in [
             (sas_messages::headers::QUEUED_MS, queued_ms),
             (sas_messages::headers::SLOT_WAIT_MS, slot_wait_ms),
+            (sas_messages::headers::RETRY_AFTER_MS, retry_after_ms),
         ] {
             if let Some(value) = value {
                 headers = sas_broker::publish::with_number_header(headers, key, value);
@@ -346,18 +387,38 @@ impl Agent {
             };
             let class = result.class();
             metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => class).increment(1);
-            let paused = match &result {
-                CallResult::Throttled { retry_after, .. } => {
+            let keyed = received.request.limit_key.is_some();
+            let (paused, key_rests) = match &result {
+                CallResult::Throttled {
+                    retry_after,
+                    maybe_applied,
+                    ..
+                } => {
                     metrics::counter!("sas_agent_throttled_total", "agent" => lane.name.clone())
                         .increment(1);
-                    retry_after.map(|asked| lane.pause.extend(asked))
+                    match retry_after {
+                        // A request limited by key: the service asked
+                        // that key to rest, not the whole lane; a 429
+                        // applied nothing, and the scheduler holds the
+                        // key's orders until then.
+                        Some(asked) if keyed && !maybe_applied => {
+                            (None, Some((*asked).min(lane.pause.longest())))
+                        }
+                        Some(asked) => (Some(lane.pause.extend(*asked)), None),
+                        None => (None, None),
+                    }
                 }
-                _ => None,
+                _ => (None, None),
             };
             let (error, logged) = match tries.settle(permit, result) {
                 Ok(finished) => return finished,
                 Err(unsettled) => unsettled,
             };
+            if let Some(rest) = key_rests {
+                if let Some(finished) = tries.key_rests(rest) {
+                    return finished;
+                }
+            }
             let backoff = tries.count_retry(&retries, class, error, logged);
             // A pause the service named replaces the backoff: the loop
             // waits it out (every request of the lane does).
@@ -705,16 +766,32 @@ impl Tries {
         wait
     }
 
+    /// A request limited by key whose service asked the key to rest for
+    /// `rest` (429 with `Retry-After`): it ends at once, not started, with
+    /// the pause for the scheduler, when no call of it may have applied
+    /// anything (every answer was a 429); otherwise it goes on as any
+    /// throttled call (`None`).
+    fn key_rests(&self, rest: Duration) -> Option<Finished> {
+        (!self.met_service && !self.maybe_applied).then(|| Finished::NotStarted {
+            throttled: self.throttled.clone(),
+            retry_after: Some(rest),
+        })
+    }
+
     /// How the request ends at its start deadline: silently when no call
     /// can have reached the service (the supervisor owns the step),
     /// otherwise with a failure that says the step may have been applied.
     fn expired(&self) -> Finished {
         if !self.tried {
-            Finished::NotStarted { throttled: None }
+            Finished::NotStarted {
+                throttled: None,
+                retry_after: None,
+            }
         } else if !self.met_service && !self.maybe_applied && self.throttled.is_some() {
             // Every call was answered 429: nothing was applied.
             Finished::NotStarted {
                 throttled: self.throttled.clone(),
+                retry_after: None,
             }
         } else if self.maybe_applied {
             Finished::Reply(StepOutcome::Failed {
@@ -873,6 +950,7 @@ mod tests {
             outcome,
             queued_ms: None,
             slot_wait_ms: None,
+            retry_after_ms: None,
         }
     }
 

@@ -12,6 +12,13 @@
 //! stop the lane for a day; the cap is logged). It is this replica's: each
 //! replica learns it from its own first call, one call each.
 //!
+//! A request limited by key (its `limit_key`, see the store's
+//! `machine::concurrency`) does not pause the lane: a 429 with
+//! `Retry-After` to it is that key's limit at the remote, so the agent
+//! answers `not_started` at once with the pause
+//! (`x-sas-retry-after-ms`), and the scheduler holds the key's orders
+//! until then while the lane's other requests go on.
+//!
 //! Visible as `sas_agent_paused_until_seconds{agent}` (Unix time the last
 //! pause ends; 0 when the lane never paused) and
 //! `sas_agent_throttled_total{agent}` (answers that asked to slow down).
@@ -36,6 +43,11 @@ impl Pause {
             longest,
             until: Mutex::new(None),
         }
+    }
+
+    /// The longest pause a service may ask for (`agent.max_pause_ms`).
+    pub fn longest(&self) -> Duration {
+        self.longest
     }
 
     /// How long calls must still wait, if the lane is paused now.

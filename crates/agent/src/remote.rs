@@ -900,6 +900,7 @@ mod tests {
             payload: serde_json::json!({"amount_cents": 250}),
             method: method.map(str::to_owned),
             path: path.map(str::to_owned),
+            limit_key: None,
         }
     }
 

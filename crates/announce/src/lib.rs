@@ -293,6 +293,7 @@ pub fn request_message(
         payload: dispatch.payload.clone(),
         method: dispatch.method.clone(),
         path: dispatch.path.clone(),
+        limit_key: dispatch.limit_key.clone(),
     };
     let attempt_id = dispatch.attempt_id.to_string();
     let properties = json_properties(&attempt_id)

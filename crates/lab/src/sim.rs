@@ -237,9 +237,29 @@ impl SimClient {
     /// # Errors
     /// When remote-sim refuses.
     pub async fn throttle(&self, service: &str, for_ms: u64) -> anyhow::Result<()> {
+        self.throttle_path(service, for_ms).await
+    }
+
+    /// Makes one merchant's calls to `service` answer 429 with
+    /// `Retry-After` for `for_ms` (a merchant's API key rate-limited); the
+    /// other merchants' calls go on.
+    ///
+    /// # Errors
+    /// When remote-sim refuses.
+    pub async fn throttle_merchant(
+        &self,
+        service: &str,
+        merchant: &str,
+        for_ms: u64,
+    ) -> anyhow::Result<()> {
+        self.throttle_path(&format!("{service}/{merchant}"), for_ms)
+            .await
+    }
+
+    async fn throttle_path(&self, path: &str, for_ms: u64) -> anyhow::Result<()> {
         self.admin(
             self.http
-                .put(format!("{}/admin/throttle/{service}", self.base)),
+                .put(format!("{}/admin/throttle/{path}", self.base)),
         )
         .json(&serde_json::json!({ "for_ms": for_ms }))
         .send()

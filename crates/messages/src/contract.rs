@@ -119,7 +119,9 @@ fn info() -> Value {
             "`x-sas-published-at` (microseconds since the epoch, by the publishing service's ",
             "clock; informational) on every message our services publish, on step replies ",
             "`x-sas-queued-ms` and `x-sas-slot-wait-ms` (how long the request queued and ",
-            "waited for a call slot, whole milliseconds; admission control reads them), and ",
+            "waited for a call slot, whole milliseconds; admission control reads them) and, ",
+            "on a `not_started` reply to a request with a `limit_key`, `x-sas-retry-after-ms` ",
+            "(how long the remote asked that key to rest), and ",
             "on dead letters `x-sas-reason`, `x-sas-source-queue` and `x-sas-original-user`.\n\n",
             "Which readers refuse unknown fields, and the upgrade order that follows, are in ",
             "docs/messages.md (Upgrades)."

@@ -119,6 +119,7 @@ mod tests {
         let reply = StepReply {
             queued_ms: None,
             slot_wait_ms: None,
+            retry_after_ms: None,
             schema_version: SCHEMA_VERSION,
             order_id: "o".into(),
             step: "charge_payment".into(),

@@ -138,6 +138,10 @@ pub mod headers {
     /// On a step reply: milliseconds the request's calls waited for the
     /// agent's call slots (see [`crate::StepReply::slot_wait_ms`]).
     pub const SLOT_WAIT_MS: &str = "x-sas-slot-wait-ms";
+    /// On a `not_started` step reply to a request limited by key: how long
+    /// the remote asked the key to rest, in milliseconds (see
+    /// [`crate::StepReply::retry_after_ms`]).
+    pub const RETRY_AFTER_MS: &str = "x-sas-retry-after-ms";
     /// When one of our services handed the message to the broker, in
     /// microseconds since the Unix epoch by its clock (a 64-bit integer):
     /// the receiver's `sas_queue_wait_seconds`, a line of the benchmark's

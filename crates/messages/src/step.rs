@@ -73,6 +73,13 @@ pub struct StepRequest {
     /// `/<action>` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    /// The key the step's concurrency limit counts this attempt under
+    /// (`payment:m-17`), when its workflow limits it by key. A 429 with
+    /// `Retry-After` for such a request pauses that key, not the agent's
+    /// lane: the agent answers `not_started` with the pause at once, and
+    /// the scheduler holds the key's other orders until then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_key: Option<String>,
 }
 
 /// What the agent learned from the remote service.
@@ -151,4 +158,11 @@ pub struct StepReply {
     /// the [`crate::headers::SLOT_WAIT_MS`] header, as `queued_ms`.
     #[serde(skip)]
     pub slot_wait_ms: Option<u64>,
+    /// Of a `not_started` answer to a request that names a `limit_key`:
+    /// the remote answered 429 with `Retry-After`, and the key must rest
+    /// this many milliseconds. The scheduler pauses the key, and the order
+    /// waits in the key's line at its place. Carried in the
+    /// [`crate::headers::RETRY_AFTER_MS`] header, as `queued_ms`.
+    #[serde(skip)]
+    pub retry_after_ms: Option<u64>,
 }

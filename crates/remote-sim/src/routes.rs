@@ -164,6 +164,10 @@ pub fn router(state: SimState) -> Router {
         .route("/admin/faults/{service}", put(set_service_faults))
         .route("/admin/provider", get(get_provider).put(set_provider))
         .route("/admin/throttle/{service}", put(set_throttle))
+        .route(
+            "/admin/throttle/{service}/{merchant}",
+            put(set_merchant_throttle),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_admin_token,
@@ -391,7 +395,11 @@ async fn call(
     // At the remote from here to its answer (a throttled call too: the
     // merchant's API saw it).
     let _counted = state.concurrency.enter(&call.service, &call.order);
-    if let Some(answer) = throttled(&state, &call.service) {
+    let merchant = call
+        .order
+        .pointer("/attributes/merchant_id")
+        .and_then(|m| m.as_str());
+    if let Some(answer) = throttled(&state, &call.service, merchant) {
         return answer;
     }
     let faults = state.faults_for(&call.service);
@@ -415,13 +423,18 @@ async fn call(
 
 /// A 429 with `Retry-After` (whole seconds, rounded up) while `service`
 /// is throttled: counted, nothing applied or recorded for its key.
-fn throttled(state: &SimState, service: &str) -> Option<Response> {
-    let until = *state
-        .throttles
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(service)?;
-    let left = until.checked_duration_since(std::time::Instant::now())?;
+fn throttled(state: &SimState, service: &str, merchant: Option<&str>) -> Option<Response> {
+    let left = {
+        let throttles = state.throttles.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        // The service's own limit, or its merchant's API key's.
+        let merchant = merchant.and_then(|m| throttles.get(&format!("{service}:{m}")));
+        [throttles.get(service), merchant]
+            .into_iter()
+            .flatten()
+            .filter_map(|until| until.checked_duration_since(now))
+            .max()?
+    };
     let mut ledger = state.ledger();
     ledger.stats.calls += 1;
     ledger.stats.throttled += 1;
@@ -457,6 +470,26 @@ async fn set_throttle(
     Path(service): Path<String>,
     Json(throttle): Json<Throttle>,
 ) -> Response {
+    throttle_until(&state, service, None, &throttle)
+}
+
+/// `PUT /admin/throttle/{service}/{merchant}`: one merchant's API key of
+/// the service answers 429 with `Retry-After` for `for_ms`; the others go on.
+async fn set_merchant_throttle(
+    State(state): State<SimState>,
+    Path((service, merchant)): Path<(String, String)>,
+    Json(throttle): Json<Throttle>,
+) -> Response {
+    throttle_until(&state, service, Some(merchant), &throttle)
+}
+
+/// Throttles `service` (or one `merchant` of it) for the time `throttle` says.
+fn throttle_until(
+    state: &SimState,
+    service: String,
+    merchant: Option<String>,
+    throttle: &Throttle,
+) -> Response {
     if let Some(unknown) = unknown_service(&service) {
         return unknown;
     }
@@ -466,13 +499,17 @@ async fn set_throttle(
             "for_ms must be at most a day (86400000)",
         );
     }
-    tracing::info!(service, for_ms = throttle.for_ms, "throttled");
+    tracing::info!(service, merchant, for_ms = throttle.for_ms, "throttled");
     let until = std::time::Instant::now() + Duration::from_millis(throttle.for_ms);
+    let key = match merchant {
+        Some(merchant) => format!("{service}:{merchant}"),
+        None => service,
+    };
     state
         .throttles
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(service, until);
+        .insert(key, until);
     StatusCode::NO_CONTENT.into_response()
 }
 

@@ -16,3 +16,31 @@ CREATE INDEX steps_limit_key_in_flight ON steps (limit_key)
 ALTER TABLE order_process ADD COLUMN waiting_key text;
 CREATE INDEX order_process_waiting_key ON order_process (waiting_key, admit_key)
     WHERE waiting_key IS NOT NULL;
+
+-- key_pauses: keys a remote asked to rest (a 429 with Retry-After for an
+-- attempt in the key): no attempt in the key starts before `until`, and its
+-- orders wait in its line meanwhile. A row outlives its pause until the
+-- next pause of any key deletes it (sas_pause_keys): the services' role
+-- may not DELETE, and the claims never scan this table (one lookup by key).
+CREATE TABLE key_pauses (
+    key       text PRIMARY KEY,
+    until     timestamptz NOT NULL,
+    paused_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX key_pauses_until ON key_pauses (until);
+
+-- Pauses each of `keys` until the matching `untils` (a longer pause already
+-- there stands), and deletes up to 100 pauses that have ended.
+CREATE FUNCTION sas_pause_keys(keys text[], untils timestamptz[])
+RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
+BEGIN
+    DELETE FROM key_pauses WHERE key IN (
+        SELECT key FROM key_pauses WHERE until < now()
+         ORDER BY until LIMIT 100
+           FOR UPDATE SKIP LOCKED);
+    INSERT INTO key_pauses AS k (key, until)
+    SELECT u.key, max(u.until) FROM UNNEST(keys, untils) AS u(key, until) GROUP BY u.key
+    ON CONFLICT (key) DO UPDATE
+       SET until = GREATEST(k.until, EXCLUDED.until), paused_at = now();
+END $$;

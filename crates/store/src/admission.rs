@@ -134,6 +134,9 @@ pub struct KeyLine {
     /// Seconds the longest-waiting order of the line has waited (none when
     /// nobody waits).
     pub oldest_wait_secs: Option<f64>,
+    /// Until when the remote asked the key to rest (a 429 with
+    /// `Retry-After`), while it does.
+    pub paused_until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// How the supervisors adapt the limits.
@@ -312,7 +315,9 @@ impl Admission<'_> {
         Ok(sqlx::query_as(AssertSqlSafe(format!(
             "SELECT key, sum(in_flight)::int8 AS in_flight, sum(waiting)::int8 AS waiting,
                     max(key_limit) AS limit,
-                    EXTRACT(EPOCH FROM now() - min(since))::float8 AS oldest_wait_secs
+                    EXTRACT(EPOCH FROM now() - min(since))::float8 AS oldest_wait_secs,
+                    (SELECT until FROM key_pauses x WHERE x.key = k.key AND until > now())
+                        AS paused_until
                FROM (SELECT s.limit_key AS key, 1 AS in_flight, 0 AS waiting,
                             (s.request->'concurrency'->>'limit')::int4 AS key_limit,
                             NULL::timestamptz AS since

@@ -219,6 +219,9 @@ pub struct Dispatch {
     /// agent starts the most urgent of the requests waiting for its call
     /// slots first.
     pub priority: i16,
+    /// The key the step's concurrency limit counts the attempt under, if
+    /// its workflow limits it by key (see [`crate::machine::concurrency`]).
+    pub limit_key: Option<String>,
 }
 
 /// What a committed transition asks the caller to publish: the step

@@ -29,6 +29,7 @@ fn success(dispatch: &Dispatch) -> StepReply {
     StepReply {
         queued_ms: None,
         slot_wait_ms: None,
+        retry_after_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: dispatch.order_id.clone(),
         step: dispatch.step.clone(),

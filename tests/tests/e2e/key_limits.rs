@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use sas_store::ProcessState;
+use sas_tests::process::{free_port, metric};
 use sas_tests::{order, Setting, TestEnv};
 
 const MERCHANTS: usize = 8;
@@ -23,6 +24,15 @@ fn limited_workflow(env: &TestEnv) -> String {
         env.call_step(("charge_payment", "payment", "charge", "refund"), None),
         env.call_step(("create_shipment", "shipping", "ship", "cancel"), None),
     )
+}
+
+/// An order of `merchant`.
+fn merchant_order(order_id: &str, merchant: &str) -> sas_messages::SubmitOrder {
+    let mut submitted = order(order_id);
+    submitted.attributes = serde_json::json!({ "merchant_id": merchant })
+        .as_object()
+        .cloned();
+    submitted
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -50,15 +60,12 @@ async fn no_merchant_sees_more_than_its_limit_across_schedulers_and_agents_throu
     let (_connection, publisher) = env.broker().await;
 
     for n in 0..ORDERS {
-        let mut submitted = order(&format!("keyed-{n}"));
         let merchant = format!("m-{}", n % MERCHANTS);
-        submitted.attributes = Some(
-            serde_json::json!({ "merchant_id": merchant })
-                .as_object()
-                .cloned()
-                .unwrap(),
-        );
-        env.publish_order(&publisher, &submitted).await;
+        env.publish_order(
+            &publisher,
+            &merchant_order(&format!("keyed-{n}"), &merchant),
+        )
+        .await;
     }
     // The lines are visible while they last: the busiest keys, each with
     // its limit, never more than it in flight.
@@ -164,4 +171,120 @@ async fn no_merchant_sees_more_than_its_limit_across_schedulers_and_agents_throu
     assert_eq!(keys, expected);
     sim.assert_every_order_done_once().await;
     drop(schedulers);
+}
+
+/// A merchant's API key rate-limited by the remote (429 with
+/// `Retry-After`): that merchant's key pauses, visibly, until the remote's
+/// time, its orders waiting in its line without a failure; the other
+/// merchant's orders go on meanwhile, and the agent's lane never pauses.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
+    const EACH: usize = 12;
+    let env = TestEnv::with_step_timeout(3_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[Setting::SimFaultsLatencyMs(20)]).await;
+    let settings = env.workflows(&[("order.toml", &limited_workflow(&env))]);
+    let ops = free_port();
+    let _payment = env.agent("payment", 0, &sim, &[Setting::Listen(ops)]);
+    let _inventory = env.agent("inventory", 0, &sim, &[]);
+    let _shipping = env.agent("shipping", 0, &sim, &[]);
+    let _scheduler = env.scheduler(0, &settings);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+
+    let throttle = Duration::from_secs(4);
+    sim.throttle_merchant("payment", "slow", throttle.as_millis() as u64)
+        .await
+        .expect("throttle one merchant");
+    let throttle_ends = chrono::Utc::now() + chrono::Duration::from_std(throttle).unwrap();
+    for n in 0..EACH {
+        for merchant in ["slow", "fast"] {
+            env.publish_order(
+                &publisher,
+                &merchant_order(&format!("{merchant}-{n}"), merchant),
+            )
+            .await;
+        }
+    }
+
+    // The pause is visible while it lasts, with the orders in its line.
+    let paused = sas_tests::wait_until(
+        "the merchant's key paused",
+        Duration::from_secs(20),
+        || async {
+            let keys = env
+                .store
+                .admission()
+                .key_lines(20)
+                .await
+                .map_err(|e| e.to_string())?;
+            keys.iter()
+                .find(|k| k.key == "payment:slow" && k.paused_until.is_some() && k.waiting > 0)
+                .cloned()
+                .ok_or_else(|| format!("payment:slow not paused with orders waiting: {keys:?}"))
+        },
+    )
+    .await;
+    assert!(
+        paused.paused_until.unwrap() >= throttle_ends - chrono::Duration::seconds(1),
+        "paused until {:?}, the remote asked until {throttle_ends}",
+        paused.paused_until
+    );
+    env.wait_for_count(
+        ProcessState::Processed,
+        2 * EACH as i64,
+        Duration::from_secs(60),
+    )
+    .await;
+
+    // The other merchant was not slowed: every one of its charges landed
+    // during the pause; none of the paused merchant's before the remote's
+    // time.
+    let effects = sim.side_effects().await.expect("the ledger");
+    let charged = |merchant: &str| -> Vec<chrono::DateTime<chrono::Utc>> {
+        effects
+            .iter()
+            .filter(|e| e.operation == "charge")
+            .filter(|e| {
+                e.order_id
+                    .as_deref()
+                    .is_some_and(|id| id.starts_with(merchant))
+            })
+            .filter_map(|e| e.applied_at)
+            .collect()
+    };
+    let (fast, slow) = (charged("fast-"), charged("slow-"));
+    assert_eq!((fast.len(), slow.len()), (EACH, EACH), "each charged once");
+    assert!(fast.iter().all(|at| *at < throttle_ends), "{fast:?}");
+    let quiet_from = throttle_ends - chrono::Duration::milliseconds(500);
+    assert!(
+        slow.iter().all(|at| *at >= quiet_from),
+        "a charge before the remote's time: {slow:?}"
+    );
+
+    // Paused, not hammered: at most one 429 per attempt in flight when the
+    // pause began (the key's limit), and none counted as a failure.
+    let stats = sim.stats().await.expect("remote-sim's stats");
+    assert!(
+        (1..=u64::from(LIMIT)).contains(&stats.throttled),
+        "{} calls answered 429 for a paused key",
+        stats.throttled
+    );
+    let (failures, failed_lines, rested): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COALESCE(sum(failure_count), 0)::int8 FROM order_process),
+                (SELECT count(*) FROM history WHERE event IN
+                     ('transient_failure', 'retry_scheduled', 'compensation_started')),
+                (SELECT count(*) FROM history
+                  WHERE event = 'waiting_for_admission' AND detail LIKE 'key payment:slow was asked by the remote to rest%')",
+    )
+    .fetch_one(&env.db)
+    .await
+    .expect("read the history");
+    assert_eq!((failures, failed_lines), (0, 0));
+    assert!(
+        rested >= 1,
+        "no order went back to its key's line for the pause"
+    );
+    // The agent's lane never paused: the remote named a key.
+    let lane = metric(ops, "sas_agent_paused_until_seconds{agent=\"payment\"}").await;
+    assert_eq!(lane, Some(0.0));
 }

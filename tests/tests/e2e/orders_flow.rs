@@ -101,6 +101,7 @@ async fn an_order_published_twice_and_a_redelivered_request_change_nothing_twice
         payload: serde_json::json!({ "order": detail.body, "results": {} }),
         method: None,
         path: None,
+        limit_key: None,
     };
     let names = env.amqp().names();
     let attempt_id = step.attempt_id.unwrap().to_string();

@@ -154,6 +154,7 @@ fn request(
         payload: serde_json::json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
         method: None,
         path: None,
+        limit_key: None,
     }
 }
 

@@ -369,6 +369,7 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
     let reply = sas_messages::StepReply {
         queued_ms: None,
         slot_wait_ms: None,
+        retry_after_ms: None,
         schema_version: sas_messages::SCHEMA_VERSION,
         order_id: "late-1".into(),
         step: "charge_payment".into(),
@@ -1019,6 +1020,7 @@ pub(crate) async fn send_charge(
         payload: json!({ "order": { "order_id": order_id, "amount_cents": 100 }, "results": {} }),
         method: None,
         path: None,
+        limit_key: None,
     };
     let properties = sas_broker::publish::json_properties(&uuid::Uuid::now_v7().to_string())
         .with_correlation_id(request.attempt_id.to_string().as_str().into())

@@ -25,6 +25,7 @@
 //! a key has room; the store counts and locks (`crate::writes::apply`,
 //! `crate::writes::progress`).
 
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -38,6 +39,22 @@ pub const MAX_KEY_LEN: usize = 200;
 
 /// The most attempts a step may let run at once per key.
 pub const MAX_LIMIT: i32 = 10_000;
+
+/// The longest a remote's `Retry-After` pauses a key: a pause of a day
+/// would hold the key's orders for a day (the longer ask is logged in the
+/// order's history).
+pub const LONGEST_KEY_PAUSE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// A key the remote asked to rest (a 429 with `Retry-After` for an attempt
+/// in it): no attempt in it starts before `until`, and its orders wait in
+/// its line meanwhile, keeping their places. Other keys go on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KeyPause {
+    /// The key line.
+    pub key: String,
+    /// No attempt in it starts before then (database clock).
+    pub until: DateTime<Utc>,
+}
 
 /// A call step's concurrency limit, as its workflow declares it
 /// (`concurrency = { key = "/attributes/merchant_id", limit = 5 }`); kept

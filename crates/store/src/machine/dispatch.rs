@@ -203,6 +203,7 @@ impl Dispatch {
             method: call.method,
             path: call.path,
             priority,
+            limit_key: step.limit_key.clone(),
         })
     }
 }

@@ -473,6 +473,8 @@ pub struct Decision {
     /// Every step of the order under a new plan, when a move replaced them
     /// (positions and names may change, so they are not [`StepChange`]s).
     pub moved_steps: Option<Vec<StepRow>>,
+    /// A key the remote asked to rest (see [`concurrency::KeyPause`]).
+    pub key_pause: Option<concurrency::KeyPause>,
 }
 
 impl Decision {

@@ -137,6 +137,7 @@ fn reply(attempt_id: AttemptId, outcome: StepOutcome) -> StepReply {
     StepReply {
         queued_ms: None,
         slot_wait_ms: None,
+        retry_after_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: "o-1".into(),
         step: "charge_payment".into(),
@@ -1058,6 +1059,7 @@ fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
         // of it for a call slot.
         queued_ms: Some(400),
         slot_wait_ms: Some(300),
+        retry_after_ms: None,
         ..reply(current, succeeded())
     };
     let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
@@ -1684,6 +1686,7 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
         let ok = StepReply {
             queued_ms: None,
             slot_wait_ms: None,
+            retry_after_ms: None,
             outcome: StepOutcome::Succeeded {
                 result: serde_json::json!({ "id": "res-77" }),
             },
@@ -2047,4 +2050,57 @@ fn a_cancel_takes_an_order_out_of_its_key_line() {
     let cancelled = decide(&waiting, &Event::Cancelled { reason: "test" }, &ctx(t(1)));
     let process = cancelled.process.unwrap();
     assert_eq!(process.waiting_key, None, "{process:?}");
+}
+
+#[test]
+fn a_key_its_remote_asks_to_rest_pauses_and_its_order_waits_in_the_key_s_line_at_its_place() {
+    let mut order = limited_by_merchant();
+    let started = decide(&order.clone(), &Event::Submitted, &ctx(t(0)));
+    order.apply(&started);
+    let attempt_id = started.progress.dispatches[0].attempt_id;
+    let rest = |ms: u64| StepReply {
+        retry_after_ms: Some(ms),
+        ..reply(
+            attempt_id,
+            StepOutcome::NotStarted {
+                reason: "429".into(),
+            },
+        )
+    };
+    let decision = decide(&order, &Event::Reply(&rest(2_000)), &ctx(t(1)));
+    let pause = decision.key_pause.clone().expect("the key pauses");
+    assert_eq!((pause.key.as_str(), pause.until), ("inventory:m-7", t(3)));
+    let process = decision.process.clone().unwrap();
+    assert_eq!(
+        (
+            process.waiting_for.as_deref(),
+            process.waiting_key.as_deref()
+        ),
+        (None, Some("inventory:m-7")),
+        "the key's line, not the agent's"
+    );
+    // Placed as if it had waited since its dispatch, by priority.
+    assert_eq!(process.admit_key, Some(t(-50)));
+    assert_eq!(process.failure_count, 0, "no failure counted");
+    assert_eq!(decision.steps[0].row.state, StepState::NotStarted);
+    assert!(decision
+        .admission
+        .iter()
+        .all(|d| d.in_flight == -1 && d.unstarted == 1));
+
+    // A day's Retry-After rests an hour at most.
+    let long = decide(&order, &Event::Reply(&rest(86_400_000)), &ctx(t(1)));
+    assert_eq!(long.key_pause.unwrap().until, t(3601));
+
+    // Without a key (or without Retry-After) the agent's line, as before.
+    let plain = decide(
+        &order,
+        &Event::Reply(&reply(attempt_id, not_started())),
+        &ctx(t(1)),
+    );
+    assert!(plain.key_pause.is_none());
+    assert_eq!(
+        plain.process.unwrap().waiting_for.as_deref(),
+        Some("inventory")
+    );
 }

@@ -101,7 +101,30 @@ pub(crate) async fn transition<'e>(
     apply_all(&mut *conn, &decided, actor).await?;
     mark_used_events(&mut *conn, &decided).await?;
     register_wait_keys(&mut *conn, &decided).await?;
+    pause_keys(&mut *conn, &decided).await?;
     Ok(decided)
+}
+
+/// Pauses the keys the batch's remotes asked to rest (see
+/// [`crate::machine::concurrency::KeyPause`]).
+///
+/// # Errors
+/// When the database fails.
+async fn pause_keys(conn: &mut PgConnection, decided: &[Decided]) -> Result<(), StoreError> {
+    let (keys, untils): (Vec<&str>, Vec<DateTime<Utc>>) = decided
+        .iter()
+        .filter_map(|d| d.decision.key_pause.as_ref())
+        .map(|pause| (pause.key.as_str(), pause.until))
+        .unzip();
+    if keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("SELECT sas_pause_keys($1, $2)")
+        .bind(&keys)
+        .bind(&untils)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// Records the business keys the batch's orders now wait with (see
@@ -817,7 +840,8 @@ async fn decide_admitted(
 /// Locks key `line` for the rest of the transaction, if no other holds it,
 /// and reads its attempts in flight (as [`crate::machine::admission::slots_held`]
 /// counts an agent's) and whether orders wait in its line. `None` when
-/// another transaction holds the key.
+/// another transaction holds the key, or its remote asked it to rest
+/// (`key_pauses`): it has no room now.
 ///
 /// # Errors
 /// When the database fails.
@@ -832,14 +856,16 @@ pub(crate) async fn read_key_line(
     if !locked {
         return Ok(None);
     }
-    let read: (i64, bool) = sqlx::query_as(AssertSqlSafe(format!(
+    let (in_flight, waiting, paused): (i64, bool, bool) = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT (SELECT count(*) {IN_FLIGHT} AND s.limit_key = $1),
-                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1)"
+                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1),
+                EXISTS (SELECT 1 FROM key_pauses WHERE key = $1 AND until > now())"
     )))
     .bind(line)
     .fetch_one(&mut *conn)
     .await?;
-    Ok(Some(read))
+    // A key its remote asked to rest has no room until then.
+    Ok((!paused).then_some((in_flight, waiting)))
 }
 
 /// Takes key `$1`'s lock for the rest of the transaction if it is free

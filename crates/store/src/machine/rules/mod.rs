@@ -101,6 +101,8 @@ struct Draft<'a> {
     wait_key: Option<crate::machine::park::WaitKey>,
     /// A move replaced the steps (see [`Decision::moved_steps`]).
     moved: bool,
+    /// A key the remote asked to rest.
+    key_pause: Option<super::concurrency::KeyPause>,
 }
 
 impl<'a> Draft<'a> {
@@ -126,6 +128,7 @@ impl<'a> Draft<'a> {
             used_event: None,
             wait_key: None,
             moved: false,
+            key_pause: None,
         }
     }
 
@@ -486,21 +489,35 @@ impl<'a> Draft<'a> {
     /// key's line, held by nobody and with no deadline. An order taken
     /// from that line and put back keeps its place.
     pub(super) fn wait_for_key(&mut self, index: usize, kind: StepKind, line: String) {
-        let back = self.snapshot.process.waiting_key.as_ref() == Some(&line);
-        let place = self.snapshot.process.admit_key.filter(|_| back);
         let limit = self.steps[index]
             .calls
             .as_ref()
             .and_then(|calls| calls.concurrency.as_ref())
             .map_or(0, |c| c.limit);
-        self.leave_held(kind, self.ctx.now);
+        let why = format!("has no room under its limit of {limit}; waiting in its line");
+        self.wait_in_key_line(index, kind, line, self.ctx.now, &why);
+    }
+
+    /// Puts the order in key `line`'s line, placed as if it had started
+    /// waiting at `since` (or where it was, when taken from that line and
+    /// put back), its step naming the key.
+    fn wait_in_key_line(
+        &mut self,
+        index: usize,
+        kind: StepKind,
+        line: String,
+        since: DateTime<Utc>,
+        why: &str,
+    ) {
+        let back = self.snapshot.process.waiting_key.as_ref() == Some(&line);
+        let place = self.snapshot.process.admit_key.filter(|_| back);
+        self.leave_held(kind, since);
         if place.is_some() {
             self.process.admit_key = place;
         }
         self.change_step(index, |step| step.limit_key = Some(line.clone()));
         let name = self.steps[index].name.clone();
-        let detail =
-            format!("key {line} has no room under its limit of {limit}; waiting in its line");
+        let detail = format!("key {line} {why}");
         self.process.waiting_for = None;
         self.process.waiting_key = Some(line);
         self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
@@ -556,6 +573,7 @@ impl<'a> Draft<'a> {
                 used_event: None,
                 wait_key: None,
                 moved_steps: None,
+                key_pause: None,
             };
         }
         let steps = self
@@ -615,6 +633,7 @@ impl<'a> Draft<'a> {
             used_event: self.used_event,
             wait_key: self.wait_key,
             moved_steps: moved.then_some(self.steps),
+            key_pause: self.key_pause,
         }
     }
 }

@@ -4,6 +4,7 @@
 use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply};
 
 use super::{Draft, Failure};
+use crate::machine::concurrency::{KeyPause, LONGEST_KEY_PAUSE};
 use crate::machine::{storable, storable_text};
 use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
@@ -181,7 +182,9 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
                 Some(storable_text(error)),
             );
         }
-        StepOutcome::NotStarted { reason } => not_started(draft, index, reply, reason),
+        StepOutcome::NotStarted { reason } => {
+            not_started(draft, index, reply, reason, reply.retry_after_ms);
+        }
     }
 }
 
@@ -267,7 +270,19 @@ fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, 
 /// agent's line, at the place it had when the attempt was dispatched (it has
 /// waited since), and starts again as a slot frees; in a group whose other
 /// members are in flight, once they are done.
-pub(super) fn not_started(draft: &mut Draft<'_>, index: usize, reply: &StepReply, reason: &str) {
+pub(super) fn not_started(
+    draft: &mut Draft<'_>,
+    index: usize,
+    reply: &StepReply,
+    reason: &str,
+    retry_after_ms: Option<u64>,
+) {
+    // The remote asked the attempt's key to rest: the key pauses, and the
+    // order waits in its line at its place (not its agent's: the agent is
+    // not what is slow).
+    let paused = retry_after_ms
+        .zip(draft.steps[index].limit_key.clone())
+        .map(|(ms, key)| key_pause(draft, key, ms));
     let step = &draft.steps[index];
     let (name, attempt) = (step.name.clone(), step.attempt);
     let since = step.started_at().unwrap_or(draft.ctx.now);
@@ -294,10 +309,30 @@ pub(super) fn not_started(draft: &mut Draft<'_>, index: usize, reply: &StepReply
     if kind == StepKind::Action && super::group::others_in_flight(draft, index) {
         return;
     }
-    draft.wait_in_line(
-        index,
-        kind,
-        since,
-        "back in its line: the attempt never started",
-    );
+    match paused {
+        Some(pause) => {
+            let why = format!(
+                "was asked by the remote to rest until {}; back in its line: the attempt never started",
+                pause.until
+            );
+            draft.wait_in_key_line(index, kind, pause.key, since, &why);
+        }
+        None => draft.wait_in_line(
+            index,
+            kind,
+            since,
+            "back in its line: the attempt never started",
+        ),
+    }
+}
+
+/// The pause of key `key` a remote's `Retry-After` of `ms` asks for (at
+/// most [`LONGEST_KEY_PAUSE`]), recorded on the decision.
+fn key_pause(draft: &mut Draft<'_>, key: String, ms: u64) -> KeyPause {
+    let rest = std::time::Duration::from_millis(ms).min(LONGEST_KEY_PAUSE);
+    let rest = chrono::Duration::from_std(rest).unwrap_or(chrono::Duration::zero());
+    let until = crate::machine::to_micros(draft.ctx.now + rest);
+    let pause = KeyPause { key, until };
+    draft.key_pause = Some(pause.clone());
+    pause
 }
