@@ -134,6 +134,8 @@ settings! {
     /// `supervisor.admission_reconcile_ms`: how often admission counters
     /// are recounted from the orders.
     SupervisorAdmissionReconcileMs(u64) => "SAS_SUPERVISOR__ADMISSION_RECONCILE_MS",
+    /// `supervisor.key_metrics`: key lines exported with a `key` label.
+    SupervisorKeyMetrics(String) => "SAS_SUPERVISOR__KEY_METRICS",
     /// `supervisor.drain_ms`: how long SIGTERM waits for work in hand.
     SupervisorDrainMs(u64) => "SAS_SUPERVISOR__DRAIN_MS",
     /// `deadlines.start_margin_ms`: the part of a step's deadline kept for

@@ -312,6 +312,27 @@ impl Admission<'_> {
     /// # Errors
     /// When the database fails.
     pub async fn key_lines(self, limit: i64) -> Result<Vec<KeyLine>, StoreError> {
+        self.key_lines_named(None, limit).await
+    }
+
+    /// [`Admission::key_lines`] of the keys whose names start with one of
+    /// `prefixes` only (a key name is its own prefix).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn key_lines_starting(
+        self,
+        prefixes: &[String],
+        limit: i64,
+    ) -> Result<Vec<KeyLine>, StoreError> {
+        self.key_lines_named(Some(prefixes), limit).await
+    }
+
+    async fn key_lines_named(
+        self,
+        prefixes: Option<&[String]>,
+        limit: i64,
+    ) -> Result<Vec<KeyLine>, StoreError> {
         Ok(sqlx::query_as(AssertSqlSafe(format!(
             "SELECT key, sum(in_flight)::int8 AS in_flight, sum(waiting)::int8 AS waiting,
                     max(key_limit) AS limit,
@@ -329,12 +350,30 @@ impl Admission<'_> {
                             p.not_before
                        FROM order_process p
                       WHERE p.waiting_key IS NOT NULL) k
+              WHERE $2::text[] IS NULL
+                 OR EXISTS (SELECT 1 FROM unnest($2::text[]) AS x(prefix)
+                             WHERE starts_with(k.key, x.prefix))
               GROUP BY key
               ORDER BY sum(waiting) DESC, sum(in_flight) DESC, key
               LIMIT $1"
         )))
         .bind(limit)
+        .bind(prefixes)
         .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Orders waiting in key lines, and keys their remotes asked to rest
+    /// now: the totals exported without a label.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn key_totals(self) -> Result<(i64, i64), StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT (SELECT count(*) FROM order_process WHERE waiting_key IS NOT NULL),
+                    (SELECT count(*) FROM key_pauses WHERE until > now())",
+        )
+        .fetch_one(self.pool())
         .await?)
     }
 

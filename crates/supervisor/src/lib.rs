@@ -13,6 +13,7 @@
 //! leaves nothing to expire.
 
 pub mod dead_letters;
+mod key_gauges;
 pub mod retention;
 pub mod scan;
 pub mod settings;
@@ -46,6 +47,9 @@ pub struct Supervisor {
     pub announcer: Announcer,
     /// Fired on SIGTERM.
     pub shutdown: CancellationToken,
+    /// The key lines exported with a label last time (see `key_gauges`),
+    /// set to zero once idle.
+    pub labelled_keys: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// Runs a supervisor until `shutdown`.
@@ -86,6 +90,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         store,
         session: session.clone(),
         shutdown: shutdown.clone(),
+        labelled_keys: std::sync::Mutex::default(),
     });
     let scanning = tokio::spawn(supervisor.clone().scan_loop());
     let retiring = tokio::spawn(supervisor.clone().retention_loop());

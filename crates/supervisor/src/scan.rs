@@ -28,6 +28,7 @@ impl Supervisor {
         let gauges = sas_runtime::every(interval, shutdown, || async {
             self.refresh_gauges().await;
             self.adapt_admission().await;
+            self.export_key_gauges().await;
             self.expire_events().await;
             self.adopt_keyed_events().await;
             Ok::<_, Infallible>(Next::Wait)

@@ -89,9 +89,25 @@ pub struct SupervisorSettings {
     /// How often the admission counters are recounted from the orders and
     /// corrected if they drifted, in milliseconds.
     pub admission_reconcile_ms: u64,
+    /// Key lines of the workflows' concurrency limits that get gauges of
+    /// their own, labelled with the key: names or prefixes, separated by
+    /// commas (`payment:m-1,partner_api`). Empty: none, only the totals (a
+    /// label per merchant could be a million series).
+    #[serde(default)]
+    pub key_metrics: String,
 }
 
 impl SupervisorSettings {
+    /// The prefixes of `key_metrics`: the key lines exported with a label.
+    pub fn key_metric_prefixes(&self) -> Vec<String> {
+        self.key_metrics
+            .split(',')
+            .map(str::trim)
+            .filter(|prefix| !prefix.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
     /// How admission limits are adapted.
     pub fn adaptation(&self) -> sas_store::admission::Adaptation {
         sas_store::admission::Adaptation {

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use sas_store::ProcessState;
-use sas_tests::process::{free_port, metric};
+use sas_tests::process::{free_port, metric, wait_for_metric};
 use sas_tests::{order, Setting, TestEnv};
 
 const MERCHANTS: usize = 8;
@@ -188,7 +188,15 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
     let _inventory = env.agent("inventory", 0, &sim, &[]);
     let _shipping = env.agent("shipping", 0, &sim, &[]);
     let _scheduler = env.scheduler(0, &settings);
-    let _supervisor = env.supervisor(0, &[]);
+    // Only the paused merchant's key is exported with a label.
+    let supervisor_ops = free_port();
+    let _supervisor = env.supervisor(
+        0,
+        &[
+            Setting::Listen(supervisor_ops),
+            Setting::SupervisorKeyMetrics("payment:slow".into()),
+        ],
+    );
     let (_connection, publisher) = env.broker().await;
 
     let throttle = Duration::from_secs(4);
@@ -228,6 +236,22 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
         paused.paused_until.unwrap() >= throttle_ends - chrono::Duration::seconds(1),
         "paused until {:?}, the remote asked until {throttle_ends}",
         paused.paused_until
+    );
+    // And in the supervisor's metrics: the key the operator named, with its
+    // label, and the totals; no other merchant's label.
+    let until = wait_for_metric(
+        "the key's pause exported",
+        supervisor_ops,
+        "sas_key_paused_until_seconds{key=\"payment:slow\"}",
+        Duration::from_secs(10),
+        |until| until > 0.0,
+    )
+    .await;
+    assert!(until >= (throttle_ends.timestamp() - 1) as f64, "{until}");
+    assert_eq!(
+        metric(supervisor_ops, "sas_keys_paused").await,
+        Some(1.0),
+        "one key paused"
     );
     env.wait_for_count(
         ProcessState::Processed,
@@ -287,4 +311,22 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
     // The agent's lane never paused: the remote named a key.
     let lane = metric(ops, "sas_agent_paused_until_seconds{agent=\"payment\"}").await;
     assert_eq!(lane, Some(0.0));
+    // Idle again: the labelled gauges fall to zero, and no merchant the
+    // operator did not name was ever labelled.
+    wait_for_metric(
+        "the key's gauges back to zero",
+        supervisor_ops,
+        "sas_key_paused_until_seconds{key=\"payment:slow\"}",
+        Duration::from_secs(10),
+        |until| until == 0.0,
+    )
+    .await;
+    let exported = sas_tests::http_get(format!("http://127.0.0.1:{supervisor_ops}/metrics"))
+        .await
+        .expect("reach the supervisor's metrics")
+        .text()
+        .await
+        .expect("read the supervisor's metrics");
+    assert!(!exported.contains("payment:fast"), "{exported}");
+    assert!(exported.contains("sas_key_lines_waiting 0"), "{exported}");
 }
