@@ -388,7 +388,7 @@ impl Agent {
             let class = result.class();
             metrics::counter!("sas_agent_calls_total", "agent" => lane.name.clone(), "class" => class).increment(1);
             let keyed = received.request.limit_key.is_some();
-            let (paused, key_rests) = match &result {
+            let (mut paused, key_rests) = match &result {
                 CallResult::Throttled {
                     retry_after,
                     maybe_applied,
@@ -401,7 +401,7 @@ impl Agent {
                         // that key to rest, not the whole lane; a 429
                         // applied nothing, and the scheduler holds the
                         // key's orders until then.
-                        Some(asked) if keyed && !maybe_applied => {
+                        Some(asked) if keyed && !maybe_applied && !asked.is_zero() => {
                             (None, Some((*asked).min(lane.pause.longest())))
                         }
                         Some(asked) => (Some(lane.pause.extend(*asked)), None),
@@ -418,6 +418,10 @@ impl Agent {
                 if let Some(finished) = tries.key_rests(rest) {
                     return finished;
                 }
+                // An earlier call may have applied (or this is a
+                // redelivery): the request cannot answer "not started",
+                // so it waits out the remote's time here, as the lane.
+                paused = Some(lane.pause.extend(rest));
             }
             let backoff = tries.count_retry(&retries, class, error, logged);
             // A pause the service named replaces the backoff: the loop

@@ -404,19 +404,27 @@ fn print_key_lines(keys: &[sas_store::admission::KeyLine]) {
         return;
     }
     println!(
-        "\n{:<32} {:>8} {:>10} {:>6} {:>12}",
-        "KEY", "WAITING", "IN FLIGHT", "LIMIT", "OLDEST WAIT"
+        "\n{:<32} {:>8} {:>10} {:>6} {:>8} {:>12} {:>22}",
+        "KEY", "WAITING", "IN FLIGHT", "LIMIT", "RATE/S", "OLDEST WAIT", "PAUSED UNTIL"
     );
     for key in keys {
         let oldest = key
             .oldest_wait_secs
             .map_or_else(|| "-".to_owned(), |secs| format!("{secs:.1}s"));
-        let limit = key
-            .limit
-            .map_or_else(|| "-".to_owned(), |limit| limit.to_string());
+        let dash = |n: Option<i32>| n.map_or_else(|| "-".to_owned(), |n| n.to_string());
+        let paused = key.paused_until.map_or_else(
+            || "-".to_owned(),
+            |until| until.format("%Y-%m-%d %H:%M:%S").to_string(),
+        );
         println!(
-            "{:<32} {:>8} {:>10} {:>6} {:>12}",
-            key.key, key.waiting, key.in_flight, limit, oldest
+            "{:<32} {:>8} {:>10} {:>6} {:>8} {:>12} {:>22}",
+            key.key,
+            key.waiting,
+            key.in_flight,
+            dash(key.limit),
+            dash(key.per_second),
+            oldest,
+            paused
         );
     }
 }

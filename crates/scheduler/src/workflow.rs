@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
+use sas_store::machine::concurrency::Rate;
 use sas_store::machine::park::{OnTimeout, Park};
 use sas_store::{CallTemplate, Concurrency, NewStep, OnFailure, StepCalls};
 use serde::Deserialize;
@@ -113,6 +114,11 @@ pub struct StepDefinition {
     /// across workflows (`{ key = "partner_api", limit = 2 }`).
     #[serde(default)]
     pub concurrency: Option<Concurrency>,
+    /// How many of a `call` step's attempts may start a second per key:
+    /// `{ key = "/attributes/merchant_id", per_second = 20, burst = 40 }`
+    /// (the same key as `concurrency`, when both are set).
+    #[serde(default)]
+    pub rate: Option<Rate>,
 }
 
 /// What a step does.
@@ -175,6 +181,36 @@ impl StepDefinition {
         }
     }
 
+    /// Checks a call step's `concurrency` and `rate`: each well formed, a
+    /// pointer key reading what is known when the step starts, and one key
+    /// for both.
+    fn check_key_limits(&self, earlier: &[StepDefinition]) -> Result<(), String> {
+        let keys = [
+            self.concurrency
+                .as_ref()
+                .map(|c| ("concurrency", c.check(), &c.key, &c.default)),
+            self.rate
+                .as_ref()
+                .map(|r| ("rate", r.check(), &r.key, &r.default)),
+        ];
+        for (field, checked, key, _) in keys.iter().flatten() {
+            checked.clone()?;
+            if key.starts_with('/') && !reads_what_is_known(key, earlier, None) {
+                return Err(format!(
+                    "{field}.key must be a JSON pointer into /order/..., /attributes/... or /results/<an earlier step>/..., or a fixed name (got {key:?})"
+                ));
+            }
+        }
+        if let [Some((_, _, a, a_default)), Some((_, _, b, b_default))] = &keys {
+            if (a, a_default) != (b, b_default) {
+                return Err(
+                    "concurrency and rate of one step must name the same key (and default)".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Checks a step of kind `call`.
     fn check_call(&self, earlier: &[StepDefinition]) -> Result<(), String> {
         for (field, value) in [
@@ -211,15 +247,7 @@ impl StepDefinition {
         if self.on_failure == Some(OnFailure::Stop) && self.group.is_some() {
             return Err("on_failure = \"stop\" is for a step that runs alone: a group's members are undone together when one fails".into());
         }
-        if let Some(concurrency) = &self.concurrency {
-            concurrency.check()?;
-            if concurrency.is_pointer() && !reads_what_is_known(&concurrency.key, earlier, None) {
-                return Err(format!(
-                    "concurrency.key must be a JSON pointer into /order/..., /attributes/... or /results/<an earlier step>/..., or a fixed name (got {:?})",
-                    concurrency.key
-                ));
-            }
-        }
+        self.check_key_limits(earlier)?;
         for (field, template, own) in [
             ("request", &self.request, false),
             ("compensation_request", &self.compensation_request, true),
@@ -241,8 +269,9 @@ impl StepDefinition {
             || self.compensation_request.is_some()
             || self.on_failure.is_some()
             || self.concurrency.is_some()
+            || self.rate.is_some()
         {
-            return Err("a wait or delay step calls no agent: remove agent, action, compensation, request, on_failure and concurrency".into());
+            return Err("a wait or delay step calls no agent: remove agent, action, compensation, request, on_failure, concurrency and rate".into());
         }
         if self.kind == StepType::Wait {
             let event = self.event.as_deref().unwrap_or_default();
@@ -405,12 +434,14 @@ impl Workflow {
                 calls: (step.request.is_some()
                     || step.compensation_request.is_some()
                     || step.on_failure.is_some_and(|o| !o.is_default())
-                    || step.concurrency.is_some())
+                    || step.concurrency.is_some()
+                    || step.rate.is_some())
                 .then(|| StepCalls {
                     action: step.request.clone(),
                     compensation: step.compensation_request.clone(),
                     on_failure: step.on_failure.unwrap_or_default(),
                     concurrency: step.concurrency.clone(),
+                    rate: step.rate.clone(),
                 }),
             })
             .collect()
@@ -464,6 +495,45 @@ fn check_groups(steps: &[StepDefinition]) -> anyhow::Result<()> {
                 run[k].name
             );
         }
+        check_group_keys(run, &at)?;
+    }
+    Ok(())
+}
+
+/// A group starts whole or waits: its members in one key line (one fixed
+/// name, or one pointer and one agent) must fit under that key's limit and
+/// burst at once, or the group would wait for ever.
+fn check_group_keys(run: &[StepDefinition], at: &str) -> anyhow::Result<()> {
+    for step in run {
+        let Some(key) = step
+            .concurrency
+            .as_ref()
+            .map(|c| &c.key)
+            .or(step.rate.as_ref().map(|r| &r.key))
+        else {
+            continue;
+        };
+        let same_line = |other: &&StepDefinition| {
+            let other_key = other
+                .concurrency
+                .as_ref()
+                .map(|c| &c.key)
+                .or(other.rate.as_ref().map(|r| &r.key));
+            other_key == Some(key) && (!key.starts_with('/') || other.agent == step.agent)
+        };
+        let members = run.iter().filter(same_line).count();
+        let room = [
+            step.concurrency.as_ref().map(|c| c.limit),
+            step.rate.as_ref().map(|r| r.burst),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(i32::MAX);
+        anyhow::ensure!(
+            i32::try_from(members).unwrap_or(i32::MAX) <= room,
+            "{at}: {members} members of the group share key {key:?}, whose limit (or burst) of {room} cannot start them together"
+        );
     }
     Ok(())
 }
@@ -682,6 +752,17 @@ mod tests {
             (limit.key.as_str(), limit.limit, limit.default.as_deref()),
             ("/attributes/merchant_id", 5, Some("unknown"))
         );
+        let rated = Workflow::parse(&format!(
+            "name = \"x\"\n{}rate = {{ key = \"/attributes/merchant_id\", per_second = 20, burst = 40, default = \"unknown\" }}\n",
+            charge("{ key = \"/attributes/merchant_id\", limit = 5, default = \"unknown\" }")
+        ))
+        .unwrap();
+        let rate = rated.new_steps()[0]
+            .calls
+            .as_ref()
+            .and_then(|calls| calls.rate.clone())
+            .expect("the rate is kept with the plan");
+        assert_eq!((rate.per_second, rate.burst), (20, 40));
         let wait = "[[steps]]\nname = \"w\"\nkind = \"wait\"\nevent = \"ok\"\ntimeout_ms = 1000\n";
         for (text, expected) in [
             (
@@ -707,6 +788,23 @@ mod tests {
             (
                 format!("{wait}concurrency = {{ key = \"partner\", limit = 2 }}\n"),
                 "a wait or delay step calls no agent",
+            ),
+            (
+                charge("{ key = \"partner\", limit = 2 }\nrate = { key = \"partner\", per_second = 0 }"),
+                "rate.per_second must be between 1 and 10000",
+            ),
+            (
+                charge("{ key = \"partner\", limit = 2 }\nrate = { key = \"other\", per_second = 5 }"),
+                "concurrency and rate of one step must name the same key",
+            ),
+            (
+                format!(
+                    "{}{}{}",
+                    charge("{ key = \"first\", limit = 9 }"),
+                    charge("{ key = \"partner\", limit = 1 }").replace("\"charge\"", "\"a\"") + "group = \"g\"\n",
+                    charge("{ key = \"partner\", limit = 1 }").replace("\"charge\"", "\"b\"") + "group = \"g\"\n",
+                ),
+                "2 members of the group share key \"partner\", whose limit (or burst) of 1",
             ),
         ] {
             let error = Workflow::parse(&format!("name = \"x\"\n{text}"))

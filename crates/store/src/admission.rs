@@ -12,6 +12,7 @@ use serde::Serialize;
 use sqlx::AssertSqlSafe;
 
 use crate::machine::admission::{adapted_cap, adapted_limit, Window};
+use crate::writes::key_room::KEY_IN_FLIGHT;
 use crate::{Store, StoreError};
 
 /// How many shards each agent's counters have. The intake and fast reply
@@ -131,6 +132,8 @@ pub struct KeyLine {
     pub waiting: i64,
     /// The most in flight at once, as its steps declare it.
     pub limit: Option<i32>,
+    /// The starts a second its steps allow, when they declare a rate.
+    pub per_second: Option<i32>,
     /// Seconds the longest-waiting order of the line has waited (none when
     /// nobody waits).
     pub oldest_wait_secs: Option<f64>,
@@ -335,29 +338,33 @@ impl Admission<'_> {
     ) -> Result<Vec<KeyLine>, StoreError> {
         Ok(sqlx::query_as(AssertSqlSafe(format!(
             "SELECT key, sum(in_flight)::int8 AS in_flight, sum(waiting)::int8 AS waiting,
-                    max(key_limit) AS limit,
+                    max(key_limit) AS limit, max(per_second) AS per_second,
                     EXTRACT(EPOCH FROM now() - min(since))::float8 AS oldest_wait_secs,
                     (SELECT until FROM key_pauses x WHERE x.key = k.key AND until > now())
                         AS paused_until
                FROM (SELECT s.limit_key AS key, 1 AS in_flight, 0 AS waiting,
                             (s.request->'concurrency'->>'limit')::int4 AS key_limit,
+                            (s.request->'rate'->>'per_second')::int4 AS per_second,
                             NULL::timestamptz AS since
-                       {IN_FLIGHT} AND s.limit_key IS NOT NULL
+                       {KEY_IN_FLIGHT} AND s.limit_key IS NOT NULL
                      UNION ALL
                      SELECT p.waiting_key, 0, 1,
                             (SELECT max((s.request->'concurrency'->>'limit')::int4) FROM steps s
                               WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
+                            (SELECT max((s.request->'rate'->>'per_second')::int4) FROM steps s
+                              WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
                             p.not_before
                        FROM order_process p
                       WHERE p.waiting_key IS NOT NULL) k
-              WHERE $2::text[] IS NULL
-                 OR EXISTS (SELECT 1 FROM unnest($2::text[]) AS x(prefix)
+              WHERE $3::text[] IS NULL
+                 OR EXISTS (SELECT 1 FROM unnest($3::text[]) AS x(prefix)
                              WHERE starts_with(k.key, x.prefix))
               GROUP BY key
               ORDER BY sum(waiting) DESC, sum(in_flight) DESC, key
               LIMIT $1"
         )))
         .bind(limit)
+        .bind(self.store.grace().as_secs_f64())
         .bind(prefixes)
         .fetch_all(self.pool())
         .await?)

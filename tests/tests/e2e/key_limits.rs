@@ -330,3 +330,126 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
     assert!(!exported.contains("payment:fast"), "{exported}");
     assert!(exported.contains("sas_key_lines_waiting 0"), "{exported}");
 }
+
+/// A payment step limited to 10 starts a second per merchant (burst 5),
+/// two schedulers serving two merchants' lines: at the remote, no window
+/// of either merchant's charges holds more than the rate allows, and the
+/// rate reached is within 5% of the limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_merchant_s_charges_keep_to_its_rate_across_schedulers() {
+    const EACH: usize = 50;
+    const PER_SECOND: f64 = 10.0;
+    const BURST: usize = 5;
+    // Alone on the machine: a rate reached within 5% is a timing, which a
+    // neighbour test loading both cores would bend.
+    let env = TestEnv::exclusive(3_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[Setting::SimFaultsLatencyMs(5)]).await;
+    let workflow = format!(
+        "name = \"order\"\nversion = 1\n{}{}rate = {{ key = \"/attributes/merchant_id\", per_second = {PER_SECOND}, burst = {BURST} }}\n\n{}",
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
+        env.call_step(("charge_payment", "payment", "charge", "refund"), None),
+        env.call_step(("create_shipment", "shipping", "ship", "cancel"), None),
+    );
+    let settings = env.workflows(&[("order.toml", &workflow)]);
+    let _agents: Vec<_> = ["payment", "inventory", "shipping"]
+        .into_iter()
+        .map(|agent| env.agent(agent, 0, &sim, &[Setting::AgentConcurrency(16)]))
+        .collect();
+    let _schedulers: Vec<_> = (0..2).map(|i| env.scheduler(i, &settings)).collect();
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..EACH {
+        for merchant in ["a", "b"] {
+            env.publish_order(
+                &publisher,
+                &merchant_order(&format!("{merchant}-{n}"), merchant),
+            )
+            .await;
+        }
+    }
+    env.wait_for_count(
+        ProcessState::Processed,
+        2 * EACH as i64,
+        Duration::from_secs(60),
+    )
+    .await;
+
+    let effects = sim.side_effects().await.expect("the ledger");
+    for merchant in ["a", "b"] {
+        let mut at: Vec<chrono::DateTime<chrono::Utc>> = effects
+            .iter()
+            .filter(|e| e.operation == "charge")
+            .filter(|e| {
+                e.order_id
+                    .as_deref()
+                    .is_some_and(|id| id.starts_with(&format!("{merchant}-")))
+            })
+            .map(|e| e.at)
+            .collect();
+        at.sort();
+        let dispatched: Vec<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+            "SELECT at FROM history WHERE event = 'dispatched' AND step = 'charge_payment'
+                AND order_id LIKE $1 ORDER BY at",
+        )
+        .bind(format!("{merchant}-%"))
+        .fetch_all(&env.db)
+        .await
+        .expect("read the dispatches");
+        assert_eq!(at.len(), EACH, "each of {merchant}'s orders charged once");
+        assert_eq!(
+            dispatched.len(),
+            EACH,
+            "each of {merchant}'s charges dispatched once"
+        );
+        // The starts (database clock): no window holds more than the burst
+        // plus the rate's share of it.
+        assert_within_rate(
+            merchant,
+            "dispatched",
+            &dispatched,
+            PER_SECOND,
+            BURST as f64,
+            0.0,
+        );
+        // At the remote, the calls arrive a few tens of milliseconds after
+        // their start, unevenly (agent queue, call slots): the same bound,
+        // with 200 ms of that jitter allowed for.
+        assert_within_rate(merchant, "charged", &at, PER_SECOND, BURST as f64, 0.2);
+        // And the rate was reached: after the burst, within 5% of it.
+        let secs = (at[EACH - 1] - at[0]).num_microseconds().unwrap() as f64 / 1e6;
+        let rate = (EACH - BURST) as f64 / secs;
+        assert!(
+            (PER_SECOND * 0.95..=PER_SECOND * 1.05).contains(&rate),
+            "merchant {merchant}: {rate:.2} charges a second after the burst, the limit is {PER_SECOND}"
+        );
+    }
+    let failures: i64 =
+        sqlx::query_scalar("SELECT COALESCE(sum(failure_count), 0)::int8 FROM order_process")
+            .fetch_one(&env.db)
+            .await
+            .expect("read the failures");
+    assert_eq!(failures, 0);
+}
+
+/// Panics when a window of the sorted instants `at` holds more than
+/// `burst` plus `per_second` times its length plus `jitter` seconds.
+fn assert_within_rate(
+    merchant: &str,
+    what: &str,
+    at: &[chrono::DateTime<chrono::Utc>],
+    per_second: f64,
+    burst: f64,
+    jitter: f64,
+) {
+    for i in 0..at.len() {
+        for j in i..at.len() {
+            let secs = (at[j] - at[i]).num_microseconds().unwrap() as f64 / 1e6;
+            let allowed = (per_second * (secs + jitter) + burst).floor() as usize;
+            assert!(
+                j - i < allowed + 1,
+                "merchant {merchant}: {} {what} within {secs:.3} s, the rate allows {allowed}",
+                j - i + 1
+            );
+        }
+    }
+}

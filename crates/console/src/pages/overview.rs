@@ -257,7 +257,7 @@ fn key_lines(overview: &Overview) -> Markup {
                 p.muted #key-lines { "No key has an attempt in flight or an order waiting." }
             } @else {
                 table #key-lines {
-                    tr { th { "key" } th { "waiting" } th { "in flight" } th { "limit" } th { "oldest wait" } }
+                    tr { th { "key" } th { "waiting" } th { "in flight" } th { "limit" } th { "rate/s" } th { "oldest wait" } th { "paused until" } }
                     @for key in &overview.keys {
                         tr data-key=(key.key) {
                             td { (key.key) }
@@ -266,9 +266,18 @@ fn key_lines(overview: &Overview) -> Markup {
                             td.num data-field="limit" {
                                 @match key.limit { Some(limit) => { (limit) } None => { "-" } }
                             }
+                            td.num data-field="per_second" {
+                                @match key.per_second { Some(rate) => { (rate) } None => { "-" } }
+                            }
                             td.num data-field="oldest_wait" {
                                 @match key.oldest_wait_secs {
                                     Some(secs) => { (format!("{secs:.1} s")) }
+                                    None => { "-" }
+                                }
+                            }
+                            td data-field="paused_until" {
+                                @match key.paused_until {
+                                    Some(until) => { (super::when(until)) }
                                     None => { "-" }
                                 }
                             }

@@ -74,6 +74,10 @@ pub struct StepCalls {
     /// workflow limits them (see [`super::concurrency`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<super::concurrency::Concurrency>,
+    /// How many of its attempts may start a second per key, if the
+    /// workflow limits them (see [`super::concurrency::Rate`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<super::concurrency::Rate>,
 }
 
 /// What a call step that fails for good (refused, or out of retries) does

@@ -1,6 +1,7 @@
-//! Concurrency limits by key: a call step may declare that at most `limit`
-//! of its attempts are in flight at once for each value of a key (a
-//! merchant's API that takes five calls at a time), across every scheduler
+//! Limits by key: a call step may declare that at most `limit` of its
+//! attempts are in flight at once for each value of a key (a merchant's
+//! API that takes five calls at a time, [`Concurrency`]), and that at most
+//! `per_second` of them start a second ([`Rate`]), across every scheduler
 //! and agent.
 //!
 //! - The key is a JSON pointer into what a template reads
@@ -9,20 +10,25 @@
 //!   (`partner_api`), one line shared by every step of every workflow that
 //!   names it. An order whose pointer finds no value (or one that is not a
 //!   string, number or boolean, or is longer than [`MAX_KEY_LEN`]) takes
-//!   the declared `default`, or [`DEFAULT_KEY`].
-//! - An attempt holds its key while it is in flight, exactly as it holds
-//!   its agent's slot ([`super::admission::slots_held`]): the store counts
-//!   a key's attempts from the steps themselves (`steps.limit_key`), so a
+//!   the declared `default`, or [`DEFAULT_KEY`]. A step limited both ways
+//!   names one key.
+//! - An attempt holds its key while it is in flight: the store counts a
+//!   key's attempts from the steps themselves (`steps.limit_key`), so a
 //!   slot is given back by whatever ends the attempt (a reply, a missed
-//!   deadline, a dead letter, a cancel) and none can leak. A key with
-//!   nothing in flight and nobody waiting has no state at all.
-//! - An attempt whose key is full is not started: its order waits in the
-//!   key's line (`order_process.waiting_key`), held by nobody and with no
-//!   deadline, so waiting never fails and never burns a retry, placed by
+//!   deadline, a dead letter) and none can leak; one its order let go of
+//!   while its call may still run (a cancel) holds it until its deadline
+//!   plus the grace. A rate keeps one time per key (`key_rates`). A key
+//!   with nothing in flight, nobody waiting and a quiet rate has no state
+//!   that anything reads.
+//! - An attempt whose key has no room is not started: its order waits in
+//!   the key's line (`order_process.waiting_key`), held by nobody and with
+//!   no deadline, so waiting never fails and never burns a retry, placed by
 //!   priority and waiting time as in an agent's line (undo first).
+//! - A remote's 429 with `Retry-After` for an attempt in a key pauses the
+//!   key ([`KeyPause`]).
 //!
 //! This module decides which line a step's attempt belongs to and whether
-//! a key has room; the store counts and locks (`crate::writes::apply`,
+//! a key has room; the store counts and locks (`crate::writes::key_room`,
 //! `crate::writes::progress`).
 
 use chrono::{DateTime, Utc};
@@ -77,25 +83,13 @@ impl Concurrency {
     /// Whether the key is a pointer into the order (one line per value),
     /// rather than a fixed name.
     pub fn is_pointer(&self) -> bool {
-        self.key.starts_with('/')
+        is_pointer(&self.key)
     }
 
     /// The line an attempt of a step of `agent` joins, for an order whose
     /// template context (see [`super::call::context_of`]) is `context`.
     pub fn line(&self, agent: &str, context: &Value) -> String {
-        if !self.is_pointer() {
-            return self.key.clone();
-        }
-        let found = match context.pointer(&self.key) {
-            Some(Value::String(text)) => Some(text.clone()),
-            Some(value @ (Value::Number(_) | Value::Bool(_))) => Some(value.to_string()),
-            _ => None,
-        };
-        let value = found
-            .filter(|v| (1..=MAX_KEY_LEN).contains(&v.len()) && !v.chars().any(char::is_control))
-            .or_else(|| self.default.clone())
-            .unwrap_or_else(|| DEFAULT_KEY.to_owned());
-        format!("{agent}:{value}")
+        line(&self.key, self.default.as_deref(), agent, context)
     }
 
     /// Checks the declaration (the pointer's reach is the workflow's to
@@ -110,27 +104,186 @@ impl Concurrency {
                 self.limit
             ));
         }
-        let plain = |name: &str| {
-            (1..=64).contains(&name.len())
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        };
-        if !self.is_pointer() && !plain(&self.key) {
+        check_key("concurrency", &self.key, self.default.as_deref())
+    }
+}
+
+/// A call step's rate limit, as its workflow declares it
+/// (`rate = { key = "/attributes/merchant_id", per_second = 20, burst = 40 }`):
+/// at most `per_second` attempts start a second per key, on average, and
+/// at most `burst` at once after a quiet spell (the generic cell rate
+/// algorithm: each start moves the key's theoretical arrival time on by
+/// `1 / per_second`; a start may not put it more than `burst` starts
+/// ahead of now).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rate {
+    /// As [`Concurrency::key`]; a step limited both ways names one key.
+    pub key: String,
+    /// Attempts started a second per key, 1 to [`MAX_LIMIT`].
+    pub per_second: i32,
+    /// Attempts that may start at once after a quiet spell (1 when absent).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub burst: i32,
+    /// As [`Concurrency::default`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+}
+
+fn one() -> i32 {
+    1
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if
+fn is_one(n: &i32) -> bool {
+    *n == 1
+}
+
+impl Rate {
+    /// The line an attempt joins (see [`Concurrency::line`]).
+    pub fn line(&self, agent: &str, context: &Value) -> String {
+        line(&self.key, self.default.as_deref(), agent, context)
+    }
+
+    /// Checks the declaration.
+    ///
+    /// # Errors
+    /// What is wrong, naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_LIMIT).contains(&self.per_second) {
             return Err(format!(
-                "concurrency.key must be a JSON pointer (/attributes/merchant_id) or a name of 1 to 64 letters, digits, '_' or '-' (got {:?})",
-                self.key
+                "rate.per_second must be between 1 and {MAX_LIMIT} (got {})",
+                self.per_second
             ));
         }
-        match &self.default {
-            Some(_) if !self.is_pointer() => {
-                Err("concurrency.default is for a key read from the order (a JSON pointer); a fixed name needs none".into())
-            }
-            Some(default) if !plain(default) => Err(format!(
-                "concurrency.default must be 1 to 64 letters, digits, '_' or '-' (got {default:?})"
-            )),
-            _ => Ok(()),
+        if !(1..=MAX_LIMIT).contains(&self.burst) {
+            return Err(format!(
+                "rate.burst must be between 1 and {MAX_LIMIT} (got {})",
+                self.burst
+            ));
         }
+        check_key("rate", &self.key, self.default.as_deref())
+    }
+
+    /// The time one start moves the key on by.
+    fn interval(&self) -> chrono::Duration {
+        chrono::Duration::microseconds(1_000_000 / i64::from(self.per_second.max(1)))
+    }
+
+    /// How many attempts may start now in a key whose theoretical arrival
+    /// time is `tat` (`None`: the key has been quiet).
+    pub fn room(&self, tat: Option<DateTime<Utc>>, now: DateTime<Utc>) -> i64 {
+        let Some(tat) = tat.filter(|tat| *tat > now) else {
+            return i64::from(self.burst);
+        };
+        let ahead = (tat - now).num_microseconds().unwrap_or(i64::MAX);
+        let interval = self.interval().num_microseconds().unwrap_or(1).max(1);
+        // Each start already ahead of now uses one of the burst (rounded up).
+        let used = ahead.div_euclid(interval) + i64::from(ahead % interval != 0);
+        (i64::from(self.burst) - used).max(0)
+    }
+
+    /// The key's theoretical arrival time after one more start now.
+    pub fn after_start(&self, tat: Option<DateTime<Utc>>, now: DateTime<Utc>) -> DateTime<Utc> {
+        tat.filter(|tat| *tat > now).unwrap_or(now) + self.interval()
+    }
+}
+
+/// The limits a key line holds a step's attempts to: in flight at once,
+/// started a second, or both (one key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyLimits<'a> {
+    /// The most in flight at once.
+    pub in_flight: Option<i32>,
+    /// The rate of starts.
+    pub rate: Option<&'a Rate>,
+}
+
+impl std::fmt::Display for KeyLimits<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.in_flight, self.rate) {
+            (Some(limit), None) => write!(f, "its limit of {limit} in flight"),
+            (None, Some(rate)) => write!(
+                f,
+                "its rate of {}/s (burst {})",
+                rate.per_second, rate.burst
+            ),
+            (Some(limit), Some(rate)) => write!(
+                f,
+                "its limit of {limit} in flight and its rate of {}/s (burst {})",
+                rate.per_second, rate.burst
+            ),
+            (None, None) => write!(f, "no limit"),
+        }
+    }
+}
+
+impl super::call::StepCalls {
+    /// The step's key limits, if its workflow declares any (one key, the
+    /// workflow checks).
+    pub fn key_limits(&self) -> Option<(KeyLimits<'_>, &str, Option<&str>)> {
+        let limits = KeyLimits {
+            in_flight: self.concurrency.as_ref().map(|c| c.limit),
+            rate: self.rate.as_ref(),
+        };
+        match (&self.concurrency, &self.rate) {
+            (Some(c), _) => Some((limits, c.key.as_str(), c.default.as_deref())),
+            (None, Some(r)) => Some((limits, r.key.as_str(), r.default.as_deref())),
+            (None, None) => None,
+        }
+    }
+
+    /// The line an attempt of the step, of `agent`, joins for `context`,
+    /// with its limits.
+    pub fn key_line(&self, agent: &str, context: &Value) -> Option<(String, KeyLimits<'_>)> {
+        let (limits, key, default) = self.key_limits()?;
+        Some((line(key, default, agent, context), limits))
+    }
+}
+
+fn is_pointer(key: &str) -> bool {
+    key.starts_with('/')
+}
+
+/// The line of key `key` (a pointer into `context`, with `default` for an
+/// order without a value, or a fixed name) for an attempt of `agent`.
+fn line(key: &str, default: Option<&str>, agent: &str, context: &Value) -> String {
+    if !is_pointer(key) {
+        return key.to_owned();
+    }
+    let found = match context.pointer(key) {
+        Some(Value::String(text)) => Some(text.clone()),
+        Some(value @ (Value::Number(_) | Value::Bool(_))) => Some(value.to_string()),
+        _ => None,
+    };
+    let value = found
+        .filter(|v| (1..=MAX_KEY_LEN).contains(&v.len()) && !v.chars().any(char::is_control))
+        .or_else(|| default.map(str::to_owned))
+        .unwrap_or_else(|| DEFAULT_KEY.to_owned());
+    format!("{agent}:{value}")
+}
+
+/// Checks a declaration's `key` and `default` (`what`: the field's name).
+fn check_key(what: &str, key: &str, default: Option<&str>) -> Result<(), String> {
+    let plain = |name: &str| {
+        (1..=64).contains(&name.len())
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
+    if !is_pointer(key) && !plain(key) {
+        return Err(format!(
+            "{what}.key must be a JSON pointer (/attributes/merchant_id) or a name of 1 to 64 letters, digits, '_' or '-' (got {key:?})"
+        ));
+    }
+    match default {
+        Some(_) if !is_pointer(key) => Err(format!(
+            "{what}.default is for a key read from the order (a JSON pointer); a fixed name needs none"
+        )),
+        Some(default) if !plain(default) => Err(format!(
+            "{what}.default must be 1 to 64 letters, digits, '_' or '-' (got {default:?})"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -231,6 +384,56 @@ mod tests {
             assert!(error.starts_with(said), "{error}");
         }
         assert!(merchant(Some("unknown")).check().is_ok());
+    }
+
+    #[test]
+    fn a_rate_lets_a_burst_start_then_one_start_per_interval() {
+        let rate = Rate {
+            key: "/attributes/merchant_id".into(),
+            per_second: 10,
+            burst: 3,
+            default: None,
+        };
+        let t0 = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let ms = |n: i64| chrono::Duration::milliseconds(n);
+        assert_eq!(rate.room(None, t0), 3, "a quiet key has its burst");
+        let mut tat = None;
+        for _ in 0..3 {
+            assert!(rate.room(tat, t0) > 0);
+            tat = Some(rate.after_start(tat, t0));
+        }
+        assert_eq!(tat, Some(t0 + ms(300)));
+        assert_eq!(rate.room(tat, t0), 0, "the burst is spent");
+        assert_eq!(rate.room(tat, t0 + ms(99)), 0);
+        assert_eq!(
+            rate.room(tat, t0 + ms(100)),
+            1,
+            "one interval later, one start"
+        );
+        assert_eq!(rate.room(tat, t0 + ms(250)), 2);
+        assert_eq!(
+            rate.room(tat, t0 + ms(10_000)),
+            3,
+            "never more than the burst"
+        );
+        // Sustained: 10 starts a second, whatever the burst.
+        let mut tat = None;
+        let mut started = 0;
+        for tick in 0..=1000 {
+            let now = t0 + ms(tick * 10);
+            while rate.room(tat, now) > 0 {
+                tat = Some(rate.after_start(tat, now));
+                started += 1;
+            }
+        }
+        assert_eq!(started, 3 + 100, "the burst, then 10 a second for 10 s");
+        let bad = Rate {
+            per_second: 0,
+            ..rate.clone()
+        };
+        assert!(bad.check().unwrap_err().starts_with("rate.per_second"));
+        let bad = Rate { burst: 0, ..rate };
+        assert!(bad.check().unwrap_err().starts_with("rate.burst"));
     }
 
     #[test]

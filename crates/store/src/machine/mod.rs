@@ -497,7 +497,7 @@ impl Decision {
     /// The key lines this decision starts attempts in, each with its
     /// limit and whether the attempt is an undo: the store checks each has
     /// room before applying (see [`concurrency`]).
-    pub fn takes_keys(&self) -> Vec<(&str, i32, sas_messages::StepKind)> {
+    pub fn takes_keys(&self) -> Vec<(&str, concurrency::KeyLimits<'_>, sas_messages::StepKind)> {
         self.steps
             .iter()
             .filter(|change| change.row.attempt_id != change.expected_attempt_id)
@@ -507,8 +507,8 @@ impl Decision {
                     StepState::Compensating => sas_messages::StepKind::Compensation,
                     _ => return None,
                 };
-                let limit = change.row.calls.as_ref()?.concurrency.as_ref()?.limit;
-                Some((change.row.limit_key.as_deref()?, limit, kind))
+                let (limits, _, _) = change.row.calls.as_ref()?.key_limits()?;
+                Some((change.row.limit_key.as_deref()?, limits, kind))
             })
             .collect()
     }

@@ -1969,7 +1969,14 @@ fn an_attempt_limited_by_key_names_its_key_and_waits_in_its_line_when_full() {
     assert_eq!(open.progress.dispatches.len(), 1);
     assert_eq!(
         open.takes_keys(),
-        [("inventory:m-7", 2, sas_messages::StepKind::Action)]
+        [(
+            "inventory:m-7",
+            crate::machine::concurrency::KeyLimits {
+                in_flight: Some(2),
+                rate: None
+            },
+            sas_messages::StepKind::Action
+        )]
     );
     assert_eq!(
         open.steps[0].row.limit_key.as_deref(),
@@ -2022,7 +2029,14 @@ fn an_attempt_limited_by_key_names_its_key_and_waits_in_its_line_when_full() {
     assert_eq!(claimed.progress.dispatches[0].step, "reserve_stock");
     assert_eq!(
         claimed.takes_keys(),
-        [("inventory:m-7", 2, sas_messages::StepKind::Action)]
+        [(
+            "inventory:m-7",
+            crate::machine::concurrency::KeyLimits {
+                in_flight: Some(2),
+                rate: None
+            },
+            sas_messages::StepKind::Action
+        )]
     );
 
     // A closed key of another merchant, or a closed agent's line, is

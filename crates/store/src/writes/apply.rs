@@ -19,13 +19,12 @@ use std::collections::{BTreeMap, HashMap};
 use chrono::{DateTime, Utc};
 use sas_messages::{AttemptId, StepKind};
 use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, PgConnection, Row};
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use super::key_room::{pause_keys, KeyRoom};
 use super::Writes;
-use crate::admission::IN_FLIGHT;
 use crate::machine::admission::has_room;
-use crate::machine::concurrency::key_has_room;
 use crate::machine::park::MailboxEvent;
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
 use crate::step_columns::{step_select, BESIDE_ORDER};
@@ -76,7 +75,11 @@ pub(crate) async fn transition<'e>(
     let mut decided = Vec::with_capacity(snapshots.len());
     // Each agent's counters, read once for the batch, and the slots and
     // places in line the decisions made so far take (not yet written).
-    let mut room = Room::default();
+    let mut room = Room {
+        read: HashMap::new(),
+        taken: HashMap::new(),
+        keys: KeyRoom::new(now, store.grace()),
+    };
     for snapshot in snapshots {
         let ctx = store.context(now, actor);
         let event = event_for(&snapshot);
@@ -101,30 +104,9 @@ pub(crate) async fn transition<'e>(
     apply_all(&mut *conn, &decided, actor).await?;
     mark_used_events(&mut *conn, &decided).await?;
     register_wait_keys(&mut *conn, &decided).await?;
+    room.keys.write(&mut *conn).await?;
     pause_keys(&mut *conn, &decided).await?;
     Ok(decided)
-}
-
-/// Pauses the keys the batch's remotes asked to rest (see
-/// [`crate::machine::concurrency::KeyPause`]).
-///
-/// # Errors
-/// When the database fails.
-async fn pause_keys(conn: &mut PgConnection, decided: &[Decided]) -> Result<(), StoreError> {
-    let (keys, untils): (Vec<&str>, Vec<DateTime<Utc>>) = decided
-        .iter()
-        .filter_map(|d| d.decision.key_pause.as_ref())
-        .map(|pause| (pause.key.as_str(), pause.until))
-        .unzip();
-    if keys.is_empty() {
-        return Ok(());
-    }
-    sqlx::query("SELECT sas_pause_keys($1, $2)")
-        .bind(&keys)
-        .bind(&untils)
-        .execute(&mut *conn)
-        .await?;
-    Ok(())
 }
 
 /// Records the business keys the batch's orders now wait with (see
@@ -210,16 +192,12 @@ async fn mark_used_events(conn: &mut PgConnection, decided: &[Decided]) -> Resul
 /// flight, limit, waiting; `None` for an agent without a row, which has no
 /// admission control), read once for the batch, and the attempts in flight
 /// and places in line the batch's decisions so far move, not yet written.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Room {
     read: HashMap<String, Option<(i32, i32, i32)>>,
     taken: HashMap<String, (i32, i32)>,
-    /// Each key line's attempts in flight and whether orders wait in its
-    /// line, read once for the batch under the key's lock (`None`: another
-    /// transaction holds the key, which has no room for this one), and the
-    /// attempts the batch's decisions so far start in it.
-    keys: HashMap<String, Option<(i64, bool)>>,
-    keys_taken: HashMap<String, i64>,
+    /// The key lines', read under their locks (see [`KeyRoom`]).
+    keys: KeyRoom,
 }
 
 impl Room {
@@ -229,37 +207,7 @@ impl Room {
             taken.0 += delta.in_flight;
             taken.1 += delta.waiting;
         }
-        for (line, _, _) in decision.takes_keys() {
-            *self.keys_taken.entry(line.to_owned()).or_default() += 1;
-        }
-    }
-
-    /// Whether key `line` has room for one more attempt under `limit`
-    /// ([`key_has_room`]). The key is locked for the rest of the
-    /// transaction first (an advisory lock on its name), so that two
-    /// schedulers never both count the last slot free; a key another
-    /// transaction holds has no room now: the order waits in its line,
-    /// and the claim that serves the line starts it (a lock that waited
-    /// could deadlock against a batch taking keys in another order).
-    async fn key_has_room(
-        &mut self,
-        conn: &mut PgConnection,
-        line: &str,
-        limit: i32,
-        first_in_line: bool,
-    ) -> Result<bool, StoreError> {
-        let read = match self.keys.get(line) {
-            Some(read) => *read,
-            None => {
-                let read = read_key_line(&mut *conn, line).await?;
-                self.keys.insert(line.to_owned(), read);
-                read
-            }
-        };
-        let taken = self.keys_taken.get(line).copied().unwrap_or_default();
-        Ok(read.is_some_and(|(in_flight, waiting)| {
-            key_has_room(in_flight + taken, limit, waiting, first_in_line)
-        }))
+        self.keys.take(decision);
     }
 
     /// Whether `agent` has a slot for one more attempt ([`has_room`]).
@@ -796,13 +744,17 @@ async fn decide_admitted(
     admitted: Option<&str>,
 ) -> Result<Decision, StoreError> {
     let decision = decide(snapshot, event, ctx);
+    // An order taken from a line (its agent's or its key's) is first in
+    // line for both checks: otherwise, with both lines long, it would go
+    // from one to the back of the other for ever.
+    let from_a_line =
+        snapshot.process.waiting_for.is_some() || snapshot.process.waiting_key.is_some();
     let mut full = None;
     for (agent, kind) in decision.takes_slots() {
         if Some(agent) == admitted {
             continue;
         }
-        let first_in_line =
-            kind == StepKind::Compensation || snapshot.process.waiting_for.is_some();
+        let first_in_line = kind == StepKind::Compensation || from_a_line;
         if !room.has_room(&mut *conn, agent, first_in_line).await? {
             full = Some(agent.to_owned());
             break;
@@ -816,11 +768,16 @@ async fn decide_admitted(
         return Ok(decide(snapshot, event, &closed));
     }
     let mut full_key = None;
-    for (line, limit, kind) in decision.takes_keys() {
-        let first_in_line =
-            kind == StepKind::Compensation || snapshot.process.waiting_key.as_deref() == Some(line);
+    // Members of one parallel group in one key each need room: the
+    // demand so far of this decision counts.
+    let mut demand: HashMap<&str, i64> = HashMap::new();
+    for (line, limits, kind) in decision.takes_keys() {
+        let first_in_line = kind == StepKind::Compensation || from_a_line;
+        let wanted = demand.entry(line).or_default();
+        *wanted += 1;
         if !room
-            .key_has_room(&mut *conn, line, limit, first_in_line)
+            .keys
+            .has_room(&mut *conn, line, limits, first_in_line, *wanted)
             .await?
         {
             full_key = Some(line.to_owned());
@@ -836,40 +793,3 @@ async fn decide_admitted(
     };
     Ok(decide(snapshot, event, &closed))
 }
-
-/// Locks key `line` for the rest of the transaction, if no other holds it,
-/// and reads its attempts in flight (as [`crate::machine::admission::slots_held`]
-/// counts an agent's) and whether orders wait in its line. `None` when
-/// another transaction holds the key, or its remote asked it to rest
-/// (`key_pauses`): it has no room now.
-///
-/// # Errors
-/// When the database fails.
-pub(crate) async fn read_key_line(
-    conn: &mut PgConnection,
-    line: &str,
-) -> Result<Option<(i64, bool)>, StoreError> {
-    let locked: bool = sqlx::query_scalar(KEY_LOCK)
-        .bind(line)
-        .fetch_one(&mut *conn)
-        .await?;
-    if !locked {
-        return Ok(None);
-    }
-    let (in_flight, waiting, paused): (i64, bool, bool) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT (SELECT count(*) {IN_FLIGHT} AND s.limit_key = $1),
-                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1),
-                EXISTS (SELECT 1 FROM key_pauses WHERE key = $1 AND until > now())"
-    )))
-    .bind(line)
-    .fetch_one(&mut *conn)
-    .await?;
-    // A key its remote asked to rest has no room until then.
-    Ok((!paused).then_some((in_flight, waiting)))
-}
-
-/// Takes key `$1`'s lock for the rest of the transaction if it is free
-/// (true), or says it is not (false): a transaction that took it again
-/// holds it still.
-pub(crate) const KEY_LOCK: &str =
-    "SELECT pg_try_advisory_xact_lock(hashtextextended('sas.key:' || $1, 0))";

@@ -644,7 +644,7 @@ fn starts_limited(steps: &[NewStep]) -> bool {
     let limited = |step: &NewStep| {
         step.calls
             .as_ref()
-            .is_some_and(|calls| calls.concurrency.is_some())
+            .is_some_and(|calls| calls.key_limits().is_some())
     };
     match steps.first() {
         Some(first) => {

@@ -25,6 +25,7 @@ pub mod dead_letters;
 pub mod events;
 mod fast;
 pub mod intake;
+pub(crate) mod key_room;
 pub mod moves;
 pub mod operator;
 pub mod progress;

@@ -14,12 +14,15 @@ use sas_messages::{StepOutcome, StepReply};
 
 use sqlx::AssertSqlSafe;
 
-use super::apply::{read_key_line, transition, Decided, Slots};
+use super::apply::{transition, Decided, Slots};
+use super::key_room::{read_key_line, KeyRead};
 use super::Writes;
 use crate::admission::IN_FLIGHT;
 use crate::machine::admission::{Levels, UNDO_LEVEL};
+use crate::machine::concurrency::KeyLimits;
 use crate::machine::{Event, Verdict};
 use crate::model::Progress;
+use crate::StepCalls;
 use crate::StoreError;
 
 /// The most heads of a full line one claim reads to let pass: the claims
@@ -107,6 +110,18 @@ const MOVE_HEAD: &str = "moved AS (
              UPDATE admission a SET line_head = h.head
                FROM (SELECT max(admit_key) AS head FROM heads WHERE turn IS NOT NULL) h
               WHERE a.agent = $2 AND h.head > a.line_head)";
+
+/// How many of a key line's orders may start now: what its limit in
+/// flight leaves, and its rate, whichever is less.
+fn key_line_room(limits: KeyLimits<'_>, read: &KeyRead, now: chrono::DateTime<chrono::Utc>) -> i64 {
+    let in_flight = limits
+        .in_flight
+        .map_or(i64::MAX, |limit| i64::from(limit) - read.in_flight);
+    let rate = limits
+        .rate
+        .map_or(i64::MAX, |rate| rate.room(read.tat, now));
+    in_flight.min(rate)
+}
 
 /// The most key lines one claim serves: the claims that follow, as
 /// replies free room, take the next.
@@ -253,8 +268,9 @@ impl Writes<'_> {
 
     /// The heads of the key lines (see [`crate::machine::concurrency`]), as
     /// many as each key has room for: only keys with orders in line are
-    /// looked at (at most [`KEY_LINES_AT_ONCE`] a claim, from a random
-    /// point, so none is left behind), each locked while it is served, so
+    /// looked at (at most [`KEY_LINES_AT_ONCE`] a claim, going on from
+    /// where the last claim stopped, so none is left behind), each locked
+    /// while it is served, so
     /// that two schedulers do not hand out the same room. Each head is
     /// then decided as any claimed order: its agent may have no slot, and
     /// the order joins the agent's line.
@@ -289,24 +305,32 @@ impl Writes<'_> {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner()),
             );
-            let Some((in_flight, _)) = read_key_line(&mut tx, &line).await? else {
+            let Some(read) = read_key_line(&mut tx, &line, self.store.grace()).await? else {
                 continue;
             };
-            // The limit of the line's head: every step that names a key
-            // declares one, and a key is one remote's.
-            let key_limit: Option<i32> = sqlx::query_scalar(
-                "SELECT (s.request->'concurrency'->>'limit')::int4
-                   FROM order_process p
-                   JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
-                  WHERE p.waiting_key = $1
-                  ORDER BY p.admit_key
-                  LIMIT 1",
+            // The limits of the line's head: a key is one remote's, and
+            // the steps naming it declare its limits.
+            let head: Option<(
+                Option<sqlx::types::Json<StepCalls>>,
+                chrono::DateTime<chrono::Utc>,
+            )> = sqlx::query_as(
+                "SELECT s.request, now()
+                       FROM order_process p
+                       JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
+                      WHERE p.waiting_key = $1
+                      ORDER BY p.admit_key
+                      LIMIT 1",
             )
             .bind(&line)
             .fetch_optional(&mut *tx)
-            .await?
-            .flatten();
-            let room = i64::from(key_limit.unwrap_or(0)) - in_flight;
+            .await?;
+            let Some((Some(calls), now)) = head else {
+                continue;
+            };
+            let Some((limits, _, _)) = calls.0.key_limits() else {
+                continue;
+            };
+            let room = key_line_room(limits, &read, now);
             if room <= 0 {
                 continue;
             }

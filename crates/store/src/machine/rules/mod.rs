@@ -442,10 +442,22 @@ impl<'a> Draft<'a> {
         let agent = step.agent.clone();
         let name = step.name.clone();
         self.leave_held(kind, since);
+        self.keep_place_from_key_line();
         let detail = format!("{agent} {why}");
         self.process.waiting_for = Some(agent);
         self.process.waiting_key = None;
         self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
+    }
+
+    /// An order taken from a key's line and put in its agent's keeps its
+    /// place (its priority and how long it has waited), so that moving
+    /// between two long lines never sends it to the back.
+    fn keep_place_from_key_line(&mut self) {
+        if self.snapshot.process.waiting_key.is_some() {
+            if let Some(place) = self.snapshot.process.admit_key {
+                self.process.admit_key = Some(place.min(self.process.admit_key.unwrap_or(place)));
+            }
+        }
     }
 
     /// The order held by nobody, with no deadline, pending (or
@@ -469,13 +481,14 @@ impl<'a> Draft<'a> {
     /// limits it by key ([`super::concurrency`]).
     pub(super) fn key_line(&self, index: usize) -> Option<String> {
         let step = &self.steps[index];
-        let concurrency = step.calls.as_ref()?.concurrency.as_ref()?;
+        let calls = step.calls.as_ref()?;
+        calls.key_limits()?;
         let results = self
             .steps
             .iter()
             .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
         let context = super::call::context_of(&payload(&self.snapshot.body, results));
-        Some(concurrency.line(&step.agent, &context))
+        calls.key_line(&step.agent, &context).map(|(line, _)| line)
     }
 
     /// Step `index`'s key line, when the store found it with no room for
@@ -489,12 +502,14 @@ impl<'a> Draft<'a> {
     /// key's line, held by nobody and with no deadline. An order taken
     /// from that line and put back keeps its place.
     pub(super) fn wait_for_key(&mut self, index: usize, kind: StepKind, line: String) {
-        let limit = self.steps[index]
+        let limits = self.steps[index]
             .calls
             .as_ref()
-            .and_then(|calls| calls.concurrency.as_ref())
-            .map_or(0, |c| c.limit);
-        let why = format!("has no room under its limit of {limit}; waiting in its line");
+            .and_then(|calls| calls.key_limits())
+            .map_or_else(String::new, |(limits, _, _)| limits.to_string());
+        let why = format!(
+            "has no room under {limits} (or its remote asked it to rest); waiting in its line"
+        );
         self.wait_in_key_line(index, kind, line, self.ctx.now, &why);
     }
 
@@ -509,8 +524,12 @@ impl<'a> Draft<'a> {
         since: DateTime<Utc>,
         why: &str,
     ) {
-        let back = self.snapshot.process.waiting_key.as_ref() == Some(&line);
-        let place = self.snapshot.process.admit_key.filter(|_| back);
+        // Taken from a line (this key's, or its agent's) and put in this
+        // one: it keeps its place, so that moving between two long lines
+        // never sends it to the back.
+        let from_a_line = self.snapshot.process.waiting_key.is_some()
+            || self.snapshot.process.waiting_for.is_some();
+        let place = self.snapshot.process.admit_key.filter(|_| from_a_line);
         self.leave_held(kind, since);
         if place.is_some() {
             self.process.admit_key = place;

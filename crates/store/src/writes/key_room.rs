@@ -1,0 +1,225 @@
+//! The room of the workflows' key lines (see
+//! [`crate::machine::concurrency`]) as a batch of decisions sees it: each
+//! key read once, under its lock, and what the batch's decisions so far
+//! take from it; then what the batch leaves behind (the rates' arrival
+//! times, the pauses the remotes asked for).
+//!
+//! A key's attempts in flight are counted from the steps themselves
+//! ([`KEY_IN_FLIGHT`]), so whatever ends an attempt gives its slot back.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+use super::apply::Decided;
+use crate::machine::concurrency::{key_has_room, KeyLimits};
+use crate::machine::Decision;
+use crate::StoreError;
+
+/// Takes key `$1`'s lock for the rest of the transaction if it is free
+/// (true), or says it is not (false): a transaction that took it again
+/// holds it still.
+pub(crate) const KEY_LOCK: &str =
+    "SELECT pg_try_advisory_xact_lock(hashtextextended('sas.key:' || $1, 0))";
+
+/// The attempts in flight in a key line (`s.limit_key`, compared by the
+/// statement that uses it): an attempt whose order a scheduler holds (as
+/// [`crate::machine::admission::slots_held`] counts an agent's), and one
+/// its order let go of (a cancel, a refused group member) while its call
+/// may still be running, until its deadline plus the grace (`$2`, seconds)
+/// has passed. The FROM and WHERE clauses of a statement that counts them;
+/// the state test lets the partial index `steps_limit_key_in_flight` serve.
+pub(crate) const KEY_IN_FLIGHT: &str = "
+      FROM steps s
+      JOIN order_process op ON op.order_id = s.order_id
+     WHERE s.state IN ('running', 'compensating')
+       AND ((op.state IN ('processing', 'compensating')
+             AND op.locked_by IS NOT NULL AND op.complete_by IS NOT NULL
+             AND s.state = CASE op.state WHEN 'processing' THEN 'running'::step_state
+                                         ELSE 'compensating'::step_state END)
+            OR s.complete_by > now() - make_interval(secs => $2))";
+
+/// A key line as a transaction read it, under its lock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyRead {
+    /// Attempts in flight in it.
+    pub(crate) in_flight: i64,
+    /// Whether orders wait in its line.
+    pub(crate) waiting: bool,
+    /// Its rate's theoretical arrival time, when one was kept.
+    pub(crate) tat: Option<DateTime<Utc>>,
+}
+
+/// Locks key `line` for the rest of the transaction, if no other holds it,
+/// and reads it. `None` when another transaction holds the key, or its
+/// remote asked it to rest (`key_pauses`): it has no room now. `grace`:
+/// how long after its deadline an attempt let go of may still be calling.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn read_key_line(
+    conn: &mut PgConnection,
+    line: &str,
+    grace: std::time::Duration,
+) -> Result<Option<KeyRead>, StoreError> {
+    let locked: bool = sqlx::query_scalar(KEY_LOCK)
+        .bind(line)
+        .fetch_one(&mut *conn)
+        .await?;
+    if !locked {
+        return Ok(None);
+    }
+    let (in_flight, waiting, paused, tat): (i64, bool, bool, Option<DateTime<Utc>>) =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = $1),
+                    EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1),
+                    EXISTS (SELECT 1 FROM key_pauses WHERE key = $1 AND until > now()),
+                    (SELECT tat FROM key_rates WHERE key = $1)"
+        )))
+        .bind(line)
+        .bind(grace.as_secs_f64())
+        .fetch_one(&mut *conn)
+        .await?;
+    // A key its remote asked to rest has no room until then.
+    Ok((!paused).then_some(KeyRead {
+        in_flight,
+        waiting,
+        tat,
+    }))
+}
+
+/// The batch's view of the key lines its decisions start attempts in.
+#[derive(Debug)]
+pub(crate) struct KeyRoom {
+    /// The transaction's clock.
+    now: DateTime<Utc>,
+    /// How long after its deadline an attempt let go of may still call.
+    grace: std::time::Duration,
+    /// Each key as read (`None`: no room for this transaction).
+    read: HashMap<String, Option<KeyRead>>,
+    /// Attempts the batch's decisions so far started in each key.
+    taken: HashMap<String, i64>,
+    /// Each rate-limited key's arrival time after the batch's starts so
+    /// far: written back with the batch.
+    tat: HashMap<String, DateTime<Utc>>,
+}
+
+impl KeyRoom {
+    /// Nothing read yet, for a batch deciding at `now`.
+    pub(crate) fn new(now: DateTime<Utc>, grace: std::time::Duration) -> Self {
+        Self {
+            now,
+            grace,
+            read: HashMap::new(),
+            taken: HashMap::new(),
+            tat: HashMap::new(),
+        }
+    }
+
+    /// Whether key `line` has room for `demand` more attempts under
+    /// `limits` ([`key_has_room`], and the rate's), after what the batch
+    /// took. The key is locked for the rest of the transaction first (an
+    /// advisory lock on its name), so that two schedulers never both count
+    /// the last slot free; a key another transaction holds has no room
+    /// now: the order waits in its line, and the claim that serves the
+    /// line starts it (a lock that waited could deadlock against a batch
+    /// taking keys in another order).
+    pub(crate) async fn has_room(
+        &mut self,
+        conn: &mut PgConnection,
+        line: &str,
+        limits: KeyLimits<'_>,
+        first_in_line: bool,
+        demand: i64,
+    ) -> Result<bool, StoreError> {
+        let read = match self.read.get(line) {
+            Some(read) => *read,
+            None => {
+                let read = read_key_line(&mut *conn, line, self.grace).await?;
+                self.read.insert(line.to_owned(), read);
+                read
+            }
+        };
+        let Some(read) = read else {
+            return Ok(false);
+        };
+        let taken = self.taken.get(line).copied().unwrap_or_default();
+        let in_flight_room = limits.in_flight.is_none_or(|limit| {
+            key_has_room(
+                read.in_flight + taken + demand - 1,
+                limit,
+                read.waiting,
+                first_in_line,
+            )
+        });
+        let tat = self.tat.get(line).copied().or(read.tat);
+        let rate_room = limits.rate.is_none_or(|rate| {
+            rate.room(tat, self.now) >= demand && (!read.waiting || first_in_line)
+        });
+        Ok(in_flight_room && rate_room)
+    }
+
+    /// Counts the attempts `decision` starts in key lines, and moves each
+    /// rate-limited key's arrival time on.
+    pub(crate) fn take(&mut self, decision: &Decision) {
+        for (line, limits, _) in decision.takes_keys() {
+            *self.taken.entry(line.to_owned()).or_default() += 1;
+            if let Some(rate) = limits.rate {
+                let before = self
+                    .tat
+                    .get(line)
+                    .copied()
+                    .or_else(|| self.read.get(line).copied().flatten().and_then(|r| r.tat));
+                self.tat
+                    .insert(line.to_owned(), rate.after_start(before, self.now));
+            }
+        }
+    }
+
+    /// Writes the rate-limited keys' arrival times the batch moved on.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub(crate) async fn write(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
+        if self.tat.is_empty() {
+            return Ok(());
+        }
+        let (keys, tats): (Vec<&str>, Vec<DateTime<Utc>>) = self
+            .tat
+            .iter()
+            .map(|(key, tat)| (key.as_str(), *tat))
+            .unzip();
+        sqlx::query("SELECT sas_set_key_rates($1, $2)")
+            .bind(&keys)
+            .bind(&tats)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Pauses the keys the batch's remotes asked to rest (see
+/// [`crate::machine::concurrency::KeyPause`]).
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn pause_keys(
+    conn: &mut PgConnection,
+    decided: &[Decided],
+) -> Result<(), StoreError> {
+    let (keys, untils): (Vec<&str>, Vec<DateTime<Utc>>) = decided
+        .iter()
+        .filter_map(|d| d.decision.key_pause.as_ref())
+        .map(|pause| (pause.key.as_str(), pause.until))
+        .unzip();
+    if keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("SELECT sas_pause_keys($1, $2)")
+        .bind(&keys)
+        .bind(&untils)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
