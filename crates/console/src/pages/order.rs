@@ -188,6 +188,7 @@ fn summary(view: &OrderView) -> Markup {
             tr { th { "failures" } td { (s.failure_count) } }
             tr { th { "priority" } td { (view.delivery.priority) } }
             @if let Some(agent) = &view.delivery.waiting_for { tr { th { "waiting for a slot of" } td { (agent) } } }
+            @if let Some(key) = &view.delivery.waiting_key { tr { th { "waiting for room in key" } td { (key) } } }
             tr { th { "last error" } td { (s.last_error.as_deref().unwrap_or("-")) } }
             tr { th { "submitted" } td { (super::when(s.created_at)) } }
             tr { th { "updated" } td { (super::when(s.updated_at)) } }

@@ -68,6 +68,9 @@ pub struct Delivery {
     pub priority: i16,
     /// The agent whose line the order waits in, if it waits.
     pub waiting_for: Option<String>,
+    /// The key whose line the order waits in (its step's limit by key),
+    /// if it waits there.
+    pub waiting_key: Option<String>,
 }
 
 /// Everything known about one order.
@@ -192,7 +195,7 @@ impl Reads<'_> {
     /// When the database fails.
     pub async fn order_delivery(self, order_id: &str) -> Result<Option<Delivery>, StoreError> {
         Ok(sqlx::query_as(
-            "SELECT reply_to, reply_correlation_id, priority, waiting_for
+            "SELECT reply_to, reply_correlation_id, priority, waiting_for, waiting_key
                FROM order_process WHERE order_id = $1",
         )
         .bind(order_id)
