@@ -500,9 +500,9 @@ fn check_groups(steps: &[StepDefinition]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A group starts whole or waits: its members in one key line (one fixed
-/// name, or one pointer and one agent) must fit under that key's limit and
-/// burst at once, or the group would wait for ever.
+/// A group starts whole or waits: its members that may meet in one key
+/// line (one fixed name, or pointer keys of one agent) must fit under
+/// that key's limit and burst at once, or the group would wait for ever.
 fn check_group_keys(run: &[StepDefinition], at: &str) -> anyhow::Result<()> {
     for step in run {
         let Some(key) = step
@@ -519,7 +519,14 @@ fn check_group_keys(run: &[StepDefinition], at: &str) -> anyhow::Result<()> {
                 .as_ref()
                 .map(|c| &c.key)
                 .or(other.rate.as_ref().map(|r| &r.key));
-            other_key == Some(key) && (!key.starts_with('/') || other.agent == step.agent)
+            // Two pointer keys of one agent may give one line (equal
+            // values, or both the default): counted together.
+            match other_key {
+                Some(other_key) if key.starts_with('/') => {
+                    other_key.starts_with('/') && other.agent == step.agent
+                }
+                other_key => other_key == Some(key),
+            }
         };
         let members = run.iter().filter(same_line).count();
         let room = [

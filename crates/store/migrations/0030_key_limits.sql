@@ -25,9 +25,8 @@ CREATE INDEX order_process_claimable ON order_process (not_before)
 
 -- key_pauses: keys a remote asked to rest (a 429 with Retry-After for an
 -- attempt in the key): no attempt in the key starts before `until`, and its
--- orders wait in its line meanwhile. A row outlives its pause until the
--- next pause of any key deletes it (sas_pause_keys): the services' role
--- may not DELETE, and the claims never scan this table (one lookup by key).
+-- orders wait in its line meanwhile. The claims never scan this table (one
+-- lookup by key); ended pauses are forgotten by sas_forget_quiet_keys.
 CREATE TABLE key_pauses (
     key       text PRIMARY KEY,
     until     timestamptz NOT NULL,
@@ -36,44 +35,61 @@ CREATE TABLE key_pauses (
 CREATE INDEX key_pauses_until ON key_pauses (until);
 
 -- Pauses each of `keys` until the matching `untils` (a longer pause already
--- there stands), and deletes up to 100 pauses that have ended.
+-- there stands).
 CREATE FUNCTION sas_pause_keys(keys text[], untils timestamptz[])
 RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
-BEGIN
-    DELETE FROM key_pauses WHERE key IN (
-        SELECT key FROM key_pauses WHERE until < now()
-         ORDER BY until LIMIT 100
-           FOR UPDATE SKIP LOCKED);
+LANGUAGE sql SECURITY DEFINER SET search_path = public, pg_temp AS $$
     INSERT INTO key_pauses AS k (key, until)
     SELECT u.key, max(u.until) FROM UNNEST(keys, untils) AS u(key, until) GROUP BY u.key
     ON CONFLICT (key) DO UPDATE
        SET until = GREATEST(k.until, EXCLUDED.until), paused_at = now();
-END $$;
+$$;
 
 -- key_rates: each rate-limited key's theoretical arrival time (the generic
 -- cell rate algorithm: each start moves it on by 1 / per_second; a start
--- may not put it more than `burst` starts ahead of now). A key quiet for a
--- while has a time in the past, which counts as none; such rows are
--- deleted by the next writes (sas_set_key_rates), the services' role may
--- not DELETE, and nothing scans this table (one lookup by key).
+-- may not put it more than `burst` starts ahead of now). A time in the
+-- past counts as none. Written under the key's lock; nothing scans this
+-- table (one lookup by key); keys quiet for a minute are forgotten by
+-- sas_forget_quiet_keys.
 CREATE TABLE key_rates (
     key text PRIMARY KEY,
     tat timestamptz NOT NULL
 );
 CREATE INDEX key_rates_tat ON key_rates (tat);
 
--- Sets each of `keys`' arrival time to the matching `tats` (the caller
--- holds each key's lock), and deletes up to 100 keys quiet for a minute.
+-- Sets each of `keys`' arrival time to the matching `tats` (never back).
 CREATE FUNCTION sas_set_key_rates(keys text[], tats timestamptz[])
 RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
-BEGIN
-    DELETE FROM key_rates WHERE key IN (
-        SELECT key FROM key_rates WHERE tat < now() - interval '1 minute'
-         ORDER BY tat LIMIT 100
-           FOR UPDATE SKIP LOCKED);
+LANGUAGE sql SECURITY DEFINER SET search_path = public, pg_temp AS $$
     INSERT INTO key_rates AS k (key, tat)
     SELECT u.key, max(u.tat) FROM UNNEST(keys, tats) AS u(key, tat) GROUP BY u.key
-    ON CONFLICT (key) DO UPDATE SET tat = EXCLUDED.tat;
+    ON CONFLICT (key) DO UPDATE SET tat = GREATEST(k.tat, EXCLUDED.tat);
+$$;
+
+-- Forgets up to `batch` ended pauses and rates of keys quiet for a minute
+-- (the services' role may not DELETE), in a transaction of its own that
+-- holds no other lock and skips rows a writer holds: it never waits for
+-- the schedulers, nor they for it beyond its commit. The supervisors call
+-- it. Returns how many rows it forgot.
+CREATE FUNCTION sas_forget_quiet_keys(batch integer)
+RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
+DECLARE
+    pauses integer;
+    rates integer;
+BEGIN
+    IF batch < 1 THEN
+        RAISE EXCEPTION 'sas_forget_quiet_keys: batch must be at least 1 (got %)', batch;
+    END IF;
+    DELETE FROM key_pauses WHERE key IN (
+        SELECT key FROM key_pauses WHERE until < now()
+         ORDER BY until LIMIT batch
+           FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS pauses = ROW_COUNT;
+    DELETE FROM key_rates WHERE key IN (
+        SELECT key FROM key_rates WHERE tat < now() - interval '1 minute'
+         ORDER BY tat LIMIT batch
+           FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS rates = ROW_COUNT;
+    RETURN pauses + rates;
 END $$;

@@ -370,6 +370,20 @@ impl Admission<'_> {
         .await?)
     }
 
+    /// Forgets up to `batch` ended key pauses and rates of keys quiet for
+    /// a minute (`sas_forget_quiet_keys`, migration 0030), in a
+    /// transaction of its own that never waits for the schedulers. Returns
+    /// how many it forgot.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn forget_quiet_keys(self, batch: i32) -> Result<i32, StoreError> {
+        Ok(sqlx::query_scalar("SELECT sas_forget_quiet_keys($1)")
+            .bind(batch)
+            .fetch_one(self.pool())
+            .await?)
+    }
+
     /// Orders waiting in key lines, and keys their remotes asked to rest
     /// now: the totals exported without a label.
     ///

@@ -1,4 +1,5 @@
-//! The gauges of the workflows' key lines (see the store's
+//! The gauges of the workflows' key lines, and forgetting the keys no
+//! longer limited (see the store's
 //! `machine::concurrency`): unlabelled totals for every key
 //! (`sas_key_lines_waiting`: orders waiting in key lines;
 //! `sas_keys_paused`: keys their remotes asked to rest), and gauges labelled
@@ -9,6 +10,9 @@ use std::collections::BTreeSet;
 
 use crate::Supervisor;
 
+/// The most ended pauses and quiet rates forgotten a scan.
+const FORGET_AT_ONCE: i32 = 1000;
+
 /// The most labelled key lines exported at once.
 const MOST_LABELLED: i64 = 1000;
 
@@ -18,6 +22,11 @@ impl Supervisor {
     /// last value.
     pub(crate) async fn export_key_gauges(&self) {
         let admission = self.store.admission();
+        // What no key needs any more: ended pauses, rates quiet for a
+        // minute (the services' role may not DELETE; this function may).
+        if let Err(error) = admission.forget_quiet_keys(FORGET_AT_ONCE).await {
+            tracing::debug!(error = %error, "cannot forget quiet keys");
+        }
         match admission.key_totals().await {
             Ok((waiting, paused)) => {
                 metrics::gauge!("sas_key_lines_waiting").set(waiting as f64);

@@ -35,6 +35,40 @@ fn merchant_order(order_id: &str, merchant: &str) -> sas_messages::SubmitOrder {
     submitted
 }
 
+/// Publishes `each` orders of every one of `merchants`, in turn
+/// (`<merchant>-<n>`).
+async fn publish_for(
+    env: &TestEnv,
+    publisher: &sas_broker::Publisher,
+    merchants: &[&str],
+    each: usize,
+) {
+    for n in 0..each {
+        for merchant in merchants {
+            env.publish_order(
+                publisher,
+                &merchant_order(&format!("{merchant}-{n}"), merchant),
+            )
+            .await;
+        }
+    }
+}
+
+/// The charges in remote-sim's ledger of `merchant`'s orders
+/// (`<merchant>-<n>`).
+fn charges_of<'a>(
+    effects: &'a [sas_tests::sim::Entry],
+    merchant: &'a str,
+) -> impl Iterator<Item = &'a sas_tests::sim::Entry> {
+    effects.iter().filter(move |e| {
+        e.operation == "charge"
+            && e.order_id
+                .as_deref()
+                .and_then(|id| id.strip_prefix(merchant))
+                .is_some_and(|rest| rest.starts_with('-'))
+    })
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn no_merchant_sees_more_than_its_limit_across_schedulers_and_agents_through_kill_9() {
     let env = TestEnv::with_step_timeout(3_000).await;
@@ -204,15 +238,7 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
         .await
         .expect("throttle one merchant");
     let throttle_ends = chrono::Utc::now() + chrono::Duration::from_std(throttle).unwrap();
-    for n in 0..EACH {
-        for merchant in ["slow", "fast"] {
-            env.publish_order(
-                &publisher,
-                &merchant_order(&format!("{merchant}-{n}"), merchant),
-            )
-            .await;
-        }
-    }
+    publish_for(&env, &publisher, &["slow", "fast"], EACH).await;
 
     // The pause is visible while it lasts, with the orders in its line.
     let paused = sas_tests::wait_until(
@@ -265,18 +291,11 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
     // time.
     let effects = sim.side_effects().await.expect("the ledger");
     let charged = |merchant: &str| -> Vec<chrono::DateTime<chrono::Utc>> {
-        effects
-            .iter()
-            .filter(|e| e.operation == "charge")
-            .filter(|e| {
-                e.order_id
-                    .as_deref()
-                    .is_some_and(|id| id.starts_with(merchant))
-            })
+        charges_of(&effects, merchant)
             .filter_map(|e| e.applied_at)
             .collect()
     };
-    let (fast, slow) = (charged("fast-"), charged("slow-"));
+    let (fast, slow) = (charged("fast"), charged("slow"));
     assert_eq!((fast.len(), slow.len()), (EACH, EACH), "each charged once");
     assert!(fast.iter().all(|at| *at < throttle_ends), "{fast:?}");
     let quiet_from = throttle_ends - chrono::Duration::milliseconds(500);
@@ -329,6 +348,23 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
         .expect("read the supervisor's metrics");
     assert!(!exported.contains("payment:fast"), "{exported}");
     assert!(exported.contains("sas_key_lines_waiting 0"), "{exported}");
+    // The ended pause is forgotten (the supervisor's sas_forget_quiet_keys).
+    sas_tests::wait_until(
+        "the ended pause forgotten",
+        Duration::from_secs(10),
+        || async {
+            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM key_pauses")
+                .fetch_one(&env.db)
+                .await
+                .map_err(|e| e.to_string())?;
+            if left == 0 {
+                Ok(())
+            } else {
+                Err(format!("{left} pauses kept"))
+            }
+        },
+    )
+    .await;
 }
 
 /// A payment step limited to 10 starts a second per merchant (burst 5),
@@ -358,15 +394,7 @@ async fn each_merchant_s_charges_keep_to_its_rate_across_schedulers() {
     let _schedulers: Vec<_> = (0..2).map(|i| env.scheduler(i, &settings)).collect();
     let _supervisor = env.supervisor(0, &[]);
     let (_connection, publisher) = env.broker().await;
-    for n in 0..EACH {
-        for merchant in ["a", "b"] {
-            env.publish_order(
-                &publisher,
-                &merchant_order(&format!("{merchant}-{n}"), merchant),
-            )
-            .await;
-        }
-    }
+    publish_for(&env, &publisher, &["a", "b"], EACH).await;
     env.wait_for_count(
         ProcessState::Processed,
         2 * EACH as i64,
@@ -376,16 +404,8 @@ async fn each_merchant_s_charges_keep_to_its_rate_across_schedulers() {
 
     let effects = sim.side_effects().await.expect("the ledger");
     for merchant in ["a", "b"] {
-        let mut at: Vec<chrono::DateTime<chrono::Utc>> = effects
-            .iter()
-            .filter(|e| e.operation == "charge")
-            .filter(|e| {
-                e.order_id
-                    .as_deref()
-                    .is_some_and(|id| id.starts_with(&format!("{merchant}-")))
-            })
-            .map(|e| e.at)
-            .collect();
+        let mut at: Vec<chrono::DateTime<chrono::Utc>> =
+            charges_of(&effects, merchant).map(|e| e.at).collect();
         at.sort();
         let dispatched: Vec<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
             "SELECT at FROM history WHERE event = 'dispatched' AND step = 'charge_payment'

@@ -165,9 +165,11 @@ impl Rate {
         check_key("rate", &self.key, self.default.as_deref())
     }
 
-    /// The time one start moves the key on by.
+    /// The time one start moves the key on by (rounded up to the
+    /// microsecond: never faster than declared).
     fn interval(&self) -> chrono::Duration {
-        chrono::Duration::microseconds(1_000_000 / i64::from(self.per_second.max(1)))
+        let per_second = i64::from(self.per_second.max(1));
+        chrono::Duration::microseconds((1_000_000 + per_second - 1) / per_second)
     }
 
     /// How many attempts may start now in a key whose theoretical arrival

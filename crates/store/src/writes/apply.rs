@@ -771,13 +771,33 @@ async fn decide_admitted(
     // Members of one parallel group in one key each need room: the
     // demand so far of this decision counts.
     let mut demand: HashMap<&str, i64> = HashMap::new();
+    // A new attempt of a step the key counts in flight (a retry after a
+    // transient failure, its call answered) takes the place it held.
+    let mut replaced: HashMap<&str, i64> = HashMap::new();
+    for change in &decision.steps {
+        let Some(before) = snapshot
+            .steps
+            .iter()
+            .find(|s| s.position == change.row.position)
+        else {
+            continue;
+        };
+        if let Some(line) = before.limit_key.as_deref() {
+            if change.row.attempt_id != change.expected_attempt_id
+                && room.keys.counted(&snapshot.process, before)
+            {
+                *replaced.entry(line).or_default() += 1;
+            }
+        }
+    }
     for (line, limits, kind) in decision.takes_keys() {
         let first_in_line = kind == StepKind::Compensation || from_a_line;
         let wanted = demand.entry(line).or_default();
         *wanted += 1;
+        let replaced = replaced.get(line).copied().unwrap_or_default();
         if !room
             .keys
-            .has_room(&mut *conn, line, limits, first_in_line, *wanted)
+            .has_room(&mut *conn, line, limits, first_in_line, *wanted, replaced)
             .await?
         {
             full_key = Some(line.to_owned());

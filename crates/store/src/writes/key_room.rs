@@ -14,7 +14,8 @@ use sqlx::PgConnection;
 
 use super::apply::Decided;
 use crate::machine::concurrency::{key_has_room, KeyLimits};
-use crate::machine::Decision;
+use crate::machine::{Decision, ProcessRow, StepRow};
+use crate::model::{ProcessState, StepState};
 use crate::StoreError;
 
 /// Takes key `$1`'s lock for the rest of the transaction if it is free
@@ -119,7 +120,10 @@ impl KeyRoom {
 
     /// Whether key `line` has room for `demand` more attempts under
     /// `limits` ([`key_has_room`], and the rate's), after what the batch
-    /// took. The key is locked for the rest of the transaction first (an
+    /// took; `replaced` of them start again steps of the deciding order
+    /// that the read counted in flight ([`KeyRoom::counted`]: a retry after
+    /// a transient failure, whose answered call is over), which they do
+    /// not add to. The key is locked for the rest of the transaction first (an
     /// advisory lock on its name), so that two schedulers never both count
     /// the last slot free; a key another transaction holds has no room
     /// now: the order waits in its line, and the claim that serves the
@@ -132,6 +136,7 @@ impl KeyRoom {
         limits: KeyLimits<'_>,
         first_in_line: bool,
         demand: i64,
+        replaced: i64,
     ) -> Result<bool, StoreError> {
         let read = match self.read.get(line) {
             Some(read) => *read,
@@ -147,7 +152,7 @@ impl KeyRoom {
         let taken = self.taken.get(line).copied().unwrap_or_default();
         let in_flight_room = limits.in_flight.is_none_or(|limit| {
             key_has_room(
-                read.in_flight + taken + demand - 1,
+                read.in_flight - replaced + taken + demand - 1,
                 limit,
                 read.waiting,
                 first_in_line,
@@ -158,6 +163,22 @@ impl KeyRoom {
             rate.room(tat, self.now) >= demand && (!read.waiting || first_in_line)
         });
         Ok(in_flight_room && rate_room)
+    }
+
+    /// Whether step `step` of an order whose process record is `process`
+    /// is one [`KEY_IN_FLIGHT`] counts: held in flight, or let go of
+    /// within its deadline plus the grace.
+    pub(crate) fn counted(&self, process: &ProcessRow, step: &StepRow) -> bool {
+        let in_flight = match process.state {
+            ProcessState::Processing => StepState::Running,
+            ProcessState::Compensating => StepState::Compensating,
+            _ => StepState::NotStarted,
+        };
+        let held =
+            process.locked_by.is_some() && process.complete_by.is_some() && step.state == in_flight;
+        let grace = chrono::Duration::from_std(self.grace).unwrap_or(chrono::Duration::zero());
+        matches!(step.state, StepState::Running | StepState::Compensating)
+            && (held || step.complete_by.is_some_and(|by| by > self.now - grace))
     }
 
     /// Counts the attempts `decision` starts in key lines, and moves each
@@ -222,4 +243,48 @@ pub(crate) async fn pause_keys(
         .execute(&mut *conn)
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::Snapshot;
+    use crate::NewStep;
+
+    #[test]
+    fn a_step_counts_in_flight_while_held_or_let_go_of_within_its_deadline_and_the_grace() {
+        let t = |s: i64| DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap();
+        let step = NewStep {
+            name: "charge".into(),
+            agent: "payment".into(),
+            action: "charge".into(),
+            compensation: None,
+            timeout: std::time::Duration::from_secs(5),
+            calls: None,
+            park: None,
+            group: None,
+        };
+        let mut order =
+            Snapshot::new_order("o-1", serde_json::json!({}), None, None, 0, &[step], t(0));
+        let room = KeyRoom::new(t(100), std::time::Duration::from_secs(2));
+        let mut charge = order.steps[0].clone();
+        charge.state = StepState::Running;
+        charge.complete_by = Some(t(90));
+        // Held by a scheduler, its deadline passed (the supervisor has not
+        // acted yet): counted.
+        order.process.state = ProcessState::Processing;
+        order.process.locked_by = Some("scheduler-0".into());
+        order.process.complete_by = Some(t(90));
+        assert!(room.counted(&order.process, &charge));
+        // Let go of (a cancel, a retry due): counted until its deadline
+        // plus the grace, no longer.
+        order.process.state = ProcessState::Pending;
+        order.process.locked_by = None;
+        order.process.complete_by = None;
+        assert!(!room.counted(&order.process, &charge), "deadline 10 s ago");
+        charge.complete_by = Some(t(99));
+        assert!(room.counted(&order.process, &charge), "within the grace");
+        charge.state = StepState::Completed;
+        assert!(!room.counted(&order.process, &charge), "answered");
+    }
 }
