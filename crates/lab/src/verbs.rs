@@ -79,6 +79,27 @@ impl TestEnv {
         .await;
     }
 
+    /// Waits until `count`, a `SELECT count(*) ...` on the test's
+    /// database, finds none: rows something in the background must remove
+    /// (`what` names them).
+    ///
+    /// # Panics
+    /// When some are still there at `timeout`.
+    pub async fn wait_for_none(&self, what: &str, count: &'static str, timeout: Duration) {
+        wait_until(&format!("no {what} left"), timeout, || async {
+            let left: i64 = sqlx::query_scalar(count)
+                .fetch_one(&self.db)
+                .await
+                .map_err(|e| e.to_string())?;
+            if left == 0 {
+                Ok(())
+            } else {
+                Err(format!("{left} {what} left"))
+            }
+        })
+        .await;
+    }
+
     /// Waits until at least `n` dead letters are recorded.
     ///
     /// # Panics

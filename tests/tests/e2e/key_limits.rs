@@ -349,20 +349,10 @@ async fn a_merchant_s_retry_after_pauses_its_key_only_and_counts_no_failure() {
     assert!(!exported.contains("payment:fast"), "{exported}");
     assert!(exported.contains("sas_key_lines_waiting 0"), "{exported}");
     // The ended pause is forgotten (the supervisor's sas_forget_quiet_keys).
-    sas_tests::wait_until(
-        "the ended pause forgotten",
+    env.wait_for_none(
+        "ended key pauses",
+        "SELECT count(*) FROM key_pauses",
         Duration::from_secs(10),
-        || async {
-            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM key_pauses")
-                .fetch_one(&env.db)
-                .await
-                .map_err(|e| e.to_string())?;
-            if left == 0 {
-                Ok(())
-            } else {
-                Err(format!("{left} pauses kept"))
-            }
-        },
     )
     .await;
 }

@@ -917,20 +917,10 @@ async fn sas_app_cannot_rewrite_history_retire_early_or_write_migrations_and_sti
             Setting::RetentionIntervalMs(100),
         ],
     );
-    wait_until(
-        "the finished order retired",
+    env.wait_for_none(
+        "history lines of the finished order",
+        "SELECT count(*) FROM history",
         Duration::from_secs(30),
-        || async {
-            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM history")
-                .fetch_one(&env.db)
-                .await
-                .map_err(|e| e.to_string())?;
-            if left == 0 {
-                Ok(())
-            } else {
-                Err(format!("{left} history lines left"))
-            }
-        },
     )
     .await;
     assert!(retiring.is_running());
