@@ -181,6 +181,15 @@ impl StepDefinition {
         }
     }
 
+    /// The key its `concurrency` or `rate` names (one key for both), if
+    /// the step is limited by key.
+    fn limit_key(&self) -> Option<&String> {
+        self.concurrency
+            .as_ref()
+            .map(|c| &c.key)
+            .or(self.rate.as_ref().map(|r| &r.key))
+    }
+
     /// Checks a call step's `concurrency` and `rate`: each well formed, a
     /// pointer key reading what is known when the step starts, and one key
     /// for both.
@@ -505,20 +514,11 @@ fn check_groups(steps: &[StepDefinition]) -> anyhow::Result<()> {
 /// that key's limit and burst at once, or the group would wait for ever.
 fn check_group_keys(run: &[StepDefinition], at: &str) -> anyhow::Result<()> {
     for step in run {
-        let Some(key) = step
-            .concurrency
-            .as_ref()
-            .map(|c| &c.key)
-            .or(step.rate.as_ref().map(|r| &r.key))
-        else {
+        let Some(key) = step.limit_key() else {
             continue;
         };
         let same_line = |other: &&StepDefinition| {
-            let other_key = other
-                .concurrency
-                .as_ref()
-                .map(|c| &c.key)
-                .or(other.rate.as_ref().map(|r| &r.key));
+            let other_key = other.limit_key();
             // Two pointer keys of one agent may give one line (equal
             // values, or both the default): counted together.
             match other_key {

@@ -767,6 +767,10 @@ async fn decide_admitted(
         };
         return Ok(decide(snapshot, event, &closed));
     }
+    // Most decisions start nothing limited by key: no more work for them.
+    if decision.takes_keys().is_empty() {
+        return Ok(decision);
+    }
     let mut full_key = None;
     // Members of one parallel group in one key each need room: the
     // demand so far of this decision counts.
