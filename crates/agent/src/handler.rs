@@ -63,6 +63,8 @@ struct ReplyHeaders {
     slot_wait_ms: Option<u64>,
     /// [`StepReply::retry_after_ms`].
     retry_after_ms: Option<u64>,
+    /// [`StepReply::call_ms`].
+    call_ms: Option<u64>,
 }
 
 /// How a request ended, before the reply.
@@ -196,6 +198,9 @@ impl Agent {
             queued_ms,
             slot_wait_ms,
             retry_after_ms,
+            call_ms: tries
+                .first_call
+                .map(|_| u64::try_from(tries.calling.as_millis()).unwrap_or(u64::MAX)),
         };
         match self.reply(received, outcome, headers, publisher).await {
             Ok(()) => {
@@ -285,6 +290,7 @@ impl Agent {
             queued_ms,
             slot_wait_ms,
             retry_after_ms,
+            call_ms,
         }: ReplyHeaders,
         publisher: &Publisher,
     ) -> Result<(), sas_broker::BrokerError> {
@@ -293,6 +299,7 @@ impl Agent {
             queued_ms,
             slot_wait_ms,
             retry_after_ms,
+            call_ms,
             schema_version: SCHEMA_VERSION,
             order_id: request.order_id.clone(),
             step: request.step.clone(),
@@ -309,6 +316,7 @@ impl Agent {
             (sas_messages::headers::QUEUED_MS, queued_ms),
             (sas_messages::headers::SLOT_WAIT_MS, slot_wait_ms),
             (sas_messages::headers::RETRY_AFTER_MS, retry_after_ms),
+            (sas_messages::headers::CALL_MS, call_ms),
         ] {
             if let Some(value) = value {
                 headers = sas_broker::publish::with_number_header(headers, key, value);
@@ -524,8 +532,11 @@ impl Agent {
         let calling = Instant::now();
         let result = tokio::select! {
             result = lane.remote.call(&received.request, timeout, received.trace_id.as_deref()) => {
-                // A line of the latency budget: the remote's share of the agent's time.
-                metrics::histogram!("sas_agent_remote_seconds").record(calling.elapsed().as_secs_f64());
+                // A line of the latency budget: the remote's share of the
+                // agent's time; and what an adaptive key learns from.
+                let took = calling.elapsed();
+                metrics::histogram!("sas_agent_remote_seconds").record(took.as_secs_f64());
+                tries.calling += took;
                 result
             }
             () = connection_lost.cancelled() => {
@@ -626,6 +637,8 @@ struct Tries {
     first_call: Option<DateTime<Utc>>,
     /// How long its calls waited for a call slot, in all.
     slot_wait: Duration,
+    /// How long its calls took at the remote, in all.
+    calling: Duration,
     /// The service's last "slow down" (429: nothing applied), if it
     /// answered one.
     throttled: Option<String>,
@@ -648,6 +661,7 @@ impl Tries {
             tried: redelivered,
             first_call: None,
             slot_wait: Duration::ZERO,
+            calling: Duration::ZERO,
             throttled: None,
             met_service: redelivered,
         }
@@ -955,6 +969,7 @@ mod tests {
             queued_ms: None,
             slot_wait_ms: None,
             retry_after_ms: None,
+            call_ms: None,
         }
     }
 

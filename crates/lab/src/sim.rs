@@ -256,6 +256,29 @@ impl SimClient {
             .await
     }
 
+    /// Makes `merchant`'s API of `service` serve `calls` at once, `call_ms`
+    /// each, the others waiting there (`calls` 0: no limit).
+    ///
+    /// # Errors
+    /// When remote-sim refuses.
+    pub async fn set_merchant_capacity(
+        &self,
+        service: &str,
+        merchant: &str,
+        calls: u32,
+        call_ms: u64,
+    ) -> anyhow::Result<()> {
+        self.admin(
+            self.http
+                .put(format!("{}/admin/capacity/{service}/{merchant}", self.base)),
+        )
+        .json(&serde_json::json!({ "calls": calls, "call_ms": call_ms }))
+        .send()
+        .await?
+        .error_for_status()?;
+        Ok(())
+    }
+
     async fn throttle_path(&self, path: &str, for_ms: u64) -> anyhow::Result<()> {
         self.admin(
             self.http

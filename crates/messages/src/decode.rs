@@ -120,6 +120,7 @@ mod tests {
             queued_ms: None,
             slot_wait_ms: None,
             retry_after_ms: None,
+            call_ms: None,
             schema_version: SCHEMA_VERSION,
             order_id: "o".into(),
             step: "charge_payment".into(),

@@ -142,6 +142,9 @@ pub mod headers {
     /// the remote asked the key to rest, in milliseconds (see
     /// [`crate::StepReply::retry_after_ms`]).
     pub const RETRY_AFTER_MS: &str = "x-sas-retry-after-ms";
+    /// On a step reply: the milliseconds the attempt's calls took at the
+    /// remote (see [`crate::StepReply::call_ms`]).
+    pub const CALL_MS: &str = "x-sas-call-ms";
     /// When one of our services handed the message to the broker, in
     /// microseconds since the Unix epoch by its clock (a 64-bit integer):
     /// the receiver's `sas_queue_wait_seconds`, a line of the benchmark's

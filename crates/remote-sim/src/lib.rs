@@ -13,10 +13,13 @@
 //! recorded with the call's method and body (`GET /side-effects`), so tests
 //! can count them.
 //!
+//! - [`capacity`]: a merchant's API that serves so many calls at once
+//!   (`PUT /admin/capacity/{service}/{merchant}`).
 //! - [`concurrency`]: calls in flight per merchant (`GET /concurrency`).
 //! - [`ledger`]: the decisions taken per key, the side effects, the journal.
 //! - [`routes`]: the HTTP API (plain HTTP, or TLS with `sim.tls_cert_file`).
 
+pub mod capacity;
 pub mod concurrency;
 pub mod ledger;
 pub mod routes;

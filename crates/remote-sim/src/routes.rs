@@ -13,6 +13,12 @@
 //! - `PUT /admin/throttle/{service}` `{"for_ms": N}`: the service answers
 //!   every call 429 with `Retry-After` for the next N ms (nothing applied),
 //!   as a provider rate-limiting an API key does.
+//! - `PUT /admin/throttle/{service}/{merchant}` `{"for_ms": N}`: the same,
+//!   for one merchant's API key of the service.
+//! - `PUT /admin/capacity/{service}/{merchant}` `{"calls": N, "call_ms": M}`:
+//!   the merchant's API serves N calls at once, M ms each; more wait there
+//!   (see [`crate::capacity`]).
+//! - `GET /concurrency`: calls in flight per merchant.
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics` (`sas_sim_calls_total{service,outcome}`).
 //!
 //! With `sim.auth_token` set, the service routes require
@@ -85,6 +91,8 @@ pub struct SimState {
     throttles: Arc<Mutex<HashMap<String, std::time::Instant>>>,
     /// Calls in flight per merchant (`GET /concurrency`).
     concurrency: crate::concurrency::Concurrency,
+    /// Merchants' APIs that serve so many calls at once.
+    capacities: crate::capacity::Capacities,
 }
 
 /// Marks a key in flight until the answer is sent or the caller went away
@@ -131,6 +139,7 @@ impl SimState {
             admin_token: settings.sim.admin_token.get().map(Arc::from),
             throttles: Arc::default(),
             concurrency: crate::concurrency::Concurrency::default(),
+            capacities: crate::capacity::Capacities::default(),
         })
     }
 
@@ -167,6 +176,10 @@ pub fn router(state: SimState) -> Router {
         .route(
             "/admin/throttle/{service}/{merchant}",
             put(set_merchant_throttle),
+        )
+        .route(
+            "/admin/capacity/{service}/{merchant}",
+            put(set_merchant_capacity),
         )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -402,6 +415,12 @@ async fn call(
     if let Some(answer) = throttled(&state, &call.service, merchant) {
         return answer;
     }
+    if let Some(merchant) = merchant {
+        state
+            .capacities
+            .serve(&format!("{}:{merchant}", call.service))
+            .await;
+    }
     let faults = state.faults_for(&call.service);
     let provider = state.provider();
     let decided = match decide(&state, &call, &faults, &provider) {
@@ -481,6 +500,32 @@ async fn set_merchant_throttle(
     Json(throttle): Json<Throttle>,
 ) -> Response {
     throttle_until(&state, service, Some(merchant), &throttle)
+}
+
+/// `PUT /admin/capacity/{service}/{merchant}`: the merchant's API of the
+/// service serves so many calls at once (see [`crate::capacity`]).
+async fn set_merchant_capacity(
+    State(state): State<SimState>,
+    Path((service, merchant)): Path<(String, String)>,
+    Json(capacity): Json<crate::capacity::Capacity>,
+) -> Response {
+    if let Some(unknown) = unknown_service(&service) {
+        return unknown;
+    }
+    if let Err(why) = capacity.check() {
+        return error(StatusCode::BAD_REQUEST, why);
+    }
+    tracing::info!(
+        service,
+        merchant,
+        calls = capacity.calls,
+        call_ms = capacity.call_ms,
+        "capacity set"
+    );
+    state
+        .capacities
+        .set(format!("{service}:{merchant}"), capacity);
+    StatusCode::NO_CONTENT.into_response()
 }
 
 /// Throttles `service` (or one `merchant` of it) for the time `throttle` says.

@@ -404,7 +404,7 @@ fn print_key_lines(keys: &[sas_store::admission::KeyLine]) {
         return;
     }
     println!(
-        "\n{:<32} {:>8} {:>10} {:>6} {:>8} {:>12} {:>22}",
+        "\n{:<32} {:>8} {:>10} {:>9} {:>8} {:>12} {:>22}",
         "KEY", "WAITING", "IN FLIGHT", "LIMIT", "RATE/S", "OLDEST WAIT", "PAUSED UNTIL"
     );
     for key in keys {
@@ -417,11 +417,11 @@ fn print_key_lines(keys: &[sas_store::admission::KeyLine]) {
             |until| until.format("%Y-%m-%d %H:%M:%S").to_string(),
         );
         println!(
-            "{:<32} {:>8} {:>10} {:>6} {:>8} {:>12} {:>22}",
+            "{:<32} {:>8} {:>10} {:>9} {:>8} {:>12} {:>22}",
             key.key,
             key.waiting,
             key.in_flight,
-            dash(key.limit),
+            key.limit_shown(),
             dash(key.per_second),
             oldest,
             paused

@@ -39,6 +39,7 @@ impl Scheduler {
         reply.queued_ms = header_u64(&delivery.properties, headers::QUEUED_MS);
         reply.slot_wait_ms = header_u64(&delivery.properties, headers::SLOT_WAIT_MS);
         reply.retry_after_ms = header_u64(&delivery.properties, headers::RETRY_AFTER_MS);
+        reply.call_ms = header_u64(&delivery.properties, headers::CALL_MS);
         let attempt_id = reply.attempt_id.to_string();
         if delivery.correlation_id() != Some(attempt_id.as_str()) {
             return Consumed::DeadLetter(format!(

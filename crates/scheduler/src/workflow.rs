@@ -529,6 +529,12 @@ fn check_group_keys(run: &[StepDefinition], at: &str) -> anyhow::Result<()> {
             }
         };
         let members = run.iter().filter(same_line).count();
+        // A learnt limit may go down to one: the members could then never
+        // start together.
+        anyhow::ensure!(
+            members < 2 || !step.concurrency.as_ref().is_some_and(|c| c.adaptive),
+            "{at}: {members} members of the group share key {key:?}, whose adaptive limit may learn to let fewer in at once: make it not adaptive, or give each member its own key"
+        );
         let room = [
             step.concurrency.as_ref().map(|c| c.limit),
             step.rate.as_ref().map(|r| r.burst),
@@ -759,6 +765,17 @@ mod tests {
             (limit.key.as_str(), limit.limit, limit.default.as_deref()),
             ("/attributes/merchant_id", 5, Some("unknown"))
         );
+        assert!(!limit.adaptive, "a limit is fixed unless declared adaptive");
+        let adaptive = Workflow::parse(&format!(
+            "name = \"x\"\n{}",
+            charge("{ key = \"/attributes/merchant_id\", limit = 20, adaptive = true }")
+        ))
+        .unwrap();
+        assert!(adaptive.new_steps()[0]
+            .calls
+            .as_ref()
+            .and_then(|calls| calls.concurrency.as_ref())
+            .is_some_and(|c| c.adaptive && c.limit == 20));
         let rated = Workflow::parse(&format!(
             "name = \"x\"\n{}rate = {{ key = \"/attributes/merchant_id\", per_second = 20, burst = 40, default = \"unknown\" }}\n",
             charge("{ key = \"/attributes/merchant_id\", limit = 5, default = \"unknown\" }")
@@ -812,6 +829,15 @@ mod tests {
                     charge("{ key = \"partner\", limit = 1 }").replace("\"charge\"", "\"b\"") + "group = \"g\"\n",
                 ),
                 "2 members of the group share key \"partner\", whose limit (or burst) of 1",
+            ),
+            (
+                format!(
+                    "{}{}{}",
+                    charge("{ key = \"first\", limit = 9 }"),
+                    charge("{ key = \"partner\", limit = 4, adaptive = true }").replace("\"charge\"", "\"a\"") + "group = \"g\"\n",
+                    charge("{ key = \"partner\", limit = 4, adaptive = true }").replace("\"charge\"", "\"b\"") + "group = \"g\"\n",
+                ),
+                "2 members of the group share key \"partner\", whose adaptive limit may learn",
             ),
         ] {
             let error = Workflow::parse(&format!("name = \"x\"\n{text}"))

@@ -130,8 +130,12 @@ pub struct KeyLine {
     pub in_flight: i64,
     /// Orders waiting in its line.
     pub waiting: i64,
-    /// The most in flight at once, as its steps declare it.
+    /// The most in flight at once, as its steps declare it (for an
+    /// adaptive key, the most it may learn).
     pub limit: Option<i32>,
+    /// The limit an adaptive key has learnt (within `limit`), once its
+    /// remote has answered (see [`crate::machine::key_learning`]).
+    pub learnt_limit: Option<i32>,
     /// The starts a second its steps allow, when they declare a rate.
     pub per_second: Option<i32>,
     /// Seconds the longest-waiting order of the line has waited (none when
@@ -140,6 +144,18 @@ pub struct KeyLine {
     /// Until when the remote asked the key to rest (a 429 with
     /// `Retry-After`), while it does.
     pub paused_until: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl KeyLine {
+    /// The limit as operators read it: `20`, or `7/20` for a key that
+    /// learnt 7 under a ceiling of 20; `-` without one.
+    pub fn limit_shown(&self) -> String {
+        match (self.learnt_limit, self.limit) {
+            (Some(learnt), Some(ceiling)) => format!("{learnt}/{ceiling}"),
+            (None, Some(limit)) => limit.to_string(),
+            (_, None) => "-".to_owned(),
+        }
+    }
 }
 
 /// How the supervisors adapt the limits.
@@ -338,18 +354,27 @@ impl Admission<'_> {
     ) -> Result<Vec<KeyLine>, StoreError> {
         Ok(sqlx::query_as(AssertSqlSafe(format!(
             "SELECT key, sum(in_flight)::int8 AS in_flight, sum(waiting)::int8 AS waiting,
-                    max(key_limit) AS limit, max(per_second) AS per_second,
+                    max(key_limit) AS limit,
+                    CASE WHEN bool_or(adaptive) THEN
+                         LEAST(max(key_limit), (SELECT floor(l.learnt_limit)::int4
+                                                  FROM key_learnt l WHERE l.key = k.key))
+                    END AS learnt_limit,
+                    max(per_second) AS per_second,
                     EXTRACT(EPOCH FROM now() - min(since))::float8 AS oldest_wait_secs,
                     (SELECT until FROM key_pauses x WHERE x.key = k.key AND until > now())
                         AS paused_until
                FROM (SELECT s.limit_key AS key, 1 AS in_flight, 0 AS waiting,
                             (s.request->'concurrency'->>'limit')::int4 AS key_limit,
+                            (s.request->'concurrency'->'adaptive') = 'true'::jsonb AS adaptive,
                             (s.request->'rate'->>'per_second')::int4 AS per_second,
                             NULL::timestamptz AS since
                        {KEY_IN_FLIGHT} AND s.limit_key IS NOT NULL
                      UNION ALL
                      SELECT p.waiting_key, 0, 1,
                             (SELECT max((s.request->'concurrency'->>'limit')::int4) FROM steps s
+                              WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
+                            (SELECT bool_or((s.request->'concurrency'->'adaptive') = 'true'::jsonb)
+                               FROM steps s
                               WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
                             (SELECT max((s.request->'rate'->>'per_second')::int4) FROM steps s
                               WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),

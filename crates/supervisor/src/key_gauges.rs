@@ -50,6 +50,9 @@ impl Supervisor {
             let key = line.key;
             metrics::gauge!("sas_key_waiting", "key" => key.clone()).set(line.waiting as f64);
             metrics::gauge!("sas_key_in_flight", "key" => key.clone()).set(line.in_flight as f64);
+            // The limit in force: what an adaptive key learnt, or the declared one.
+            let limit = line.learnt_limit.or(line.limit).unwrap_or(0);
+            metrics::gauge!("sas_key_limit", "key" => key.clone()).set(f64::from(limit));
             let paused = line
                 .paused_until
                 .map_or(0.0, |until| until.timestamp() as f64);
@@ -60,6 +63,7 @@ impl Supervisor {
             for name in [
                 "sas_key_waiting",
                 "sas_key_in_flight",
+                "sas_key_limit",
                 "sas_key_paused_until_seconds",
             ] {
                 metrics::gauge!(name, "key" => idle.clone()).set(0.0);

@@ -30,6 +30,7 @@ fn success(dispatch: &Dispatch) -> StepReply {
         queued_ms: None,
         slot_wait_ms: None,
         retry_after_ms: None,
+        call_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: dispatch.order_id.clone(),
         step: dispatch.step.clone(),

@@ -3,7 +3,9 @@
 //! three payment agents, remote-sim counting the calls it is answering per
 //! merchant). The remote is the judge: whatever the schedulers and agents
 //! do, kill -9 included, no merchant's API sees more calls at once than
-//! the limit, every order is processed, and nothing stays counted.
+//! the limit, every order is processed, and nothing stays counted. Also a
+//! remote's `Retry-After` pausing one key, a rate per key, and a limit
+//! that learns what a merchant's API copes with.
 
 use std::time::Duration;
 
@@ -444,6 +446,126 @@ async fn each_merchant_s_charges_keep_to_its_rate_across_schedulers() {
             .await
             .expect("read the failures");
     assert_eq!(failures, 0);
+}
+
+/// An adaptive key learns what its remote copes with: two merchants under
+/// one declared ceiling of 20, one whose API serves two calls at once (50
+/// ms each; more wait there, slower and slower), one whose API serves a
+/// hundred. The slow merchant's key learns a limit near what its API
+/// serves in time, and its API sees a few calls at once, not the ceiling's
+/// twenty; the fast one's learns up to the ceiling. Every order is
+/// processed, none failed.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_adaptive_key_learns_what_its_merchant_s_api_copes_with() {
+    const EACH: usize = 200;
+    const CEILING: u32 = 20;
+    let env = TestEnv::with_step_timeout(5_000).await;
+    let (_sim_process, sim) = env.remote_sim(&[Setting::SimFaultsLatencyMs(1)]).await;
+    sim.set_merchant_capacity("payment", "slow", 2, 50)
+        .await
+        .expect("give the slow merchant's API its capacity");
+    sim.set_merchant_capacity("payment", "fast", 100, 50)
+        .await
+        .expect("give the fast merchant's API its capacity");
+    let workflow = format!(
+        "name = \"order\"\nversion = 1\n{}{}concurrency = {{ key = \"/attributes/merchant_id\", limit = {CEILING}, adaptive = true }}\n\n{}",
+        env.call_step(("reserve_stock", "inventory", "reserve", "release"), None),
+        env.call_step(("charge_payment", "payment", "charge", "refund"), None),
+        env.call_step(("create_shipment", "shipping", "ship", "cancel"), None),
+    );
+    let mut settings = env.workflows(&[("order.toml", &workflow)]).to_vec();
+    // The agents' lines are not what holds the calls back.
+    settings.extend([
+        Setting::SchedulerAdmissionInitial(64),
+        Setting::SchedulerAdmissionCeiling(128),
+    ]);
+    let wide = [Setting::AgentConcurrency(32)];
+    let _payments: Vec<_> = (0..2)
+        .map(|i| env.agent("payment", i, &sim, &wide))
+        .collect();
+    let _inventory = env.agent("inventory", 0, &sim, &wide);
+    let _shipping = env.agent("shipping", 0, &sim, &wide);
+    let _schedulers: Vec<_> = (0..2).map(|i| env.scheduler(i, &settings)).collect();
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+
+    // The slow merchant's calls at its API, sampled while its orders run.
+    let watching = tokio::spawn({
+        let sim = sim.clone();
+        async move {
+            let mut seen: Vec<(u64, u32)> = Vec::new();
+            loop {
+                if let Ok(counts) = sim.concurrency().await {
+                    if let Some(slow) = counts.get("payment:slow") {
+                        seen.push((slow.calls, slow.in_flight));
+                        if slow.calls >= EACH as u64 && slow.in_flight == 0 {
+                            return seen;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    publish_for(&env, &publisher, &["slow", "fast"], EACH).await;
+    env.wait_for_count(
+        ProcessState::Processed,
+        2 * EACH as i64,
+        Duration::from_secs(120),
+    )
+    .await;
+    let seen = tokio::time::timeout(Duration::from_secs(10), watching)
+        .await
+        .expect("the slow merchant's calls all answered")
+        .expect("the sampling task");
+
+    // Once the key has learnt (a third of its calls made) and while its
+    // line is long (before the last sixth), its API holds a few calls at
+    // once: what it serves in time (2 at once, up to 1.5 times as slow:
+    // about 3), not the ceiling's 20.
+    let mut learning: Vec<u32> = seen
+        .iter()
+        .filter(|(calls, _)| (EACH as u64 / 3..EACH as u64 * 5 / 6).contains(calls))
+        .map(|(_, in_flight)| *in_flight)
+        .collect();
+    learning.sort_unstable();
+    assert!(learning.len() >= 10, "too few samples: {seen:?}");
+    let most = learning[learning.len() - 1];
+    let median = learning[learning.len() / 2];
+    // Measured: a median of 3 or 4 and at most 6 or 7 adaptive; a median
+    // of 15 and 19 at most with the same limit not adaptive.
+    assert!(
+        median <= 8,
+        "the slow merchant's API held {median} calls at once (median), its capacity is 2: {learning:?}"
+    );
+    assert!(
+        most <= 12,
+        "the slow merchant's API held {most} calls at once, its capacity is 2: {learning:?}"
+    );
+    let learnt: Vec<(String, f64)> =
+        sqlx::query_as("SELECT key, learnt_limit FROM key_learnt ORDER BY key")
+            .fetch_all(&env.db)
+            .await
+            .expect("read what the keys learnt");
+    let limit_of = |key: &str| {
+        learnt
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, limit)| *limit)
+            .unwrap_or_else(|| panic!("{key} learnt nothing: {learnt:?}"))
+    };
+    assert!(limit_of("payment:slow") <= 10.0, "{learnt:?}");
+    assert!(
+        limit_of("payment:fast") >= 16.0,
+        "the fast merchant's key learnt less than its API copes with: {learnt:?}"
+    );
+    let failures: i64 =
+        sqlx::query_scalar("SELECT COALESCE(sum(failure_count), 0)::int8 FROM order_process")
+            .fetch_one(&env.db)
+            .await
+            .expect("read the failures");
+    assert_eq!(failures, 0);
+    sim.assert_every_order_done_once().await;
 }
 
 /// Panics when a window of the sorted instants `at` holds more than

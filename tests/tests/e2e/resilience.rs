@@ -370,6 +370,7 @@ async fn a_late_reply_for_an_old_attempt_changes_nothing_and_its_side_effect_hap
         queued_ms: None,
         slot_wait_ms: None,
         retry_after_ms: None,
+        call_ms: None,
         schema_version: sas_messages::SCHEMA_VERSION,
         order_id: "late-1".into(),
         step: "charge_payment".into(),

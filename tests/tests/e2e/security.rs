@@ -462,6 +462,7 @@ async fn under_role_users_a_forged_reply_and_forged_dead_letter_headers_change_n
         queued_ms: None,
         slot_wait_ms: None,
         retry_after_ms: None,
+        call_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: "victim-1".into(),
         step: "charge_payment".into(),

@@ -757,6 +757,7 @@ async fn run_case(
                     queued_ms: None,
                     slot_wait_ms: None,
                     retry_after_ms: None,
+                    call_ms: None,
                     schema_version: SCHEMA_VERSION,
                     order_id: order_id.clone(),
                     step,

@@ -263,9 +263,7 @@ fn key_lines(overview: &Overview) -> Markup {
                             td { (key.key) }
                             td.num data-field="waiting" { (key.waiting) }
                             td.num data-field="in_flight" { (key.in_flight) }
-                            td.num data-field="limit" {
-                                @match key.limit { Some(limit) => { (limit) } None => { "-" } }
-                            }
+                            td.num data-field="limit" title="learnt/declared, for an adaptive key" { (key.limit_shown()) }
                             td.num data-field="per_second" {
                                 @match key.per_second { Some(rate) => { (rate) } None => { "-" } }
                             }

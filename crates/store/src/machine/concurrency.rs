@@ -77,6 +77,10 @@ pub struct Concurrency {
     /// The value an order without one takes ([`DEFAULT_KEY`] when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<String>,
+    /// Whether each key learns its limit from its remote's answers, `limit`
+    /// being the most it may learn (see [`super::key_learning`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adaptive: bool,
 }
 
 impl Concurrency {
@@ -195,26 +199,32 @@ impl Rate {
 /// started a second, or both (one key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyLimits<'a> {
-    /// The most in flight at once.
+    /// The most in flight at once (the ceiling of what an adaptive key
+    /// learns).
     pub in_flight: Option<i32>,
+    /// Whether the key learns its limit within `in_flight` (see
+    /// [`super::key_learning`]).
+    pub adaptive: bool,
     /// The rate of starts.
     pub rate: Option<&'a Rate>,
 }
 
 impl std::fmt::Display for KeyLimits<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.in_flight, self.rate) {
-            (Some(limit), None) => write!(f, "its limit of {limit} in flight"),
-            (None, Some(rate)) => write!(
-                f,
-                "its rate of {}/s (burst {})",
-                rate.per_second, rate.burst
-            ),
-            (Some(limit), Some(rate)) => write!(
-                f,
-                "its limit of {limit} in flight and its rate of {}/s (burst {})",
-                rate.per_second, rate.burst
-            ),
+        let in_flight = self.in_flight.map(|limit| {
+            if self.adaptive {
+                format!("its learnt limit (at most {limit}) in flight")
+            } else {
+                format!("its limit of {limit} in flight")
+            }
+        });
+        let rate = self
+            .rate
+            .map(|rate| format!("its rate of {}/s (burst {})", rate.per_second, rate.burst));
+        match (in_flight, rate) {
+            (Some(limit), None) => write!(f, "{limit}"),
+            (None, Some(rate)) => write!(f, "{rate}"),
+            (Some(limit), Some(rate)) => write!(f, "{limit} and {rate}"),
             (None, None) => write!(f, "no limit"),
         }
     }
@@ -226,6 +236,7 @@ impl super::call::StepCalls {
     pub fn key_limits(&self) -> Option<(KeyLimits<'_>, &str, Option<&str>)> {
         let limits = KeyLimits {
             in_flight: self.concurrency.as_ref().map(|c| c.limit),
+            adaptive: self.concurrency.as_ref().is_some_and(|c| c.adaptive),
             rate: self.rate.as_ref(),
         };
         match (&self.concurrency, &self.rate) {
@@ -309,6 +320,7 @@ mod tests {
             key: "/attributes/merchant_id".into(),
             limit: 5,
             default: default.map(str::to_owned),
+            adaptive: false,
         }
     }
 
@@ -349,6 +361,7 @@ mod tests {
             key: "partner_api".into(),
             limit: 2,
             default: None,
+            adaptive: false,
         };
         assert_eq!(fixed.line("payment", &json!({})), "partner_api");
         assert_eq!(fixed.line("shipping", &json!({})), "partner_api");

@@ -28,6 +28,7 @@ pub mod admission;
 pub mod call;
 pub mod concurrency;
 pub mod dispatch;
+pub mod key_learning;
 pub mod kind;
 pub mod moves;
 pub mod names;
@@ -475,6 +476,9 @@ pub struct Decision {
     pub moved_steps: Option<Vec<StepRow>>,
     /// A key the remote asked to rest (see [`concurrency::KeyPause`]).
     pub key_pause: Option<concurrency::KeyPause>,
+    /// What the reply said of an adaptive key's remote (see
+    /// [`key_learning`]).
+    pub key_sample: Option<key_learning::KeySample>,
 }
 
 impl Decision {

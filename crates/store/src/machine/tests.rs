@@ -138,6 +138,7 @@ fn reply(attempt_id: AttemptId, outcome: StepOutcome) -> StepReply {
         queued_ms: None,
         slot_wait_ms: None,
         retry_after_ms: None,
+        call_ms: None,
         schema_version: SCHEMA_VERSION,
         order_id: "o-1".into(),
         step: "charge_payment".into(),
@@ -1060,6 +1061,7 @@ fn a_success_gives_its_slot_back_and_takes_the_next_agent_s() {
         queued_ms: Some(400),
         slot_wait_ms: Some(300),
         retry_after_ms: None,
+        call_ms: None,
         ..reply(current, succeeded())
     };
     let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(3)));
@@ -1687,6 +1689,7 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
             queued_ms: None,
             slot_wait_ms: None,
             retry_after_ms: None,
+            call_ms: None,
             outcome: StepOutcome::Succeeded {
                 result: serde_json::json!({ "id": "res-77" }),
             },
@@ -1942,12 +1945,18 @@ fn an_order_stopped_while_in_a_line_leaves_the_line() {
 /// `fresh()` with its first step limited to 2 attempts at once per
 /// merchant, for merchant `m-7`.
 fn limited_by_merchant() -> Snapshot {
+    limited_by_merchant_learning(false)
+}
+
+/// [`limited_by_merchant`], its limit `adaptive` or not.
+fn limited_by_merchant_learning(adaptive: bool) -> Snapshot {
     let mut steps = workflow();
     steps[0].calls = Some(crate::StepCalls {
         concurrency: Some(crate::Concurrency {
             key: "/attributes/merchant_id".into(),
             limit: 2,
             default: None,
+            adaptive,
         }),
         ..crate::StepCalls::default()
     });
@@ -1973,6 +1982,7 @@ fn an_attempt_limited_by_key_names_its_key_and_waits_in_its_line_when_full() {
             "inventory:m-7",
             crate::machine::concurrency::KeyLimits {
                 in_flight: Some(2),
+                adaptive: false,
                 rate: None
             },
             sas_messages::StepKind::Action
@@ -2033,6 +2043,7 @@ fn an_attempt_limited_by_key_names_its_key_and_waits_in_its_line_when_full() {
             "inventory:m-7",
             crate::machine::concurrency::KeyLimits {
                 in_flight: Some(2),
+                adaptive: false,
                 rate: None
             },
             sas_messages::StepKind::Action
@@ -2074,6 +2085,7 @@ fn a_key_its_remote_asks_to_rest_pauses_and_its_order_waits_in_the_key_s_line_at
     let attempt_id = started.progress.dispatches[0].attempt_id;
     let rest = |ms: u64| StepReply {
         retry_after_ms: Some(ms),
+        call_ms: None,
         ..reply(
             attempt_id,
             StepOutcome::NotStarted {
@@ -2116,5 +2128,62 @@ fn a_key_its_remote_asks_to_rest_pauses_and_its_order_waits_in_the_key_s_line_at
     assert_eq!(
         plain.process.unwrap().waiting_for.as_deref(),
         Some("inventory")
+    );
+}
+
+#[test]
+fn a_reply_in_an_adaptive_key_says_what_its_remote_took_or_that_it_refused() {
+    use crate::machine::key_learning::{KeySample, KeySignal};
+    let sample_of = |adaptive: bool, reply: &dyn Fn(AttemptId) -> StepReply| {
+        let mut order = limited_by_merchant_learning(adaptive);
+        let started = decide(&order.clone(), &Event::Submitted, &ctx(t(0)));
+        order.apply(&started);
+        let attempt_id = started.progress.dispatches[0].attempt_id;
+        decide(&order, &Event::Reply(&reply(attempt_id)), &ctx(t(1))).key_sample
+    };
+    let answered = |attempt_id| StepReply {
+        call_ms: Some(420),
+        ..reply(attempt_id, succeeded())
+    };
+    assert_eq!(
+        sample_of(true, &answered),
+        Some(KeySample {
+            key: "inventory:m-7".into(),
+            ceiling: 2,
+            signal: KeySignal::Answered { ms: 420 }
+        })
+    );
+    assert_eq!(
+        sample_of(false, &answered),
+        None,
+        "a fixed limit learns nothing"
+    );
+    // An agent that does not say: the attempt's time in flight, less what
+    // it queued (dispatched at 0, answered at 1 s, 300 ms queued).
+    let unsaid = |attempt_id| StepReply {
+        queued_ms: Some(300),
+        ..reply(attempt_id, succeeded())
+    };
+    assert_eq!(
+        sample_of(true, &unsaid).map(|s| s.signal),
+        Some(KeySignal::Answered { ms: 700 })
+    );
+    let refused = |attempt_id| StepReply {
+        retry_after_ms: Some(2_000),
+        ..reply(
+            attempt_id,
+            StepOutcome::NotStarted {
+                reason: "429".into(),
+            },
+        )
+    };
+    assert_eq!(
+        sample_of(true, &refused).map(|s| s.signal),
+        Some(KeySignal::Refused)
+    );
+    // Never met the remote (no call slot in time): nothing to learn.
+    assert_eq!(
+        sample_of(true, &|attempt_id| reply(attempt_id, not_started())),
+        None
     );
 }

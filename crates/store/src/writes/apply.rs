@@ -22,7 +22,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use super::key_room::{pause_keys, KeyRoom};
+use super::key_room::{learn_keys, pause_keys, KeyRoom};
 use super::Writes;
 use crate::machine::admission::has_room;
 use crate::machine::park::MailboxEvent;
@@ -106,6 +106,8 @@ pub(crate) async fn transition<'e>(
     register_wait_keys(&mut *conn, &decided).await?;
     room.keys.write(&mut *conn).await?;
     pause_keys(&mut *conn, &decided).await?;
+    // Last: the keys' rows stay locked only until the commit.
+    learn_keys(&mut *conn, &decided, store.grace()).await?;
     Ok(decided)
 }
 

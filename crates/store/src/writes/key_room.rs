@@ -7,13 +7,14 @@
 //! A key's attempts in flight are counted from the steps themselves
 //! ([`KEY_IN_FLIGHT`]), so whatever ends an attempt gives its slot back.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
 use super::apply::Decided;
 use crate::machine::concurrency::{key_has_room, KeyLimits};
+use crate::machine::key_learning::Learnt;
 use crate::machine::{Decision, ProcessRow, StepRow};
 use crate::model::{ProcessState, StepState};
 use crate::StoreError;
@@ -50,6 +51,21 @@ pub(crate) struct KeyRead {
     pub(crate) waiting: bool,
     /// Its rate's theoretical arrival time, when one was kept.
     pub(crate) tat: Option<DateTime<Utc>>,
+    /// The limit it learnt, when it is adaptive and one was kept.
+    pub(crate) learnt: Option<Learnt>,
+}
+
+impl KeyRead {
+    /// The most attempts the key lets in flight under `limits`: the
+    /// declared limit, or what an adaptive key learnt within it.
+    pub(crate) fn in_flight_limit(&self, limits: KeyLimits<'_>) -> Option<i32> {
+        let ceiling = limits.in_flight?;
+        Some(if limits.adaptive {
+            self.learnt.unwrap_or_default().limit(ceiling)
+        } else {
+            ceiling
+        })
+    }
 }
 
 /// Locks key `line` for the rest of the transaction, if no other holds it,
@@ -71,23 +87,63 @@ pub(crate) async fn read_key_line(
     if !locked {
         return Ok(None);
     }
-    let (in_flight, waiting, paused, tat): (i64, bool, bool, Option<DateTime<Utc>>) =
-        sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = $1),
-                    EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1),
-                    EXISTS (SELECT 1 FROM key_pauses WHERE key = $1 AND until > now()),
-                    (SELECT tat FROM key_rates WHERE key = $1)"
-        )))
-        .bind(line)
-        .bind(grace.as_secs_f64())
-        .fetch_one(&mut *conn)
-        .await?;
+    let row: KeyRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = $1) AS in_flight,
+                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1) AS waiting,
+                EXISTS (SELECT 1 FROM key_pauses WHERE key = $1 AND until > now()) AS paused,
+                (SELECT tat FROM key_rates WHERE key = $1) AS tat,
+                l.learnt_limit, l.base_ms, l.recent_ms, l.cut_at
+           FROM (SELECT 1) one
+           LEFT JOIN key_learnt l ON l.key = $1"
+    )))
+    .bind(line)
+    .bind(grace.as_secs_f64())
+    .fetch_one(&mut *conn)
+    .await?;
     // A key its remote asked to rest has no room until then.
-    Ok((!paused).then_some(KeyRead {
-        in_flight,
-        waiting,
-        tat,
+    Ok((!row.paused).then_some(KeyRead {
+        in_flight: row.in_flight,
+        waiting: row.waiting,
+        tat: row.tat,
+        learnt: row.learnt(),
     }))
+}
+
+/// A key line's row as [`read_key_line`] reads it.
+#[derive(sqlx::FromRow)]
+struct KeyRow {
+    in_flight: i64,
+    waiting: bool,
+    paused: bool,
+    tat: Option<DateTime<Utc>>,
+    #[sqlx(flatten)]
+    learnt: LearntRow,
+}
+
+impl KeyRow {
+    fn learnt(&self) -> Option<Learnt> {
+        self.learnt.learnt()
+    }
+}
+
+/// A `key_learnt` row's columns (all null for a key without one).
+#[derive(sqlx::FromRow)]
+struct LearntRow {
+    learnt_limit: Option<f64>,
+    base_ms: Option<f64>,
+    recent_ms: Option<f64>,
+    cut_at: Option<DateTime<Utc>>,
+}
+
+impl LearntRow {
+    fn learnt(&self) -> Option<Learnt> {
+        Some(Learnt {
+            limit: self.learnt_limit?,
+            base_ms: self.base_ms?,
+            recent_ms: self.recent_ms?,
+            cut_at: self.cut_at,
+        })
+    }
 }
 
 /// The batch's view of the key lines its decisions start attempts in.
@@ -150,7 +206,7 @@ impl KeyRoom {
             return Ok(false);
         };
         let taken = self.taken.get(line).copied().unwrap_or_default();
-        let in_flight_room = limits.in_flight.is_none_or(|limit| {
+        let in_flight_room = read.in_flight_limit(limits).is_none_or(|limit| {
             key_has_room(
                 read.in_flight - replaced + taken + demand - 1,
                 limit,
@@ -243,6 +299,106 @@ pub(crate) async fn pause_keys(
         .execute(&mut *conn)
         .await?;
     Ok(())
+}
+
+/// Moves the adaptive keys' learnt limits with what the batch's replies
+/// said of their remotes (see [`crate::machine::key_learning`]), each key's
+/// attempts in flight read with it (whether its limit is in use). The
+/// keys' rows are locked in key order, so two batches never wait for each
+/// other in a circle; two that both find a key without a row both write
+/// one, and the later wins: a lost answer, not a wrong limit. `grace`: as
+/// [`read_key_line`]'s.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn learn_keys(
+    conn: &mut PgConnection,
+    decided: &[Decided],
+    grace: std::time::Duration,
+) -> Result<(), StoreError> {
+    let samples: Vec<_> = decided
+        .iter()
+        .filter_map(|d| Some((d.decision.key_sample.as_ref()?, d.now)))
+        .collect();
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut keys: Vec<&str> = samples.iter().map(|(s, _)| s.key.as_str()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let rows: Vec<KeyedLearnt> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "WITH locked AS MATERIALIZED (
+             SELECT * FROM key_learnt WHERE key = ANY($1) ORDER BY key FOR UPDATE)
+         SELECT k.key,
+                (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = k.key) AS in_flight,
+                l.learnt_limit, l.base_ms, l.recent_ms, l.cut_at
+           FROM unnest($1::text[]) AS k(key)
+           LEFT JOIN locked l ON l.key = k.key"
+    )))
+    .bind(&keys)
+    .bind(grace.as_secs_f64())
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut learnt: BTreeMap<&str, (Learnt, i64)> = rows
+        .iter()
+        .map(|row| {
+            let known = row.learnt.learnt().unwrap_or_default();
+            (row.key.as_str(), (known, row.in_flight))
+        })
+        .collect();
+    for (sample, now) in samples {
+        let Some((known, in_flight)) = learnt.get_mut(sample.key.as_str()) else {
+            continue;
+        };
+        // In use: it was full when the answer came (the answered attempt
+        // no longer counts in flight). Orders waiting in its line are not
+        // enough: while the claims refill it, it may run far below.
+        let in_use = *in_flight + 1 >= i64::from(known.limit(sample.ceiling));
+        known.learn(sample.signal, sample.ceiling, in_use, now);
+    }
+    let mut columns = LearntColumns::default();
+    for (key, (known, _)) in &learnt {
+        columns.key.push(key);
+        columns.limit.push(known.limit);
+        columns.base_ms.push(known.base_ms);
+        columns.recent_ms.push(known.recent_ms);
+        columns.cut_at.push(known.cut_at);
+    }
+    sqlx::query(
+        "INSERT INTO key_learnt AS k (key, learnt_limit, base_ms, recent_ms, cut_at)
+         SELECT * FROM UNNEST($1::text[], $2::float8[], $3::float8[], $4::float8[],
+                              $5::timestamptz[])
+         ON CONFLICT (key) DO UPDATE
+            SET learnt_limit = EXCLUDED.learnt_limit, base_ms = EXCLUDED.base_ms,
+                recent_ms = EXCLUDED.recent_ms, cut_at = EXCLUDED.cut_at, seen_at = now()",
+    )
+    .bind(&columns.key)
+    .bind(&columns.limit)
+    .bind(&columns.base_ms)
+    .bind(&columns.recent_ms)
+    .bind(&columns.cut_at)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// A `key_learnt` row with its key, and the key's use.
+#[derive(sqlx::FromRow)]
+struct KeyedLearnt {
+    key: String,
+    in_flight: i64,
+    #[sqlx(flatten)]
+    learnt: LearntRow,
+}
+
+/// [`learn_keys`]' rows, by column, in key order.
+#[derive(Default)]
+struct LearntColumns<'a> {
+    key: Vec<&'a str>,
+    limit: Vec<f64>,
+    base_ms: Vec<f64>,
+    recent_ms: Vec<f64>,
+    cut_at: Vec<Option<DateTime<Utc>>>,
 }
 
 #[cfg(test)]

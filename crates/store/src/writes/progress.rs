@@ -114,8 +114,8 @@ const MOVE_HEAD: &str = "moved AS (
 /// How many of a key line's orders may start now: what its limit in
 /// flight leaves, and its rate, whichever is less.
 fn key_line_room(limits: KeyLimits<'_>, read: &KeyRead, now: chrono::DateTime<chrono::Utc>) -> i64 {
-    let in_flight = limits
-        .in_flight
+    let in_flight = read
+        .in_flight_limit(limits)
         .map_or(i64::MAX, |limit| i64::from(limit) - read.in_flight);
     let rate = limits
         .rate

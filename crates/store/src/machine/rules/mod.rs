@@ -103,6 +103,8 @@ struct Draft<'a> {
     moved: bool,
     /// A key the remote asked to rest.
     key_pause: Option<super::concurrency::KeyPause>,
+    /// What a reply said of an adaptive key's remote.
+    key_sample: Option<super::key_learning::KeySample>,
 }
 
 impl<'a> Draft<'a> {
@@ -129,6 +131,7 @@ impl<'a> Draft<'a> {
             wait_key: None,
             moved: false,
             key_pause: None,
+            key_sample: None,
         }
     }
 
@@ -593,6 +596,7 @@ impl<'a> Draft<'a> {
                 wait_key: None,
                 moved_steps: None,
                 key_pause: None,
+                key_sample: None,
             };
         }
         let steps = self
@@ -653,6 +657,7 @@ impl<'a> Draft<'a> {
             wait_key: self.wait_key,
             moved_steps: moved.then_some(self.steps),
             key_pause: self.key_pause,
+            key_sample: self.key_sample,
         }
     }
 }

@@ -5,6 +5,8 @@ use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply};
 
 use super::{Draft, Failure};
 use crate::machine::concurrency::{KeyPause, LONGEST_KEY_PAUSE};
+use crate::machine::key_learning::{KeySample, KeySignal};
+use crate::machine::StepRow;
 use crate::machine::{storable, storable_text};
 use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
@@ -137,12 +139,9 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
         ms.map_or(0, |ms| i64::try_from(ms).unwrap_or(i64::MAX))
             .min(in_flight_ms)
     };
-    draft.answered = Some((
-        step.agent.clone(),
-        in_flight_ms,
-        reported(reply.queued_ms),
-        reported(reply.slot_wait_ms),
-    ));
+    let (queued_ms, slot_wait_ms) = (reported(reply.queued_ms), reported(reply.slot_wait_ms));
+    draft.key_sample = key_sample(step, reply, in_flight_ms - queued_ms.max(slot_wait_ms));
+    draft.answered = Some((step.agent.clone(), in_flight_ms, queued_ms, slot_wait_ms));
     let by = format!("by {}", reply.agent_id);
     let expected = draft.steps[index].state;
     // "Maybe applied" is never read as "not applied": an action whose
@@ -186,6 +185,36 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             not_started(draft, index, reply, reason, reply.retry_after_ms);
         }
     }
+}
+
+/// What a reply to an attempt in an adaptive key says of the key's remote
+/// (see [`crate::machine::key_learning`]): a 429 with `Retry-After`, or the
+/// time its calls took there (the agent's measure; from one that does not
+/// report it, the attempt's time in flight less what it queued). `None`
+/// for other steps, and for an attempt that never met the remote.
+fn key_sample(step: &StepRow, reply: &StepReply, unqueued_ms: i64) -> Option<KeySample> {
+    let key = step.limit_key.clone()?;
+    let ceiling = step
+        .calls
+        .as_ref()?
+        .concurrency
+        .as_ref()
+        .filter(|c| c.adaptive)?
+        .limit;
+    let signal = match reply.outcome {
+        StepOutcome::NotStarted { .. } if reply.retry_after_ms.is_some() => KeySignal::Refused,
+        StepOutcome::NotStarted { .. } => return None,
+        StepOutcome::Succeeded { .. } | StepOutcome::Failed { .. } => KeySignal::Answered {
+            ms: reply
+                .call_ms
+                .unwrap_or_else(|| u64::try_from(unqueued_ms).unwrap_or(0)),
+        },
+    };
+    Some(KeySample {
+        key,
+        ceiling,
+        signal,
+    })
 }
 
 /// A success: the step completed (`forward`) or was compensated (its
