@@ -14,6 +14,9 @@ pub enum Next {
     Wait,
     /// Tick again at once: the tick's batch came back full, more is due.
     Again,
+    /// Wait the interval, or this long if that is sooner: the tick knows
+    /// when its next work comes due (a rate-limited line's next start).
+    Soon(Duration),
 }
 
 impl Next {
@@ -67,8 +70,11 @@ where
     while !shutdown.is_cancelled() {
         match tick().await? {
             Next::Again => tokio::task::yield_now().await,
-            Next::Wait => tokio::select! {
-                () = tokio::time::sleep(interval) => {}
+            next @ (Next::Wait | Next::Soon(_)) => tokio::select! {
+                () = tokio::time::sleep(match next {
+                    Next::Soon(due) => due.min(interval),
+                    _ => interval,
+                }) => {}
                 () = wake.notified() => {}
                 () = shutdown.cancelled() => {}
             },
@@ -109,6 +115,26 @@ mod tests {
         assert_eq!(ticks.load(Ordering::SeqCst), 4);
         // Only the third tick waited the interval.
         assert_eq!(started.elapsed(), Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_due_soon_shortens_the_wait_never_lengthens_it() {
+        let shutdown = CancellationToken::new();
+        let ticks = AtomicU32::new(0);
+        let started = tokio::time::Instant::now();
+        every(Duration::from_secs(10), &shutdown, || async {
+            let n = ticks.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 3 {
+                shutdown.cancel();
+            }
+            // Due in 50 ms, then "due" in a minute: the interval bounds it.
+            let due = if n == 1 { 50 } else { 60_000 };
+            Ok::<_, Infallible>(Next::Soon(Duration::from_millis(due)))
+        })
+        .await
+        .unwrap();
+        assert_eq!(ticks.load(Ordering::SeqCst), 3);
+        assert_eq!(started.elapsed(), Duration::from_millis(10_050));
     }
 
     #[tokio::test(start_paused = true)]

@@ -82,7 +82,15 @@ impl Scheduler {
                 Vec::new()
             }
         };
-        let next = Next::after(claimed.len(), batch);
+        // A rate-limited key line whose next start comes before the
+        // interval: claim then, or its rate is not reached.
+        let next = match (
+            Next::after(claimed.len(), batch),
+            self.store.next_key_start(),
+        ) {
+            (Next::Wait, Some(due)) => Next::Soon(due),
+            (next, _) => next,
+        };
         if !claimed.is_empty() {
             self.last_claimed.now();
         }

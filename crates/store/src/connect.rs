@@ -286,6 +286,9 @@ pub struct Store {
     /// `Writes::claim_key_heads`): the next claim goes on after it, so
     /// that with more key lines than a claim serves none waits for good.
     pub(crate) key_cursor: std::sync::Arc<std::sync::Mutex<String>>,
+    /// When the soonest rate-limited key line this store's last claim left
+    /// waiting may start again ([`Store::next_key_start`]).
+    pub(crate) next_key_start: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 /// The largest step request a store builds unless told otherwise: the
@@ -323,7 +326,28 @@ impl Store {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             connections_opened,
             key_cursor: std::sync::Arc::default(),
+            next_key_start: std::sync::Arc::default(),
         })
+    }
+
+    /// How long until the soonest rate-limited key line that this store's
+    /// last claim left with orders waiting may start one (`None`: none
+    /// waits for its rate): a claim loop that wakes then, rather than at
+    /// its interval, keeps a line to its rate instead of a little under it.
+    pub fn next_key_start(&self) -> Option<std::time::Duration> {
+        self.next_key_start
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map(|at| at.saturating_duration_since(std::time::Instant::now()))
+    }
+
+    /// Records when the soonest rate-limited key line may start next, from
+    /// now (see [`Store::next_key_start`]).
+    pub(crate) fn set_next_key_start(&self, due: Option<std::time::Duration>) {
+        *self
+            .next_key_start
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = due.map(|due| std::time::Instant::now() + due);
     }
 
     /// How many connections to a primary the pool has opened so far. Less
@@ -443,6 +467,7 @@ impl Store {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             connections_opened: std::sync::Arc::default(),
             key_cursor: std::sync::Arc::default(),
+            next_key_start: std::sync::Arc::default(),
         }
     }
 

@@ -427,17 +427,31 @@ async fn each_merchant_s_charges_keep_to_its_rate_across_schedulers() {
         // their start, unevenly (agent queue, call slots): the same bound,
         // with 200 ms of that jitter allowed for.
         assert_within_rate(merchant, "charged", &at, PER_SECOND, BURST as f64, 0.2);
-        // And the rate was nearly reached after the burst: never above it
-        // (5% for the arrivals' jitter), and at least 80% of it. The
-        // claims serve the line every claim interval (200 ms), so a claim
-        // stalled past the burst's 500 ms loses starts: alone 9.8 to 9.9 a
-        // second were measured, in a whole test run 9.1 (the 5%
-        // below is not met reliably: see docs/configuration.md).
-        let secs = (at[EACH - 1] - at[0]).num_microseconds().unwrap() as f64 / 1e6;
-        let rate = (EACH - BURST) as f64 / secs;
+        // And the rate was reached, within 5%, at the starts (database
+        // clock), once the line was long (the first orders reach their
+        // charge one by one: the first start came up to 450 ms before the
+        // next): the claims wake when the line's next start comes due, not
+        // only every claim interval (without that, 9.1 a second in a whole
+        // test run). Measured 9.99 to 10.21 (a little above when a stalled
+        // claim's catch-up falls in the span, as the burst allows). Never
+        // above the burst plus the rate: the windows above.
+        const LONG: usize = 10;
+        let span = (dispatched[EACH - 1] - dispatched[LONG])
+            .num_microseconds()
+            .unwrap() as f64
+            / 1e6;
+        let started = (EACH - 1 - LONG) as f64 / span;
         assert!(
-            (PER_SECOND * 0.8..=PER_SECOND * 1.05).contains(&rate),
-            "merchant {merchant}: {rate:.2} charges a second after the burst, the limit is {PER_SECOND}"
+            started >= PER_SECOND * 0.95,
+            "merchant {merchant}: {started:.2} charges started a second on a long line, the limit is {PER_SECOND}"
+        );
+        // At the remote, the arrivals' jitter moves both ends of the span:
+        // measured 9.46 to 10.60 a second.
+        let secs = (at[EACH - 1] - at[0]).num_microseconds().unwrap() as f64 / 1e6;
+        let arrived = (EACH - BURST) as f64 / secs;
+        assert!(
+            (PER_SECOND * 0.85..=PER_SECOND * 1.1).contains(&arrived),
+            "merchant {merchant}: {arrived:.2} charges a second after the burst at the remote, the limit is {PER_SECOND}"
         );
     }
     let failures: i64 =

@@ -189,6 +189,13 @@ impl Rate {
         (i64::from(self.burst) - used).max(0)
     }
 
+    /// The first instant a key whose theoretical arrival time is `tat` has
+    /// room for a start ([`Rate::room`] 1 or more): once no more than
+    /// `burst - 1` starts are ahead of it.
+    pub fn next_room_at(&self, tat: DateTime<Utc>) -> DateTime<Utc> {
+        tat - self.interval() * (self.burst.max(1) - 1)
+    }
+
     /// The key's theoretical arrival time after one more start now.
     pub fn after_start(&self, tat: Option<DateTime<Utc>>, now: DateTime<Utc>) -> DateTime<Utc> {
         tat.filter(|tat| *tat > now).unwrap_or(now) + self.interval()
@@ -442,6 +449,15 @@ mod tests {
             }
         }
         assert_eq!(started, 3 + 100, "the burst, then 10 a second for 10 s");
+        // The next room comes when one fewer than the burst is ahead.
+        let tat = t0 + ms(450);
+        let at = rate.next_room_at(tat);
+        assert_eq!(at, t0 + ms(250));
+        assert_eq!(rate.room(Some(tat), at), 1);
+        assert_eq!(
+            rate.room(Some(tat), at - chrono::Duration::microseconds(1)),
+            0
+        );
         let bad = Rate {
             per_second: 0,
             ..rate.clone()

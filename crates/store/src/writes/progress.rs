@@ -288,7 +288,13 @@ impl Writes<'_> {
             .bind(&cursor)
             .fetch_all(self.pool())
             .await?;
+        // When a rate-limited line left waiting may start next.
+        let mut next_start: Option<chrono::Duration> = None;
+        let mut soonest = |due: chrono::Duration| {
+            next_start = Some(next_start.map_or(due, |known| known.min(due)));
+        };
         if lines.is_empty() {
+            self.store.set_next_key_start(None);
             return Ok(Vec::new());
         }
         let mut tx = self.pool().begin().await?;
@@ -331,22 +337,40 @@ impl Writes<'_> {
                 continue;
             };
             let room = key_line_room(limits, &read, now);
-            if room <= 0 {
-                continue;
+            let heads: Vec<String> = if room > 0 {
+                sqlx::query_scalar(
+                    "SELECT order_id FROM order_process
+                      WHERE waiting_key = $1 AND not_before <= now()
+                      ORDER BY admit_key
+                      LIMIT $2
+                        FOR UPDATE SKIP LOCKED",
+                )
+                .bind(&line)
+                .bind(room.min(left))
+                .fetch_all(&mut *tx)
+                .await?
+            } else {
+                Vec::new()
+            };
+            if let Some(rate) = limits.rate {
+                // The rate's next room, after what this claim starts.
+                let mut tat = read.tat;
+                for _ in &heads {
+                    tat = Some(rate.after_start(tat, now));
+                }
+                if let Some(tat) = tat {
+                    soonest(rate.next_room_at(tat) - now);
+                }
             }
-            let heads: Vec<String> = sqlx::query_scalar(
-                "SELECT order_id FROM order_process
-                  WHERE waiting_key = $1 AND not_before <= now()
-                  ORDER BY admit_key
-                  LIMIT $2
-                    FOR UPDATE SKIP LOCKED",
-            )
-            .bind(&line)
-            .bind(room.min(left))
-            .fetch_all(&mut *tx)
-            .await?;
             ready.extend(heads);
         }
+        // Never sooner than a few milliseconds: a line whose heads another
+        // claim holds must not spin this one.
+        self.store.set_next_key_start(next_start.map(|due| {
+            due.to_std()
+                .unwrap_or_default()
+                .max(std::time::Duration::from_millis(10))
+        }));
         self.start_claimed(tx, &ready, actor, false).await
     }
 
