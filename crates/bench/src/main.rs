@@ -5,11 +5,13 @@
 //! the broker's and Postgres's own limits (calibration), saturation
 //! throughput, latency at half saturation, scaling with agent processes while
 //! the remote service is the bottleneck, recovery from an agent killed with
-//! -9, and the memory of each binary. It writes a JSON report and prints a table.
+//! -9, overload, what limits by key cost per order, noisy neighbours, and
+//! the memory of each binary. It writes a JSON report and prints a table.
 
 mod budget;
 mod calibrate;
 mod drive;
+mod keyed;
 mod neighbours;
 mod overload;
 mod phases;
@@ -55,6 +57,11 @@ struct Cli {
     /// slow remote absorbs.
     #[arg(long, conflicts_with = "throughput_only")]
     neighbours_only: bool,
+    /// Run only the keyed phase (after the calibrations and a warm-up):
+    /// what limits by key cost per order, fixed and adaptive, beside the
+    /// same orders without.
+    #[arg(long, conflicts_with_all = ["throughput_only", "overload_only", "neighbours_only"])]
+    keyed_only: bool,
     /// In the noisy-neighbour phase, give the noisy tenant a quota of this
     /// many orders a second (refused beyond: `tenants.<t>.quota`, over =
     /// "refuse"), as an operator facing a noisy tenant would.
@@ -99,6 +106,8 @@ pub struct Sizes {
     pub overload_offer_secs: f64,
     /// Seconds of each half of the noisy-neighbour phase.
     pub neighbours_secs: f64,
+    /// Orders in each run of the keyed phase.
+    pub keyed_orders: usize,
 }
 
 const FULL: Sizes = Sizes {
@@ -111,6 +120,7 @@ const FULL: Sizes = Sizes {
     recovery_orders: 400,
     overload_offer_secs: 5.0,
     neighbours_secs: 15.0,
+    keyed_orders: 3_000,
 };
 
 const QUICK: Sizes = Sizes {
@@ -123,6 +133,7 @@ const QUICK: Sizes = Sizes {
     recovery_orders: 60,
     overload_offer_secs: 0.5,
     neighbours_secs: 2.0,
+    keyed_orders: 60,
 };
 
 fn main() -> std::process::ExitCode {
@@ -183,7 +194,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         println!("soak report written to {}", cli.out.display());
         return Ok(());
     }
-    let progress = ProgressBar::new(8);
+    let progress = ProgressBar::new(9);
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}")?
             .progress_chars("=> "),
@@ -194,6 +205,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         throughput_only: cli.throughput_only,
         overload_only: cli.overload_only,
         neighbours_only: cli.neighbours_only,
+        keyed_only: cli.keyed_only,
         noisy_quota: cli.noisy_quota,
         urgent_every: usize::from(cli.urgent_every),
     };

@@ -26,7 +26,7 @@ pub(crate) fn ids(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i}")).collect()
 }
 
-async fn pg_commits(env: &TestEnv) -> f64 {
+pub(crate) async fn pg_commits(env: &TestEnv) -> f64 {
     sqlx::query_scalar::<_, i64>(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
     )
@@ -55,6 +55,8 @@ pub struct Options {
     pub overload_only: bool,
     /// Skip from the warm-up straight to the noisy-neighbour phase.
     pub neighbours_only: bool,
+    /// Skip from the warm-up straight to the keyed phase.
+    pub keyed_only: bool,
     /// The noisy tenant's quota in the noisy-neighbour phase, orders/s.
     pub noisy_quota: Option<f64>,
     /// One order in this many of the overload phase's loads is urgent.
@@ -72,7 +74,10 @@ async fn message_counts(scheduler_port: u16) -> (f64, f64) {
 
 /// CPU milliseconds per order since `before`, for the programs of the
 /// system under test (the services, Postgres, RabbitMQ, the benchmark).
-fn cpu_per_order(before: &BTreeMap<String, f64>, orders: usize) -> BTreeMap<String, f64> {
+pub(crate) fn cpu_per_order(
+    before: &BTreeMap<String, f64>,
+    orders: usize,
+) -> BTreeMap<String, f64> {
     const PROGRAMS: [&str; 7] = [
         "scheduler",
         "agent",
@@ -123,6 +128,9 @@ pub async fn run_all(
         )
         .await;
     }
+    if options.keyed_only {
+        return keyed(&env, &publisher, &mut system, sizes, report, progress).await;
+    }
     if options.overload_only {
         for agent in &mut system.agents {
             agent.kill9().await;
@@ -147,6 +155,7 @@ pub async fn run_all(
     scaling(&env, &publisher, &mut system, sizes, &mut report, progress).await?;
     recovery(&env, &publisher, &system, sizes, &mut report, progress).await?;
     let report = overload(&env, &publisher, &system, sizes, options, report, progress).await?;
+    let report = keyed(&env, &publisher, &mut system, sizes, report, progress).await?;
     neighbours(
         &env,
         &publisher,
@@ -523,6 +532,25 @@ async fn overload(
     report.overload = points;
     report.overload_urgent_alone_ms = alone.latency_urgent_ms;
     report.overload_urgent_alone_first_step_ms = alone.urgent_first_step_ms;
+    progress.inc(1);
+    Ok(report)
+}
+
+/// What limits by key cost per order (it replaces the system's
+/// scheduler).
+async fn keyed(
+    env: &TestEnv,
+    publisher: &Publisher,
+    system: &mut BenchSystem,
+    sizes: Sizes,
+    mut report: Report,
+    progress: &ProgressBar,
+) -> anyhow::Result<Report> {
+    progress.set_message(format!(
+        "keyed: {} orders each without limits by key, with a fixed one, with an adaptive one",
+        sizes.keyed_orders
+    ));
+    report.keyed = Some(crate::keyed::run(env, publisher, system, sizes.keyed_orders).await?);
     progress.inc(1);
     Ok(report)
 }

@@ -79,6 +79,35 @@ pub struct Neighbours {
     pub noisy_stored: usize,
 }
 
+/// The keyed phase: the same orders through a workflow without limits by
+/// key, with a fixed one, and with an adaptive one (see `keyed.rs`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Keyed {
+    /// Orders in each run.
+    pub orders: usize,
+    /// Merchants that get half of the orders.
+    pub hot_merchants: usize,
+    /// Merchants the other half is spread over.
+    pub merchants: usize,
+    /// The charge's limit per merchant.
+    pub limit: u32,
+    /// Keys with a learnt limit after the adaptive run.
+    pub keys_learnt: usize,
+    /// Each run by workflow: `plain`, `fixed`, `adaptive`.
+    pub runs: BTreeMap<String, KeyedRun>,
+}
+
+/// One run of the keyed phase.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct KeyedRun {
+    /// Orders processed a second, published as fast as the broker confirms.
+    pub orders_per_sec: f64,
+    /// Postgres commits per order.
+    pub pg_commits_per_order: f64,
+    /// CPU milliseconds per order, by program.
+    pub cpu_ms_per_order: BTreeMap<String, f64>,
+}
+
 /// How the saturation phase's writes were grouped (see `Report`).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Batching {
@@ -159,6 +188,9 @@ pub struct Report {
     /// Two tenants on a slow remote: a quiet one beside a noisy one (not
     /// measured with `--throughput-only` and `--overload-only`).
     pub neighbours: Option<Neighbours>,
+    /// What limits by key cost per order (not measured with
+    /// `--throughput-only`, `--overload-only` and `--neighbours-only`).
+    pub keyed: Option<Keyed>,
     /// CPU milliseconds per order during saturation, by program (the
     /// services, Postgres, RabbitMQ, the benchmark's own client): where the
     /// time goes.
@@ -206,6 +238,7 @@ impl Report {
         self.scaling_rows(&mut out);
         self.recovery_row(&mut out);
         self.overload_rows(&mut out);
+        self.keyed_rows(&mut out);
         self.neighbour_rows(&mut out);
         self.memory_rows(&mut out);
         out
@@ -394,6 +427,46 @@ impl Report {
                     point.latency_normal_ms.p50,
                     point.latency_normal_ms.p99
                 ),
+            );
+        }
+    }
+
+    /// Keyed: each run's throughput and cost, beside the plain run's.
+    fn keyed_rows(&self, out: &mut String) {
+        let Some(keyed) = &self.keyed else {
+            return;
+        };
+        let plain = keyed.runs.get("plain");
+        let runs = ["plain", "fixed", "adaptive"]
+            .into_iter()
+            .filter_map(|name| Some((name, keyed.runs.get(name)?)));
+        for (name, run) in runs {
+            let total = |run: &KeyedRun| run.cpu_ms_per_order.values().sum::<f64>();
+            let ratio = plain
+                .filter(|_| name != "plain")
+                .map_or_else(String::new, |plain| {
+                    format!(
+                        " ({:.2}x plain's throughput, {:.2}x its CPU)",
+                        run.orders_per_sec / plain.orders_per_sec.max(f64::MIN_POSITIVE),
+                        total(run) / total(plain).max(f64::MIN_POSITIVE)
+                    )
+                });
+            row(
+                out,
+                &format!(
+                    "keyed {name}: {} orders, {} hot of {} merchants, limit {}",
+                    keyed.orders, keyed.hot_merchants, keyed.merchants, keyed.limit
+                ),
+                format!(
+                    "{:.0} orders/s  {:.2} commits/order{ratio}",
+                    run.orders_per_sec, run.pg_commits_per_order
+                ),
+            );
+            cpu_row(
+                out,
+                &format!("keyed {name}: cpu ms/order"),
+                &run.cpu_ms_per_order,
+                "",
             );
         }
     }

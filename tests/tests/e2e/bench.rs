@@ -169,6 +169,18 @@ fn the_quick_benchmark_runs_and_reports_sane_figures() {
         (100.0..alone).contains(&alone_first),
         "urgent alone, first step: {alone_first} ms"
     );
+    // The keyed phase: the same orders without limits by key, with a fixed
+    // one and with an adaptive one, each processed and costed; the
+    // adaptive run's keys learnt limits (one per merchant it charged).
+    for run in ["plain", "fixed", "adaptive"] {
+        let rate = number(&format!("/keyed/runs/{run}/orders_per_sec"));
+        assert!(rate.is_finite() && rate > 0.0, "keyed {run}: {rate}");
+        let commits = number(&format!("/keyed/runs/{run}/pg_commits_per_order"));
+        assert!(commits > 0.0 && commits <= 10.0, "keyed {run}: {commits}");
+        let cpu = number(&format!("/keyed/runs/{run}/cpu_ms_per_order/scheduler"));
+        assert!(cpu > 0.0 && cpu < 1000.0, "keyed {run}: {cpu} ms per order");
+    }
+    assert!(number("/keyed/keys_learnt") >= 1.0, "{report}");
     // The noisy-neighbour phase: the quiet tenant's orders make three calls
     // of 100 ms each, alone and beside the noisy one, every one measured.
     let neighbours = &report["neighbours"];
