@@ -168,6 +168,17 @@ impl Agent {
         connection_lost: &CancellationToken,
     ) -> Consumed {
         let request = &received.request;
+        if received.redelivered && request.limit_key.is_some() {
+            // The earlier delivery's call may still be running at the
+            // remote (its agent died, or lost its broker connection,
+            // mid-call): calling again now would put two calls of one
+            // attempt in the key at once, one over the key's limit. The
+            // attempt keeps its slot until its deadline, and the
+            // supervisor then retries it under its idempotency key.
+            metrics::counter!("sas_agent_redelivered_keyed_total").increment(1);
+            tracing::warn!(limit_key = request.limit_key.as_deref().unwrap_or_default(), complete_by = %request.complete_by, "a redelivered request limited by key is not called again: its earlier delivery's call may still hold a slot of the key at the remote; the supervisor retries it after its deadline");
+            return Consumed::Ack;
+        }
         metrics::gauge!("sas_agent_requests_in_flight").increment(1.0);
         let started = Instant::now();
         let mut tries = Tries::new(received.redelivered);
@@ -536,7 +547,7 @@ impl Agent {
                 // agent's time; and what an adaptive key learns from.
                 let took = calling.elapsed();
                 metrics::histogram!("sas_agent_remote_seconds").record(took.as_secs_f64());
-                tries.calling += took;
+                tries.calling = took;
                 result
             }
             () = connection_lost.cancelled() => {
@@ -637,7 +648,8 @@ struct Tries {
     first_call: Option<DateTime<Utc>>,
     /// How long its calls waited for a call slot, in all.
     slot_wait: Duration,
-    /// How long its calls took at the remote, in all.
+    /// How long its last call took at the remote (a retry's, not the
+    /// sum: three quick failures are not one slow answer).
     calling: Duration,
     /// The service's last "slow down" (429: nothing applied), if it
     /// answered one.

@@ -4,10 +4,12 @@
 //! charge is limited by merchant (`concurrency`, a fixed limit), and
 //! through one whose limit is `adaptive`. The merchants are many and a
 //! few are hot: half the orders go to [`HOT`] merchants, the rest each to
-//! a merchant of its own among [`MERCHANTS`]. The limit is high enough
-//! that it never holds a hot merchant back at the remote's speed: what is
-//! measured is the keys' bookkeeping (counting, locking, the learnt
-//! limits), not the limit's effect.
+//! a merchant of its own among [`MERCHANTS`]. The fixed limit is high
+//! enough that it never holds a hot merchant back at the remote's speed:
+//! what it measures is the keys' bookkeeping (counting, locking), not the
+//! limit's effect. The adaptive run measures the learning too: each key
+//! starts at one attempt and climbs (slow start), so a merchant with few
+//! orders runs them one or two at a time.
 //!
 //! The phase replaces the system's scheduler with one that runs the three
 //! workflows, and runs two agent processes of its own (the overload phase
@@ -96,6 +98,10 @@ pub async fn run(
         .map(|(name, text)| (format!("{name}.toml"), text.as_str()))
         .collect();
     let named: Vec<(&str, &str)> = named.iter().map(|(f, t)| (f.as_str(), *t)).collect();
+    // Alone: the system's own agents (still up with --keyed-only) go.
+    for agent in &mut system.agents {
+        agent.kill9().await;
+    }
     system.scheduler.kill9().await;
     let mut vars = quiet();
     vars.extend(env.workflows(&named));

@@ -142,8 +142,8 @@ pub mod headers {
     /// the remote asked the key to rest, in milliseconds (see
     /// [`crate::StepReply::retry_after_ms`]).
     pub const RETRY_AFTER_MS: &str = "x-sas-retry-after-ms";
-    /// On a step reply: the milliseconds the attempt's calls took at the
-    /// remote (see [`crate::StepReply::call_ms`]).
+    /// On a step reply: the milliseconds the attempt's last call took at
+    /// the remote (see [`crate::StepReply::call_ms`]).
     pub const CALL_MS: &str = "x-sas-call-ms";
     /// When one of our services handed the message to the broker, in
     /// microseconds since the Unix epoch by its clock (a 64-bit integer):

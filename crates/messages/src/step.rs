@@ -165,9 +165,9 @@ pub struct StepReply {
     /// [`crate::headers::RETRY_AFTER_MS`] header, as `queued_ms`.
     #[serde(skip)]
     pub retry_after_ms: Option<u64>,
-    /// The milliseconds the attempt's calls took at the remote, in all
-    /// (queues and pauses left out): how an adaptive key's limit learns
-    /// how loaded its remote is. Carried in the
+    /// The milliseconds the attempt's last call took at the remote (queues,
+    /// pauses and earlier tries left out): how an adaptive key's limit
+    /// learns how loaded its remote is. Carried in the
     /// [`crate::headers::CALL_MS`] header, as `queued_ms`; absent when no
     /// call was made.
     #[serde(skip)]

@@ -133,8 +133,9 @@ pub struct KeyLine {
     /// The most in flight at once, as its steps declare it (for an
     /// adaptive key, the most it may learn).
     pub limit: Option<i32>,
-    /// The limit an adaptive key has learnt (within `limit`), once its
-    /// remote has answered (see [`crate::machine::key_learning`]).
+    /// The limit an adaptive key lets in flight now (within `limit`): what
+    /// it learnt, or 1 before its remote's first answer (see
+    /// [`crate::machine::key_learning`]).
     pub learnt_limit: Option<i32>,
     /// The starts a second its steps allow, when they declare a rate.
     pub per_second: Option<i32>,
@@ -356,8 +357,8 @@ impl Admission<'_> {
             "SELECT key, sum(in_flight)::int8 AS in_flight, sum(waiting)::int8 AS waiting,
                     max(key_limit) AS limit,
                     CASE WHEN bool_or(adaptive) THEN
-                         LEAST(max(key_limit), (SELECT floor(l.learnt_limit)::int4
-                                                  FROM key_learnt l WHERE l.key = k.key))
+                         LEAST(max(key_limit), COALESCE((SELECT floor(l.learnt_limit)::int4
+                                                           FROM key_learnt l WHERE l.key = k.key), 1))
                     END AS learnt_limit,
                     max(per_second) AS per_second,
                     EXTRACT(EPOCH FROM now() - min(since))::float8 AS oldest_wait_secs,

@@ -291,6 +291,9 @@ pub struct Store {
     pub(crate) next_key_start: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
+/// The shortest wait [`Store::next_key_start`] asks of a claim loop.
+pub const LEAST_KEY_WAKE: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// The largest step request a store builds unless told otherwise: the
 /// default of `amqp.max_message_bytes`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 65_536;
@@ -330,15 +333,22 @@ impl Store {
         })
     }
 
-    /// How long until the soonest rate-limited key line that this store's
-    /// last claim left with orders waiting may start one (`None`: none
-    /// waits for its rate): a claim loop that wakes then, rather than at
-    /// its interval, keeps a line to its rate instead of a little under it.
+    /// How long until the soonest rate-limited key line whose rate held
+    /// back this store's last claim may start one (`None`: no rate held
+    /// one back, or it was asked already): a claim loop that wakes then,
+    /// rather than at its interval, keeps a line to its rate instead of a
+    /// little under it. Read once: a claim that fails before the key lines
+    /// leaves none behind. Never under [`LEAST_KEY_WAKE`], so that a claim
+    /// that took long cannot make the next one follow at once.
     pub fn next_key_start(&self) -> Option<std::time::Duration> {
         self.next_key_start
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .map(|at| at.saturating_duration_since(std::time::Instant::now()))
+            .take()
+            .map(|at| {
+                at.saturating_duration_since(std::time::Instant::now())
+                    .max(LEAST_KEY_WAKE)
+            })
     }
 
     /// Records when the soonest rate-limited key line may start next, from

@@ -303,11 +303,11 @@ pub(crate) async fn pause_keys(
 
 /// Moves the adaptive keys' learnt limits with what the batch's replies
 /// said of their remotes (see [`crate::machine::key_learning`]), each key's
-/// attempts in flight read with it (whether its limit is in use). The
-/// keys' rows are locked in key order, so two batches never wait for each
-/// other in a circle; two that both find a key without a row both write
-/// one, and the later wins: a lost answer, not a wrong limit. `grace`: as
-/// [`read_key_line`]'s.
+/// attempts in flight read with it (whether its limit is in use). Each
+/// key is locked first (an advisory lock per key, taken in key order, held
+/// to the commit), so two batches learning one key take turns and never
+/// wait for each other in a circle, a key without a row included. `grace`:
+/// as [`read_key_line`]'s.
 ///
 /// # Errors
 /// When the database fails.
@@ -323,38 +323,52 @@ pub(crate) async fn learn_keys(
     if samples.is_empty() {
         return Ok(());
     }
-    let mut keys: Vec<&str> = samples.iter().map(|(s, _)| s.key.as_str()).collect();
-    keys.sort_unstable();
-    keys.dedup();
+    // Answers per key in this batch.
+    let mut answers: BTreeMap<&str, i64> = BTreeMap::new();
+    for (sample, _) in &samples {
+        *answers.entry(sample.key.as_str()).or_default() += 1;
+    }
+    let keys: Vec<&str> = answers.keys().copied().collect();
+    // In key order (the array is sorted, and unnest reads it in order):
+    // no two batches can each hold a key the other waits for.
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtextextended('sas.learn:' || k, 0))
+           FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n",
+    )
+    .bind(&keys)
+    .execute(&mut *conn)
+    .await?;
     let rows: Vec<KeyedLearnt> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "WITH locked AS MATERIALIZED (
-             SELECT * FROM key_learnt WHERE key = ANY($1) ORDER BY key FOR UPDATE)
-         SELECT k.key,
+        "SELECT k.key,
                 (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = k.key) AS in_flight,
                 l.learnt_limit, l.base_ms, l.recent_ms, l.cut_at
            FROM unnest($1::text[]) AS k(key)
-           LEFT JOIN locked l ON l.key = k.key"
+           LEFT JOIN key_learnt l ON l.key = k.key"
     )))
     .bind(&keys)
     .bind(grace.as_secs_f64())
     .fetch_all(&mut *conn)
     .await?;
-    let mut learnt: BTreeMap<&str, (Learnt, i64)> = rows
-        .iter()
-        .map(|row| {
-            let known = row.learnt.learnt().unwrap_or_default();
-            (row.key.as_str(), (known, row.in_flight))
-        })
-        .collect();
-    for (sample, now) in samples {
-        let Some((known, in_flight)) = learnt.get_mut(sample.key.as_str()) else {
+    let mut learnt: BTreeMap<&str, (Learnt, bool)> = BTreeMap::new();
+    for row in &rows {
+        let Some((&key, &answered)) = answers.get_key_value(row.key.as_str()) else {
             continue;
         };
-        // In use: it was full when the answer came (the answered attempt
-        // no longer counts in flight). Orders waiting in its line are not
+        let known = row.learnt.learnt().unwrap_or_default();
+        let ceiling = samples
+            .iter()
+            .find(|(sample, _)| sample.key == key)
+            .map_or(1, |(sample, _)| sample.ceiling);
+        // In use: it was full before this batch's answers came (they no
+        // longer count in flight). Orders waiting in its line are not
         // enough: while the claims refill it, it may run far below.
-        let in_use = *in_flight + 1 >= i64::from(known.limit(sample.ceiling));
-        known.learn(sample.signal, sample.ceiling, in_use, now);
+        let in_use = row.in_flight + answered >= i64::from(known.limit(ceiling));
+        learnt.insert(key, (known, in_use));
+    }
+    for (sample, now) in samples {
+        if let Some((known, in_use)) = learnt.get_mut(sample.key.as_str()) {
+            known.learn(sample.signal, sample.ceiling, *in_use, now);
+        }
     }
     let mut columns = LearntColumns::default();
     for (key, (known, _)) in &learnt {
@@ -382,7 +396,8 @@ pub(crate) async fn learn_keys(
     Ok(())
 }
 
-/// A `key_learnt` row with its key, and the key's use.
+/// A `key_learnt` row (all null for a key without one) with its key, and
+/// the key's attempts in flight.
 #[derive(sqlx::FromRow)]
 struct KeyedLearnt {
     key: String,

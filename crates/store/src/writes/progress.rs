@@ -353,24 +353,23 @@ impl Writes<'_> {
                 Vec::new()
             };
             if let Some(rate) = limits.rate {
-                // The rate's next room, after what this claim starts.
+                // The rate's next room, after what this claim starts, when
+                // the rate is what holds the line back (not a full
+                // concurrency limit, heads not due or held elsewhere).
                 let mut tat = read.tat;
                 for _ in &heads {
                     tat = Some(rate.after_start(tat, now));
                 }
-                if let Some(tat) = tat {
-                    soonest(rate.next_room_at(tat) - now);
+                if let Some(due) = tat.map(|tat| rate.next_room_at(tat) - now) {
+                    if due > chrono::Duration::zero() {
+                        soonest(due);
+                    }
                 }
             }
             ready.extend(heads);
         }
-        // Never sooner than a few milliseconds: a line whose heads another
-        // claim holds must not spin this one.
-        self.store.set_next_key_start(next_start.map(|due| {
-            due.to_std()
-                .unwrap_or_default()
-                .max(std::time::Duration::from_millis(10))
-        }));
+        self.store
+            .set_next_key_start(next_start.and_then(|due| due.to_std().ok()));
         self.start_claimed(tx, &ready, actor, false).await
     }
 

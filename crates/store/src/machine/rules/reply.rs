@@ -189,9 +189,10 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
 
 /// What a reply to an attempt in an adaptive key says of the key's remote
 /// (see [`crate::machine::key_learning`]): a 429 with `Retry-After`, or the
-/// time its calls took there (the agent's measure; from one that does not
-/// report it, the attempt's time in flight less what it queued). `None`
-/// for other steps, and for an attempt that never met the remote.
+/// time its last call took there (the agent's measure; from an agent that
+/// does not report it, or an answer no call made, the attempt's time in
+/// flight less what it queued). `None` for other steps, and for an
+/// attempt that never started.
 fn key_sample(step: &StepRow, reply: &StepReply, unqueued_ms: i64) -> Option<KeySample> {
     let key = step.limit_key.clone()?;
     let ceiling = step
