@@ -238,8 +238,12 @@ impl KeyRoom {
     }
 
     /// Counts the attempts `decision` starts in key lines, and moves each
-    /// rate-limited key's arrival time on.
+    /// rate-limited key's arrival time on. A key its remote asked to rest
+    /// has no room for the rest of the batch either.
     pub(crate) fn take(&mut self, decision: &Decision) {
+        if let Some(pause) = &decision.key_pause {
+            self.read.insert(pause.key.clone(), None);
+        }
         for (line, limits, _) in decision.takes_keys() {
             *self.taken.entry(line.to_owned()).or_default() += 1;
             if let Some(rate) = limits.rate {
@@ -421,6 +425,41 @@ mod tests {
     use super::*;
     use crate::machine::Snapshot;
     use crate::NewStep;
+
+    #[test]
+    fn a_key_its_remote_asked_to_rest_has_no_room_for_the_rest_of_the_batch() {
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let mut room = KeyRoom::new(now, std::time::Duration::from_secs(2));
+        room.read.insert(
+            "payment:m-1".into(),
+            Some(KeyRead {
+                in_flight: 0,
+                waiting: false,
+                tat: None,
+                learnt: None,
+            }),
+        );
+        let paused = Decision {
+            verdict: crate::machine::Verdict::Applied,
+            process: None,
+            steps: Vec::new(),
+            history: Vec::new(),
+            alert: None,
+            resolve_alerts: false,
+            progress: crate::model::Progress::default(),
+            admission: Vec::new(),
+            used_event: None,
+            wait_key: None,
+            moved_steps: None,
+            key_pause: Some(crate::machine::concurrency::KeyPause {
+                key: "payment:m-1".into(),
+                until: now + chrono::Duration::seconds(2),
+            }),
+            key_sample: None,
+        };
+        room.take(&paused);
+        assert!(matches!(room.read.get("payment:m-1"), Some(None)));
+    }
 
     #[test]
     fn a_step_counts_in_flight_while_held_or_let_go_of_within_its_deadline_and_the_grace() {
