@@ -456,12 +456,7 @@ async fn each_merchant_s_charges_keep_to_its_rate_across_schedulers() {
             "merchant {merchant}: {arrived:.2} charges a second after the burst at the remote, the limit is {PER_SECOND}"
         );
     }
-    let failures: i64 =
-        sqlx::query_scalar("SELECT COALESCE(sum(failure_count), 0)::int8 FROM order_process")
-            .fetch_one(&env.db)
-            .await
-            .expect("read the failures");
-    assert_eq!(failures, 0);
+    assert_no_failure_counted(&env).await;
 }
 
 /// An adaptive key learns what its remote copes with: two merchants under
@@ -577,13 +572,19 @@ async fn an_adaptive_key_learns_what_its_merchant_s_api_copes_with() {
         limit_of("payment:fast") >= 10.0 && limit_of("payment:fast") > limit_of("payment:slow"),
         "the fast merchant's key learnt less than its API copes with: {learnt:?}"
     );
+    assert_no_failure_counted(&env).await;
+    sim.assert_every_order_done_once().await;
+}
+
+/// Panics when any order of `env` counted a failure: waiting for a key is
+/// not failing.
+async fn assert_no_failure_counted(env: &TestEnv) {
     let failures: i64 =
         sqlx::query_scalar("SELECT COALESCE(sum(failure_count), 0)::int8 FROM order_process")
             .fetch_one(&env.db)
             .await
             .expect("read the failures");
     assert_eq!(failures, 0);
-    sim.assert_every_order_done_once().await;
 }
 
 /// Panics when a window of the sorted instants `at` holds more than
