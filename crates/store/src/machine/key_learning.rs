@@ -8,16 +8,16 @@
 //! The law ([`Learnt::learn`]) is a latency gradient, as Netflix's
 //! concurrency limits and TCP Vegas use, with TCP's slow start and
 //! multiplicative decrease:
-//! - each answer's time at the remote (the agent measures its calls) moves
+//! - each answer's time at the remote (the agent measures its last call) moves
 //!   two averages: `recent` (about the last five answers) and `base` (the
-//!   remote's time when not loaded: it follows a faster answer at once,
-//!   a slower one over about five hundred answers, so a remote that has
-//!   become slower for good is taken as it is in the end);
+//!   remote's time when not loaded: it follows faster answers within about
+//!   ten, slower ones over about five hundred, so a remote that has become
+//!   slower for good is taken as it is in the end);
 //! - while `recent` stays within [`TOLERANCE`] times `base` (plus
-//!   [`SLACK_MS`]) and the limit is in use (it was full when the answer
-//!   came), the limit grows: by one per
-//!   answer until the first cut (slow start: it doubles each round trip),
-//!   then by one per round trip. A limit not in use does not grow: as
+//!   [`SLACK_MS`]) and the limit is in use (it was full before the batch
+//!   of answers came), the limit grows: by one per answer until the first
+//!   cut (slow start: it doubles each round trip), then by one per round
+//!   trip. A limit not in use does not grow: as
 //!   TCP's congestion window validation, only a limit that was tried is
 //!   trusted, so a quiet spell does not let the next burst in at a limit
 //!   nobody measured;
@@ -120,8 +120,8 @@ impl Learnt {
     }
 
     /// Moves the limit with what a reply at `now` said (see the module).
-    /// `in_use`: whether the key's limit was in use (it was full when the
-    /// answer came).
+    /// `in_use`: whether the key's limit was in use (it was full before
+    /// the batch of answers this one came in).
     pub fn learn(&mut self, signal: KeySignal, ceiling: i32, in_use: bool, now: DateTime<Utc>) {
         match signal {
             KeySignal::Refused => {
