@@ -371,16 +371,17 @@ impl Admission<'_> {
                             NULL::timestamptz AS since
                        {KEY_IN_FLIGHT} AND s.limit_key IS NOT NULL
                      UNION ALL
-                     SELECT p.waiting_key, 0, 1,
-                            (SELECT max((s.request->'concurrency'->>'limit')::int4) FROM steps s
-                              WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
-                            (SELECT bool_or((s.request->'concurrency'->'adaptive') = 'true'::jsonb)
-                               FROM steps s
-                              WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
-                            (SELECT max((s.request->'rate'->>'per_second')::int4) FROM steps s
-                              WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key),
+                     SELECT p.waiting_key, 0, 1, w.key_limit, w.adaptive, w.per_second,
                             p.not_before
                        FROM order_process p
+                       -- The waiting step's limits, read once per order.
+                       CROSS JOIN LATERAL (
+                            SELECT max((s.request->'concurrency'->>'limit')::int4) AS key_limit,
+                                   bool_or((s.request->'concurrency'->'adaptive') = 'true'::jsonb)
+                                       AS adaptive,
+                                   max((s.request->'rate'->>'per_second')::int4) AS per_second
+                              FROM steps s
+                             WHERE s.order_id = p.order_id AND s.limit_key = p.waiting_key) w
                       WHERE p.waiting_key IS NOT NULL) k
               WHERE $3::text[] IS NULL
                  OR EXISTS (SELECT 1 FROM unnest($3::text[]) AS x(prefix)

@@ -101,7 +101,7 @@ impl Writes<'_> {
                     -- A step whose key learns its limit from its answers
                     -- (crate::machine::key_learning): the general path
                     -- learns from this one.
-                    AND (d.request IS NULL OR d.request->'concurrency'->'adaptive' IS DISTINCT FROM 'true'::jsonb)
+                    AND d.request->'concurrency'->'adaptive' IS DISTINCT FROM 'true'::jsonb
                     AND NOT EXISTS (SELECT 1 FROM steps e JOIN full_agents f ON f.agent = e.agent
                                      WHERE e.order_id = d.order_id AND e.position = d.position + 1)
                     -- A wait step next parks the order, and a parallel group

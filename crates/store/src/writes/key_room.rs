@@ -105,7 +105,7 @@ pub(crate) async fn read_key_line(
         in_flight: row.in_flight,
         waiting: row.waiting,
         tat: row.tat,
-        learnt: row.learnt(),
+        learnt: row.learnt.learnt(),
     }))
 }
 
@@ -118,12 +118,6 @@ struct KeyRow {
     tat: Option<DateTime<Utc>>,
     #[sqlx(flatten)]
     learnt: LearntRow,
-}
-
-impl KeyRow {
-    fn learnt(&self) -> Option<Learnt> {
-        self.learnt.learnt()
-    }
 }
 
 /// A `key_learnt` row's columns (all null for a key without one).
@@ -308,10 +302,11 @@ pub(crate) async fn pause_keys(
 /// Moves the adaptive keys' learnt limits with what the batch's replies
 /// said of their remotes (see [`crate::machine::key_learning`]), each key's
 /// attempts in flight read with it (whether its limit is in use). Each
-/// key is locked first (an advisory lock per key, taken in key order, held
-/// to the commit), so two batches learning one key take turns and never
-/// wait for each other in a circle, a key without a row included. `grace`:
-/// as [`read_key_line`]'s.
+/// key is locked first with a *try* lock held to the commit (as the keys'
+/// room is, [`KEY_LOCK`]): one batch at a time writes a key, a key without
+/// a row included, and no batch ever waits for another; a batch that finds
+/// a key held leaves its answers for that key unlearnt. `grace`: as
+/// [`read_key_line`]'s.
 ///
 /// # Errors
 /// When the database fails.
@@ -327,27 +322,27 @@ pub(crate) async fn learn_keys(
     if samples.is_empty() {
         return Ok(());
     }
-    // Answers per key in this batch.
-    let mut answers: BTreeMap<&str, i64> = BTreeMap::new();
+    // Answers per key in this batch, with the key's ceiling.
+    let mut answers: BTreeMap<&str, (i64, i32)> = BTreeMap::new();
     for (sample, _) in &samples {
-        *answers.entry(sample.key.as_str()).or_default() += 1;
+        answers
+            .entry(sample.key.as_str())
+            .or_insert((0, sample.ceiling))
+            .0 += 1;
     }
     let keys: Vec<&str> = answers.keys().copied().collect();
-    // In key order (the array is sorted, and unnest reads it in order):
-    // no two batches can each hold a key the other waits for.
-    sqlx::query(
-        "SELECT pg_advisory_xact_lock(hashtextextended('sas.learn:' || k, 0))
-           FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n",
-    )
-    .bind(&keys)
-    .execute(&mut *conn)
-    .await?;
+    // Only the keys this transaction could lock: one another holds (or a
+    // frozen process holds, until its transaction is ended) is learnt by
+    // the next batch instead. A lost answer, never a wait.
     let rows: Vec<KeyedLearnt> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT k.key,
-                (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = k.key) AS in_flight,
+        "WITH mine AS (
+             SELECT k FROM unnest($1::text[]) AS u(k)
+              WHERE pg_try_advisory_xact_lock(hashtextextended('sas.learn:' || k, 0)))
+         SELECT m.k AS key,
+                (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = m.k) AS in_flight,
                 l.learnt_limit, l.base_ms, l.recent_ms, l.cut_at
-           FROM unnest($1::text[]) AS k(key)
-           LEFT JOIN key_learnt l ON l.key = k.key"
+           FROM mine m
+           LEFT JOIN key_learnt l ON l.key = m.k"
     )))
     .bind(&keys)
     .bind(grace.as_secs_f64())
@@ -355,14 +350,10 @@ pub(crate) async fn learn_keys(
     .await?;
     let mut learnt: BTreeMap<&str, (Learnt, bool)> = BTreeMap::new();
     for row in &rows {
-        let Some((&key, &answered)) = answers.get_key_value(row.key.as_str()) else {
+        let Some((&key, &(answered, ceiling))) = answers.get_key_value(row.key.as_str()) else {
             continue;
         };
         let known = row.learnt.learnt().unwrap_or_default();
-        let ceiling = samples
-            .iter()
-            .find(|(sample, _)| sample.key == key)
-            .map_or(1, |(sample, _)| sample.ceiling);
         // In use: it was full before this batch's answers came (they no
         // longer count in flight). Orders waiting in its line are not
         // enough: while the claims refill it, it may run far below.
