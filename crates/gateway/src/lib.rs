@@ -207,7 +207,15 @@ pub fn router(gateway: Arc<Gateway>, ops: Option<Router>) -> Router {
             "/v1/correlation-keys/{key}/events",
             post(events::submit_for_key),
         )
-        .route("/v1/schedules", get(schedules::list))
+        .route(
+            "/v1/schedules",
+            get(schedules::list).post(schedules::create),
+        )
+        .route(
+            "/v1/schedules/{name}",
+            get(schedules::show).delete(schedules::delete),
+        )
+        .route("/v1/schedules/{name}/{action}", post(schedules::act))
         .layer(axum::middleware::from_fn_with_state(gateway.clone(), guard))
         .with_state(gateway);
     let document = Router::new().route(

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::events::{EventAccepted, EventSubmission};
 use crate::orders::{OrderStatusView, Problem, RejectedView, Submitted};
-use crate::schedules::ScheduleView;
+use crate::schedules::{CommandAnswer, ScheduleSubmission, ScheduleView};
 
 /// The document.
 pub fn document() -> Value {
@@ -23,6 +23,9 @@ pub fn document() -> Value {
     let event = generator.subschema_for::<EventSubmission>();
     let event_accepted = generator.subschema_for::<EventAccepted>();
     let schedules = generator.subschema_for::<Vec<ScheduleView>>();
+    let schedule = generator.subschema_for::<ScheduleView>();
+    let new_schedule = generator.subschema_for::<ScheduleSubmission>();
+    let command = generator.subschema_for::<CommandAnswer>();
     let schemas = generator.take_definitions(true);
     let error = |description: &str| {
         json!({
@@ -110,8 +113,7 @@ pub fn document() -> Value {
                 "get": {
                     "operationId": "listSchedules",
                     "summary": "This client's tenant's schedules, with their next and latest runs",
-                    "description": "Read only: an operator creates and changes schedules (sasctl schedules, the console). \
-                        Each started run is an order of this tenant, read with GET /v1/orders/{order_id}.",
+                    "description": "Each started run is an order of this tenant, read with GET /v1/orders/{order_id}.",
                     "responses": {
                         "200": {
                             "description": "The schedules, by name: five next runs each (none while paused) and the five latest decided, newest first.",
@@ -123,8 +125,101 @@ pub fn document() -> Value {
                         "503": error("The store cannot be reached: ask again (see Retry-After)."),
                     },
                 },
+                "post": {
+                    "operationId": "createSchedule",
+                    "summary": "Create a schedule in this client's tenant",
+                    "description": "Checked here as sasctl checks one, then sent to the schedulers, which check its order against the tenant's workflows and priorities, \
+                        store it and record the outcome once per Idempotency-Key (a new key when none is sent; it is echoed). \
+                        The same request with the same key is answered with the first outcome.",
+                    "parameters": [idempotency_key()],
+                    "requestBody": {
+                        "required": true,
+                        "content": { "application/json": { "schema": new_schedule } },
+                    },
+                    "responses": command_responses(&command, &error, "201", "Created: its first run is in detail; it is read at Location."),
+                },
+            },
+            "/v1/schedules/{name}": {
+                "parameters": [schedule_name()],
+                "get": {
+                    "operationId": "getSchedule",
+                    "summary": "One schedule of this client's tenant, with its next and latest runs",
+                    "responses": {
+                        "200": {
+                            "description": "The schedule.",
+                            "content": { "application/json": { "schema": schedule } },
+                        },
+                        "401": error("No client secret, or a wrong one."),
+                        "403": error("The client belongs to no tenant."),
+                        "404": error("No schedule of that name in this tenant."),
+                        "503": error("The store cannot be reached: ask again (see Retry-After)."),
+                    },
+                },
+                "delete": {
+                    "operationId": "deleteSchedule",
+                    "summary": "Delete a schedule: it starts nothing more; its runs' orders go on",
+                    "parameters": [idempotency_key()],
+                    "responses": command_responses(&command, &error, "200", "Deleted."),
+                },
+            },
+            "/v1/schedules/{name}/{action}": {
+                "parameters": [schedule_name(), {
+                    "name": "action", "in": "path", "required": true,
+                    "description": "pause (decide no occurrence until resumed; a trigger still runs), resume (from the next occurrence after now), or trigger (a run now, whatever the expression, the overlap policy or a pause say).",
+                    "schema": { "type": "string", "enum": ["pause", "resume", "trigger"] },
+                }],
+                "post": {
+                    "operationId": "changeSchedule",
+                    "summary": "Pause, resume or trigger a schedule",
+                    "parameters": [idempotency_key()],
+                    "responses": command_responses(&command, &error, "200", "Done."),
+                },
             },
         },
+    })
+}
+
+/// The `Idempotency-Key` header of a change to a schedule.
+fn idempotency_key() -> Value {
+    json!({
+        "name": "Idempotency-Key", "in": "header", "required": false,
+        "description": "The change's id, 1 to 128 visible ASCII characters: the same key again is the same change, applied once and answered with its first outcome. Without it the gateway makes one and sends it back in this header.",
+        "schema": { "type": "string", "minLength": 1, "maxLength": 128 },
+    })
+}
+
+/// The `{name}` of a schedule's paths.
+fn schedule_name() -> Value {
+    json!({
+        "name": "name", "in": "path", "required": true,
+        "description": "The schedule's name in this client's tenant.",
+        "schema": { "type": "string", "pattern": "^[A-Za-z0-9_-]{1,38}$" },
+    })
+}
+
+/// The answers to a change to a schedule: `done` as `done_status`.
+fn command_responses(
+    command: &schemars::Schema,
+    error: &dyn Fn(&str) -> Value,
+    done_status: &str,
+    done: &str,
+) -> Value {
+    let answer = |description: &str| {
+        json!({
+            "description": description,
+            "content": { "application/json": { "schema": command } },
+        })
+    };
+    json!({
+        (done_status): answer(done),
+        "202": answer("No scheduler applied it within 5 s (outcome pending): it is kept on the broker; send the same request with the same Idempotency-Key to learn its outcome."),
+        "400": error("The body, the name or the Idempotency-Key is invalid (the reason says which)."),
+        "401": error("No client secret, or a wrong one."),
+        "403": error("The client belongs to no tenant."),
+        "404": answer("No schedule of that name in this tenant (outcome not_found)."),
+        "409": answer("Create: a schedule of that name exists in this tenant (outcome exists)."),
+        "422": answer("Refused by the schedulers (outcome refused: a workflow nobody runs or the tenant may not start, attributes the workflow refuses), or an Idempotency-Key used before for another change."),
+        "503": error("The broker did not confirm the change, or the store cannot be reached: send it again with the same Idempotency-Key."),
     })
 }
 

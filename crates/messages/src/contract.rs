@@ -14,7 +14,10 @@ use schemars::generate::SchemaSettings;
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
 
-use crate::{headers, OrderEvent, OrderStatus, QueueNames, StepReply, StepRequest, SubmitOrder};
+use crate::{
+    headers, OrderEvent, OrderStatus, QueueNames, ScheduleCommand, StepReply, StepRequest,
+    SubmitOrder,
+};
 
 /// The command that regenerates `contract/` (printed by the drift test).
 pub const REGENERATE: &str = "cargo run -p sas-messages --example contract";
@@ -24,6 +27,7 @@ pub fn message_schemas() -> Vec<(&'static str, Value)> {
     vec![
         ("SubmitOrder", schema_of::<SubmitOrder>()),
         ("OrderEvent", schema_of::<OrderEvent>()),
+        ("ScheduleCommand", schema_of::<ScheduleCommand>()),
         ("StepRequest", schema_of::<StepRequest>()),
         ("StepReply", schema_of::<StepReply>()),
         ("OrderStatus", schema_of::<OrderStatus>()),
@@ -173,15 +177,15 @@ fn channels(names: &QueueNames) -> Value {
         "events": {
             "address": null,
             "title": format!("exchange {}", names.events()),
-            "description": "Fanout exchange bound to the queue of the same name; any routing key. Events for orders' wait steps, from clients, `sasctl signal` and the console.",
-            "messages": { "OrderEvent": message_ref("OrderEvent") },
+            "description": "Fanout exchange bound to the queue of the same name; any routing key. Events for orders' wait steps, from clients, `sasctl signal` and the console; schedule commands from the gateway (told by their `type`).",
+            "messages": { "OrderEvent": message_ref("OrderEvent"), "ScheduleCommand": message_ref("ScheduleCommand") },
             "bindings": exchange_binding(&names.events(), "fanout"),
         },
         "eventsQueue": {
             "address": names.events(),
             "title": format!("queue {}", names.events()),
-            "description": "Quorum queue with a delivery limit and dead-lettering; schedulers compete on it and keep each event in its order's mailbox.",
-            "messages": { "OrderEvent": message_ref("OrderEvent") },
+            "description": "Quorum queue with a delivery limit and dead-lettering; schedulers compete on it and keep each event in its order's mailbox, or apply each schedule command once.",
+            "messages": { "OrderEvent": message_ref("OrderEvent"), "ScheduleCommand": message_ref("ScheduleCommand") },
             "bindings": queue_binding(Some(&names.events())),
         },
         "agentRequests": {
@@ -277,6 +281,8 @@ fn operations() -> Value {
         "takeOrder": operation("receive", "ordersQueue", "Schedulers store the order and start it, or refuse it: rejected to its reply_to, then dead-lettered.", &["scheduler"], &["SubmitOrder"], receive()),
         "sendEvent": operation("send", "events", "An event for an order's wait step (publisher confirms advised).", &["client", "sasctl", "console"], &["OrderEvent"], send(true)),
         "takeEvent": operation("receive", "eventsQueue", "Schedulers keep the event in its order's mailbox (once per event_id) and move on an order waiting for it; an invalid one is dead-lettered.", &["scheduler"], &["OrderEvent"], receive()),
+        "sendScheduleCommand": operation("send", "events", "A change to a schedule of the sender's tenant, AMQP type sas.schedule-command (publisher confirms advised).", &["gateway"], &["ScheduleCommand"], send(true)),
+        "takeScheduleCommand": operation("receive", "eventsQueue", "Schedulers apply it within the sender's tenant, once per command_id, and record its outcome (schedule_commands) for the sender to read.", &["scheduler"], &["ScheduleCommand"], receive()),
         "requestStep": operation("send", "agentRequests", "One attempt of one step (action or compensation), correlation_id = attempt_id, reply_to = the scheduler reply queue.", &["scheduler", "supervisor", "console"], &["StepRequest"], send(true)),
         "takeStepRequest": operation("receive", "agentRequests", "An agent calls its remote service with the step's idempotency key, within complete_by.", &["agent"], &["StepRequest"], receive()),
         "replyStep": operation("send", "schedulerReplies", "The agent's answer, to the request's reply_to with its correlation_id.", &["agent"], &["StepReply"], send(true)),
@@ -338,6 +344,7 @@ fn components() -> Value {
         .into_generator();
     let submit = generator.subschema_for::<SubmitOrder>().to_value();
     let event = generator.subschema_for::<OrderEvent>().to_value();
+    let command = generator.subschema_for::<ScheduleCommand>().to_value();
     let request = generator.subschema_for::<StepRequest>().to_value();
     let reply = generator.subschema_for::<StepReply>().to_value();
     let status = generator.subschema_for::<OrderStatus>().to_value();
@@ -361,6 +368,12 @@ fn components() -> Value {
             "OrderEvent": message("OrderEvent", "An event for an order's wait step, from any AMQP client.", event, "OrderHeaders", properties(&[
                 ("content_type", crate::CONTENT_TYPE_JSON),
                 ("delivery_mode", "2 (persistent)"),
+            ])),
+            "ScheduleCommand": message("ScheduleCommand", "A change to a durable schedule, on the sender's behalf.", command, "OrderHeaders", properties(&[
+                ("type", crate::schedule::SCHEDULE_COMMAND_TYPE),
+                ("content_type", crate::CONTENT_TYPE_JSON),
+                ("delivery_mode", "2 (persistent)"),
+                ("user_id", user),
             ])),
             "StepRequest": message("StepRequest", "One call an agent must make.", request, "OrderHeaders", properties(&[
                 ("correlation_id", "the attempt_id"),

@@ -9,6 +9,7 @@
 //! - [`names`]: queue, exchange and header names (with a deployment prefix).
 //! - [`order`]: the order a client submits, and its validation.
 //! - [`event`]: an event from the outside world that a wait step waits for.
+//! - [`schedule`]: a change to a durable schedule, sent over the broker.
 //! - [`step`]: the request an agent receives and the reply it sends back.
 //! - [`status`]: progress events sent to the client.
 //! - [`trace`]: W3C trace context carried in AMQP headers.
@@ -24,6 +25,7 @@ pub mod event;
 pub mod ids;
 pub mod names;
 pub mod order;
+pub mod schedule;
 pub mod status;
 pub mod step;
 pub mod storable;
@@ -36,6 +38,7 @@ pub use names::{headers, QueueNames};
 pub use order::{
     OrderLine, SubmitOrder, DEFAULT_PRIORITY, MAX_PRIORITY, PRIORITY_STEP, UNDO_HEAD_START,
 };
+pub use schedule::{ScheduleCommand, ScheduleDefinition, ScheduleVerb};
 pub use status::{OrderStatus, StatusEvent};
 pub use step::{StepKind, StepOutcome, StepReply, StepRequest};
 pub use trace::TraceParent;

@@ -120,6 +120,9 @@ fn check_example(name: &str, example: &Value) -> Result<(), String> {
         "OrderEvent" => check::<sas_messages::OrderEvent>(example)?
             .validate()
             .map_err(|e| e.to_string()),
+        "ScheduleCommand" => check::<sas_messages::ScheduleCommand>(example)?
+            .validate()
+            .map_err(|e| e.to_string()),
         "StepRequest" => check::<StepRequest>(example).map(drop),
         "StepReply" => check::<StepReply>(example).map(drop),
         "StepOutcome" => check::<StepOutcome>(example).map(drop),

@@ -57,7 +57,18 @@ impl Scheduler {
     /// waits for it, used, in one transaction; the message is acknowledged
     /// after that commit and after what the order does next is confirmed
     /// by the broker.
+    /// A [`sas_messages::ScheduleCommand`] (told by its `type`) shares the
+    /// queue: it goes to [`Scheduler::handle_schedule_command`].
     pub async fn handle_event(&self, delivery: Delivery, publisher: &Publisher) -> Consumed {
+        if delivery
+            .properties
+            .kind()
+            .as_ref()
+            .map(|kind| kind.as_str())
+            == Some(sas_messages::schedule::SCHEDULE_COMMAND_TYPE)
+        {
+            return self.handle_schedule_command(&delivery).await;
+        }
         let event: OrderEvent = match decode(&delivery.body, self.settings.amqp.max_message_bytes) {
             Ok(event) => event,
             Err(error) => return Consumed::DeadLetter(format!("invalid event: {error}")),

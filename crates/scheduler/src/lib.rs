@@ -20,6 +20,7 @@ pub mod intake;
 mod quota;
 pub mod refusal;
 pub mod replies;
+pub mod schedule_commands;
 pub mod schedules;
 pub mod senders;
 pub mod settings;

@@ -3,7 +3,7 @@
 //! becomes one order, close to its time; after every scheduler was down,
 //! the occurrences within the catch-up window run once each, in order, and
 //! the older ones are recorded as missed; pause, trigger and delete do
-//! what sasctl says.
+//! what sasctl, the console and the gateway say, each within its tenant.
 
 use std::time::Duration;
 
@@ -686,6 +686,327 @@ async fn the_gateway_shows_a_client_its_own_tenants_schedules_only() {
         .await
         .expect("the gateway answers");
     assert_eq!(nobody.status(), StatusCode::UNAUTHORIZED);
+}
+
+/// A request to the gateway as `secret`'s client, with an
+/// `Idempotency-Key` when given: its status and JSON body.
+async fn gateway_call(
+    method: reqwest::Method,
+    url: String,
+    secret: &str,
+    key: Option<&str>,
+    body: Option<&serde_json::Value>,
+) -> (reqwest::StatusCode, serde_json::Value) {
+    let mut request = sas_tests::http_client()
+        .request(method, url)
+        .bearer_auth(secret);
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    if let Some(body) = body {
+        request = request.json(body);
+    }
+    let response = request.send().await.expect("the gateway answers");
+    (
+        response.status(),
+        response.json().await.unwrap_or(serde_json::Value::Null),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_client_manages_its_tenants_schedules_once_per_key_and_never_anothers() {
+    use reqwest::{Method, StatusCode};
+
+    const SHOP: &str = "shop-secret-0123456789abcdef";
+    const RIVAL: &str = "rival-secret-0123456789abcdef";
+    let env = TestEnv::new().await;
+    let tenancy = env.dir.join("tenants.toml");
+    std::fs::write(
+        &tenancy,
+        "[tenants.shop]\nmembers = [\"gateway:shop\"]\nworkflows = [\"order\"]\n\n[tenants.rival]\nmembers = [\"gateway:rival\"]\n",
+    )
+    .unwrap();
+    let scheduler_settings = [
+        tick(),
+        Setting::SchedulerTenancyFile(tenancy.display().to_string()),
+        Setting::AmqpDelegatingUsers(env.amqp().user().expect("a broker user")),
+    ];
+    let mut scheduler = env.scheduler(0, &scheduler_settings);
+    wait_for_workflow(&env).await;
+    let port = sas_tests::process::free_port();
+    let _gateway = env.spawn(
+        "gateway",
+        "gateway",
+        &[
+            Setting::Listen(port),
+            Setting::GatewayClients(format!("shop:{SHOP},rival:{RIVAL}")),
+            Setting::GatewayTenancyFile(tenancy.display().to_string()),
+        ],
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    sas_tests::wait::wait_ready("the gateway", &base).await;
+    let url = |path: &str| format!("{base}{path}");
+    let order: serde_json::Value = serde_json::from_str(ORDER).unwrap();
+    let nightly = serde_json::json!({
+        "schema_version": 1, "name": "nightly", "cron": "0 2 * * *",
+        "time_zone": "Europe/Paris", "order": order,
+    });
+
+    // Created once, whatever the resends with its key; the name is then taken.
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules"),
+        SHOP,
+        Some("k-1"),
+        Some(&nightly),
+    )
+    .await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (StatusCode::CREATED, Some("done")),
+        "{body}"
+    );
+    let (status, again) = gateway_call(
+        Method::POST,
+        url("/v1/schedules"),
+        SHOP,
+        Some("k-1"),
+        Some(&nightly),
+    )
+    .await;
+    assert_eq!(
+        (status, &again),
+        (StatusCode::CREATED, &body),
+        "a resend is answered as the first"
+    );
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules"),
+        SHOP,
+        Some("k-2"),
+        Some(&nightly),
+    )
+    .await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (StatusCode::CONFLICT, Some("exists")),
+        "{body}"
+    );
+    let (created_by, tenant): (String, String) =
+        sqlx::query_as("SELECT created_by, tenant FROM schedules WHERE name = 'nightly'")
+            .fetch_one(&env.db)
+            .await
+            .expect("one nightly, stored");
+    assert_eq!(
+        (created_by.as_str(), tenant.as_str()),
+        ("gateway:shop", "shop")
+    );
+
+    // A bad definition is answered at once; a workflow the tenant may not
+    // start, and one nobody runs, by the scheduler, with the reason.
+    let mut bad = nightly.clone();
+    bad["name"] = "other".into();
+    bad["cron"] = "61 * * * *".into();
+    let (status, body) =
+        gateway_call(Method::POST, url("/v1/schedules"), SHOP, None, Some(&bad)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    for (workflow, reason) in [
+        ("large_order", "large_order"),
+        ("no_such_flow", "no_such_flow"),
+    ] {
+        let mut refused = nightly.clone();
+        refused["name"] = "other".into();
+        refused["order"]["workflow"] = workflow.into();
+        let (status, body) = gateway_call(
+            Method::POST,
+            url("/v1/schedules"),
+            SHOP,
+            None,
+            Some(&refused),
+        )
+        .await;
+        assert_eq!(
+            (status, body["outcome"].as_str()),
+            (StatusCode::UNPROCESSABLE_ENTITY, Some("refused")),
+            "{body}"
+        );
+        assert!(
+            body["detail"].as_str().is_some_and(|d| d.contains(reason)),
+            "{body}"
+        );
+    }
+
+    // rival neither sees nor moves shop's schedule.
+    let (status, _) =
+        gateway_call(Method::GET, url("/v1/schedules/nightly"), RIVAL, None, None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    for (method, path) in [
+        (Method::POST, "/v1/schedules/nightly/pause"),
+        (Method::POST, "/v1/schedules/nightly/trigger"),
+        (Method::DELETE, "/v1/schedules/nightly"),
+    ] {
+        let (status, body) = gateway_call(method, url(path), RIVAL, None, None).await;
+        assert_eq!(
+            (status, body["outcome"].as_str()),
+            (StatusCode::NOT_FOUND, Some("not_found")),
+            "{path}: {body}"
+        );
+    }
+    let (status, body) =
+        gateway_call(Method::GET, url("/v1/schedules/nightly"), SHOP, None, None).await;
+    assert_eq!(
+        (status, body["paused"].as_bool()),
+        (StatusCode::OK, Some(false)),
+        "{body}"
+    );
+    assert_eq!(
+        body["next_runs"].as_array().map(Vec::len),
+        Some(5),
+        "{body}"
+    );
+
+    // shop pauses it, triggers a run (a pause lets it start) and resumes it.
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules/nightly/pause"),
+        SHOP,
+        Some("p-1"),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules/nightly/resume"),
+        SHOP,
+        Some("p-1"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "a key used for another change: {body}"
+    );
+    let (_, body) = gateway_call(Method::GET, url("/v1/schedules/nightly"), SHOP, None, None).await;
+    assert_eq!(
+        (
+            body["paused"].as_bool(),
+            body["next_runs"].as_array().map(Vec::len)
+        ),
+        (Some(true), Some(0)),
+        "{body}"
+    );
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules/nightly/trigger"),
+        SHOP,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let run = wait_until("the triggered run", Duration::from_secs(20), || async {
+        let (_, body) =
+            gateway_call(Method::GET, url("/v1/schedules/nightly"), SHOP, None, None).await;
+        body["latest_runs"][0]["order_id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or(body.to_string())
+    })
+    .await;
+    // Decided, then stored by intake a moment later.
+    wait_until(
+        "shop reads its run's order",
+        Duration::from_secs(20),
+        || async {
+            let (status, body) = gateway_call(
+                Method::GET,
+                url(&format!("/v1/orders/{run}")),
+                SHOP,
+                None,
+                None,
+            )
+            .await;
+            (status == StatusCode::OK)
+                .then_some(())
+                .ok_or(format!("{run}: {status} {body}"))
+        },
+    )
+    .await;
+    let (status, _) = gateway_call(
+        Method::POST,
+        url("/v1/schedules/nightly/resume"),
+        SHOP,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, body) = gateway_call(Method::GET, url("/v1/schedules/nightly"), SHOP, None, None).await;
+    assert_eq!(body["paused"].as_bool(), Some(false), "{body}");
+
+    // With no scheduler to apply it, a change is kept on the broker and
+    // answered "pending"; the same request with its key, once one is
+    // back, learns that it was applied once.
+    scheduler.kill9().await;
+    let (status, body) = gateway_call(
+        Method::DELETE,
+        url("/v1/schedules/nightly"),
+        SHOP,
+        Some("d-1"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (StatusCode::ACCEPTED, Some("pending")),
+        "{body}"
+    );
+    let _scheduler = env.scheduler(1, &scheduler_settings);
+    let body = wait_until("the delete applied", Duration::from_secs(30), || async {
+        let (status, body) = gateway_call(
+            Method::DELETE,
+            url("/v1/schedules/nightly"),
+            SHOP,
+            Some("d-1"),
+            None,
+        )
+        .await;
+        (status == StatusCode::OK)
+            .then_some(body.clone())
+            .ok_or(format!("{status}: {body}"))
+    })
+    .await;
+    assert_eq!(body["outcome"], "done", "{body}");
+    let (status, _) =
+        gateway_call(Method::GET, url("/v1/schedules/nightly"), SHOP, None, None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, body) = gateway_call(
+        Method::DELETE,
+        url("/v1/schedules/nightly"),
+        SHOP,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "deleted already: {body}");
+    let (commands,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM schedule_commands WHERE tenant = 'shop' AND command_id IN ('k-1', 'd-1')",
+    )
+    .fetch_one(&env.db)
+    .await
+    .unwrap();
+    assert_eq!(commands, 2, "each command recorded once");
+    let (status, _) = gateway_call(
+        Method::POST,
+        url("/v1/schedules"),
+        "nobody",
+        None,
+        Some(&nightly),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -5,8 +5,10 @@
 //! - [`spec`]: a schedule's definition, checked (name, [`spec::Timing`],
 //!   [`spec::Overlap`], the id of each occurrence's order).
 //! - [`plan`]: what becomes of the due occurrences, pure.
-//! - [`Schedules`] (here): the rows; managing them (operators, tenants'
-//!   clients) and deciding the due ones (schedulers).
+//! - [`manage`]: creating and changing them (operators directly; a
+//!   tenant's client through a command a scheduler applies once).
+//! - [`Schedules`] (here): reading the rows, and deciding the due ones
+//!   (schedulers).
 //!
 //! Firing is in two steps so that no occurrence is lost or doubled:
 //! [`Schedules::decide_due`] records each due occurrence's fate and moves
@@ -17,6 +19,7 @@
 //! died or froze in between) is fired by any scheduler's next tick
 //! ([`Schedules::unfired`]).
 
+pub mod manage;
 pub mod plan;
 pub mod spec;
 
@@ -87,6 +90,25 @@ pub struct ScheduleAsk {
 }
 
 impl ScheduleAsk {
+    /// The schedule a [`sas_messages::ScheduleCommand`]'s `definition`
+    /// asks for, `name` in `tenant`.
+    pub fn from_definition(
+        tenant: &str,
+        name: &str,
+        definition: &sas_messages::ScheduleDefinition,
+    ) -> Self {
+        Self {
+            tenant: tenant.to_owned(),
+            name: name.to_owned(),
+            cron: definition.cron.clone(),
+            time_zone: definition.time_zone.clone(),
+            order: definition.order.clone(),
+            overlap: definition.overlap.clone(),
+            catch_up_secs: definition.catch_up_secs,
+            paused: definition.paused,
+        }
+    }
+
     /// The schedule asked for, checked as the schedulers will read it.
     ///
     /// # Errors
@@ -241,13 +263,13 @@ pub enum Change {
 /// What an operator (or a tenant's client) may do to one schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScheduleAction {
-    /// [`Schedules::pause`].
+    /// Decide no occurrence until resumed (see [`Schedules::act`]).
     Pause,
-    /// [`Schedules::resume`].
+    /// Run again from the first occurrence after now.
     Resume,
-    /// [`Schedules::trigger`].
+    /// Start a run now.
     Trigger,
-    /// [`Schedules::delete`].
+    /// Start nothing more; the name may be used again.
     Delete,
 }
 
@@ -337,67 +359,6 @@ const SCHEDULE_COLUMNS: &str = "tenant, name, workflow, cron, time_zone, order_t
     updated_by, updated_at";
 
 impl Schedules<'_> {
-    /// Stores `schedule`, its first occurrence the first after now
-    /// (database clock); a deleted schedule of the same name is replaced.
-    /// Refused when no scheduler has registered the workflow its order
-    /// names (its attributes are checked when each run is stored).
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn create(self, schedule: &NewSchedule, actor: &str) -> Result<Created, StoreError> {
-        let workflow = schedule
-            .order
-            .get("workflow")
-            .and_then(|w| w.as_str())
-            .unwrap_or(sas_messages::order::DEFAULT_WORKFLOW);
-        let known: Vec<String> =
-            sqlx::query_scalar("SELECT DISTINCT name FROM workflow_plans ORDER BY name")
-                .fetch_all(self.pool())
-                .await?;
-        if !known.iter().any(|name| name == workflow) {
-            return Ok(Created::UnknownWorkflow(known));
-        }
-        let mut tx = self.pool().begin().await?;
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut *tx)
-            .await?;
-        let next_run = schedule.timing.next_after(now);
-        let stored = sqlx::query(
-            "INSERT INTO schedules (tenant, name, workflow, cron, time_zone, order_template, overlap,
-                                    catch_up_ms, paused, next_run, created_by, updated_by)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $11)
-             ON CONFLICT (tenant, name) DO UPDATE
-                SET workflow = EXCLUDED.workflow, cron = EXCLUDED.cron,
-                    time_zone = EXCLUDED.time_zone, order_template = EXCLUDED.order_template,
-                    overlap = EXCLUDED.overlap, catch_up_ms = EXCLUDED.catch_up_ms,
-                    paused = EXCLUDED.paused, next_run = EXCLUDED.next_run, buffered = NULL,
-                    trigger_at = NULL, last_order_id = NULL, created_by = EXCLUDED.created_by,
-                    created_at = now(), updated_by = EXCLUDED.updated_by, updated_at = now(),
-                    deleted_at = NULL
-              WHERE schedules.deleted_at IS NOT NULL",
-        )
-        .bind(&schedule.tenant)
-        .bind(&schedule.name)
-        .bind(workflow)
-        .bind(schedule.timing.expression())
-        .bind(schedule.timing.zone())
-        .bind(Json(&schedule.order))
-        .bind(schedule.overlap.as_str())
-        .bind(i64::try_from(schedule.catch_up.as_millis()).unwrap_or(i64::MAX))
-        .bind(schedule.paused)
-        .bind(next_run)
-        .bind(actor)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        tx.commit().await?;
-        Ok(if stored == 1 {
-            Created::Created(next_run)
-        } else {
-            Created::Exists
-        })
-    }
-
     /// The schedules of `tenant` (of every tenant when `None`), by tenant and name.
     ///
     /// # Errors
@@ -451,130 +412,6 @@ impl Schedules<'_> {
         .bind(limit.clamp(1, 1000))
         .fetch_all(self.pool())
         .await?)
-    }
-
-    /// Does `action` to one schedule.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn act(
-        self,
-        tenant: &str,
-        name: &str,
-        action: ScheduleAction,
-        actor: &str,
-    ) -> Result<Change, StoreError> {
-        match action {
-            ScheduleAction::Pause => self.pause(tenant, name, actor).await,
-            ScheduleAction::Resume => self.resume(tenant, name, actor).await,
-            ScheduleAction::Trigger => self.trigger(tenant, name, actor).await,
-            ScheduleAction::Delete => self.delete(tenant, name, actor).await,
-        }
-    }
-
-    /// Pauses a schedule: no occurrence is decided until it is resumed (a
-    /// run asked by hand still starts; an occurrence buffered behind the
-    /// last run keeps its place, and starts once resumed).
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn pause(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
-        self.update(tenant, name, actor, "paused = true").await
-    }
-
-    /// Resumes a paused schedule from the first occurrence after now: the
-    /// occurrences while it was paused are not caught up.
-    ///
-    /// # Errors
-    /// When the database fails, or the stored expression no longer parses.
-    pub async fn resume(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
-        let mut tx = self.pool().begin().await?;
-        let row: Option<(String, String, bool, DateTime<Utc>)> = sqlx::query_as(
-            "SELECT cron, time_zone, paused, now() FROM schedules
-              WHERE tenant = $1 AND name = $2 AND deleted_at IS NULL FOR UPDATE",
-        )
-        .bind(tenant)
-        .bind(name)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((cron, zone, paused, now)) = row else {
-            return Ok(Change::NotFound);
-        };
-        // Not paused: nothing to resume, and its next occurrence stays.
-        if paused {
-            let timing = Timing::parse(&cron, &zone).map_err(|error| {
-                StoreError::Invariant(format!(
-                    "schedule {tenant}/{name}: the stored definition no longer parses: {error}"
-                ))
-            })?;
-            sqlx::query(
-                "UPDATE schedules SET paused = false, next_run = $4, updated_by = $3, updated_at = now()
-                  WHERE tenant = $1 AND name = $2",
-            )
-            .bind(tenant)
-            .bind(name)
-            .bind(actor)
-            .bind(timing.next_after(now))
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(Change::Done)
-    }
-
-    /// Deletes a schedule: it decides nothing more, its name may be used
-    /// again, and the runs it started go on as ordinary orders.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn delete(self, tenant: &str, name: &str, actor: &str) -> Result<Change, StoreError> {
-        self.update(tenant, name, actor, "deleted_at = now()").await
-    }
-
-    /// Asks for a run now, whatever the expression, the overlap policy or
-    /// a pause say: the next tick of any scheduler starts it (once, however
-    /// often this is asked before then).
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn trigger(
-        self,
-        tenant: &str,
-        name: &str,
-        actor: &str,
-    ) -> Result<Change, StoreError> {
-        self.update(
-            tenant,
-            name,
-            actor,
-            "trigger_at = coalesce(trigger_at, now())",
-        )
-        .await
-    }
-
-    /// Sets `set` on one live schedule.
-    async fn update(
-        self,
-        tenant: &str,
-        name: &str,
-        actor: &str,
-        set: &'static str,
-    ) -> Result<Change, StoreError> {
-        let changed = sqlx::query(AssertSqlSafe(format!(
-            "UPDATE schedules SET {set}, updated_by = $3, updated_at = now()
-              WHERE tenant = $1 AND name = $2 AND deleted_at IS NULL"
-        )))
-        .bind(tenant)
-        .bind(name)
-        .bind(actor)
-        .execute(self.pool())
-        .await?
-        .rows_affected();
-        Ok(if changed == 0 {
-            Change::NotFound
-        } else {
-            Change::Done
-        })
     }
 }
 

@@ -43,7 +43,7 @@ pub fn check_tenant(tenant: &str) -> Result<(), InvalidSchedule> {
 /// Longest schedule name: its orders' ids are `<name>:<UTC time>` (or
 /// `<name>:now-<UTC time with milliseconds>` for a run asked by hand),
 /// which must fit an order id's 64 characters.
-pub const MAX_NAME_LEN: usize = 38;
+pub const MAX_NAME_LEN: usize = sas_messages::schedule::MAX_SCHEDULE_NAME_LEN;
 
 /// The most times [`Timing::next_after`] looks at: a doubled hour of a
 /// per-second expression, and the quarter of an hour before it, are 8,100.
@@ -64,11 +64,7 @@ pub struct InvalidSchedule(pub String);
 /// # Errors
 /// [`InvalidSchedule`] saying what a name may hold.
 pub fn check_name(name: &str) -> Result<(), InvalidSchedule> {
-    let ok = (1..=MAX_NAME_LEN).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if ok {
+    if sas_messages::schedule::is_schedule_name(name) {
         Ok(())
     } else {
         Err(InvalidSchedule(format!(
@@ -267,6 +263,20 @@ pub fn check_order(
             "the order names an order_id: leave it out, each run's order gets its own (<name>:<UTC time>)".into(),
         ));
     }
+    sample_order(template, name)?;
+    Ok(template.clone())
+}
+
+/// The order a run of schedule `name` would submit now from `template`,
+/// validated as intake validates it: what a scheduler checks a tenant's
+/// rights against when the schedule is created.
+///
+/// # Errors
+/// [`InvalidSchedule`] saying what is wrong, as intake would.
+pub fn sample_order(
+    template: &serde_json::Map<String, serde_json::Value>,
+    name: &str,
+) -> Result<sas_messages::SubmitOrder, InvalidSchedule> {
     let mut sample = template.clone();
     sample.insert(
         "order_id".into(),
@@ -278,7 +288,7 @@ pub fn check_order(
     order
         .validate()
         .map_err(|error| InvalidSchedule(error.to_string()))?;
-    Ok(template.clone())
+    Ok(order)
 }
 
 /// The client id of the order occurrence `at` of schedule `name` becomes:
