@@ -613,8 +613,6 @@ async fn the_console_creates_triggers_pauses_and_deletes_a_schedule_and_a_viewer
 async fn the_gateway_shows_a_client_its_own_tenants_schedules_only() {
     use reqwest::StatusCode;
 
-    const SHOP: &str = "shop-secret-0123456789abcdef";
-    const RIVAL: &str = "rival-secret-0123456789abcdef";
     let env = TestEnv::new().await;
     let _scheduler = env.scheduler(0, &[tick()]);
     wait_for_workflow(&env).await;
@@ -644,18 +642,7 @@ async fn the_gateway_shows_a_client_its_own_tenants_schedules_only() {
         "[tenants.shop]\nmembers = [\"gateway:shop\"]\n\n[tenants.rival]\nmembers = [\"gateway:rival\"]\n",
     )
     .unwrap();
-    let port = sas_tests::process::free_port();
-    let _gateway = env.spawn(
-        "gateway",
-        "gateway",
-        &[
-            Setting::Listen(port),
-            Setting::GatewayClients(format!("shop:{SHOP},rival:{RIVAL}")),
-            Setting::GatewayTenancyFile(tenancy.display().to_string()),
-        ],
-    );
-    let base = format!("http://127.0.0.1:{port}");
-    sas_tests::wait::wait_ready("the gateway", &base).await;
+    let (_gateway, base) = gateway(&env, &tenancy).await;
     let list = |secret: &'static str| {
         let url = format!("{base}/v1/schedules");
         async move {
@@ -703,6 +690,29 @@ async fn the_gateway_shows_a_client_its_own_tenants_schedules_only() {
     assert_eq!(nobody.status(), StatusCode::UNAUTHORIZED);
 }
 
+/// The secrets of the gateway clients `shop` and `rival`, of tenants of
+/// the same names.
+const SHOP: &str = "shop-secret-0123456789abcdef";
+const RIVAL: &str = "rival-secret-0123456789abcdef";
+
+/// A gateway for the clients `shop` and `rival`, with the tenancy file
+/// `tenancy`, once ready: the process and its base URL.
+async fn gateway(env: &TestEnv, tenancy: &std::path::Path) -> (sas_tests::Service, String) {
+    let port = sas_tests::process::free_port();
+    let gateway = env.spawn(
+        "gateway",
+        "gateway",
+        &[
+            Setting::Listen(port),
+            Setting::GatewayClients(format!("shop:{SHOP},rival:{RIVAL}")),
+            Setting::GatewayTenancyFile(tenancy.display().to_string()),
+        ],
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    sas_tests::wait::wait_ready("the gateway", &base).await;
+    (gateway, base)
+}
+
 /// A request to the gateway as `secret`'s client, with an
 /// `Idempotency-Key` when given: its status and JSON body.
 async fn gateway_call(
@@ -732,8 +742,6 @@ async fn gateway_call(
 async fn a_gateway_client_manages_its_tenants_schedules_once_per_key_and_never_anothers() {
     use reqwest::{Method, StatusCode};
 
-    const SHOP: &str = "shop-secret-0123456789abcdef";
-    const RIVAL: &str = "rival-secret-0123456789abcdef";
     let env = TestEnv::new().await;
     let tenancy = env.dir.join("tenants.toml");
     std::fs::write(
@@ -748,18 +756,7 @@ async fn a_gateway_client_manages_its_tenants_schedules_once_per_key_and_never_a
     ];
     let mut scheduler = env.scheduler(0, &scheduler_settings);
     wait_for_workflow(&env).await;
-    let port = sas_tests::process::free_port();
-    let _gateway = env.spawn(
-        "gateway",
-        "gateway",
-        &[
-            Setting::Listen(port),
-            Setting::GatewayClients(format!("shop:{SHOP},rival:{RIVAL}")),
-            Setting::GatewayTenancyFile(tenancy.display().to_string()),
-        ],
-    );
-    let base = format!("http://127.0.0.1:{port}");
-    sas_tests::wait::wait_ready("the gateway", &base).await;
+    let (_gateway, base) = gateway(&env, &tenancy).await;
     let url = |path: &str| format!("{base}{path}");
     let order: serde_json::Value = serde_json::from_str(ORDER).unwrap();
     let nightly = serde_json::json!({
