@@ -15,7 +15,7 @@ use sas_messages::{StepOutcome, StepReply};
 use sqlx::AssertSqlSafe;
 
 use super::apply::{transition, Decided, Slots};
-use super::key_room::{read_key_line, KeyRead};
+use super::key_room::{read_key_lines, KeyRead};
 use super::Writes;
 use crate::admission::IN_FLIGHT;
 use crate::machine::admission::{Levels, UNDO_LEVEL};
@@ -298,66 +298,102 @@ impl Writes<'_> {
             return Ok(Vec::new());
         }
         let mut tx = self.pool().begin().await?;
-        let mut ready: Vec<String> = Vec::new();
-        for line in lines {
-            let left = limit - ready.len() as i64;
-            if left <= 0 {
+        // Every line locked and read at once, and each line's head's
+        // limits: a handful of statements however many lines wait.
+        let line_refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+        let reads = read_key_lines(&mut tx, &line_refs, self.store.grace()).await?;
+        let locked: Vec<&str> = line_refs
+            .iter()
+            .copied()
+            .filter(|line| reads.get(*line).is_some_and(Option::is_some))
+            .collect();
+        // The limits of each line's head: a key is one remote's, and the
+        // steps naming it declare its limits.
+        let heads_limits: Vec<(String, Option<sqlx::types::Json<StepCalls>>)> = sqlx::query_as(
+            "SELECT l.line, h.request
+               FROM unnest($1::text[]) AS l(line)
+               CROSS JOIN LATERAL (
+                    SELECT s.request
+                      FROM order_process p
+                      JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
+                     WHERE p.waiting_key = l.line
+                     ORDER BY p.admit_key
+                     LIMIT 1) h",
+        )
+        .bind(&locked)
+        .fetch_all(&mut *tx)
+        .await?;
+        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&mut *tx)
+            .await?;
+        let calls: HashMap<String, StepCalls> = heads_limits
+            .into_iter()
+            .filter_map(|(line, calls)| Some((line, calls?.0)))
+            .collect();
+        // How many heads each line may start, in the lines' order, until
+        // the claim's limit; the cursor moves to the last line visited.
+        let mut rooms: Vec<(&str, i64)> = Vec::new();
+        let mut promised = 0;
+        for line in &line_refs {
+            if promised >= limit {
                 break;
             }
-            line.clone_into(
+            (*line).clone_into(
                 &mut self
                     .store
                     .key_cursor
                     .lock()
                     .unwrap_or_else(|e| e.into_inner()),
             );
-            let Some(read) = read_key_line(&mut tx, &line, self.store.grace()).await? else {
+            let (Some(Some(read)), Some(calls)) = (reads.get(*line), calls.get(*line)) else {
                 continue;
             };
-            // The limits of the line's head: a key is one remote's, and
-            // the steps naming it declare its limits.
-            let head: Option<(
-                Option<sqlx::types::Json<StepCalls>>,
-                chrono::DateTime<chrono::Utc>,
-            )> = sqlx::query_as(
-                "SELECT s.request, now()
-                       FROM order_process p
-                       JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
-                      WHERE p.waiting_key = $1
-                      ORDER BY p.admit_key
-                      LIMIT 1",
+            let Some((limits, _, _)) = calls.key_limits() else {
+                continue;
+            };
+            let room = key_line_room(limits, read, now).min(limit - promised);
+            if room > 0 {
+                rooms.push((line, room));
+                promised += room;
+            }
+        }
+        let (room_lines, room_counts): (Vec<&str>, Vec<i64>) = rooms.iter().copied().unzip();
+        let heads: Vec<(String, String)> = if rooms.is_empty() {
+            Vec::new()
+        } else {
+            sqlx::query_as(
+                "SELECT h.order_id, l.line
+                   FROM unnest($1::text[], $2::int8[]) WITH ORDINALITY AS l(line, room, n)
+                   CROSS JOIN LATERAL (
+                        SELECT order_id, admit_key FROM order_process
+                         WHERE waiting_key = l.line AND not_before <= now()
+                         ORDER BY admit_key
+                         LIMIT l.room
+                           FOR UPDATE SKIP LOCKED) h
+                  ORDER BY l.n, h.admit_key",
             )
-            .bind(&line)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some((Some(calls), now)) = head else {
+            .bind(&room_lines)
+            .bind(&room_counts)
+            .fetch_all(&mut *tx)
+            .await?
+        };
+        let mut started: HashMap<&str, usize> = HashMap::new();
+        for (_, line) in &heads {
+            *started.entry(line.as_str()).or_default() += 1;
+        }
+        // When each rate-limited line may start next, after what this
+        // claim starts, where the rate is what holds it back (not a full
+        // concurrency limit, heads not due or held elsewhere).
+        for line in &line_refs {
+            let (Some(Some(read)), Some(calls)) = (reads.get(*line), calls.get(*line)) else {
                 continue;
             };
-            let Some((limits, _, _)) = calls.0.key_limits() else {
+            let Some((limits, _, _)) = calls.key_limits() else {
                 continue;
-            };
-            let room = key_line_room(limits, &read, now);
-            let heads: Vec<String> = if room > 0 {
-                sqlx::query_scalar(
-                    "SELECT order_id FROM order_process
-                      WHERE waiting_key = $1 AND not_before <= now()
-                      ORDER BY admit_key
-                      LIMIT $2
-                        FOR UPDATE SKIP LOCKED",
-                )
-                .bind(&line)
-                .bind(room.min(left))
-                .fetch_all(&mut *tx)
-                .await?
-            } else {
-                Vec::new()
             };
             if let Some(rate) = limits.rate {
-                // The rate's next room, after what this claim starts, when
-                // the rate is what holds the line back (not a full
-                // concurrency limit, heads not due or held elsewhere).
                 let mut tat = read.tat;
-                for _ in &heads {
+                for _ in 0..started.get(*line).copied().unwrap_or_default() {
                     tat = Some(rate.after_start(tat, now));
                 }
                 if let Some(due) = tat.map(|tat| rate.next_room_at(tat) - now) {
@@ -366,8 +402,8 @@ impl Writes<'_> {
                     }
                 }
             }
-            ready.extend(heads);
         }
+        let ready: Vec<String> = heads.into_iter().map(|(order_id, _)| order_id).collect();
         self.store
             .set_next_key_start(next_start.and_then(|due| due.to_std().ok()));
         self.start_claimed(tx, &ready, actor, false).await
