@@ -43,8 +43,12 @@ const RUNS: usize = 5;
 /// its outcome).
 pub const COMMAND_WAIT: Duration = Duration::from_secs(5);
 
-/// How often the outcome of a change is looked for while it waits.
-const COMMAND_POLL: Duration = Duration::from_millis(25);
+/// How soon the outcome of a change is first looked for while it waits;
+/// each look after waits twice as long, up to [`COMMAND_POLL_MAX`].
+const COMMAND_POLL: Duration = Duration::from_millis(20);
+
+/// The longest wait between two looks for a change's outcome.
+const COMMAND_POLL_MAX: Duration = Duration::from_millis(320);
 
 /// The request header naming a change's command id.
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -318,6 +322,7 @@ async fn send(
         return not_confirmed(&format!("the change was not accepted: the broker did not confirm it ({error}); send it again with the same Idempotency-Key ({}), which is safe", command.command_id));
     }
     let deadline = tokio::time::Instant::now() + COMMAND_WAIT;
+    let mut pause = COMMAND_POLL;
     loop {
         match schedules.command(&tenant, &command.command_id).await {
             Ok(Some(recorded)) => return answer(&command, Some(&recorded)),
@@ -330,7 +335,7 @@ async fn send(
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(COMMAND_POLL) => {}
+            () = tokio::time::sleep(pause) => pause = (pause * 2).min(COMMAND_POLL_MAX),
             () = gateway.shutdown.cancelled() => return answer(&command, None),
         }
     }
@@ -355,13 +360,15 @@ fn command_id(headers: &HeaderMap) -> Result<String, String> {
 /// The response telling `command`'s outcome (`None`: not applied yet).
 fn answer(command: &ScheduleCommand, recorded: Option<&Recorded>) -> Response {
     let schedule_url = format!("/v1/schedules/{}", command.schedule);
-    if let Some(recorded) =
-        recorded.filter(|r| r.name != command.schedule || r.action != command.action.as_str())
-    {
+    if let Some(recorded) = recorded.filter(|r| {
+        r.name != command.schedule
+            || r.action != command.action.as_str()
+            || r.definition != command.definition
+    }) {
         return problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
-                "Idempotency-Key {:?} was used for another change ({} of schedule {}): use a new key for a new change",
+                "Idempotency-Key {:?} was used for another change ({} of schedule {}, or another definition): use a new key for a new change",
                 command.command_id, recorded.action, recorded.name
             ),
         );

@@ -66,19 +66,21 @@ impl Scheduler {
             command_id: &command.command_id,
             name: &command.schedule,
             action: command.action.as_str(),
+            definition: command.definition.as_ref(),
             sent_by: &sender.identity,
         };
-        let applied = sas_runtime::retry_transient(
-            &self.shutdown,
-            "applying a schedule command",
-            |e: &sas_store::StoreError| e.is_transient(),
-            || {
-                self.store
-                    .schedules()
-                    .apply(&recorded_command, asked, &sender.identity)
-            },
-        )
-        .await;
+        let actor = &sender.identity;
+        let applied = match self.apply_command(&recorded_command, asked, actor).await {
+            // A change that can never be made (a stored definition that no
+            // longer parses, for one): recorded as refused, with why, so
+            // that its sender hears of it, rather than retried for ever.
+            Some(Err(error)) if !error.is_transient() => {
+                let why = format!("the change cannot be made: {error}");
+                self.apply_command(&recorded_command, Asked::Refused(&why), actor)
+                    .await
+            }
+            applied => applied,
+        };
         match applied {
             None => Consumed::Requeue,
             Some(Ok(recorded)) => {
@@ -101,6 +103,23 @@ impl Scheduler {
                 Consumed::Requeue
             }
         }
+    }
+
+    /// Applies `command` as `asked`, again while the store fails for a
+    /// while (`None`: shutdown came first).
+    async fn apply_command(
+        &self,
+        command: &Command<'_>,
+        asked: Asked<'_>,
+        actor: &str,
+    ) -> Option<Result<sas_store::schedules::manage::Recorded, sas_store::StoreError>> {
+        sas_runtime::retry_transient(
+            &self.shutdown,
+            "applying a schedule command",
+            |e: &sas_store::StoreError| e.is_transient(),
+            || self.store.schedules().apply(command, asked, actor),
+        )
+        .await
     }
 
     /// Whether `schedule`'s tenant may start its runs' order: a workflow

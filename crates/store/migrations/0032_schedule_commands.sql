@@ -14,6 +14,9 @@ CREATE TABLE schedule_commands (
     -- taken); refused (the definition or the sender's rights; see detail).
     outcome     text NOT NULL CHECK (outcome IN ('done', 'not_found', 'exists', 'refused')),
     detail      text,
+    -- create: the definition it carried, so that the same key resent with
+    -- another definition is told apart.
+    definition  jsonb,
     -- Who sent it (the identity the gateway vouched for).
     sent_by     text NOT NULL,
     recorded_by text NOT NULL,

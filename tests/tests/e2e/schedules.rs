@@ -791,6 +791,21 @@ async fn a_gateway_client_manages_its_tenants_schedules_once_per_key_and_never_a
         (StatusCode::CREATED, &body),
         "a resend is answered as the first"
     );
+    let mut changed = nightly.clone();
+    changed["cron"] = "0 3 * * *".into();
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules"),
+        SHOP,
+        Some("k-1"),
+        Some(&changed),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "the key resent with another definition: {body}"
+    );
     let (status, body) = gateway_call(
         Method::POST,
         url("/v1/schedules"),
@@ -957,6 +972,32 @@ async fn a_gateway_client_manages_its_tenants_schedules_once_per_key_and_never_a
     assert_eq!(status, StatusCode::OK);
     let (_, body) = gateway_call(Method::GET, url("/v1/schedules/nightly"), SHOP, None, None).await;
     assert_eq!(body["paused"].as_bool(), Some(false), "{body}");
+
+    // A change that can never be made (a stored definition that no longer
+    // parses) is answered refused, with why, not left pending.
+    sqlx::query("UPDATE schedules SET cron = 'no longer', paused = true WHERE name = 'nightly'")
+        .execute(&env.db)
+        .await
+        .unwrap();
+    let (status, body) = gateway_call(
+        Method::POST,
+        url("/v1/schedules/nightly/resume"),
+        SHOP,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("refused")),
+        "{body}"
+    );
+    assert!(
+        body["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("no longer parses")),
+        "{body}"
+    );
 
     // With no scheduler to apply it, a change is kept on the broker and
     // answered "pending"; the same request with its key, once one is

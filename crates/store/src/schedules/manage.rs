@@ -10,6 +10,8 @@ use serde::Serialize;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgConnection};
 
+use sas_messages::ScheduleDefinition;
+
 use super::spec::{InvalidSchedule, Timing};
 use super::{Change, Created, NewSchedule, ScheduleAction, Schedules};
 use crate::StoreError;
@@ -26,6 +28,8 @@ pub struct Command<'a> {
     pub name: &'a str,
     /// `create`, `pause`, `resume`, `trigger` or `delete`.
     pub action: &'a str,
+    /// A create's definition, as sent: recorded with it.
+    pub definition: Option<&'a ScheduleDefinition>,
     /// The sender's identity (`gateway:shop`), recorded.
     pub sent_by: &'a str,
 }
@@ -80,7 +84,7 @@ impl FromStr for CommandOutcome {
 }
 
 /// A command's recorded outcome: the first, however often it came.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
     /// The schedule it named.
     pub name: String,
@@ -90,6 +94,8 @@ pub struct Recorded {
     pub outcome: CommandOutcome,
     /// Why it was refused, or the first run a create set.
     pub detail: Option<String>,
+    /// A create's definition, as sent.
+    pub definition: Option<ScheduleDefinition>,
 }
 
 impl Schedules<'_> {
@@ -171,8 +177,8 @@ impl Schedules<'_> {
         };
         let recorded = sqlx::query(
             "INSERT INTO schedule_commands (tenant, command_id, name, action, outcome, detail,
-                                            sent_by, recorded_by)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                                            definition, sent_by, recorded_by)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
              ON CONFLICT (tenant, command_id) DO NOTHING",
         )
         .bind(command.tenant)
@@ -181,6 +187,7 @@ impl Schedules<'_> {
         .bind(command.action)
         .bind(outcome.as_str())
         .bind(&detail)
+        .bind(command.definition.map(Json))
         .bind(command.sent_by)
         .bind(actor)
         .execute(&mut *tx)
@@ -206,6 +213,7 @@ impl Schedules<'_> {
             action: command.action.to_owned(),
             outcome,
             detail,
+            definition: command.definition.cloned(),
         })
     }
 
@@ -229,20 +237,28 @@ async fn recorded_in(
     tenant: &str,
     command_id: &str,
 ) -> Result<Option<Recorded>, StoreError> {
-    let row: Option<(String, String, String, Option<String>)> = sqlx::query_as(
-        "SELECT name, action, outcome, detail FROM schedule_commands
+    type Row = (
+        String,
+        String,
+        String,
+        Option<String>,
+        Option<Json<ScheduleDefinition>>,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT name, action, outcome, detail, definition FROM schedule_commands
           WHERE tenant = $1 AND command_id = $2",
     )
     .bind(tenant)
     .bind(command_id)
     .fetch_optional(&mut *connection)
     .await?;
-    row.map(|(name, action, outcome, detail)| {
+    row.map(|(name, action, outcome, detail, definition)| {
         Ok(Recorded {
             name,
             action,
             outcome: outcome.parse()?,
             detail,
+            definition: definition.map(|json| json.0),
         })
     })
     .transpose()
