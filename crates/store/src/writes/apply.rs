@@ -80,11 +80,9 @@ pub(crate) async fn transition<'e>(
         taken: HashMap::new(),
         keys: KeyRoom::new(now, store.grace()),
     };
-    let events: Vec<Event<'e>> = snapshots.iter().map(&mut event_for).collect();
-    let ctx = store.context(now, actor);
-    read_keys_ahead(&mut *conn, &ctx, &snapshots, &events, slots, &mut room.keys).await?;
-    for (snapshot, event) in snapshots.into_iter().zip(events) {
+    for snapshot in snapshots {
         let ctx = store.context(now, actor);
+        let event = event_for(&snapshot);
         // A held order's slot of the agent it was admitted for is counted;
         // a parallel group's other agents are still checked.
         let admitted = match slots {
@@ -111,45 +109,6 @@ pub(crate) async fn transition<'e>(
     // Last: the keys' rows stay locked only until the commit.
     learn_keys(&mut *conn, &decided, store.grace()).await?;
     Ok(decided)
-}
-
-/// Reads ahead, in one go, the key lines the batch's decisions would start
-/// attempts in ([`KeyRoom::read_ahead`]), so that deciding them reads none
-/// one by one. Only orders with a step limited by key are decided for it,
-/// and a decision that ends up otherwise (its agent full) at worst holds a
-/// key's lock it did not need until the commit.
-///
-/// # Errors
-/// When the database fails.
-async fn read_keys_ahead(
-    conn: &mut PgConnection,
-    ctx: &Context<'_>,
-    snapshots: &[Snapshot],
-    events: &[Event<'_>],
-    slots: Slots,
-    keys: &mut KeyRoom,
-) -> Result<(), StoreError> {
-    let mut lines: Vec<String> = Vec::new();
-    for (snapshot, event) in snapshots.iter().zip(events) {
-        let checked = slots == Slots::Check || snapshot.process.waiting_for.is_some();
-        if !checked || snapshot.steps.iter().all(|step| step.limit_key.is_none()) {
-            continue;
-        }
-        lines.extend(
-            decide(snapshot, event, ctx)
-                .takes_keys()
-                .into_iter()
-                .map(|(line, _, _)| line.to_owned()),
-        );
-    }
-    if lines.len() < 2 {
-        // One line (or none) is read as it is met, as cheaply.
-        return Ok(());
-    }
-    lines.sort_unstable();
-    lines.dedup();
-    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
-    keys.read_ahead(conn, &lines).await
 }
 
 /// Records the business keys the batch's orders now wait with (see

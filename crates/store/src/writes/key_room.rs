@@ -19,12 +19,11 @@ use crate::machine::{Decision, ProcessRow, StepRow};
 use crate::model::{ProcessState, StepState};
 use crate::StoreError;
 
-/// Takes each key of `$1` (a text array)'s lock for the rest of the
-/// transaction where it is free: each key with true where it took it (or
-/// the transaction held it already), false where another transaction holds it.
+/// Takes key `$1`'s lock for the rest of the transaction if it is free
+/// (true), or says it is not (false): a transaction that took it again
+/// holds it still.
 pub(crate) const KEY_LOCK: &str =
-    "SELECT line, pg_try_advisory_xact_lock(hashtextextended('sas.key:' || line, 0))
-       FROM unnest($1::text[]) AS u(line)";
+    "SELECT pg_try_advisory_xact_lock(hashtextextended('sas.key:' || $1, 0))";
 
 /// The attempts in flight in a key line (`s.limit_key`, compared by the
 /// statement that uses it): an attempt whose order a scheduler holds (as
@@ -81,73 +80,38 @@ pub(crate) async fn read_key_line(
     line: &str,
     grace: std::time::Duration,
 ) -> Result<Option<KeyRead>, StoreError> {
-    Ok(read_key_lines(conn, &[line], grace)
-        .await?
-        .remove(line)
-        .flatten())
-}
-
-/// [`read_key_line`] for each of `lines`, in two statements whatever their
-/// number: the try locks, then the lines locked read. Two, not one: a
-/// statement reads what was committed when it began, so counting in the
-/// statement that takes a lock could miss what the lock's last holder
-/// committed just before letting go.
-///
-/// # Errors
-/// When the database fails.
-pub(crate) async fn read_key_lines(
-    conn: &mut PgConnection,
-    lines: &[&str],
-    grace: std::time::Duration,
-) -> Result<HashMap<String, Option<KeyRead>>, StoreError> {
-    if lines.is_empty() {
-        return Ok(HashMap::new());
-    }
-    let locks: Vec<(String, bool)> = sqlx::query_as(KEY_LOCK)
-        .bind(lines)
-        .fetch_all(&mut *conn)
+    let locked: bool = sqlx::query_scalar(KEY_LOCK)
+        .bind(line)
+        .fetch_one(&mut *conn)
         .await?;
-    let held: Vec<&str> = locks
-        .iter()
-        .filter(|(_, locked)| *locked)
-        .map(|(line, _)| line.as_str())
-        .collect();
-    let mut read: HashMap<String, Option<KeyRead>> =
-        locks.iter().map(|(line, _)| (line.clone(), None)).collect();
-    if held.is_empty() {
-        return Ok(read);
+    if !locked {
+        return Ok(None);
     }
-    let rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT k.line,
-                (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = k.line) AS in_flight,
-                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = k.line) AS waiting,
-                EXISTS (SELECT 1 FROM key_pauses WHERE key = k.line AND until > now()) AS paused,
-                (SELECT tat FROM key_rates WHERE key = k.line) AS tat,
+    let row: KeyRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) {KEY_IN_FLIGHT} AND s.limit_key = $1) AS in_flight,
+                EXISTS (SELECT 1 FROM order_process WHERE waiting_key = $1) AS waiting,
+                EXISTS (SELECT 1 FROM key_pauses WHERE key = $1 AND until > now()) AS paused,
+                (SELECT tat FROM key_rates WHERE key = $1) AS tat,
                 l.learnt_limit, l.base_ms, l.recent_ms, l.cut_at
-           FROM unnest($1::text[]) AS k(line)
-           LEFT JOIN key_learnt l ON l.key = k.line"
+           FROM (SELECT 1) one
+           LEFT JOIN key_learnt l ON l.key = $1"
     )))
-    .bind(&held)
+    .bind(line)
     .bind(grace.as_secs_f64())
-    .fetch_all(&mut *conn)
+    .fetch_one(&mut *conn)
     .await?;
-    for row in rows {
-        // A key its remote asked to rest has no room until then.
-        let line_read = (!row.paused).then_some(KeyRead {
-            in_flight: row.in_flight,
-            waiting: row.waiting,
-            tat: row.tat,
-            learnt: row.learnt.learnt(),
-        });
-        read.insert(row.line, line_read);
-    }
-    Ok(read)
+    // A key its remote asked to rest has no room until then.
+    Ok((!row.paused).then_some(KeyRead {
+        in_flight: row.in_flight,
+        waiting: row.waiting,
+        tat: row.tat,
+        learnt: row.learnt.learnt(),
+    }))
 }
 
-/// A key line's row as [`read_key_lines`] reads it.
+/// A key line's row as [`read_key_line`] reads it.
 #[derive(sqlx::FromRow)]
 struct KeyRow {
-    line: String,
     in_flight: i64,
     waiting: bool,
     paused: bool,
@@ -202,27 +166,6 @@ impl KeyRoom {
             taken: HashMap::new(),
             tat: HashMap::new(),
         }
-    }
-
-    /// Locks and reads each of `lines` not read yet, all at once (see
-    /// [`read_key_lines`]): the lines a batch's decisions will ask about,
-    /// read in two statements instead of two for each.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub(crate) async fn read_ahead(
-        &mut self,
-        conn: &mut PgConnection,
-        lines: &[&str],
-    ) -> Result<(), StoreError> {
-        let unread: Vec<&str> = lines
-            .iter()
-            .copied()
-            .filter(|line| !self.read.contains_key(*line))
-            .collect();
-        let read = read_key_lines(conn, &unread, self.grace).await?;
-        self.read.extend(read);
-        Ok(())
     }
 
     /// Whether key `line` has room for `demand` more attempts under

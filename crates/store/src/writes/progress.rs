@@ -15,7 +15,7 @@ use sas_messages::{StepOutcome, StepReply};
 use sqlx::AssertSqlSafe;
 
 use super::apply::{transition, Decided, Slots};
-use super::key_room::{read_key_lines, KeyRead};
+use super::key_room::{read_key_line, KeyRead};
 use super::Writes;
 use crate::admission::IN_FLIGHT;
 use crate::machine::admission::{Levels, UNDO_LEVEL};
@@ -126,10 +126,6 @@ fn key_line_room(limits: KeyLimits<'_>, read: &KeyRead, now: chrono::DateTime<ch
 /// The most key lines one claim serves: the claims that follow, as
 /// replies free room, take the next.
 const KEY_LINES_AT_ONCE: i64 = 64;
-
-/// How many key lines a claim locks, reads and serves at once: the claim
-/// goes on to the next chunk only while it has heads left to take.
-const KEY_LINES_A_CHUNK: usize = 16;
 
 /// The key lines orders wait in, at most `$1`, each once: first those
 /// after `$2` (where the last claim stopped), then from the start. Read
@@ -302,133 +298,66 @@ impl Writes<'_> {
             return Ok(Vec::new());
         }
         let mut tx = self.pool().begin().await?;
-        // A chunk of lines at a time, each chunk locked, read and served in
-        // a handful of statements; no more lines locked than the claim
-        // serves (a locked line has no room for anyone else until the
-        // commit).
         let mut ready: Vec<String> = Vec::new();
-        for chunk in lines.chunks(KEY_LINES_A_CHUNK) {
+        for line in lines {
             let left = limit - ready.len() as i64;
             if left <= 0 {
                 break;
             }
-            let served = self
-                .serve_key_lines(&mut tx, chunk, left, &mut soonest)
-                .await?;
-            ready.extend(served);
-        }
-        self.store
-            .set_next_key_start(next_start.and_then(|due| due.to_std().ok()));
-        self.start_claimed(tx, &ready, actor, false).await
-    }
-
-    /// Locks and reads key `lines` (see [`read_key_lines`]) and takes the
-    /// heads each has room for, in the lines' order, at most `left` in
-    /// all; the cursor moves to the last line visited. `soonest` hears
-    /// when each rate-limited line may start next, after what is taken,
-    /// where the rate is what holds it back.
-    async fn serve_key_lines(
-        self,
-        tx: &mut sqlx::PgConnection,
-        lines: &[String],
-        left: i64,
-        soonest: &mut impl FnMut(chrono::Duration),
-    ) -> Result<Vec<String>, StoreError> {
-        let line_refs: Vec<&str> = lines.iter().map(String::as_str).collect();
-        let reads = read_key_lines(&mut *tx, &line_refs, self.store.grace()).await?;
-        let locked: Vec<&str> = line_refs
-            .iter()
-            .copied()
-            .filter(|line| reads.get(*line).is_some_and(Option::is_some))
-            .collect();
-        // Each line's head's limits (a key is one remote's, and the steps
-        // naming it declare them), and how many of its orders are due, up
-        // to `left`: a line's room is never more than it can start.
-        let heads: Vec<(String, Option<sqlx::types::Json<StepCalls>>, i64)> = sqlx::query_as(
-            "SELECT l.line, h.request,
-                    (SELECT count(*) FROM (SELECT 1 FROM order_process
-                                            WHERE waiting_key = l.line AND not_before <= now()
-                                            LIMIT $2) due) AS due
-               FROM unnest($1::text[]) AS l(line)
-               CROSS JOIN LATERAL (
-                    SELECT s.request
-                      FROM order_process p
-                      JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
-                     WHERE p.waiting_key = l.line
-                     ORDER BY p.admit_key
-                     LIMIT 1) h",
-        )
-        .bind(&locked)
-        .bind(left)
-        .fetch_all(&mut *tx)
-        .await?;
-        let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut *tx)
-            .await?;
-        let heads: HashMap<String, (StepCalls, i64)> = heads
-            .into_iter()
-            .filter_map(|(line, calls, due)| Some((line, (calls?.0, due))))
-            .collect();
-        let mut rooms: Vec<(&str, i64)> = Vec::new();
-        let mut promised = 0;
-        for line in &line_refs {
-            if promised >= left {
-                break;
-            }
-            (*line).clone_into(
+            line.clone_into(
                 &mut self
                     .store
                     .key_cursor
                     .lock()
                     .unwrap_or_else(|e| e.into_inner()),
             );
-            let (Some(Some(read)), Some((calls, due))) = (reads.get(*line), heads.get(*line))
-            else {
+            let Some(read) = read_key_line(&mut tx, &line, self.store.grace()).await? else {
                 continue;
             };
-            let Some((limits, _, _)) = calls.key_limits() else {
-                continue;
-            };
-            let room = key_line_room(limits, read, now)
-                .min(*due)
-                .min(left - promised);
-            if room > 0 {
-                rooms.push((line, room));
-                promised += room;
-            }
-        }
-        let (room_lines, room_counts): (Vec<&str>, Vec<i64>) = rooms.iter().copied().unzip();
-        let taken: Vec<(String, String)> = if rooms.is_empty() {
-            Vec::new()
-        } else {
-            sqlx::query_as(
-                "SELECT h.order_id, l.line
-                   FROM unnest($1::text[], $2::int8[]) WITH ORDINALITY AS l(line, room, n)
-                   CROSS JOIN LATERAL (
-                        SELECT order_id, admit_key FROM order_process
-                         WHERE waiting_key = l.line AND not_before <= now()
-                         ORDER BY admit_key
-                         LIMIT l.room
-                           FOR UPDATE SKIP LOCKED) h
-                  ORDER BY l.n, h.admit_key",
+            // The limits of the line's head: a key is one remote's, and
+            // the steps naming it declare its limits.
+            let head: Option<(
+                Option<sqlx::types::Json<StepCalls>>,
+                chrono::DateTime<chrono::Utc>,
+            )> = sqlx::query_as(
+                "SELECT s.request, now()
+                       FROM order_process p
+                       JOIN steps s ON s.order_id = p.order_id AND s.limit_key = p.waiting_key
+                      WHERE p.waiting_key = $1
+                      ORDER BY p.admit_key
+                      LIMIT 1",
             )
-            .bind(&room_lines)
-            .bind(&room_counts)
-            .fetch_all(&mut *tx)
-            .await?
-        };
-        let mut started: HashMap<&str, usize> = HashMap::new();
-        for (_, line) in &taken {
-            *started.entry(line.as_str()).or_default() += 1;
-        }
-        for (line, (calls, _)) in &heads {
-            let (Some(Some(read)), Some((limits, _, _))) = (reads.get(line), calls.key_limits())
-            else {
+            .bind(&line)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some((Some(calls), now)) = head else {
                 continue;
+            };
+            let Some((limits, _, _)) = calls.0.key_limits() else {
+                continue;
+            };
+            let room = key_line_room(limits, &read, now);
+            let heads: Vec<String> = if room > 0 {
+                sqlx::query_scalar(
+                    "SELECT order_id FROM order_process
+                      WHERE waiting_key = $1 AND not_before <= now()
+                      ORDER BY admit_key
+                      LIMIT $2
+                        FOR UPDATE SKIP LOCKED",
+                )
+                .bind(&line)
+                .bind(room.min(left))
+                .fetch_all(&mut *tx)
+                .await?
+            } else {
+                Vec::new()
             };
             if let Some(rate) = limits.rate {
+                // The rate's next room, after what this claim starts, when
+                // the rate is what holds the line back (not a full
+                // concurrency limit, heads not due or held elsewhere).
                 let mut tat = read.tat;
-                for _ in 0..started.get(line.as_str()).copied().unwrap_or_default() {
+                for _ in &heads {
                     tat = Some(rate.after_start(tat, now));
                 }
                 if let Some(due) = tat.map(|tat| rate.next_room_at(tat) - now) {
@@ -437,8 +366,11 @@ impl Writes<'_> {
                     }
                 }
             }
+            ready.extend(heads);
         }
-        Ok(taken.into_iter().map(|(order_id, _)| order_id).collect())
+        self.store
+            .set_next_key_start(next_start.and_then(|due| due.to_std().ok()));
+        self.start_claimed(tx, &ready, actor, false).await
     }
 
     /// Orders back from the supervisor's backoff and compensations nobody
