@@ -114,12 +114,39 @@ async fn an_order_s_trace_id_and_ids_appear_in_every_service_s_json_logs_and_met
             .filter(|v: &serde_json::Value| v.to_string().contains("traced-1"))
             .collect()
     };
-    let scheduler_lines = lines(scheduler.log_text());
-    let agent_lines = lines(agent.log_text());
-    assert!(
-        !scheduler_lines.is_empty() && !agent_lines.is_empty(),
-        "JSON log lines about the order"
-    );
+    // The last reply's line is written after its commit, which the wait
+    // above may see first: read the logs once all three are there.
+    let applied_lines = |lines: &[serde_json::Value]| {
+        lines
+            .iter()
+            .filter(|l| l["message"] == "reply applied")
+            .count()
+    };
+    let scheduler_lines = wait_until(
+        "the scheduler's three reply lines",
+        Duration::from_secs(10),
+        || async {
+            let found = lines(scheduler.log_text());
+            match applied_lines(&found) {
+                3.. => Ok(found),
+                n => Err(format!("{n} of 3")),
+            }
+        },
+    )
+    .await;
+    let agent_lines = wait_until(
+        "the agent's reply line",
+        Duration::from_secs(10),
+        || async {
+            let found = lines(agent.log_text());
+            if found.iter().any(|l| l["message"] == "replied") {
+                Ok(found)
+            } else {
+                Err(format!("{} lines about the order", found.len()))
+            }
+        },
+    )
+    .await;
     let replied = agent_lines
         .iter()
         .find(|l| l["message"] == "replied")
