@@ -157,7 +157,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         .map_err(anyhow::Error::msg)?;
     let tenancy = sas_runtime::tenancy::Tenancy::load(&settings.console.tenancy_file)
         .map_err(anyhow::Error::msg)?;
-    let store = Store::connect_lazy(&settings.database, &id).context("database settings")?;
+    let store = Store::connect_lazy(&settings.database, &id)
+        .context("database settings")?
+        .with_deadlines(settings.deadlines);
     let session = Session::new(settings.amqp.clone(), id.clone());
     let console = Arc::new(Console {
         tenancy,

@@ -2,7 +2,7 @@
 
 use sas_broker::AmqpSettings;
 use sas_runtime::{HttpSettings, LogSettings, Validate};
-use sas_store::DatabaseSettings;
+use sas_store::{DatabaseSettings, DeadlineSettings};
 use serde::Deserialize;
 
 use crate::auth::{parse_users, Role};
@@ -22,6 +22,11 @@ pub struct Settings {
     pub amqp: AmqpSettings,
     /// Postgres, the state store the console reads and acts through.
     pub database: DatabaseSettings,
+    /// The deployment's deadlines, as the scheduler and the supervisor have
+    /// them: a cancel from the console names, and holds the order until,
+    /// the time an undo may go by them, and its key lines count an attempt
+    /// let go of for as long as the scheduler does.
+    pub deadlines: DeadlineSettings,
     /// The console itself.
     pub console: ConsoleSettings,
 }
@@ -95,6 +100,7 @@ impl Validate for Settings {
     fn validate(&self) -> Result<(), String> {
         self.amqp.validate()?;
         self.database.validate()?;
+        self.deadlines.validate(None)?;
         let c = &self.console;
         let users = parse_users(&c.users)?;
         let anonymous = c.anonymous_role()?;

@@ -9,7 +9,7 @@ use sas_broker::lapin::{BasicProperties, Connection};
 use sas_broker::{topology, AmqpSettings, Publisher};
 use sas_messages::SubmitOrder;
 use sas_store::connect::SslMode;
-use sas_store::{DatabaseSettings, ProcessState, Store};
+use sas_store::{DatabaseSettings, DeadlineSettings, ProcessState, Store};
 use sqlx::Connection as _;
 
 use crate::servers::ServerGuard;
@@ -148,8 +148,11 @@ impl TestEnv {
             let cut = base.rfind('/').expect("admin URL has a database");
             format!("{}/{database}", &base[..cut])
         };
+        // The services' deadlines (TestEnv::base_settings): the store's key
+        // lines count an attempt let go of for as long as theirs do.
         let store = Store::connect_lazy(&database_settings(&database_url), "sas-tests")
-            .expect("store settings");
+            .expect("store settings")
+            .with_deadlines(deadlines_for(step_timeout_ms));
         let db = pool(&database_settings(&database_url), "sas-tests-queries");
         let dir = bin_dir().join("test-runs").join(&id);
         std::fs::create_dir_all(&dir).expect("create the test folder");
@@ -377,6 +380,17 @@ impl TestEnv {
             }
         })
         .await;
+    }
+}
+
+/// The deadline margins of a deployment whose steps have `step_timeout_ms`
+/// (the defaults suit deadlines of seconds): what the services get
+/// ([`TestEnv::base_settings`]), sasctl too, and the test's own store.
+pub fn deadlines_for(step_timeout_ms: u64) -> DeadlineSettings {
+    DeadlineSettings {
+        start_margin_ms: step_timeout_ms / 10,
+        grace_ms: step_timeout_ms / 5,
+        max_clock_skew_ms: step_timeout_ms / 20,
     }
 }
 

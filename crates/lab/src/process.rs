@@ -124,9 +124,20 @@ impl TestEnv {
             Setting::SupervisorIntervalMs(200),
             Setting::SupervisorBackoffBaseMs(100),
             Setting::SupervisorBackoffMaxMs(1000),
-            Setting::DeadlinesStartMarginMs(self.step_timeout_ms / 10),
-            Setting::DeadlinesGraceMs(self.step_timeout_ms / 5),
-            Setting::DeadlinesMaxClockSkewMs(self.step_timeout_ms / 20),
+        ]
+        .into_iter()
+        .chain(self.deadline_settings())
+        .collect()
+    }
+
+    /// The deadline margins every service, and sasctl, of this deployment
+    /// gets ([`crate::env::deadlines_for`]).
+    pub fn deadline_settings(&self) -> [Setting; 3] {
+        let deadlines = crate::env::deadlines_for(self.step_timeout_ms);
+        [
+            Setting::DeadlinesStartMarginMs(deadlines.start_margin_ms),
+            Setting::DeadlinesGraceMs(deadlines.grace_ms),
+            Setting::DeadlinesMaxClockSkewMs(deadlines.max_clock_skew_ms),
         ]
     }
 
@@ -333,8 +344,9 @@ impl TestEnv {
                     Setting::AmqpPrefix(self.prefix.clone()),
                     Setting::DatabaseUrl(self.database_url.clone()),
                 ]
-                .iter()
-                .map(Setting::var),
+                .into_iter()
+                .chain(self.deadline_settings())
+                .map(|setting| setting.var()),
             )
             .stdin(Stdio::null())
             .output()

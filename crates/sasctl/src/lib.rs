@@ -22,7 +22,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use sas_broker::AmqpSettings;
 use sas_store::connect::SslMode;
-use sas_store::{DatabaseSettings, Store};
+use sas_store::{DatabaseSettings, DeadlineSettings, Store};
 
 /// Operate a Scheduler Agent Supervisor deployment: submit orders, watch
 /// them, inspect orders, alerts and dead letters.
@@ -90,6 +90,20 @@ pub struct Target {
     /// operating-system user).
     #[arg(long, global = true, env = "SAS_ACTOR")]
     pub actor: Option<String>,
+    /// The deployment's `deadlines.start_margin_ms`, checked with the grace
+    /// and the skew as the services check them.
+    #[arg(long, global = true, env = "SAS_DEADLINES__START_MARGIN_MS", default_value_t = DeadlineSettings::default().start_margin_ms)]
+    pub deadlines_start_margin_ms: u64,
+    /// The deployment's `deadlines.grace_ms`: a cancel names, and holds the
+    /// order until, an action's deadline plus this as the earliest its undo
+    /// may go, as the services do, and `stats` counts an attempt let go of
+    /// for this long.
+    #[arg(long, global = true, env = "SAS_DEADLINES__GRACE_MS", default_value_t = DeadlineSettings::default().grace_ms)]
+    pub deadlines_grace_ms: u64,
+    /// The deployment's `deadlines.max_clock_skew_ms`, checked with the
+    /// other two as the services check them.
+    #[arg(long, global = true, env = "SAS_DEADLINES__MAX_CLOCK_SKEW_MS", default_value_t = DeadlineSettings::default().max_clock_skew_ms)]
+    pub deadlines_max_clock_skew_ms: u64,
 }
 
 /// Environment variable holding the database password, as the services read it.
@@ -143,10 +157,11 @@ impl Target {
         }
     }
 
-    /// A store handle.
+    /// A store handle, deciding with the deployment's deadlines.
     ///
     /// # Errors
-    /// When the URL is not a Postgres URL.
+    /// When the URL is not a Postgres URL, or the deadlines do not fit
+    /// together (the message names the keys).
     pub fn store(&self) -> anyhow::Result<Store> {
         let settings = DatabaseSettings {
             url: self.database_url.clone(),
@@ -163,7 +178,13 @@ impl Target {
             keepalive_secs: 10,
         };
         settings.validate().map_err(anyhow::Error::msg)?;
-        Ok(Store::connect_lazy(&settings, "sasctl")?)
+        let deadlines = DeadlineSettings {
+            start_margin_ms: self.deadlines_start_margin_ms,
+            grace_ms: self.deadlines_grace_ms,
+            max_clock_skew_ms: self.deadlines_max_clock_skew_ms,
+        };
+        deadlines.validate(None).map_err(anyhow::Error::msg)?;
+        Ok(Store::connect_lazy(&settings, "sasctl")?.with_deadlines(deadlines))
     }
 }
 

@@ -387,9 +387,11 @@ impl Store {
     /// This store deciding with the deployment's `[deadlines]`: the start
     /// margin of the requests it dispatches and the grace before an undo
     /// (see [`crate::timing`]). Services that start attempts or undos (the
-    /// scheduler, the supervisor) must pass theirs; a store left with the
-    /// defaults (an operator's tool) only hands compensations to a claim,
-    /// and the claiming scheduler's grace decides when each undo goes.
+    /// scheduler, the supervisor) must pass theirs. The operators' tools
+    /// (the console, sasctl) pass theirs too: they only hand compensations
+    /// to a claim, and the claiming scheduler's grace decides when each
+    /// undo goes, but the time they record and hold the order until, and
+    /// the attempts their key lines count in flight, follow theirs.
     pub fn with_deadlines(mut self, deadlines: crate::DeadlineSettings) -> Self {
         self.deadlines = deadlines;
         self

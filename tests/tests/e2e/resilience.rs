@@ -920,6 +920,77 @@ async fn an_operator_cancels_a_running_order_and_everything_it_did_is_undone_aft
     assert_eq!(code, 1, "{out}");
 }
 
+/// A cancel from sasctl says, and holds the order until, the time the undo
+/// of an action in flight may go by the deployment's grace
+/// (`SAS_DEADLINES__GRACE_MS`), as the services would. Before sasctl read
+/// the deadlines it used its default 2 s whatever the services had: the
+/// history named the wrong time, and the order waited for it (the
+/// scheduler that claimed it then decided by its own grace).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancel_from_sasctl_waits_for_an_action_in_flight_by_the_deployment_s_grace() {
+    let env = TestEnv::new().await;
+    let system = env.system(1).await;
+    // Charges take 2 s of the 3 s deadline: the cancel lands while one is
+    // in flight.
+    system
+        .sim
+        .set_faults(Some("payment"), faults(2000, 0.0, 0.0))
+        .await
+        .unwrap();
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("grace-1")).await;
+    wait_for_event(
+        &env,
+        "grace-1",
+        HistoryEvent::Dispatched,
+        Duration::from_secs(20),
+    )
+    .await;
+    wait_until("the charge in flight", Duration::from_secs(20), || async {
+        let running: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM steps WHERE order_id = 'grace-1'
+                               AND name = 'charge_payment' AND state = 'running')",
+        )
+        .fetch_one(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        running.then_some(()).ok_or_else(|| "not yet".to_owned())
+    })
+    .await;
+    let (code, out) = env.sasctl(&["cancel", "grace-1"]).await;
+    assert_eq!(code, 0, "{out}");
+
+    // The undo waits until the charge's deadline plus the services' grace
+    // (a fifth of the 3 s deadline here), not sasctl's default 2 s.
+    let complete_by: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "SELECT complete_by FROM steps WHERE order_id = 'grace-1' AND name = 'charge_payment'",
+    )
+    .fetch_one(&env.db)
+    .await
+    .expect("the charge's deadline");
+    let history = env.store.reads().history("grace-1").await.unwrap();
+    let waits = history
+        .iter()
+        .find(|h| h.event == HistoryEvent::UndoWaits && h.actor.starts_with("sasctl:"))
+        .unwrap_or_else(|| panic!("sasctl's cancel let no undo wait: {history:?}"));
+    let detail = waits.detail.as_deref().unwrap_or_default();
+    let until = detail
+        .split("until ")
+        .nth(1)
+        .and_then(|rest| rest.split(" (").next())
+        .and_then(|at| chrono::NaiveDateTime::parse_from_str(at, "%Y-%m-%d %H:%M:%S%.f UTC").ok())
+        .unwrap_or_else(|| panic!("no time in {detail:?}"))
+        .and_utc();
+    let grace = chrono::Duration::milliseconds(env.step_timeout_ms as i64 / 5);
+    assert_eq!(until, complete_by + grace, "{detail}");
+    env.wait_for_state(
+        "grace-1",
+        ProcessState::Compensated,
+        Duration::from_secs(30),
+    )
+    .await;
+}
+
 /// A channel the broker closes (a passive declare of a missing queue, as the
 /// console's queue depths make) leaves the connection up. lapin 4 reports it
 /// on the same event stream as a lost connection; the session must tell the
