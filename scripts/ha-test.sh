@@ -274,8 +274,15 @@ not_primary() { [ "$(patroni "$1" /primary)" != 200 ]; }
 # healthy_cluster: every RabbitMQ node runs, none partitioned.
 healthy_cluster() { all_running && ! partitioned; }
 cluster_status() { broker_ctl cluster_status --formatter json; }
+# all_running: the node asked lists all three as running. A node still
+# settling may answer nothing (not JSON): that is "not yet", not an error.
 all_running() {
-  cluster_status | python3 -c 'import json, sys; sys.exit(0 if len(json.load(sys.stdin)["running_nodes"]) == 3 else 1)'
+  cluster_status 2>/dev/null \
+    | python3 -c 'import json, sys
+try:
+    sys.exit(0 if len(json.load(sys.stdin)["running_nodes"]) == 3 else 1)
+except ValueError:
+    sys.exit(1)'
 }
 # partitioned: any node records a partition (Mnesia's inconsistent_database).
 # Each node is asked in turn: a node's own record may be all there is, and
@@ -284,7 +291,11 @@ partitioned() {
   local node
   for node in "${rabbit_nodes[@]}"; do
     compose exec -T "$node" rabbitmqctl -q cluster_status --formatter json 2>/dev/null \
-      | python3 -c 'import json, sys; sys.exit(0 if json.load(sys.stdin).get("partitions") else 1)' \
+      | python3 -c 'import json, sys
+try:
+    sys.exit(0 if json.load(sys.stdin).get("partitions") else 1)
+except ValueError:
+    sys.exit(1)' \
       && return 0
   done
   return 1
