@@ -148,11 +148,11 @@ impl TestEnv {
             let cut = base.rfind('/').expect("admin URL has a database");
             format!("{}/{database}", &base[..cut])
         };
-        // The services' deadlines (TestEnv::base_settings): the store's key
-        // lines count an attempt let go of for as long as theirs do.
+        // The default deadlines, not the services' (deadlines_for): the
+        // state-machine test's model decides with the defaults. Its key
+        // lines so count an attempt let go of for 2 s after its deadline.
         let store = Store::connect_lazy(&database_settings(&database_url), "sas-tests")
-            .expect("store settings")
-            .with_deadlines(deadlines_for(step_timeout_ms));
+            .expect("store settings");
         let db = pool(&database_settings(&database_url), "sas-tests-queries");
         let dir = bin_dir().join("test-runs").join(&id);
         std::fs::create_dir_all(&dir).expect("create the test folder");
@@ -385,7 +385,7 @@ impl TestEnv {
 
 /// The deadline margins of a deployment whose steps have `step_timeout_ms`
 /// (the defaults suit deadlines of seconds): what the services get
-/// ([`TestEnv::base_settings`]), sasctl too, and the test's own store.
+/// ([`TestEnv::base_settings`]), and sasctl too.
 pub fn deadlines_for(step_timeout_ms: u64) -> DeadlineSettings {
     DeadlineSettings {
         start_margin_ms: step_timeout_ms / 10,
