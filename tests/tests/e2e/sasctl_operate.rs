@@ -255,8 +255,8 @@ async fn sasctl_stats_shows_each_agent_s_line() {
     assert!(out.contains("OLDEST WAIT"), "{out}");
 }
 
-/// `sasctl` refuses an empty actor, prints completion scripts, and lists its
-/// exit codes under `--help`.
+/// `sasctl` refuses an empty actor and deadlines that do not fit together,
+/// prints completion scripts, and lists its exit codes under `--help`.
 #[tokio::test(flavor = "multi_thread")]
 async fn sasctl_checks_its_actor_and_offers_completions_and_exit_codes() {
     let env = TestEnv::new().await;
@@ -264,6 +264,22 @@ async fn sasctl_checks_its_actor_and_offers_completions_and_exit_codes() {
         .sasctl(&["cancel", "no-such-order", "--actor", " "])
         .await;
     assert_eq!(code, 1, "a blank actor is refused");
+    // Deadlines that could let an undo reach a remote before its action's
+    // late call are refused, naming the keys, as the services refuse them.
+    let (code, _, errors) = env
+        .sasctl_with_errors(&[
+            "cancel",
+            "no-such-order",
+            "--deadlines-start-margin-ms",
+            "100",
+            "--deadlines-grace-ms",
+            "100",
+            "--deadlines-max-clock-skew-ms",
+            "500",
+        ])
+        .await;
+    assert_eq!(code, 1, "{errors}");
+    assert!(errors.contains("deadlines.grace_ms"), "{errors}");
     let (code, script) = env.sasctl(&["completions", "bash"]).await;
     assert_eq!(code, 0);
     assert!(
