@@ -91,7 +91,7 @@ impl Announcer {
         publisher: Option<&Publisher>,
         progress: &Progress,
     ) -> Result<(), BrokerError> {
-        count_finished(&progress.statuses);
+        count_finished(progress);
         let messages = self.messages(progress);
         if messages.is_empty() {
             return Ok(());
@@ -125,16 +125,15 @@ impl Announcer {
         progress: &Progress,
         shutdown: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        count_finished(&progress.statuses);
+        count_finished(progress);
         let messages = self.messages(progress);
         if messages.is_empty() {
             return Ok(());
         }
         // Until the first request's start_by: a request sent later would
         // only be answered "not started".
-        let window = progress
-            .dispatches
-            .iter()
+        let window = every(progress)
+            .flat_map(|progress| &progress.dispatches)
             .map(|dispatch| dispatch.start_by)
             .min()
             .map_or(STATUS_RESEND_WINDOW, |start_by| {
@@ -168,11 +167,19 @@ impl Announcer {
         for dispatch in &progress.dispatches {
             messages.push(request_message(&self.names, dispatch, trace_id));
         }
+        // Other orders the transition moved (a child started, a parent
+        // told its child ended): each to its own client.
+        for other in &progress.others {
+            messages.extend(self.messages(other));
+        }
         messages
     }
 
     /// Counts what a delivered transition sent.
     fn count_sent(&self, progress: &Progress) {
+        for other in &progress.others {
+            self.count_sent(other);
+        }
         let per_status = self.status_destinations(progress.reply_to.is_some()) as u64;
         for status in &progress.statuses {
             metrics::counter!("sas_status_messages_total", "event" => status.event.as_str())
@@ -259,11 +266,18 @@ pub const MIN_RESEND_WINDOW: Duration = Duration::from_secs(5);
 /// Counts the orders that a committed transition's `statuses` finish in
 /// `sas_orders_finished_total{event}` (processed, compensated, failed),
 /// whether or not anybody listens and whether or not the broker is up.
-fn count_finished(statuses: &[OrderStatus]) {
-    for status in statuses.iter().filter(|status| status.event.is_terminal()) {
+fn count_finished(progress: &Progress) {
+    let statuses = every(progress).flat_map(|progress| &progress.statuses);
+    for status in statuses.filter(|status| status.event.is_terminal()) {
         metrics::counter!("sas_orders_finished_total", "event" => status.event.as_str())
             .increment(1);
     }
+}
+
+/// `progress` and the progress of every other order its transition moved
+/// (see [`Progress::others`]), depth first.
+fn every(progress: &Progress) -> Box<dyn Iterator<Item = &Progress> + '_> {
+    Box::new(std::iter::once(progress).chain(progress.others.iter().flat_map(every)))
 }
 
 /// The step request of `dispatch` for its agent's queue, with

@@ -191,7 +191,7 @@ pub fn waiting_for_event(state: ProcessState, steps: &[StepRow]) -> Option<Waiti
             event,
             on_timeout: *on_timeout,
         }),
-        Some(Park::Delay { .. }) | None => None,
+        Some(Park::Delay { .. } | Park::Child { .. }) | None => None,
     }
 }
 

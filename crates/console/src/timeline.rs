@@ -303,7 +303,7 @@ impl Builder {
             }
             (E::Received, _) => self.mark(entry, MarkKind::Received, None),
             (E::Processed | E::Compensated, _) => self.mark(entry, MarkKind::End, None),
-            (E::Resubmitted | E::Resumed | E::Cancelled, _) => {
+            (E::Resubmitted | E::Resumed | E::Cancelled | E::UndoneForParent, _) => {
                 self.abandon_in_flight(entry.at);
                 self.mark(entry, MarkKind::Operator, None);
             }
@@ -316,13 +316,15 @@ impl Builder {
                 | E::Moved,
                 _,
             ) => self.mark(entry, MarkKind::Operator, None),
-            (E::Waiting, Some(lane)) => {
+            // A child step's lane waits for its child order, forward or
+            // undoing it.
+            (E::Waiting | E::ChildStarted | E::ChildUndoRequested, Some(lane)) => {
                 self.waiting.insert(lane, (WaitKind::Parked, entry.at));
             }
             (E::UndoWaits, Some(lane)) => {
                 self.waiting.insert(lane, (WaitKind::UndoHeld, entry.at));
             }
-            (E::WaitEnded, Some(lane)) => self.end_wait(lane, entry.at),
+            (E::WaitEnded | E::ChildEnded, Some(lane)) => self.end_wait(lane, entry.at),
             (E::WaitTimedOut, lane) => {
                 if let Some(lane) = lane {
                     self.end_wait(lane, entry.at);
@@ -345,7 +347,10 @@ impl Builder {
                 | E::Queued
                 | E::Waiting
                 | E::UndoWaits
-                | E::WaitEnded,
+                | E::WaitEnded
+                | E::ChildStarted
+                | E::ChildEnded
+                | E::ChildUndoRequested,
                 None,
             ) => {}
         }

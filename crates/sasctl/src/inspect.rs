@@ -80,7 +80,16 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
         let does = match step.kind() {
             Kind::Wait { event, .. } => format!("wait:{event}"),
             Kind::Delay => "delay".to_owned(),
+            Kind::Child { workflow } => format!("child:{workflow}"),
             Kind::Call => step.agent.clone(),
+        };
+        // A child step names the order it started (`sasctl inspect` it).
+        let started = match step.kind() {
+            Kind::Child { .. } if step.attempt > 0 => format!(
+                "  (child order {})",
+                sas_store::machine::child::child_order_id(&s.order_id.as_str().into(), &step.name)
+            ),
+            _ => String::new(),
         };
         let until = if step.kind().parks() && step.state == sas_store::StepState::Running {
             step.complete_by
@@ -96,7 +105,7 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
             .map(|group| format!("  (group {group})"))
             .unwrap_or_default();
         println!(
-            "  {} {:<16} {:<10} {:<13} attempt {} key {}{}{until}{beside}",
+            "  {} {:<16} {:<10} {:<13} attempt {} key {}{}{until}{beside}{started}",
             step.position,
             step.name,
             does,

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use sas_messages::SubmitOrder;
+use sas_store::machine::child::MAX_DEPTH;
+use sas_store::machine::park::Park;
 use sas_store::{NewStep, Plan};
 
 use crate::workflow::Workflow;
@@ -112,7 +114,7 @@ impl Catalog {
             let entry = Entry::new(workflow, base)
                 .with_context(|| format!("workflow file {file:?} is invalid"))?;
             entries.insert(entry.workflow.name.clone(), entry);
-            return Ok(Self { entries });
+            return Self::linked(entries);
         }
         let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
         for path in definitions(dir)? {
@@ -129,7 +131,76 @@ impl Catalog {
             }
             entries.insert(name, entry);
         }
-        Ok(Self { entries })
+        Self::linked(entries)
+    }
+
+    /// The catalog of `entries` with each child step's workflow checked
+    /// and its version pinned (the version new children get), refusing a
+    /// child step whose workflow is not here, a workflow that starts
+    /// itself (directly or through others), and a chain of children deeper
+    /// than [`MAX_DEPTH`].
+    ///
+    /// # Errors
+    /// The offending workflow, step and chain.
+    fn linked(mut entries: BTreeMap<String, Entry>) -> anyhow::Result<Self> {
+        let versions: BTreeMap<String, i32> = entries
+            .iter()
+            .map(|(name, entry)| {
+                let version = i32::try_from(entry.workflow.version).unwrap_or(i32::MAX);
+                (name.clone(), version)
+            })
+            .collect();
+        for (name, entry) in &mut entries {
+            for step in &mut entry.steps {
+                if let Some(Park::Child {
+                    workflow, version, ..
+                }) = &mut step.park
+                {
+                    *version = *versions.get(workflow.as_str()).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "workflow {name:?}, step {:?}: its child workflow {workflow:?} is not one this scheduler runs ({}): add its file to the folder",
+                            step.name,
+                            versions.keys().map(String::as_str).collect::<Vec<_>>().join(", ")
+                        )
+                    })?;
+                }
+            }
+        }
+        let catalog = Self { entries };
+        for name in catalog.entries.keys() {
+            catalog.check_chain(&mut vec![name.as_str()])?;
+        }
+        Ok(catalog)
+    }
+
+    /// Follows the child steps from the last workflow of `chain`: none may
+    /// start a workflow already in the chain, and the chain may not grow
+    /// past [`MAX_DEPTH`] children.
+    fn check_chain<'a>(&'a self, chain: &mut Vec<&'a str>) -> anyhow::Result<()> {
+        let Some(entry) = chain.last().and_then(|name| self.entries.get(*name)) else {
+            return Ok(());
+        };
+        for (step, child) in entry.workflow.children() {
+            if chain.contains(&child) {
+                anyhow::bail!(
+                    "workflow {:?}, step {step:?}: starts {child:?}, which would start itself ({} -> {child}): a workflow may not start itself, directly or through others",
+                    chain.last().copied().unwrap_or_default(),
+                    chain.join(" -> ")
+                );
+            }
+            if chain.len() > MAX_DEPTH {
+                anyhow::bail!(
+                    "workflow {:?}, step {step:?}: children {} deep ({} -> {child}); at most {MAX_DEPTH} are allowed",
+                    chain.last().copied().unwrap_or_default(),
+                    chain.len(),
+                    chain.join(" -> ")
+                );
+            }
+            chain.push(child);
+            self.check_chain(chain)?;
+            chain.pop();
+        }
+        Ok(())
     }
 
     /// The workflow named `name`, if the scheduler runs it.
@@ -328,5 +399,117 @@ mod tests {
         assert!(error.to_string().contains("holds no"), "{error}");
         let error = Catalog::load("a.toml", "dir").err().unwrap();
         assert!(error.to_string().contains("not both"), "{error}");
+    }
+
+    /// A workflow named `name` whose steps start the workflows `children`.
+    fn starting(name: &str, version: u32, children: &[&str]) -> String {
+        let mut text = format!(
+            "name = \"{name}\"\nversion = {version}\n[[steps]]\nname = \"call\"\nagent = \"a\"\naction = \"x\"\ntimeout_ms = 1000\n"
+        );
+        for (i, child) in children.iter().enumerate() {
+            text.push_str(&format!(
+                "[[steps]]\nname = \"c{i}\"\nkind = \"child\"\nworkflow = \"{child}\"\ntimeout_ms = 5000\n"
+            ));
+        }
+        text
+    }
+
+    #[test]
+    fn a_child_step_gets_its_workflow_s_version_and_must_name_one_that_is_here() {
+        let dir = folder(&[
+            ("a.toml", &starting("a", 1, &["b"])),
+            ("b.toml", &starting("b", 7, &[])),
+        ]);
+        let catalog = Catalog::load("", dir.path().to_str().unwrap()).unwrap();
+        let park = catalog.get("a").unwrap().steps[1].park.clone();
+        assert!(
+            matches!(park, Some(Park::Child { ref workflow, version: 7, .. }) if workflow == "b"),
+            "{park:?}"
+        );
+        let dir = folder(&[("a.toml", &starting("a", 1, &["gone"]))]);
+        let error = format!(
+            "{:#}",
+            Catalog::load("", dir.path().to_str().unwrap())
+                .err()
+                .unwrap()
+        );
+        assert!(
+            error.contains("\"gone\" is not one this scheduler runs"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_workflow_that_starts_itself_or_children_too_deep_is_refused() {
+        let dir = folder(&[("a.toml", &starting("a", 1, &["a"]))]);
+        let error = format!(
+            "{:#}",
+            Catalog::load("", dir.path().to_str().unwrap())
+                .err()
+                .unwrap()
+        );
+        assert!(error.contains("may not start itself"), "{error}");
+        let dir = folder(&[
+            ("a.toml", &starting("a", 1, &["b"])),
+            ("b.toml", &starting("b", 1, &["a"])),
+        ]);
+        let error = format!(
+            "{:#}",
+            Catalog::load("", dir.path().to_str().unwrap())
+                .err()
+                .unwrap()
+        );
+        assert!(
+            error.contains("a -> b -> a") || error.contains("b -> a -> b"),
+            "{error}"
+        );
+        // A chain of MAX_DEPTH children is allowed, one more is not.
+        let chain = |length: usize| -> Vec<(String, String)> {
+            (0..=length)
+                .map(|i| {
+                    let children: Vec<String> = if i < length {
+                        vec![format!("w{}", i + 1)]
+                    } else {
+                        vec![]
+                    };
+                    let refs: Vec<&str> = children.iter().map(String::as_str).collect();
+                    (format!("w{i}.toml"), starting(&format!("w{i}"), 1, &refs))
+                })
+                .collect()
+        };
+        let files = chain(MAX_DEPTH);
+        let refs: Vec<(&str, &str)> = files
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.as_str()))
+            .collect();
+        assert!(Catalog::load("", folder(&refs).path().to_str().unwrap()).is_ok());
+        let files = chain(MAX_DEPTH + 1);
+        let refs: Vec<(&str, &str)> = files
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.as_str()))
+            .collect();
+        let error = format!(
+            "{:#}",
+            Catalog::load("", folder(&refs).path().to_str().unwrap())
+                .err()
+                .unwrap()
+        );
+        assert!(error.contains("at most 5 are allowed"), "{error}");
+    }
+
+    #[test]
+    fn a_child_step_that_calls_an_agent_or_has_no_workflow_is_refused() {
+        let text = "name = \"p\"\n[[steps]]\nname = \"c\"\nkind = \"child\"\nagent = \"a\"\nworkflow = \"b\"\ntimeout_ms = 5000\n";
+        let error = format!("{:#}", crate::workflow::Workflow::parse(text).unwrap_err());
+        assert!(error.contains("a child step calls no agent"), "{error}");
+        let text = "name = \"p\"\n[[steps]]\nname = \"c\"\nkind = \"child\"\ntimeout_ms = 5000\n";
+        let error = format!("{:#}", crate::workflow::Workflow::parse(text).unwrap_err());
+        assert!(
+            error.contains("workflow must name the workflow the child follows"),
+            "{error}"
+        );
+        let text = "name = \"p\"\n[[steps]]\nname = \"c\"\nkind = \"child\"\nworkflow = \"b\"\ntimeout_ms = 5000\n[steps.attributes]\nx = \"${/results/later/y}\"\n";
+        let error = format!("{:#}", crate::workflow::Workflow::parse(text).unwrap_err());
+        assert!(error.contains("attributes:"), "{error}");
     }
 }

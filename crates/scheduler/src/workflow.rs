@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
+use sas_store::machine::child::MAX_CHILDREN;
 use sas_store::machine::concurrency::Rate;
 use sas_store::machine::park::{OnTimeout, Park};
 use sas_store::{CallTemplate, Concurrency, NewStep, OnFailure, StepCalls};
@@ -119,6 +120,14 @@ pub struct StepDefinition {
     /// (the same key as `concurrency`, when both are set).
     #[serde(default)]
     pub rate: Option<Rate>,
+    /// The workflow a `child` step starts an order of.
+    #[serde(default)]
+    pub workflow: Option<String>,
+    /// A `child` step's attributes for its child order: a template over
+    /// `{order, attributes, results}` as a call's body is
+    /// (`{ sku = "${/attributes/sku}" }`); absent, the parent's attributes.
+    #[serde(default)]
+    pub attributes: Option<serde_json::Value>,
 }
 
 /// What a step does.
@@ -132,6 +141,9 @@ pub enum StepType {
     Wait,
     /// Waits for a time.
     Delay,
+    /// Starts an order of another workflow, waits for it to end and takes
+    /// its results; undone by undoing that order as a whole.
+    Child,
 }
 
 /// The longest a wait step may wait: what a step's deadline column holds
@@ -178,7 +190,63 @@ impl StepDefinition {
                 delay_ms: self.delay_ms.unwrap_or(0),
                 not_before: self.not_before.clone(),
             }),
+            // The version is the catalog's (`Catalog::load` pins it).
+            StepType::Child => Some(Park::Child {
+                workflow: self.workflow.clone().unwrap_or_default(),
+                version: 0,
+                attributes: self.attributes.clone(),
+            }),
         }
+    }
+
+    /// Checks a step of kind `child` (after the steps `earlier`); that its
+    /// workflow exists, and the depth of the chain, are the catalog's.
+    fn check_child(&self, earlier: &[StepDefinition]) -> Result<(), String> {
+        if !self.agent.is_empty()
+            || !self.action.is_empty()
+            || self.compensation.is_some()
+            || self.request.is_some()
+            || self.compensation_request.is_some()
+            || self.concurrency.is_some()
+            || self.rate.is_some()
+            || self.group.is_some()
+        {
+            return Err("a child step calls no agent and runs alone: remove agent, action, compensation, request, concurrency, rate and group (its child's own steps call and undo)".into());
+        }
+        if self.event.is_some()
+            || self.on_timeout.is_some()
+            || self.correlation_key.is_some()
+            || !self.senders.is_empty()
+            || self.delay_ms.is_some()
+            || self.not_before.is_some()
+        {
+            return Err("event, on_timeout, correlation_key, senders, delay_ms and not_before belong to wait and delay steps".into());
+        }
+        let workflow = self.workflow.as_deref().unwrap_or_default();
+        if !sas_messages::order::is_workflow_name(workflow) {
+            return Err(format!(
+                "workflow must name the workflow the child follows: 1 to 64 letters, digits, '_' or '-' (got {workflow:?})"
+            ));
+        }
+        if !(100..=LONGEST_WAIT_MS).contains(&self.timeout_ms) {
+            return Err(format!(
+                "timeout_ms (how long the child may run before it is undone) must be between 100 and {LONGEST_WAIT_MS} (got {})",
+                self.timeout_ms
+            ));
+        }
+        if let Some(attributes) = &self.attributes {
+            if !attributes.is_object() {
+                return Err("attributes must be a table (the child's attributes)".into());
+            }
+            let template = CallTemplate {
+                method: None,
+                path: None,
+                body: Some(attributes.clone()),
+            };
+            check_template(&template, earlier, None)
+                .map_err(|reason| format!("attributes: {reason}"))?;
+        }
+        Ok(())
     }
 
     /// The key its `concurrency` or `rate` names (one key for both), if
@@ -403,12 +471,26 @@ impl Workflow {
             let checked = match step.kind {
                 StepType::Call => step.check_call(&workflow.steps[..before]),
                 StepType::Wait | StepType::Delay => step.check_park(&workflow.steps[..before]),
+                StepType::Child => step.check_child(&workflow.steps[..before]),
             };
             checked
                 .map_err(|reason| anyhow::anyhow!("steps[{index}] ({}): {reason}", step.name))?;
         }
         check_groups(&workflow.steps)?;
+        let children = workflow.children().count();
+        anyhow::ensure!(
+            children <= MAX_CHILDREN,
+            "a workflow may have at most {MAX_CHILDREN} child steps (it has {children})"
+        );
         Ok(workflow)
+    }
+
+    /// The workflows its child steps start, in order, with the steps' names.
+    pub fn children(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.steps
+            .iter()
+            .filter(|s| s.kind == StepType::Child)
+            .map(|s| (s.name.as_str(), s.workflow.as_deref().unwrap_or_default()))
     }
 
     /// The agents the workflow sends requests to, each once.
@@ -435,8 +517,13 @@ impl Workflow {
                     StepType::Call => step.action.clone(),
                     StepType::Wait => step.event.clone().unwrap_or_default(),
                     StepType::Delay => "delay".into(),
+                    StepType::Child => step.workflow.clone().unwrap_or_default(),
                 },
-                compensation: step.compensation.clone(),
+                // A child step is undone by undoing its child as a whole.
+                compensation: match step.kind {
+                    StepType::Child => Some("undo".into()),
+                    _ => step.compensation.clone(),
+                },
                 timeout: step.timeout(),
                 park: step.park(),
                 group: step.group.clone(),

@@ -240,4 +240,8 @@ pub struct Progress {
     /// The step requests to send: none, one, or one per member of a
     /// parallel group started together.
     pub dispatches: Vec<Dispatch>,
+    /// What the other orders this transition moved publish (a child order
+    /// started or undone, a parent told its child ended; see
+    /// [`crate::machine::child`]), each to its own client.
+    pub others: Vec<Progress>,
 }

@@ -60,6 +60,7 @@
 
 mod batching;
 mod bench;
+mod children;
 mod console;
 mod console_browser;
 mod console_waits;

@@ -210,6 +210,9 @@ fn what_remains(detail: &OrderDetail) -> Markup {
                     @match step.kind() {
                         Kind::Wait { event, .. } => { "waits for the event " (event) }
                         Kind::Delay => { "waits for a time" }
+                        Kind::Child { workflow } => {
+                            @if what == "to undo" { "undoes its child order of " (workflow) } @else { "runs a child order of " (workflow) }
+                        }
                         Kind::Call => {
                             (step.agent) ": "
                             @if what == "to undo" { (step.compensation.as_deref().unwrap_or("-")) } @else { (step.action) }

@@ -97,6 +97,13 @@ impl StepView {
                         .push_str(&format!(", not before the order's {pointer}"));
                 }
             }
+            Some(Park::Child {
+                workflow, version, ..
+            }) => {
+                view.kind = "child";
+                view.does =
+                    format!("start an order of {workflow} (version {version}) and wait for it");
+            }
         }
         view
     }

@@ -263,6 +263,16 @@ pub fn context_of(payload: &Value) -> Value {
     context
 }
 
+/// `template` (any JSON, such as a child step's attributes) with its
+/// placeholders replaced from `payload` (`{order, results}`, read as a
+/// call's body template reads it).
+///
+/// # Errors
+/// [`Unrendered`] when a placeholder finds no value.
+pub fn render_json(template: &Value, payload: &Value) -> Result<Value, Unrendered> {
+    render_value(template, &context_of(payload))
+}
+
 impl CallTemplate {
     /// The call this template makes for `payload`, the default body
     /// (`{order, results}`) it reads from and sends when it has no body.

@@ -26,6 +26,12 @@ pub enum Kind<'a> {
     },
     /// Waits for a time.
     Delay,
+    /// Starts an order of another workflow and waits for it to end (see
+    /// [`crate::machine::child`]); undone by undoing that order as a whole.
+    Child {
+        /// The child's workflow.
+        workflow: &'a str,
+    },
 }
 
 impl Kind<'_> {
@@ -40,25 +46,50 @@ impl Kind<'_> {
                 on_timeout: *on_timeout,
             },
             Some(Park::Delay { .. }) => Kind::Delay,
+            Some(Park::Child { workflow, .. }) => Kind::Child { workflow },
         }
     }
 
     /// Whether a step of this kind, running, may have a call of its own in
-    /// flight that can land (and so may need undoing): a call may; a wait
-    /// or a delay calls nobody.
+    /// flight that can land after its deadline (and so its undo waits the
+    /// grace period): a call may; a wait or a delay calls nobody, and a
+    /// child's undo is the child's own compensation, which waits for its
+    /// own calls.
     pub fn calls_out(self) -> bool {
         match self {
             Kind::Call => true,
+            Kind::Wait { .. } | Kind::Delay | Kind::Child { .. } => false,
+        }
+    }
+
+    /// Whether a step of this kind, running, may already have had effects
+    /// somewhere (so that it must be undone, and may not be replaced by a
+    /// move): a call may have reached its remote, a child may have run
+    /// steps; a wait or a delay did nothing.
+    pub fn may_act_while_running(self) -> bool {
+        match self {
+            Kind::Call | Kind::Child { .. } => true,
             Kind::Wait { .. } | Kind::Delay => false,
         }
     }
 
     /// Whether reaching a step of this kind parks its order (pending, held
-    /// by nobody, until an event or a time): waits and delays do.
+    /// by nobody, until an event, a time, or its child's end): waits,
+    /// delays and children do.
     pub fn parks(self) -> bool {
         match self {
             Kind::Call => false,
+            Kind::Wait { .. } | Kind::Delay | Kind::Child { .. } => true,
+        }
+    }
+
+    /// Whether a cancel ends a running step of this kind where it is (a
+    /// wait or a delay, which did nothing), rather than undoing it (a
+    /// call's action, a child's run).
+    pub fn ends_on_cancel(self) -> bool {
+        match self {
             Kind::Wait { .. } | Kind::Delay => true,
+            Kind::Call | Kind::Child { .. } => false,
         }
     }
 }

@@ -26,6 +26,7 @@
 
 pub mod admission;
 pub mod call;
+pub mod child;
 pub mod concurrency;
 pub mod dispatch;
 pub mod key_learning;
@@ -354,6 +355,22 @@ pub enum Event<'a> {
         /// The version it moves to.
         to: i32,
     },
+    /// The child order a child step started ended (see [`child`]): decided
+    /// in the transaction that ended it.
+    ChildEnded {
+        /// The parent's step that started it.
+        step: &'a str,
+        /// How it ended: processed or compensated.
+        state: ProcessState,
+        /// Its steps' results, by step name.
+        results: &'a serde_json::Value,
+    },
+    /// The order's parent is undone, and this order (its child) with it:
+    /// cancelled while it runs, compensated once processed.
+    UndoneForParent {
+        /// Why, for the history.
+        reason: &'a str,
+    },
 }
 
 /// The inputs of a decision that come from outside the order.
@@ -479,6 +496,9 @@ pub struct Decision {
     /// What the reply said of an adaptive key's remote (see
     /// [`key_learning`]).
     pub key_sample: Option<key_learning::KeySample>,
+    /// What the decision asks of a child order (see [`child`]), applied by
+    /// the write kernel in the same transaction.
+    pub child: Option<child::ChildCommand>,
 }
 
 impl Decision {

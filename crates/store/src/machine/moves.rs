@@ -168,7 +168,7 @@ pub fn plan_move(
 fn may_have_acted(old: &StepRow) -> bool {
     match old.state {
         StepState::Completed | StepState::Compensating => true,
-        StepState::Running => old.kind().calls_out(),
+        StepState::Running => old.kind().may_act_while_running(),
         // A step resumed by an operator keeps "maybe applied" until its
         // new attempt settles it.
         StepState::Failed | StepState::NotStarted => old.maybe_applied,

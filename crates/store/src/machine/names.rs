@@ -127,6 +127,19 @@ stored_names! {
         WaitEnded = "wait_ended",
         /// A wait step's event did not come within its timeout.
         WaitTimedOut = "wait_timed_out",
+        /// A child step started its child order, and the order waits for it.
+        ChildStarted = "child_started",
+        /// A child step's child order ended: the step takes its results,
+        /// or fails (the child undid itself), or is undone (the child was
+        /// undone for its parent).
+        ChildEnded = "child_ended",
+        /// A child step's child order is asked to undo itself as a whole
+        /// (the parent is undone): cancelled while it runs, compensated
+        /// once processed.
+        ChildUndoRequested = "child_undo_requested",
+        /// An order started by a parent's child step is undone because its
+        /// parent is: cancelled, or compensated after it was processed.
+        UndoneForParent = "undone_for_parent",
         /// An event came from a sender the order's wait for it does not
         /// accept: refused, not kept. Written by the store's event
         /// delivery, not by the state machine.

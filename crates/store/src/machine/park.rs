@@ -44,6 +44,20 @@ pub enum Park {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         not_before: Option<String>,
     },
+    /// An order of another workflow, started by this step (see
+    /// [`crate::machine::child`]): the step waits for it to end, for at
+    /// most the step's timeout, and takes its results.
+    Child {
+        /// The child's workflow.
+        workflow: String,
+        /// Its version, pinned when the parent was taken in (the plan the
+        /// schedulers registered, `workflow_plans`).
+        version: i32,
+        /// The child's attributes: a template over `{order, attributes,
+        /// results}` as a call's body is (absent: the parent's attributes).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attributes: Option<serde_json::Value>,
+    },
 }
 
 /// What a wait for an event that does not come within its timeout does.
@@ -129,7 +143,7 @@ impl Park {
     pub fn senders(&self) -> &[String] {
         match self {
             Self::Event { senders, .. } => senders,
-            Self::Delay { .. } => &[],
+            Self::Delay { .. } | Self::Child { .. } => &[],
         }
     }
 

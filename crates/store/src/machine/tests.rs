@@ -2187,3 +2187,162 @@ fn a_reply_in_an_adaptive_key_says_what_its_remote_took_or_that_it_refused() {
         None
     );
 }
+
+/// Reserve, then a child step starting an order of `fulfil`, then charge;
+/// the reservation just succeeded.
+fn reserved_before_a_child() -> (Snapshot, StepReply) {
+    let mut steps = workflow();
+    steps.truncate(2);
+    steps.insert(
+        1,
+        NewStep {
+            name: "fulfil".into(),
+            agent: String::new(),
+            action: "fulfil".into(),
+            compensation: Some("undo".into()),
+            timeout: Duration::from_secs(60),
+            calls: None,
+            park: Some(park::Park::Child {
+                workflow: "fulfil".into(),
+                version: 3,
+                attributes: Some(serde_json::json!({ "who": "${/order/order_id}" })),
+            }),
+            group: None,
+        },
+    );
+    let mut snapshot = Snapshot::new_order(
+        "o-1",
+        serde_json::json!({ "order_id": "o-1", "reply_to": "q" }),
+        None,
+        None,
+        5,
+        &steps,
+        t(0),
+    );
+    snapshot.process.state = ProcessState::Processing;
+    snapshot.process.locked_by = Some(SCHEDULER.into());
+    step(&mut snapshot, 0, StepState::Running, 1);
+    snapshot.process.complete_by = snapshot.steps[0].complete_by;
+    (snapshot, reply(attempt(1), succeeded()))
+}
+
+#[test]
+fn a_child_step_starts_its_child_with_the_decision_and_parks_the_parent() {
+    let (snapshot, ok) = reserved_before_a_child();
+    let decision = decide(&snapshot, &Event::Reply(&ok), &ctx(t(2)));
+    let process = decision.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Pending);
+    assert_eq!((process.locked_by, process.complete_by), (None, None));
+    assert_eq!(
+        process.not_before,
+        t(62),
+        "looks again at the step's timeout"
+    );
+    assert!(
+        decision.progress.dispatches.is_empty(),
+        "no agent is called"
+    );
+    match decision.child {
+        Some(child::ChildCommand::Start {
+            child,
+            workflow,
+            version,
+            body,
+            ..
+        }) => {
+            assert_eq!(child.as_str(), "o-1:fulfil");
+            assert_eq!((workflow.as_str(), version), ("fulfil", 3));
+            assert_eq!(body["attributes"]["who"], "o-1");
+            assert!(body.get("reply_to").is_none());
+        }
+        other => panic!("no start: {other:?}"),
+    }
+}
+
+#[test]
+fn a_child_s_end_completes_the_step_or_undoes_the_parent_and_its_undo_waits_for_the_child() {
+    let (mut snapshot, ok) = reserved_before_a_child();
+    let started = decide(&snapshot, &Event::Reply(&ok), &ctx(t(2)));
+    snapshot.apply(&started);
+    let results = serde_json::json!({ "hold": { "ok": true } });
+    let processed = Event::ChildEnded {
+        step: "fulfil",
+        state: ProcessState::Processed,
+        results: &results,
+    };
+    // Processed: the step holds its results and the charge starts.
+    let decision = decide(&snapshot, &processed, &ctx(t(3)));
+    let change = decision
+        .steps
+        .iter()
+        .find(|c| c.row.name == "fulfil")
+        .unwrap();
+    assert_eq!(change.row.state, StepState::Completed);
+    assert_eq!(change.row.result.as_ref().unwrap()["results"], results);
+    assert_eq!(decision.progress.dispatches[0].step, "charge_payment");
+    // Compensated (it failed and undid itself): nothing of it to undo,
+    // the parent undoes its reservation.
+    let empty = serde_json::json!({});
+    let compensated = Event::ChildEnded {
+        step: "fulfil",
+        state: ProcessState::Compensated,
+        results: &empty,
+    };
+    let decision = decide(&snapshot, &compensated, &ctx(t(3)));
+    let change = decision
+        .steps
+        .iter()
+        .find(|c| c.row.name == "fulfil")
+        .unwrap();
+    assert_eq!(change.row.state, StepState::Failed);
+    assert_eq!(
+        decision.process.as_ref().unwrap().state,
+        ProcessState::Compensating
+    );
+    // Cancelled while the child runs: a claim asks the child to undo
+    // itself, and the parent waits for it, held by nobody.
+    let cancelled = decide(&snapshot, &Event::Cancelled { reason: "gone" }, &ctx(t(3)));
+    assert!(cancelled.child.is_none(), "the claim asks, not the cancel");
+    snapshot.apply(&cancelled);
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(4)));
+    assert!(
+        matches!(&claimed.child, Some(child::ChildCommand::Undo { child, .. }) if child.as_str() == "o-1:fulfil"),
+        "{:?}",
+        claimed.child
+    );
+    let process = claimed.process.clone().unwrap();
+    assert_eq!(process.state, ProcessState::Compensating);
+    assert_eq!(process.locked_by, None);
+    snapshot.apply(&claimed);
+    // The child ends compensated: the step is undone, then the reservation.
+    let decision = decide(&snapshot, &compensated, &ctx(t(5)));
+    let change = decision
+        .steps
+        .iter()
+        .find(|c| c.row.name == "fulfil")
+        .unwrap();
+    assert_eq!(change.row.state, StepState::Compensated);
+    assert_eq!(decision.progress.dispatches[0].step, "reserve_stock");
+    assert_eq!(decision.progress.dispatches[0].kind, StepKind::Compensation);
+    // A processed child its parent undoes is compensated as a whole.
+    let mut child = fresh();
+    child.process.state = ProcessState::Processed;
+    for index in 0..child.steps.len() {
+        step(&mut child, index, StepState::Completed, 1);
+    }
+    let undone = decide(
+        &child,
+        &Event::UndoneForParent {
+            reason: "parent undone",
+        },
+        &ctx(t(6)),
+    );
+    assert_eq!(
+        undone.process.as_ref().unwrap().state,
+        ProcessState::Compensating
+    );
+    assert!(undone
+        .history
+        .iter()
+        .any(|h| h.event == HistoryEvent::UndoneForParent));
+}

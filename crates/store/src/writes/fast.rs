@@ -102,6 +102,10 @@ impl Writes<'_> {
                     -- (crate::machine::key_learning): the general path
                     -- learns from this one.
                     AND d.request->'concurrency'->'adaptive' IS DISTINCT FROM 'true'::jsonb
+                    -- The last step of a child order: the general path
+                    -- ends it and tells its parent (crate::machine::child).
+                    AND (EXISTS (SELECT 1 FROM steps e WHERE e.order_id = d.order_id AND e.position = d.position + 1)
+                         OR NOT EXISTS (SELECT 1 FROM order_children c WHERE c.child_order_id = d.order_id))
                     AND NOT EXISTS (SELECT 1 FROM steps e JOIN full_agents f ON f.agent = e.agent
                                      WHERE e.order_id = d.order_id AND e.position = d.position + 1)
                     -- A wait step next parks the order, and a parallel group

@@ -244,7 +244,7 @@ impl Writes<'_> {
         // cannot be built (a template with a hole, a request too large),
         // takes the write kernel, where the machine decides.
         let (fast, slow): (Vec<usize>, Vec<usize>) = match steps[0].kind() {
-            Kind::Wait { .. } | Kind::Delay => (Vec::new(), distinct.clone()),
+            Kind::Wait { .. } | Kind::Delay | Kind::Child { .. } => (Vec::new(), distinct.clone()),
             Kind::Call if starts_limited(steps) => (Vec::new(), distinct.clone()),
             Kind::Call => distinct.iter().partition(|&&index| {
                 submissions[index].start_at.is_none() && batch.first_request_builds(index)
@@ -541,56 +541,25 @@ impl Writes<'_> {
         for &index in distinct {
             let submission = &batch.submissions[index];
             let order_id = submission.order.order_id.as_str();
-            let inserted = sqlx::query(
-                "INSERT INTO orders (order_id, body, submitted_by) VALUES ($1, $2, $3)
-                 ON CONFLICT (order_id) DO NOTHING",
+            let inserted = insert_pending(
+                &mut tx,
+                &Pending {
+                    order_id,
+                    body: &batch.bodies[index],
+                    submitted_by: submission.submitted_by.as_deref(),
+                    workflow: batch.plan.name,
+                    version: batch.plan.version,
+                    reply_to: submission.reply_queue(),
+                    trace_id: Some(&submission.trace_id),
+                    priority: i16::from(submission.order.priority()),
+                    correlation_id: submission.correlation_id.as_deref(),
+                    start_at: submission.start_at,
+                },
+                batch.steps,
             )
-            .bind(order_id)
-            .bind(&batch.bodies[index])
-            .bind(submission.submitted_by.as_deref())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
+            .await?;
             if !inserted {
                 continue;
-            }
-            sqlx::query(
-                "INSERT INTO order_process (order_id, workflow, workflow_version, state, reply_to,
-                                            trace_id, priority, reply_correlation_id, not_before)
-                 VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, COALESCE($8, now()))",
-            )
-            .bind(order_id)
-            .bind(batch.plan.name)
-            .bind(batch.plan.version)
-            .bind(submission.reply_queue())
-            .bind(&submission.trace_id)
-            .bind(i16::from(submission.order.priority()))
-            .bind(submission.correlation_id.as_deref())
-            .bind(submission.start_at)
-            .execute(&mut *tx)
-            .await?;
-            for (position, step) in (0..).zip(batch.steps) {
-                let row = crate::machine::StepRow::new(order_id, position, step);
-                sqlx::query(
-                    "INSERT INTO steps (order_id, position, name, agent, action, compensation,
-                                        timeout_ms, idempotency_key, state, attempt, request, park,
-                                        step_group)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'not_started', 0, $9, $10, $11)",
-                )
-                .bind(order_id)
-                .bind(row.position)
-                .bind(&row.name)
-                .bind(&row.agent)
-                .bind(&row.action)
-                .bind(&row.compensation)
-                .bind(row.timeout_ms)
-                .bind(&row.idempotency_key)
-                .bind(row.calls.as_ref().map(sqlx::types::Json))
-                .bind(row.park.as_ref().map(sqlx::types::Json))
-                .bind(&row.group)
-                .execute(&mut *tx)
-                .await?;
             }
             new.push(order_id.to_owned());
         }
@@ -658,4 +627,86 @@ fn starts_limited(steps: &[NewStep]) -> bool {
         }
         None => false,
     }
+}
+
+/// An order as it is stored before intake decides it (see [`insert_pending`]).
+pub(crate) struct Pending<'a> {
+    pub(crate) order_id: &'a str,
+    pub(crate) body: &'a serde_json::Value,
+    pub(crate) submitted_by: Option<&'a str>,
+    pub(crate) workflow: &'a str,
+    pub(crate) version: i32,
+    pub(crate) reply_to: Option<&'a str>,
+    pub(crate) trace_id: Option<&'a str>,
+    pub(crate) priority: i16,
+    pub(crate) correlation_id: Option<&'a str>,
+    pub(crate) start_at: Option<DateTime<Utc>>,
+}
+
+/// Inserts `order`, its process record and its `steps` as they are before
+/// intake (pending, nothing started, not before its `start_at`), in the
+/// caller's transaction; false when the order id was stored already
+/// (nothing is written then). The write kernel's `Submitted` then takes it
+/// in: intake's general path, and a child step's start.
+///
+/// # Errors
+/// When the database fails.
+pub(crate) async fn insert_pending(
+    conn: &mut sqlx::PgConnection,
+    order: &Pending<'_>,
+    steps: &[crate::model::NewStep],
+) -> Result<bool, StoreError> {
+    let order_id = order.order_id;
+    let inserted = sqlx::query(
+        "INSERT INTO orders (order_id, body, submitted_by) VALUES ($1, $2, $3)
+         ON CONFLICT (order_id) DO NOTHING",
+    )
+    .bind(order_id)
+    .bind(order.body)
+    .bind(order.submitted_by)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        return Ok(false);
+    }
+    sqlx::query(
+        "INSERT INTO order_process (order_id, workflow, workflow_version, state, reply_to,
+                                    trace_id, priority, reply_correlation_id, not_before)
+         VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, COALESCE($8, now()))",
+    )
+    .bind(order_id)
+    .bind(order.workflow)
+    .bind(order.version)
+    .bind(order.reply_to)
+    .bind(order.trace_id)
+    .bind(order.priority)
+    .bind(order.correlation_id)
+    .bind(order.start_at)
+    .execute(&mut *conn)
+    .await?;
+    for (position, step) in (0..).zip(steps) {
+        let row = crate::machine::StepRow::new(order_id, position, step);
+        sqlx::query(
+            "INSERT INTO steps (order_id, position, name, agent, action, compensation,
+                                timeout_ms, idempotency_key, state, attempt, request, park,
+                                step_group)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'not_started', 0, $9, $10, $11)",
+        )
+        .bind(order_id)
+        .bind(row.position)
+        .bind(&row.name)
+        .bind(&row.agent)
+        .bind(&row.action)
+        .bind(&row.compensation)
+        .bind(row.timeout_ms)
+        .bind(&row.idempotency_key)
+        .bind(row.calls.as_ref().map(sqlx::types::Json))
+        .bind(row.park.as_ref().map(sqlx::types::Json))
+        .bind(&row.group)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(true)
 }

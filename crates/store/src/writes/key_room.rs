@@ -447,6 +447,7 @@ mod tests {
                 until: now + chrono::Duration::seconds(2),
             }),
             key_sample: None,
+            child: None,
         };
         room.take(&paused);
         assert!(matches!(room.read.get("payment:m-1"), Some(None)));

@@ -5,6 +5,7 @@
 //! [`operator`] (resubmit, cancel), [`park`] (steps that wait for an event
 //! or a time), [`group`] (steps that run side by side).
 
+mod child;
 mod dead_letter;
 mod deadline;
 mod group;
@@ -55,6 +56,12 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
             from,
             to,
         } => moved::moved(&mut draft, plan, mapping, (from, to)),
+        Event::ChildEnded {
+            step,
+            state,
+            results,
+        } => child::ended(&mut draft, step, state, results),
+        Event::UndoneForParent { reason } => child::undone_for_parent(&mut draft, reason),
     }
     draft.finish()
 }
@@ -105,6 +112,8 @@ struct Draft<'a> {
     key_pause: Option<super::concurrency::KeyPause>,
     /// What a reply said of an adaptive key's remote.
     key_sample: Option<super::key_learning::KeySample>,
+    /// What this decision asks of a child order.
+    child: Option<super::child::ChildCommand>,
 }
 
 impl<'a> Draft<'a> {
@@ -132,6 +141,7 @@ impl<'a> Draft<'a> {
             moved: false,
             key_pause: None,
             key_sample: None,
+            child: None,
         }
     }
 
@@ -319,6 +329,7 @@ impl<'a> Draft<'a> {
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
         match self.steps[index].kind() {
             Kind::Wait { .. } | Kind::Delay => return park::start(self, index),
+            Kind::Child { .. } => return child::start(self, index, kind),
             Kind::Call => {}
         }
         if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
@@ -597,6 +608,7 @@ impl<'a> Draft<'a> {
                 moved_steps: None,
                 key_pause: None,
                 key_sample: None,
+                child: None,
             };
         }
         let steps = self
@@ -658,6 +670,7 @@ impl<'a> Draft<'a> {
             moved_steps: moved.then_some(self.steps),
             key_pause: self.key_pause,
             key_sample: self.key_sample,
+            child: self.child,
         }
     }
 }

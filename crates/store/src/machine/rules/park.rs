@@ -71,6 +71,10 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
             }
             (until, format!("waiting until {until}"))
         }
+        // Started by the child rules (see `Draft::start_attempt`).
+        Park::Child { .. } => {
+            return super::child::start(draft, index, sas_messages::StepKind::Action)
+        }
     };
     let attempt_id = draft.ctx.next_attempt_id;
     draft.change_step(index, |step| {
@@ -147,6 +151,7 @@ pub(super) fn wake(draft: &mut Draft<'_>, index: usize) {
                 }
             }
         }
+        Some(Park::Child { .. }) => super::child::timed_out(draft, index),
         None => {}
     }
 }
@@ -161,7 +166,7 @@ pub(super) fn event_arrived(draft: &mut Draft<'_>) {
         return draft.unchanged("the order waits for no event now; the event stays in its mailbox");
     };
     let Park::Event { event, .. } = &park else {
-        return draft.unchanged("the order waits for a time, not an event");
+        return draft.unchanged("the order waits for a time or a child order, not an event");
     };
     let event = event.clone();
     let Some(found) = usable_event(draft, &park) else {
@@ -206,7 +211,7 @@ fn from(event: &crate::machine::park::MailboxEvent) -> String {
 pub(super) fn end_waits(draft: &mut Draft<'_>, why: &str) {
     for index in 0..draft.steps.len() {
         let step = &draft.steps[index];
-        if step.kind().parks() && step.state == StepState::Running {
+        if step.kind().ends_on_cancel() && step.state == StepState::Running {
             fail_step(draft, index, why);
         }
     }

@@ -1,0 +1,135 @@
+//! Child steps: a step that starts an order of another workflow, waits for
+//! it to end and takes its results (`kind = "child"`, [`super::park::Park::Child`]).
+//!
+//! The child is an ordinary order of its parent's tenant, with an id
+//! derived from the parent's and the step's ([`child_order_id`]): the
+//! transaction that starts the step inserts it (the write kernel applies
+//! [`ChildCommand::Start`]), so a parent committed without its child, or
+//! a retried start making two, cannot happen. While it runs the parent is
+//! parked at the step. Its end (processed or compensated) is decided, in
+//! the transaction that ends it, as [`super::Event::ChildEnded`] of the
+//! parent. A parent undoing the step (its compensation, a cancel, the
+//! step's timeout) asks the child to undo itself as a whole
+//! ([`ChildCommand::Undo`]: a running child is cancelled, a processed one
+//! compensated) and waits for it to end compensated.
+
+use sas_messages::OrderId;
+
+/// The deepest a chain of children may go (a parent's child's child ...):
+/// the catalog refuses a workflow that would start deeper, and one that
+/// starts itself (directly or through others).
+pub const MAX_DEPTH: usize = 5;
+
+/// The most child steps one workflow may have.
+pub const MAX_CHILDREN: usize = 20;
+
+/// What a decision asks of another order, applied by the write kernel in
+/// the same transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChildCommand {
+    /// Insert the child order and take it in.
+    Start {
+        /// The child's id ([`child_order_id`]).
+        child: OrderId,
+        /// The parent's step that starts it.
+        step: String,
+        /// The child's workflow and version.
+        workflow: String,
+        /// The version the parent pinned.
+        version: i32,
+        /// The child's order as submitted (the parent's, with its own id,
+        /// workflow and attributes).
+        body: serde_json::Value,
+    },
+    /// The child must undo itself as a whole: cancelled while it runs,
+    /// compensated once processed.
+    Undo {
+        /// The child's id.
+        child: OrderId,
+        /// Why, for the child's history.
+        reason: String,
+    },
+}
+
+/// The id of the order step `step` of `parent` starts: the parent's client
+/// id and the step's name (`ord-1:fulfil`), in the parent's tenant; one too
+/// long for an order id keeps its start and ends with a hash of the whole,
+/// so two steps never share a child.
+pub fn child_order_id(parent: &OrderId, step: &str) -> OrderId {
+    const HASH: crc::Crc<u64> = crc::Crc::<u64>::new(&crc::CRC_64_ECMA_182);
+    let whole = format!("{}:{step}", parent.client_id());
+    let max = sas_messages::order::MAX_ID_LEN;
+    let client = if whole.len() <= max {
+        whole
+    } else {
+        let hash = format!("{:016x}", HASH.checksum(whole.as_bytes()));
+        let keep = max - hash.len() - 1;
+        let mut cut = keep;
+        while !whole.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        format!("{}:{hash}", &whole[..cut])
+    };
+    OrderId::from(client).qualified(parent.tenant())
+}
+
+/// The child's order as submitted: the parent's body with the child's id
+/// and workflow, its attributes `attributes` (the parent's when `None`),
+/// and no `reply_to` (the parent's client hears of its own order; the
+/// child's statuses go to the status exchange only).
+pub fn child_body(
+    parent_body: &serde_json::Value,
+    child: &OrderId,
+    workflow: &str,
+    attributes: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let mut body = parent_body.clone();
+    if let Some(object) = body.as_object_mut() {
+        object.insert("order_id".into(), child.client_id().into());
+        object.insert("workflow".into(), workflow.into());
+        object.remove("reply_to");
+        if let Some(attributes) = attributes {
+            object.insert("attributes".into(), attributes);
+        }
+    }
+    body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_s_id_is_the_parent_s_and_the_step_s_in_the_parent_s_tenant() {
+        let parent = OrderId::from("ord-1".to_owned()).qualified("shop");
+        let child = child_order_id(&parent, "fulfil");
+        assert_eq!(child.as_str(), "ord-1:fulfil@shop");
+        assert_eq!(child.tenant(), "shop");
+        assert_eq!(
+            child_order_id(&parent, "fulfil"),
+            child,
+            "derived, not drawn"
+        );
+        let long = OrderId::from("x".repeat(60));
+        let (a, b) = (
+            child_order_id(&long, "first"),
+            child_order_id(&long, "second"),
+        );
+        assert!(a.len() <= sas_messages::order::MAX_ID_LEN, "{a}");
+        assert_ne!(a, b, "two steps, two children");
+    }
+
+    #[test]
+    fn a_child_s_body_is_the_parent_s_with_its_own_id_workflow_and_attributes() {
+        let parent = serde_json::json!({"order_id": "ord-1", "workflow": "big", "reply_to": "q",
+            "amount_cents": 5, "attributes": {"a": 1}});
+        let child = OrderId::from("ord-1:fulfil".to_owned());
+        let body = child_body(&parent, &child, "order", None);
+        assert_eq!(body["order_id"], "ord-1:fulfil");
+        assert_eq!(body["workflow"], "order");
+        assert_eq!(body["attributes"], serde_json::json!({"a": 1}));
+        assert!(body.get("reply_to").is_none());
+        let body = child_body(&parent, &child, "order", Some(serde_json::json!({"b": 2})));
+        assert_eq!(body["attributes"], serde_json::json!({"b": 2}));
+    }
+}
