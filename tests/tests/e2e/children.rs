@@ -229,3 +229,81 @@ async fn a_parent_cancelled_while_its_child_runs_cancels_the_child_and_nothing_i
     assert!(!names.iter().any(|k| k.contains("charge")), "{names:?}");
     sim.assert_no_undo_before_its_action().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_every_effect_once() {
+    const ORDERS: usize = 30;
+    let env = TestEnv::new().await;
+    let settings = workflows(&env);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    // Slow enough that the kill finds parents before, at and after their
+    // child step.
+    sim.set_faults(None, faults(0.0, 150))
+        .await
+        .expect("set remote-sim's faults");
+    let _agents = env.agents(1, &sim, &[]);
+    let mut scheduler = env.scheduler(0, &settings);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    for i in 0..ORDERS {
+        env.publish_order(&publisher, &parent_order(&format!("k-{i}")))
+            .await;
+    }
+    // Killed once some children exist and not every parent has ended.
+    sas_tests::wait_until("children started", Duration::from_secs(60), || async {
+        let (children,): (i64,) = sqlx::query_as("SELECT count(*) FROM order_children")
+            .fetch_one(&env.db)
+            .await
+            .map_err(|e| e.to_string())?;
+        (children >= 3)
+            .then_some(())
+            .ok_or_else(|| format!("{children} children"))
+    })
+    .await;
+    scheduler.kill9().await;
+    let (processed,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM order_process WHERE state = 'processed' AND workflow = 'parent'",
+    )
+    .fetch_one(&env.db)
+    .await
+    .expect("count");
+    assert!(
+        processed < ORDERS as i64,
+        "the kill came after every parent ended"
+    );
+    let _scheduler = env.scheduler(1, &settings);
+    for i in 0..ORDERS {
+        env.wait_for_state(
+            &format!("k-{i}"),
+            ProcessState::Processed,
+            Duration::from_secs(90),
+        )
+        .await;
+    }
+    let children: Vec<(String, String)> =
+        sqlx::query_as("SELECT parent_order_id, child_order_id FROM order_children ORDER BY 1")
+            .fetch_all(&env.db)
+            .await
+            .expect("the links");
+    assert_eq!(children.len(), ORDERS, "one child per parent: {children:?}");
+    for (parent, child) in &children {
+        assert_eq!(child, &format!("{parent}:fulfil"));
+        assert_eq!(env.state_of(child).await, Some(ProcessState::Processed));
+    }
+    let (orders,): (i64,) = sqlx::query_as("SELECT count(*) FROM orders")
+        .fetch_one(&env.db)
+        .await
+        .expect("count");
+    assert_eq!(
+        orders,
+        2 * ORDERS as i64,
+        "no order but the parents and their children"
+    );
+    let counts = sim.applied_per_key().await.expect("the ledger");
+    assert_eq!(
+        counts.len(),
+        5 * ORDERS,
+        "five effects per parent: {counts:?}"
+    );
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+}
