@@ -199,27 +199,35 @@ impl StepDefinition {
         }
     }
 
-    /// Checks a step of kind `child` (after the steps `earlier`); that its
-    /// workflow exists, and the depth of the chain, are the catalog's.
-    fn check_child(&self, earlier: &[StepDefinition]) -> Result<(), String> {
-        if !self.agent.is_empty()
+    /// Whether the step sets a field of a call (an agent, its action or
+    /// undo, how they are called, limits per key).
+    fn calls_an_agent(&self) -> bool {
+        !self.agent.is_empty()
             || !self.action.is_empty()
             || self.compensation.is_some()
             || self.request.is_some()
             || self.compensation_request.is_some()
             || self.concurrency.is_some()
             || self.rate.is_some()
-            || self.group.is_some()
-        {
-            return Err("a child step calls no agent and runs alone: remove agent, action, compensation, request, concurrency, rate and group (its child's own steps call and undo)".into());
-        }
-        if self.event.is_some()
+    }
+
+    /// Whether the step sets a field of a wait or a delay.
+    fn waits(&self) -> bool {
+        self.event.is_some()
             || self.on_timeout.is_some()
             || self.correlation_key.is_some()
             || !self.senders.is_empty()
             || self.delay_ms.is_some()
             || self.not_before.is_some()
-        {
+    }
+
+    /// Checks a step of kind `child` (after the steps `earlier`); that its
+    /// workflow exists, and the depth of the chain, are the catalog's.
+    fn check_child(&self, earlier: &[StepDefinition]) -> Result<(), String> {
+        if self.calls_an_agent() || self.group.is_some() {
+            return Err("a child step calls no agent and runs alone: remove agent, action, compensation, request, concurrency, rate and group (its child's own steps call and undo)".into());
+        }
+        if self.waits() {
             return Err("event, on_timeout, correlation_key, senders, delay_ms and not_before belong to wait and delay steps".into());
         }
         let workflow = self.workflow.as_deref().unwrap_or_default();
@@ -309,13 +317,7 @@ impl StepDefinition {
                 self.timeout_ms
             ));
         }
-        if self.event.is_some()
-            || self.on_timeout.is_some()
-            || self.correlation_key.is_some()
-            || !self.senders.is_empty()
-            || self.delay_ms.is_some()
-            || self.not_before.is_some()
-        {
+        if self.waits() {
             return Err("event, on_timeout, correlation_key, senders, delay_ms and not_before belong to wait and delay steps (set kind)".into());
         }
         if self.compensation.is_none() && self.compensation_request.is_some() {
@@ -339,15 +341,7 @@ impl StepDefinition {
 
     /// Checks a step of kind `wait` or `delay` (after the steps `earlier`).
     fn check_park(&self, earlier: &[StepDefinition]) -> Result<(), String> {
-        if !self.agent.is_empty()
-            || !self.action.is_empty()
-            || self.compensation.is_some()
-            || self.request.is_some()
-            || self.compensation_request.is_some()
-            || self.on_failure.is_some()
-            || self.concurrency.is_some()
-            || self.rate.is_some()
-        {
+        if self.calls_an_agent() || self.on_failure.is_some() {
             return Err("a wait or delay step calls no agent: remove agent, action, compensation, request, on_failure, concurrency and rate".into());
         }
         if self.kind == StepType::Wait {

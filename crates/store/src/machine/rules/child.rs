@@ -10,7 +10,7 @@ use crate::machine::call::render_json;
 use crate::machine::child::{child_body, child_order_id, ChildCommand};
 use crate::machine::dispatch::{payload, Unbuilt};
 use crate::machine::park::Park;
-use crate::machine::{HistoryEvent, ProcessRow};
+use crate::machine::HistoryEvent;
 use crate::model::{ProcessState, StepState};
 
 /// The order reaches child step `index` (`kind`: forward, or undoing it):
@@ -44,18 +44,9 @@ fn start_child(draft: &mut Draft<'_>, index: usize) {
     let child = child_order_id(&draft.snapshot.order_id, &name);
     let body = child_body(&draft.snapshot.body, &child, &workflow, attributes);
     let until = parked_until(draft, index);
-    let attempt_id = draft.ctx.next_attempt_id;
-    draft.change_step(index, |step| {
-        step.state = StepState::Running;
-        step.attempt += 1;
-        step.attempt_id = Some(attempt_id);
-        step.complete_by = Some(until);
-        step.maybe_applied = true;
-    });
-    draft.process = ProcessRow {
-        state: ProcessState::Pending,
-        ..parked(draft, until)
-    };
+    let attempt_id = draft.park_at(index, StepState::Running, ProcessState::Pending, until);
+    // A child that started may have run steps: undone if the parent is.
+    draft.change_step(index, |step| step.maybe_applied = true);
     let detail = format!(
         "started child order {child} (workflow {workflow} version {version}); waiting for it to end until {until}"
     );
@@ -83,17 +74,12 @@ fn undo_child(draft: &mut Draft<'_>, index: usize) {
     let name = draft.steps[index].name.clone();
     let child = child_order_id(&draft.snapshot.order_id, &name);
     let until = parked_until(draft, index);
-    let attempt_id = draft.ctx.next_attempt_id;
-    draft.change_step(index, |step| {
-        step.state = StepState::Compensating;
-        step.attempt += 1;
-        step.attempt_id = Some(attempt_id);
-        step.complete_by = Some(until);
-    });
-    draft.process = ProcessRow {
-        state: ProcessState::Compensating,
-        ..parked(draft, until)
-    };
+    let attempt_id = draft.park_at(
+        index,
+        StepState::Compensating,
+        ProcessState::Compensating,
+        until,
+    );
     let reason = format!(
         "its parent {} is undone (step {name})",
         draft.snapshot.order_id
@@ -114,20 +100,6 @@ fn undo_child(draft: &mut Draft<'_>, index: usize) {
 fn parked_until(draft: &Draft<'_>, index: usize) -> chrono::DateTime<chrono::Utc> {
     let timeout = chrono::Duration::milliseconds(i64::from(draft.steps[index].timeout_ms));
     crate::machine::to_micros(draft.ctx.now + timeout)
-}
-
-/// The order's process row parked until `until`: held by nobody, with no
-/// deadline, in no line.
-fn parked(draft: &Draft<'_>, until: chrono::DateTime<chrono::Utc>) -> ProcessRow {
-    ProcessRow {
-        locked_by: None,
-        complete_by: None,
-        not_before: until,
-        waiting_for: None,
-        admit_key: None,
-        waiting_key: None,
-        ..draft.process.clone()
-    }
 }
 
 /// The child's attributes, rendered from the order and the results so far.

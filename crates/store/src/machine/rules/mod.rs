@@ -316,6 +316,37 @@ impl<'a> Draft<'a> {
         }
     }
 
+    /// Step `index` starts waiting (a wait, a delay, a child) in
+    /// `step_state` until `until`, with a new attempt; the order, in
+    /// `state`, parked: held by nobody, with no deadline, in no line, due
+    /// to look again at `until`. Returns the attempt's id.
+    fn park_at(
+        &mut self,
+        index: usize,
+        step_state: StepState,
+        state: ProcessState,
+        until: DateTime<Utc>,
+    ) -> AttemptId {
+        let attempt_id = self.ctx.next_attempt_id;
+        self.change_step(index, |step| {
+            step.state = step_state;
+            step.attempt += 1;
+            step.attempt_id = Some(attempt_id);
+            step.complete_by = Some(until);
+        });
+        self.process = ProcessRow {
+            state,
+            locked_by: None,
+            complete_by: None,
+            not_before: until,
+            waiting_for: None,
+            admit_key: None,
+            waiting_key: None,
+            ..self.process.clone()
+        };
+        attempt_id
+    }
+
     /// The order held by nobody, out of any line, claimable from `at`.
     fn release_to_claim(&mut self, at: DateTime<Utc>) {
         self.process.locked_by = None;

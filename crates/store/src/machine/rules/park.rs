@@ -12,7 +12,7 @@ use super::{Draft, Failure};
 use crate::machine::call::context_of;
 use crate::machine::dispatch::payload;
 use crate::machine::park::{OnTimeout, Park, WaitKey};
-use crate::machine::{AlertKind, HistoryEvent, ProcessRow};
+use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
 
 /// The step the order waits at ([`crate::machine::park::parked_at`]).
@@ -76,23 +76,7 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
             return super::child::start(draft, index, sas_messages::StepKind::Action)
         }
     };
-    let attempt_id = draft.ctx.next_attempt_id;
-    draft.change_step(index, |step| {
-        step.state = StepState::Running;
-        step.attempt += 1;
-        step.attempt_id = Some(attempt_id);
-        step.complete_by = Some(until);
-    });
-    draft.process = ProcessRow {
-        state: ProcessState::Pending,
-        locked_by: None,
-        complete_by: None,
-        not_before: until,
-        waiting_for: None,
-        admit_key: None,
-        waiting_key: None,
-        ..draft.process.clone()
-    };
+    let attempt_id = draft.park_at(index, StepState::Running, ProcessState::Pending, until);
     let name = draft.steps[index].name.clone();
     draft.log(
         HistoryEvent::Waiting,
