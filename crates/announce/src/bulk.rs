@@ -157,6 +157,7 @@ async fn apply(
             Resubmit::Resubmitted { .. } => Applied::Done,
             Resubmit::NotFound => Applied::Skipped("gone".to_owned()),
             Resubmit::NotFailed(state) => Applied::Skipped(format!("now {state}")),
+            Resubmit::NotResubmittable(why) => Applied::Skipped(why),
         },
         OrderAction::Resume => match writes.resume(order_id, bulk.reason, bulk.actor).await? {
             Resume::Resumed { .. } => Applied::Done,

@@ -300,6 +300,7 @@ impl Console {
             Resubmit::NotFailed(state) => Err(Failure::conflict(format!(
                 "order {order_id} is {state}: only orders that ended error or compensated can be resubmitted"
             ))),
+            Resubmit::NotResubmittable(why) => Err(Failure::conflict(why)),
         }
     }
 

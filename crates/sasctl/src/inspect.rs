@@ -74,6 +74,12 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
     );
     println!("failures    {}", s.failure_count);
     println!("last error  {}", s.last_error.as_deref().unwrap_or("-"));
+    if let Some(parent) = &detail.parent {
+        println!("parent      {} (its step {})", parent.order_id, parent.step);
+    }
+    for child in &detail.children {
+        println!("child       {} (step {})", child.order_id, child.step);
+    }
     println!("\nSTEPS");
     for step in &detail.steps {
         // A wait step has no agent: what it waits for, and until when.
@@ -87,7 +93,7 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
         let started = match step.kind() {
             Kind::Child { .. } if step.attempt > 0 => format!(
                 "  (child order {})",
-                sas_store::machine::child::child_order_id(&s.order_id.as_str().into(), &step.name)
+                sas_store::machine::child::child_order_id(&s.order_id.as_str().into(), step)
             ),
             _ => String::new(),
         };
@@ -206,6 +212,10 @@ pub async fn resubmit(store: &Store, order_id: &str, actor: &str) -> anyhow::Res
         }
         sas_store::writes::operator::Resubmit::NotFailed(state) => {
             eprintln!("order {order_id} is {state}: only orders that ended error or compensated can be resubmitted");
+            Ok(ExitCode::FAILURE)
+        }
+        sas_store::writes::operator::Resubmit::NotResubmittable(why) => {
+            eprintln!("{why}");
             Ok(ExitCode::FAILURE)
         }
     }

@@ -109,6 +109,23 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
         child.body["attributes"]["parent_customer"], "cust-1",
         "the child's attributes are built from the parent's template"
     );
+    // Each names the other, in the store's reads and in sasctl.
+    let link = child.parent.as_ref().expect("the child's parent");
+    assert_eq!(
+        (link.order_id.as_str(), link.step.as_str()),
+        ("ok-0", "fulfil")
+    );
+    assert_eq!(parent.children.len(), 1);
+    assert_eq!(parent.children[0].order_id, "ok-0:fulfil");
+    let (code, out) = env.sasctl(&["orders", "show", "ok-0"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("child       ok-0:fulfil (step fulfil)"),
+        "{out}"
+    );
+    let (code, out) = env.sasctl(&["orders", "show", "ok-0:fulfil"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("parent      ok-0 (its step fulfil)"), "{out}");
 
     // Refused after its child: the child is undone as a whole, then the
     // parent's reservation.
@@ -165,6 +182,88 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
     sim.assert_no_undo_before_its_action().await;
     let counts = sim.applied_per_key().await.expect("the ledger");
     assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+
+    // A child its parent no longer waits for cannot be run again on its
+    // own: its effects would belong to nobody.
+    let (code, _, err) = env
+        .sasctl_with_errors(&["resubmit", "refused-0:fulfil"])
+        .await;
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("no longer waits for it") && err.contains("resubmit or resume refused-0"),
+        "{err}"
+    );
+
+    // Retention keeps a child while its parent stays (a parent undone
+    // later must find it), then takes it after its parent.
+    let retire = || async {
+        sqlx::query_scalar::<_, i32>("SELECT sas_retire_finished(interval '1 hour', 100)")
+            .fetch_one(&env.db)
+            .await
+            .expect("retention")
+    };
+    sqlx::query(
+        "UPDATE order_process SET updated_at = now() - interval '1 day',
+                state = CASE WHEN order_id = 'ok-0' THEN 'processing'::process_state ELSE state END
+          WHERE order_id IN ('ok-0', 'ok-0:fulfil')",
+    )
+    .execute(&env.db)
+    .await
+    .expect("age the orders");
+    assert_eq!(retire().await, 0, "the child stays while its parent runs");
+    sqlx::query("UPDATE order_process SET state = 'processed' WHERE order_id = 'ok-0'")
+        .execute(&env.db)
+        .await
+        .expect("finish the parent");
+    assert_eq!(retire().await, 1, "the parent goes first");
+    assert_eq!(env.state_of("ok-0").await, None);
+    assert_eq!(retire().await, 1, "then its child");
+    assert_eq!(env.state_of("ok-0:fulfil").await, None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
+    let env = TestEnv::new().await;
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &workflows(&env));
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    // A client's own order, with the id parent sq-0's child would get.
+    let mut squatter = order("sq-0:fulfil");
+    squatter.workflow = Some("fulfil".into());
+    env.publish_order(&publisher, &squatter).await;
+    env.wait_for_state(
+        "sq-0:fulfil",
+        ProcessState::Processed,
+        Duration::from_secs(30),
+    )
+    .await;
+    env.publish_order(&publisher, &parent_order("sq-0")).await;
+    env.wait_for_state("sq-0", ProcessState::Compensated, Duration::from_secs(30))
+        .await;
+    // The parent's step was refused and its reservation undone; the
+    // client's order is untouched, and an alert says why.
+    let parent = env.detail("sq-0").await;
+    let fulfil = parent
+        .steps
+        .iter()
+        .find(|s| s.name == "fulfil")
+        .expect("fulfil");
+    assert_eq!(fulfil.state, StepState::Failed);
+    assert!(parent.children.is_empty(), "{:?}", parent.children);
+    assert_eq!(
+        env.state_of("sq-0:fulfil").await,
+        Some(ProcessState::Processed)
+    );
+    assert!(env.detail("sq-0:fulfil").await.parent.is_none());
+    let keys = sim.applied_keys("sq-0:fulfil").await;
+    assert!(!keys.iter().any(|k| k.ends_with(":undo")), "{keys:?}");
+    let (alert,): (String,) = sqlx::query_as("SELECT message FROM alerts WHERE order_id = 'sq-0'")
+        .fetch_one(&env.db)
+        .await
+        .expect("the alert");
+    assert!(alert.contains("which this step did not start"), "{alert}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -305,5 +404,113 @@ async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_ever
         5 * ORDERS,
         "five effects per parent: {counts:?}"
     );
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+}
+
+/// Three levels: `top` reserves, runs a `middle` child, charges; `middle`
+/// reserves, runs a `leaf` child, ships; `leaf` holds and packs.
+fn three_levels(env: &TestEnv) -> [sas_tests::Setting; 2] {
+    let child = |name: &str, workflow: &str| {
+        format!(
+            "[[steps]]\nname = \"{name}\"\nkind = \"child\"\nworkflow = \"{workflow}\"\ntimeout_ms = 120000\n\n"
+        )
+    };
+    let mut leaf = String::from("name = \"leaf\"\n\n");
+    leaf.push_str(&env.call_step(("hold", "inventory", "reserve", "release"), None));
+    leaf.push_str(&env.call_step(("pack", "shipping", "ship", "cancel"), None));
+    let mut middle = String::from("name = \"middle\"\n\n");
+    middle.push_str(&env.call_step(("reserve", "inventory", "reserve", "release"), None));
+    middle.push_str(&child("inner", "leaf"));
+    middle.push_str(&env.call_step(("ship", "shipping", "ship", "cancel"), None));
+    let mut top = String::from("name = \"top\"\n\n");
+    top.push_str(&env.call_step(("reserve", "inventory", "reserve", "release"), None));
+    top.push_str(&child("outer", "middle"));
+    top.push_str(&env.call_step(("charge", "payment", "charge", "refund"), None));
+    env.workflows(&[
+        ("leaf.toml", &leaf),
+        ("middle.toml", &middle),
+        ("top.toml", &top),
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing_undone() {
+    const ORDERS: usize = 20;
+    let env = TestEnv::new().await;
+    let settings = three_levels(&env);
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(None, faults(0.0, 100))
+        .await
+        .expect("set remote-sim's faults");
+    let _agents = env.agents(2, &sim, &[]);
+    let _scheduler = env.scheduler(0, &settings);
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    // Each order is cancelled at a moment drawn at random from the first
+    // two seconds of its run (load shaping, not a wait for a condition):
+    // before its child, while children are being started, mid-grandchild,
+    // or after it ended (then the cancel is refused and it stays processed).
+    let mut cancels = Vec::new();
+    for i in 0..ORDERS {
+        let id = format!("top-{i}");
+        let mut order = order(&id);
+        order.workflow = Some("top".into());
+        env.publish_order(&publisher, &order).await;
+        let after = Duration::from_millis(rand::random_range(0..2000));
+        let env = &env;
+        cancels.push(async move {
+            tokio::time::sleep(after).await;
+            env.sasctl(&["cancel", &id, "--reason", "changed their mind"])
+                .await
+        });
+    }
+    let outcomes = futures_util::future::join_all(cancels).await;
+    let cancelled = outcomes.iter().filter(|(code, _)| *code == 0).count();
+    // Every order ends, and so does every child it started.
+    sas_tests::wait_until("every order to end", Duration::from_secs(120), || async {
+        let (open,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM order_process WHERE state NOT IN ('processed', 'compensated')",
+        )
+        .fetch_one(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        (open == 0)
+            .then_some(())
+            .ok_or_else(|| format!("{open} open"))
+    })
+    .await;
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT order_id, state::text FROM order_process ORDER BY order_id")
+            .fetch_all(&env.db)
+            .await
+            .expect("the states");
+    let mut compensated = 0;
+    for i in 0..ORDERS {
+        let top = format!("top-{i}");
+        let tree: Vec<&(String, String)> = states
+            .iter()
+            .filter(|(id, _)| id == &top || id.starts_with(&format!("{top}:")))
+            .collect();
+        let own = &tree[0].1;
+        compensated += usize::from(own == "compensated");
+        // A tree ends as one: every order of it as its top did.
+        assert!(tree.iter().all(|(_, state)| state == own), "{tree:?}");
+        let keys = sim.applied_keys(&top).await;
+        for action in keys.iter().filter(|k| !k.ends_with(":undo")) {
+            let undone = keys.contains(&format!("{action}:undo"));
+            assert_eq!(
+                undone,
+                own == "compensated",
+                "{action} of {top} ({own}): {keys:?}"
+            );
+        }
+    }
+    assert_eq!(
+        compensated, cancelled,
+        "each accepted cancel undid its tree, and only those"
+    );
+    assert!(cancelled > 0, "no cancel came while an order ran");
+    sim.assert_no_undo_before_its_action().await;
+    let counts = sim.applied_per_key().await.expect("the ledger");
     assert!(counts.values().all(|&n| n == 1), "{counts:?}");
 }

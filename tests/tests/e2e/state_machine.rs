@@ -891,6 +891,10 @@ async fn run_case(
                 Resubmit::Resubmitted { what, .. } => Returned::Resubmitted(what.to_string()),
                 Resubmit::NotFailed(state) => Returned::Refused(state.to_string()),
                 Resubmit::NotFound => return Err("resubmit: order not found".into()),
+                // The property test's orders are started by no parent.
+                Resubmit::NotResubmittable(why) => {
+                    return Err(format!("resubmit: refused as a child order: {why}"))
+                }
             },
             (Step::Resumed, _) => match store
                 .writes()

@@ -336,12 +336,33 @@ pub async fn page(
         html! {
             h1 { "Order " code { (order_id) } }
             (super::notice(query.notice.as_deref()))
+            (family(&view.detail))
             div #live { (fragment(&view, &console, &who)) }
             h2 { "Payload" }
             pre #payload { (json(&view.detail.body)) }
             (super::live_script(&live_url))
         },
     ))
+}
+
+/// The order's parent and children (orders its child steps started),
+/// each a link to its page.
+fn family(detail: &OrderDetail) -> Markup {
+    html! {
+        @if let Some(parent) = &detail.parent {
+            p #parent { "Started by step " code { (parent.step) } " of order "
+                a href=(format!("/orders/{}", parent.order_id)) { code { (parent.order_id) } } }
+        }
+        @if !detail.children.is_empty() {
+            p #children { "Child orders: "
+                @for (i, child) in detail.children.iter().enumerate() {
+                    @if i > 0 { ", " }
+                    a href=(format!("/orders/{}", child.order_id)) { code { (child.order_id) } }
+                    " (step " (child.step) ")"
+                }
+            }
+        }
+    }
 }
 
 /// `POST /orders/{id}/resubmit`.

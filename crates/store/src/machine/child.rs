@@ -15,6 +15,8 @@
 
 use sas_messages::OrderId;
 
+use super::StepRow;
+
 /// The deepest a chain of children may go (a parent's child's child ...):
 /// the catalog refuses a workflow that would start deeper, and one that
 /// starts itself (directly or through others).
@@ -46,18 +48,37 @@ pub enum ChildCommand {
     Undo {
         /// The child's id.
         child: OrderId,
+        /// The parent's step that started it.
+        step: String,
         /// Why, for the child's history.
         reason: String,
     },
 }
 
-/// The id of the order step `step` of `parent` starts: the parent's client
-/// id and the step's name (`ord-1:fulfil`), in the parent's tenant; one too
-/// long for an order id keeps its start and ends with a hash of the whole,
-/// so two steps never share a child.
-pub fn child_order_id(parent: &OrderId, step: &str) -> OrderId {
+/// The id of the order a child step of `parent` starts, from the step's
+/// idempotency key (`<parent>:<step>`, `<parent>:<step>:r2` once an
+/// operator restarted the workflow): the parent's client id and what the
+/// key adds to the parent's id (`ord-1:fulfil`, `ord-1:fulfil:r2`), in the
+/// parent's tenant. A restarted step so starts a new child, and its first
+/// child, which ended, is never taken for it. One too long for an order id
+/// keeps its start and ends with a hash of the whole, so two steps never
+/// share a child.
+pub fn child_order_id(parent: &OrderId, step: &StepRow) -> OrderId {
+    child_of_key(parent, &step.name, &step.idempotency_key)
+}
+
+/// [`child_order_id`] from the step's name and idempotency key, as they are
+/// stored.
+pub fn child_of_key(parent: &OrderId, step: &str, key: &str) -> OrderId {
+    let prefix = format!("{parent}:");
+    derived_id(parent, key.strip_prefix(&prefix).unwrap_or(step))
+}
+
+/// `parent`'s client id and `suffix`, fitted to an order id (see
+/// [`child_order_id`]), in the parent's tenant.
+fn derived_id(parent: &OrderId, suffix: &str) -> OrderId {
     const HASH: crc::Crc<u64> = crc::Crc::<u64>::new(&crc::CRC_64_ECMA_182);
-    let whole = format!("{}:{step}", parent.client_id());
+    let whole = format!("{}:{suffix}", parent.client_id());
     let max = sas_messages::order::MAX_ID_LEN;
     let client = if whole.len() <= max {
         whole
@@ -102,19 +123,39 @@ mod tests {
     #[test]
     fn a_child_s_id_is_the_parent_s_and_the_step_s_in_the_parent_s_tenant() {
         let parent = OrderId::from("ord-1".to_owned()).qualified("shop");
-        let child = child_order_id(&parent, "fulfil");
+        let step = |key: &str| {
+            let definition = crate::model::NewStep {
+                name: "fulfil".into(),
+                agent: String::new(),
+                action: "fulfil".into(),
+                compensation: Some("undo".into()),
+                timeout: std::time::Duration::from_secs(1),
+                calls: None,
+                park: None,
+                group: None,
+            };
+            let mut row = StepRow::new(&parent, 1, &definition);
+            if !key.is_empty() {
+                row.idempotency_key = key.to_owned();
+            }
+            row
+        };
+        let child = child_order_id(&parent, &step(""));
         assert_eq!(child.as_str(), "ord-1:fulfil@shop");
         assert_eq!(child.tenant(), "shop");
         assert_eq!(
-            child_order_id(&parent, "fulfil"),
+            child_order_id(&parent, &step("")),
             child,
             "derived, not drawn"
         );
-        let long = OrderId::from("x".repeat(60));
-        let (a, b) = (
-            child_order_id(&long, "first"),
-            child_order_id(&long, "second"),
+        let again = child_order_id(&parent, &step("ord-1@shop:fulfil:r2"));
+        assert_eq!(
+            again.as_str(),
+            "ord-1:fulfil:r2@shop",
+            "a restarted step, a new child"
         );
+        let long = OrderId::from("x".repeat(60));
+        let (a, b) = (derived_id(&long, "first"), derived_id(&long, "second"));
         assert!(a.len() <= sas_messages::order::MAX_ID_LEN, "{a}");
         assert_ne!(a, b, "two steps, two children");
     }

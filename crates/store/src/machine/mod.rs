@@ -210,6 +210,8 @@ pub struct Snapshot {
     pub mailbox: Vec<park::MailboxEvent>,
     /// Who submitted it (`amqp:<user>`, `gateway:<client>`), when known.
     pub submitted_by: Option<String>,
+    /// The order whose child step started it, if one did (see [`child`]).
+    pub parent: Option<String>,
 }
 
 impl Snapshot {
@@ -248,6 +250,7 @@ impl Snapshot {
                 .collect(),
             mailbox: Vec::new(),
             submitted_by: None,
+            parent: None,
         }
     }
 
@@ -360,10 +363,21 @@ pub enum Event<'a> {
     ChildEnded {
         /// The parent's step that started it.
         step: &'a str,
+        /// The child's id (a step restarted by an operator starts another).
+        child: &'a str,
         /// How it ended: processed or compensated.
         state: ProcessState,
         /// Its steps' results, by step name.
         results: &'a serde_json::Value,
+    },
+    /// A child step's child could not be started, or reached to be undone
+    /// (see [`child`]): the step fails as a refused call's would, or, while
+    /// undoing, its undo is refused and the order stops in `error`.
+    ChildRefused {
+        /// The parent's step.
+        step: &'a str,
+        /// What went wrong, and what to do.
+        reason: &'a str,
     },
     /// The order's parent is undone, and this order (its child) with it:
     /// cancelled while it runs, compensated once processed.

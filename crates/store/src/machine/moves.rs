@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::kind::Kind;
 use super::{Snapshot, StepRow};
 use crate::model::{NewStep, ProcessState, StepState};
 
@@ -103,7 +104,11 @@ pub fn plan_move(
     for (position, definition) in (0..).zip(steps) {
         let mut row = StepRow::new(&snapshot.order_id, position, definition);
         if let Some(old) = carried.get(definition.name.as_str()) {
-            if old.state == StepState::Running && old.kind().parks() != definition.kind().parks() {
+            let child = |kind: Kind<'_>| matches!(kind, Kind::Child { .. });
+            if old.state == StepState::Running
+                && (old.kind().parks() != definition.kind().parks()
+                    || child(old.kind()) != child(definition.kind()))
+            {
                 return Err(Unsafe(format!(
                     "the order waits at step {:?}, which is no wait step in version {to}",
                     old.name
@@ -185,6 +190,16 @@ fn may_have_acted(old: &StepRow) -> bool {
 fn keeps_its_undo(old: &StepRow, new: &NewStep, to: i32) -> Result<(), Unsafe> {
     if !may_have_acted(old) {
         return Ok(());
+    }
+    if let Kind::Child { workflow } = old.kind() {
+        let kept = new.name == old.name
+            && matches!(new.kind(), Kind::Child { workflow: w } if w == workflow);
+        if !kept {
+            return Err(Unsafe(format!(
+                "step {:?} started a child order of {workflow}: version {to} must keep it as a child step of {workflow} under the same name, or its child could not be undone",
+                old.name
+            )));
+        }
     }
     if old.compensation.is_some() && new.compensation.is_none() {
         return Err(Unsafe(format!(
@@ -349,5 +364,50 @@ mod tests {
         running.process.state = ProcessState::Processing;
         let error = plan_move(&running, &v1, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("it is processing"), "{error}");
+    }
+
+    #[test]
+    fn a_started_child_step_keeps_its_name_and_workflow_and_a_wait_never_becomes_one() {
+        let child = |workflow: &str| Park::Child {
+            workflow: workflow.into(),
+            version: 1,
+            attributes: None,
+        };
+        let v1 = [
+            step("reserve", "inventory", Some("release"), None),
+            step("fulfil", "", Some("undo"), Some(child("fulfil"))),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let now = chrono::Utc::now();
+        let mut waiting =
+            Snapshot::new_order("o-1", serde_json::json!({}), None, None, 5, &v1, now);
+        waiting.steps[0].state = StepState::Completed;
+        waiting.steps[0].attempt = 1;
+        waiting.steps[1].state = StepState::Running;
+        waiting.steps[1].attempt = 1;
+        let renamed = [
+            step("reserve", "inventory", Some("release"), None),
+            step("fulfil_v2", "", Some("undo"), Some(child("fulfil"))),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let mapping = BTreeMap::from([("fulfil".to_owned(), "fulfil_v2".to_owned())]);
+        let error = plan_move(&waiting, &renamed, &mapping, (1, 2)).unwrap_err();
+        assert!(error.0.contains("must keep it as a child step"), "{error}");
+        let other = [
+            step("reserve", "inventory", Some("release"), None),
+            step("fulfil", "", Some("undo"), Some(child("ship_only"))),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&waiting, &other, &BTreeMap::new(), (1, 2)).unwrap_err();
+        assert!(error.0.contains("child order of fulfil"), "{error}");
+        // The same child step moves; a parked wait never becomes a child.
+        assert!(plan_move(&waiting, &v1, &BTreeMap::new(), (1, 2)).is_ok());
+        let waits_as_child = [
+            step("reserve", "inventory", Some("release"), None),
+            step("approval", "", Some("undo"), Some(child("fulfil"))),
+            step("charge", "payment", Some("refund"), None),
+        ];
+        let error = plan_move(&parked(), &waits_as_child, &BTreeMap::new(), (1, 2)).unwrap_err();
+        assert!(error.0.contains("waits at step \"approval\""), "{error}");
     }
 }

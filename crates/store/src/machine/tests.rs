@@ -2267,6 +2267,7 @@ fn a_child_s_end_completes_the_step_or_undoes_the_parent_and_its_undo_waits_for_
     let results = serde_json::json!({ "hold": { "ok": true } });
     let processed = Event::ChildEnded {
         step: "fulfil",
+        child: "o-1:fulfil",
         state: ProcessState::Processed,
         results: &results,
     };
@@ -2285,9 +2286,19 @@ fn a_child_s_end_completes_the_step_or_undoes_the_parent_and_its_undo_waits_for_
     let empty = serde_json::json!({});
     let compensated = Event::ChildEnded {
         step: "fulfil",
+        child: "o-1:fulfil",
         state: ProcessState::Compensated,
         results: &empty,
     };
+    // An earlier child of the step (before an operator restarted it)
+    // changes nothing.
+    let earlier = Event::ChildEnded {
+        step: "fulfil",
+        child: "o-1:fulfil:r1",
+        state: ProcessState::Compensated,
+        results: &empty,
+    };
+    assert!(!decide(&snapshot, &earlier, &ctx(t(3))).writes());
     let decision = decide(&snapshot, &compensated, &ctx(t(3)));
     let change = decision
         .steps

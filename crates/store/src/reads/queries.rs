@@ -84,6 +84,21 @@ pub struct OrderDetail {
     pub steps: Vec<StepRow>,
     /// Its history, oldest first.
     pub history: Vec<HistoryEntry>,
+    /// The order whose child step started it, if one did.
+    pub parent: Option<ChildLink>,
+    /// The orders its child steps started, oldest first.
+    pub children: Vec<ChildLink>,
+}
+
+/// One end of a parent's link to a child order (see
+/// [`crate::machine::child`]): the other order and the parent's step.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ChildLink {
+    /// The parent's id (in [`OrderDetail::parent`]) or the child's (in
+    /// [`OrderDetail::children`]).
+    pub order_id: String,
+    /// The parent's step that started the child.
+    pub step: String,
 }
 
 /// An operator alert.
@@ -148,11 +163,26 @@ impl Reads<'_> {
         };
         let body = self.order_body(order_id).await?.unwrap_or_default();
         let history = self.history(order_id).await?;
+        let parent = sqlx::query_as(
+            "SELECT parent_order_id AS order_id, step FROM order_children WHERE child_order_id = $1",
+        )
+        .bind(order_id)
+        .fetch_optional(self.pool())
+        .await?;
+        let children = sqlx::query_as(
+            "SELECT child_order_id AS order_id, step FROM order_children
+              WHERE parent_order_id = $1 ORDER BY created_at, child_order_id",
+        )
+        .bind(order_id)
+        .fetch_all(self.pool())
+        .await?;
         Ok(Some(OrderDetail {
             summary,
             body,
             steps,
             history,
+            parent,
+            children,
         }))
     }
 

@@ -15,8 +15,6 @@
 //! transaction is abandoned.
 
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
-use std::pin::Pin;
 
 use chrono::{DateTime, Utc};
 use sas_messages::{AttemptId, StepKind};
@@ -24,14 +22,11 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use super::intake::{insert_pending, Pending};
 use super::key_room::{learn_keys, pause_keys, KeyRoom};
 use super::Writes;
 use crate::machine::admission::has_room;
-use crate::machine::child::ChildCommand;
 use crate::machine::park::MailboxEvent;
 use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
-use crate::model::{NewStep, ProcessState};
 use crate::step_columns::{step_select, BESIDE_ORDER};
 use crate::{Store, StoreError};
 
@@ -113,237 +108,8 @@ pub(crate) async fn transition<'e>(
     pause_keys(&mut *conn, &decided).await?;
     // Last: the keys' rows stay locked only until the commit.
     learn_keys(&mut *conn, &decided, store.grace()).await?;
-    cascade(&mut *conn, store, actor, &mut decided).await?;
+    super::children::cascade(&mut *conn, store, actor, &mut decided).await?;
     Ok(decided)
-}
-
-/// What the batch's decisions do to other orders (see
-/// [`crate::machine::child`]), in the same transaction: a child a step
-/// started is stored and taken in, a child its parent undoes is told, and
-/// the parent of an order that ended decides its child's end. What each of
-/// those decides to publish joins the deciding order's progress
-/// (`others`). Boxed: it runs the write kernel again, which may cascade
-/// further (a chain of children is at most
-/// [`crate::machine::child::MAX_DEPTH`] deep).
-///
-/// Locks are taken parent first when a parent starts or undoes its child,
-/// child first when a child's end reaches its parent: the two can meet (a
-/// parent cancelled as its child ends), and Postgres then aborts one
-/// transaction as a deadlock, which its caller retries as it retries any
-/// transient failure.
-fn cascade<'a>(
-    conn: &'a mut PgConnection,
-    store: &'a Store,
-    actor: &'a str,
-    decided: &'a mut [Decided],
-) -> Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>> {
-    Box::pin(async move {
-        for d in decided.iter_mut() {
-            let Some(command) = d.decision.child.clone() else {
-                continue;
-            };
-            let moved = match &command {
-                ChildCommand::Start {
-                    child,
-                    step,
-                    workflow,
-                    version,
-                    body,
-                } => {
-                    let child = ChildStart {
-                        parent: &d.snapshot,
-                        step,
-                        child: child.as_str(),
-                        workflow,
-                        version: *version,
-                        body,
-                    };
-                    start_child(&mut *conn, store, actor, &child).await?
-                }
-                ChildCommand::Undo { child, reason } => {
-                    let event = Event::UndoneForParent { reason };
-                    let undone = transition(
-                        &mut *conn,
-                        store,
-                        &[child.as_str()],
-                        actor,
-                        Slots::Check,
-                        |_| event,
-                    )
-                    .await?;
-                    // Already undone (it failed and undid itself before the
-                    // parent heard): the parent hears it now.
-                    let already = undone.iter().any(|u| {
-                        u.snapshot.process.state == ProcessState::Compensated
-                            && u.decision.process.is_none()
-                    });
-                    if already {
-                        let step = command_step(&d.decision);
-                        let results = serde_json::Value::Object(serde_json::Map::new());
-                        let told = tell_parent(
-                            &mut *conn,
-                            store,
-                            actor,
-                            d.snapshot.order_id.as_str(),
-                            &step,
-                            ProcessState::Compensated,
-                            &results,
-                        )
-                        .await?;
-                        undone.into_iter().chain(told).collect()
-                    } else {
-                        undone
-                    }
-                }
-            };
-            for m in moved {
-                d.decision.progress.others.push(m.decision.progress);
-            }
-        }
-        let ended: Vec<&str> = decided
-            .iter()
-            .filter(|d| {
-                d.decision.process.as_ref().is_some_and(|p| {
-                    matches!(p.state, ProcessState::Processed | ProcessState::Compensated)
-                })
-            })
-            .map(|d| d.snapshot.order_id.as_str())
-            .collect();
-        if ended.is_empty() {
-            return Ok(());
-        }
-        let parents: Vec<(String, String, String)> = sqlx::query_as(
-            "SELECT child_order_id, parent_order_id, step FROM order_children
-              WHERE child_order_id = ANY($1) ORDER BY parent_order_id",
-        )
-        .bind(&ended)
-        .fetch_all(&mut *conn)
-        .await?;
-        for (child, parent, step) in parents {
-            let Some(d) = decided
-                .iter_mut()
-                .find(|d| d.snapshot.order_id.as_str() == child)
-            else {
-                continue;
-            };
-            let state = d
-                .decision
-                .process
-                .as_ref()
-                .map_or(d.snapshot.process.state, |p| p.state);
-            let results: serde_json::Value = sqlx::query_scalar(
-                "SELECT coalesce(jsonb_object_agg(name, result) FILTER (WHERE result IS NOT NULL), '{}')
-                   FROM steps WHERE order_id = $1",
-            )
-            .bind(&child)
-            .fetch_one(&mut *conn)
-            .await?;
-            let told =
-                tell_parent(&mut *conn, store, actor, &parent, &step, state, &results).await?;
-            for m in told {
-                d.decision.progress.others.push(m.decision.progress);
-            }
-        }
-        Ok(())
-    })
-}
-
-/// The step a decision's child command is for (the last step it changed).
-fn command_step(decision: &Decision) -> String {
-    decision
-        .steps
-        .last()
-        .map(|change| change.row.name.clone())
-        .unwrap_or_default()
-}
-
-/// Parent `parent` decides that the child of its step `step` ended in
-/// `state` with `results`.
-async fn tell_parent(
-    conn: &mut PgConnection,
-    store: &Store,
-    actor: &str,
-    parent: &str,
-    step: &str,
-    state: ProcessState,
-    results: &serde_json::Value,
-) -> Result<Vec<Decided>, StoreError> {
-    let event = Event::ChildEnded {
-        step,
-        state,
-        results,
-    };
-    transition(conn, store, &[parent], actor, Slots::Check, |_| event).await
-}
-
-/// A child a parent's step starts (see [`ChildCommand::Start`]).
-struct ChildStart<'a> {
-    parent: &'a Snapshot,
-    step: &'a str,
-    child: &'a str,
-    workflow: &'a str,
-    version: i32,
-    body: &'a serde_json::Value,
-}
-
-/// Stores the child order `start` names, from its workflow's registered
-/// plan, with its link to its parent, and takes it in: its first step
-/// starts with the parent's step, in the same transaction. Nothing when
-/// it was stored already (the same start, retried).
-///
-/// # Errors
-/// When the database fails, or the child's plan was never registered.
-async fn start_child(
-    conn: &mut PgConnection,
-    store: &Store,
-    actor: &str,
-    start: &ChildStart<'_>,
-) -> Result<Vec<Decided>, StoreError> {
-    let steps: Option<sqlx::types::Json<Vec<NewStep>>> =
-        sqlx::query_scalar("SELECT steps FROM workflow_plans WHERE name = $1 AND version = $2")
-            .bind(start.workflow)
-            .bind(start.version)
-            .fetch_optional(&mut *conn)
-            .await?;
-    let Some(sqlx::types::Json(steps)) = steps else {
-        return Err(StoreError::Invariant(format!(
-            "child order {}: workflow {} version {} is not registered (workflow_plans); a scheduler registers its workflows as it starts: start one with that workflow",
-            start.child, start.workflow, start.version
-        )));
-    };
-    let parent = start.parent;
-    let inserted = insert_pending(
-        &mut *conn,
-        &Pending {
-            order_id: start.child,
-            body: start.body,
-            submitted_by: parent.submitted_by.as_deref(),
-            workflow: start.workflow,
-            version: start.version,
-            reply_to: None,
-            trace_id: parent.trace_id.as_deref(),
-            priority: parent.priority,
-            correlation_id: None,
-            start_at: None,
-        },
-        &steps,
-    )
-    .await?;
-    if !inserted {
-        return Ok(Vec::new());
-    }
-    sqlx::query(
-        "INSERT INTO order_children (child_order_id, parent_order_id, step) VALUES ($1, $2, $3)",
-    )
-    .bind(start.child)
-    .bind(parent.order_id.as_str())
-    .bind(start.step)
-    .execute(&mut *conn)
-    .await?;
-    transition(conn, store, &[start.child], actor, Slots::Check, |_| {
-        Event::Submitted
-    })
-    .await
 }
 
 /// Records the business keys the batch's orders now wait with (see
@@ -537,12 +303,13 @@ pub(crate) async fn load_snapshots(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
                 p.waiting_key,
-                o.body, o.submitted_by, now() AS now, ",
+                o.body, o.submitted_by, c.parent_order_id, now() AS now, ",
         step_select!(),
         "
            FROM order_process p
            JOIN orders o ON o.order_id = p.order_id
            JOIN steps s ON s.order_id = p.order_id
+           LEFT JOIN order_children c ON c.child_order_id = p.order_id
           WHERE p.order_id = ANY($1)
           ORDER BY p.order_id, s.position"
     ))
@@ -626,6 +393,7 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
         steps: Vec::new(),
         mailbox: Vec::new(),
         submitted_by: row.try_get("submitted_by")?,
+        parent: row.try_get("parent_order_id")?,
     })
 }
 

@@ -21,6 +21,7 @@
 
 pub mod alerts;
 pub(crate) mod apply;
+mod children;
 pub mod dead_letters;
 pub mod events;
 mod fast;

@@ -82,6 +82,9 @@ pub enum Resubmit {
     NotFound,
     /// Only orders that ended `error` or `compensated` can be resubmitted.
     NotFailed(ProcessState),
+    /// A child order its parent no longer waits for: why, and what to do
+    /// instead (see [`crate::machine::child`]).
+    NotResubmittable(String),
 }
 
 /// What became of an operator's resume (see [`Writes::resume`]).
@@ -154,6 +157,9 @@ impl Writes<'_> {
     /// # Errors
     /// When the database fails.
     pub async fn resubmit(self, order_id: &str, actor: &str) -> Result<Resubmit, StoreError> {
+        if let Some(why) = self.child_put_back_refusal(order_id).await? {
+            return Ok(Resubmit::NotResubmittable(why));
+        }
         let earlier = self.put_back_before(order_id).await?;
         let event = Event::Resubmitted { earlier };
         Ok(match self.transition_one(order_id, &event, actor).await? {
@@ -175,6 +181,35 @@ impl Writes<'_> {
                 }
             },
         })
+    }
+
+    /// Why child order `order_id` may not be put back (resubmitted or
+    /// resumed): its parent's step no longer waits for it (the parent took
+    /// its end and went on, or started another child), so that running it
+    /// again would leave effects nobody undoes. `None` for an order no step
+    /// started, or one its parent still waits for (running, or undoing it).
+    ///
+    /// # Errors
+    /// When the database fails.
+    async fn child_put_back_refusal(self, order_id: &str) -> Result<Option<String>, StoreError> {
+        let link: Option<(String, String, String, String)> = sqlx::query_as(
+            "SELECT c.parent_order_id, c.step, s.idempotency_key, s.state::text
+               FROM order_children c
+               JOIN steps s ON s.order_id = c.parent_order_id AND s.name = c.step
+              WHERE c.child_order_id = $1",
+        )
+        .bind(order_id)
+        .fetch_optional(self.pool())
+        .await?;
+        let Some((parent, step, key, state)) = link else {
+            return Ok(None);
+        };
+        let current = crate::machine::child::child_of_key(&parent.as_str().into(), &step, &key);
+        let waits =
+            current.as_str() == order_id && matches!(state.as_str(), "running" | "compensating");
+        Ok((!waits).then(|| format!(
+            "order {order_id} was started by step {step} of order {parent}, which no longer waits for it: run again, it would leave effects nobody undoes; resubmit or resume {parent} instead, which starts a new child"
+        )))
     }
 
     /// How many times an operator put the order back before (resubmitted
@@ -200,6 +235,9 @@ impl Writes<'_> {
         reason: &str,
         actor: &str,
     ) -> Result<Resume, StoreError> {
+        if let Some(why) = self.child_put_back_refusal(order_id).await? {
+            return Ok(Resume::NotResumable(why));
+        }
         let earlier = self.put_back_before(order_id).await?;
         let event = Event::Resumed { reason, earlier };
         Ok(match self.transition_one(order_id, &event, actor).await? {

@@ -5,12 +5,12 @@
 
 use sas_messages::{StatusEvent, StepKind};
 
-use super::Draft;
+use super::{Draft, Failure};
 use crate::machine::call::render_json;
 use crate::machine::child::{child_body, child_order_id, ChildCommand};
 use crate::machine::dispatch::{payload, Unbuilt};
 use crate::machine::park::Park;
-use crate::machine::HistoryEvent;
+use crate::machine::{AlertKind, HistoryEvent, NewAlert};
 use crate::model::{ProcessState, StepState};
 
 /// The order reaches child step `index` (`kind`: forward, or undoing it):
@@ -41,7 +41,7 @@ fn start_child(draft: &mut Draft<'_>, index: usize) {
         Ok(attributes) => attributes,
         Err(unbuilt) => return draft.refuse_unbuilt(index, StepKind::Action, &unbuilt),
     };
-    let child = child_order_id(&draft.snapshot.order_id, &name);
+    let child = child_order_id(&draft.snapshot.order_id, &draft.steps[index]);
     let body = child_body(&draft.snapshot.body, &child, &workflow, attributes);
     let until = parked_until(draft, index);
     let attempt_id = draft.park_at(index, StepState::Running, ProcessState::Pending, until);
@@ -72,8 +72,10 @@ fn start_child(draft: &mut Draft<'_>, index: usize) {
 /// asks again (the child ignores a second ask while it compensates).
 fn undo_child(draft: &mut Draft<'_>, index: usize) {
     let name = draft.steps[index].name.clone();
-    let child = child_order_id(&draft.snapshot.order_id, &name);
-    let until = parked_until(draft, index);
+    let child = child_order_id(&draft.snapshot.order_id, &draft.steps[index]);
+    // Asked again only if it has not ended by then (its end reaches the
+    // order in the transaction that ends it): at most once a minute.
+    let until = parked_until(draft, index).max(draft.ctx.now + chrono::Duration::minutes(1));
     let attempt_id = draft.park_at(
         index,
         StepState::Compensating,
@@ -92,7 +94,11 @@ fn undo_child(draft: &mut Draft<'_>, index: usize) {
             "child order {child} asked to undo itself as a whole; waiting for it until {until}"
         )),
     );
-    draft.child = Some(ChildCommand::Undo { child, reason });
+    draft.child = Some(ChildCommand::Undo {
+        child,
+        step: name,
+        reason,
+    });
 }
 
 /// When the order parked at step `index` looks again: the step's timeout
@@ -124,7 +130,7 @@ pub(super) fn timed_out(draft: &mut Draft<'_>, index: usize) {
         StepState::Running => {
             let why = format!(
                 "child order {} did not end by {}",
-                child_order_id(&draft.snapshot.order_id, &name),
+                child_order_id(&draft.snapshot.order_id, step),
                 step.complete_by.unwrap_or(draft.ctx.now)
             );
             draft.log(
@@ -148,14 +154,20 @@ pub(super) fn timed_out(draft: &mut Draft<'_>, index: usize) {
 /// child undoes the step and the compensation goes on.
 pub(super) fn ended(
     draft: &mut Draft<'_>,
-    step: &str,
+    (step, child): (&str, &str),
     state: ProcessState,
     results: &serde_json::Value,
 ) {
     let Some(index) = draft.steps.iter().position(|s| s.name == step) else {
         return draft.unchanged("the order has no such step");
     };
-    let child = child_order_id(&draft.snapshot.order_id, step);
+    let current = child_order_id(&draft.snapshot.order_id, &draft.steps[index]);
+    if current.as_str() != child {
+        // An earlier child of a step an operator restarted: it ended, and
+        // the step waits for its own.
+        return draft.unchanged("the step waits for another child");
+    }
+    let child = current;
     let now = draft.ctx.now;
     match (draft.steps[index].state, state) {
         (StepState::Running, ProcessState::Processed)
@@ -237,5 +249,50 @@ pub(super) fn undone_for_parent(draft: &mut Draft<'_>, reason: &str) {
             );
             super::operator::cancelled(draft, reason);
         }
+    }
+}
+
+/// The child of step `step` could not be started (an order of its id
+/// that no step of this order started, its workflow not registered,
+/// children too deep), or could not be reached to be undone (gone, or
+/// stopped in error while undoing itself): forward, the step fails as a
+/// refused call's would, nothing of it to undo, with an alert, and the
+/// order is undone; undoing, its undo is refused and the order stops in
+/// `error` with an alert saying what to do.
+pub(super) fn refused(draft: &mut Draft<'_>, step: &str, reason: &str) {
+    let Some(index) = draft.steps.iter().position(|s| s.name == step) else {
+        return draft.unchanged("the order has no such step");
+    };
+    let order_id = draft.snapshot.order_id.clone();
+    match (draft.steps[index].state, draft.process.state) {
+        (StepState::Running, ProcessState::Pending) => {
+            draft.change_step(index, |s| {
+                s.state = StepState::Failed;
+                s.maybe_applied = false;
+                s.last_error = Some(reason.to_owned());
+            });
+            draft.alert = Some(NewAlert {
+                kind: AlertKind::RequestNotBuilt,
+                message: format!("order {order_id}: {reason}; the order is undone"),
+            });
+            draft.start_compensation(Some(step), None, reason);
+            draft.advance();
+        }
+        (StepState::Compensating, ProcessState::Compensating) => {
+            draft.change_step(index, |s| {
+                s.undo_refused = true;
+                s.last_error = Some(reason.to_owned());
+            });
+            let message = format!("order {order_id}: {reason}");
+            draft.fail(Failure {
+                step: Some(step),
+                attempt_id: None,
+                kind: AlertKind::CompensationFailed,
+                detail: reason.to_owned(),
+                last_error: reason,
+                message: &message,
+            });
+        }
+        _ => draft.unchanged("the step waits for no child now"),
     }
 }

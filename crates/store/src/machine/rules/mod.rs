@@ -58,10 +58,12 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
         } => moved::moved(&mut draft, plan, mapping, (from, to)),
         Event::ChildEnded {
             step,
+            child,
             state,
             results,
-        } => child::ended(&mut draft, step, state, results),
+        } => child::ended(&mut draft, (step, child), state, results),
         Event::UndoneForParent { reason } => child::undone_for_parent(&mut draft, reason),
+        Event::ChildRefused { step, reason } => child::refused(&mut draft, step, reason),
     }
     draft.finish()
 }

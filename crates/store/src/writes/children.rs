@@ -1,0 +1,314 @@
+//! What a transition does to other orders (see [`crate::machine::child`]),
+//! in its transaction: a child a step started is stored and taken in, a
+//! child its parent undoes is told, and the parent of an order that ended
+//! decides its child's end. What each of those decides to publish joins
+//! the deciding order's progress (`others`).
+//!
+//! Locks are taken parent first when a parent starts or undoes its child,
+//! child first when a child's end reaches its parent: the two can meet (a
+//! parent cancelled as its child ends), and Postgres then aborts one
+//! transaction as a deadlock, which the schedulers and the supervisors
+//! retry as any transient failure (an operator's action answers that the
+//! database failed, and changes nothing).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use sqlx::PgConnection;
+
+use super::apply::{transition, Decided, Slots};
+use super::intake::{insert_pending, Pending};
+use crate::machine::child::{ChildCommand, MAX_DEPTH};
+use crate::machine::{Event, Snapshot, Verdict};
+use crate::model::{NewStep, ProcessState};
+use crate::{Store, StoreError};
+
+/// The orders `decided` reach beyond themselves, decided in the same
+/// transaction. Boxed: it runs the write kernel again, which may cascade
+/// further (a chain of children is at most [`MAX_DEPTH`] deep).
+///
+/// # Errors
+/// When the database fails, or a guard did not hold.
+pub(crate) fn cascade<'a>(
+    conn: &'a mut PgConnection,
+    store: &'a Store,
+    actor: &'a str,
+    decided: &'a mut [Decided],
+) -> Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + 'a>> {
+    Box::pin(async move {
+        for d in decided.iter_mut() {
+            let Some(command) = d.decision.child.clone() else {
+                continue;
+            };
+            let moved = match &command {
+                ChildCommand::Start {
+                    child,
+                    step,
+                    workflow,
+                    version,
+                    body,
+                } => {
+                    let start = ChildStart {
+                        parent: &d.snapshot,
+                        step,
+                        child: child.as_str(),
+                        workflow,
+                        version: *version,
+                        body,
+                    };
+                    start_child(&mut *conn, store, actor, &start).await?
+                }
+                ChildCommand::Undo {
+                    child,
+                    step,
+                    reason,
+                } => {
+                    let parent = (d.snapshot.order_id.as_str(), step.as_str());
+                    undo_child(&mut *conn, store, actor, parent, child.as_str(), reason).await?
+                }
+            };
+            for m in moved {
+                d.decision.progress.others.push(m.decision.progress);
+            }
+        }
+        tell_parents(conn, store, actor, decided).await
+    })
+}
+
+/// The parents of the orders of `decided` that ended (processed or
+/// compensated) decide their child's end, with its steps' results.
+async fn tell_parents(
+    conn: &mut PgConnection,
+    store: &Store,
+    actor: &str,
+    decided: &mut [Decided],
+) -> Result<(), StoreError> {
+    let ended: Vec<&str> = decided
+        .iter()
+        .filter(|d| d.snapshot.parent.is_some())
+        .filter(|d| {
+            d.decision.process.as_ref().is_some_and(|p| {
+                matches!(p.state, ProcessState::Processed | ProcessState::Compensated)
+            })
+        })
+        .map(|d| d.snapshot.order_id.as_str())
+        .collect();
+    if ended.is_empty() {
+        return Ok(());
+    }
+    let parents: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT child_order_id, parent_order_id, step FROM order_children
+          WHERE child_order_id = ANY($1) ORDER BY parent_order_id",
+    )
+    .bind(&ended)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (child, parent, step) in parents {
+        let Some(d) = decided
+            .iter_mut()
+            .find(|d| d.snapshot.order_id.as_str() == child)
+        else {
+            continue;
+        };
+        let state = d
+            .decision
+            .process
+            .as_ref()
+            .map_or(d.snapshot.process.state, |p| p.state);
+        let results: serde_json::Value = sqlx::query_scalar(
+            "SELECT coalesce(jsonb_object_agg(name, result) FILTER (WHERE result IS NOT NULL), '{}')
+               FROM steps WHERE order_id = $1",
+        )
+        .bind(&child)
+        .fetch_one(&mut *conn)
+        .await?;
+        let event = Event::ChildEnded {
+            step: &step,
+            child: &child,
+            state,
+            results: &results,
+        };
+        let told = transition(&mut *conn, store, &[&parent], actor, Slots::Check, |_| {
+            event
+        })
+        .await?;
+        for m in told {
+            d.decision.progress.others.push(m.decision.progress);
+        }
+    }
+    Ok(())
+}
+
+/// Child `child` of step `parent.1` of order `parent.0` undoes itself for
+/// its parent. One already undone tells the parent at once; one that is
+/// gone, or stopped in error while undoing itself, refuses the parent's
+/// undo (the parent stops in `error`, saying what to do).
+async fn undo_child(
+    conn: &mut PgConnection,
+    store: &Store,
+    actor: &str,
+    (parent, step): (&str, &str),
+    child: &str,
+    reason: &str,
+) -> Result<Vec<Decided>, StoreError> {
+    let event = Event::UndoneForParent { reason };
+    let undone = transition(&mut *conn, store, &[child], actor, Slots::Check, |_| event).await?;
+    let refusal = match undone.first() {
+        None => Some(format!(
+            "child order {child} of step {step} is gone (retired, or never stored): what it did cannot be undone from here; undo it by hand, then resolve this alert"
+        )),
+        Some(u) if matches!(u.decision.verdict, Verdict::Refused(ProcessState::Error)) => Some(format!(
+            "child order {child} of step {step} stopped in error while undoing itself: fix its cause and resubmit it (its compensation resumes), then resubmit this order to finish undoing it"
+        )),
+        Some(u)
+            if u.snapshot.process.state == ProcessState::Compensated
+                && u.decision.process.is_none() =>
+        {
+            // Undone already (it failed and undid itself before the
+            // parent heard): the parent hears it now.
+            let empty = serde_json::Value::Object(serde_json::Map::new());
+            let event = Event::ChildEnded {
+                step,
+                child,
+                state: ProcessState::Compensated,
+                results: &empty,
+            };
+            let told = transition(&mut *conn, store, &[parent], actor, Slots::Check, |_| event).await?;
+            return Ok(undone.into_iter().chain(told).collect());
+        }
+        Some(_) => None,
+    };
+    match refusal {
+        Some(reason) => {
+            let refused = refuse(&mut *conn, store, actor, (parent, step), &reason).await?;
+            Ok(undone.into_iter().chain(refused).collect())
+        }
+        None => Ok(undone),
+    }
+}
+
+/// Order `parent` decides that the child of its step `step` could not be
+/// started or reached, for `reason`.
+async fn refuse(
+    conn: &mut PgConnection,
+    store: &Store,
+    actor: &str,
+    (parent, step): (&str, &str),
+    reason: &str,
+) -> Result<Vec<Decided>, StoreError> {
+    let event = Event::ChildRefused { step, reason };
+    transition(conn, store, &[parent], actor, Slots::Check, |_| event).await
+}
+
+/// A child a parent's step starts (see [`ChildCommand::Start`]).
+struct ChildStart<'a> {
+    parent: &'a Snapshot,
+    step: &'a str,
+    child: &'a str,
+    workflow: &'a str,
+    version: i32,
+    body: &'a serde_json::Value,
+}
+
+/// Stores the child order `start` names, from its workflow's registered
+/// plan, with its link to its parent, and takes it in: its first step
+/// starts with the parent's step, in the same transaction. The parent's
+/// step is refused instead (see [`Event::ChildRefused`]) when the plan was
+/// never registered, the child would be deeper than [`MAX_DEPTH`], or an
+/// order with the child's id exists that the step did not start.
+///
+/// # Errors
+/// When the database fails.
+async fn start_child(
+    conn: &mut PgConnection,
+    store: &Store,
+    actor: &str,
+    start: &ChildStart<'_>,
+) -> Result<Vec<Decided>, StoreError> {
+    let parent = start.parent;
+    let at = (parent.order_id.as_str(), start.step);
+    let steps: Option<sqlx::types::Json<Vec<NewStep>>> =
+        sqlx::query_scalar("SELECT steps FROM workflow_plans WHERE name = $1 AND version = $2")
+            .bind(start.workflow)
+            .bind(start.version)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let Some(sqlx::types::Json(steps)) = steps else {
+        let reason = format!(
+            "child order {} could not start: workflow {} version {} is not registered (a scheduler registers the workflows it runs as it starts)",
+            start.child, start.workflow, start.version
+        );
+        return refuse(conn, store, actor, at, &reason).await;
+    };
+    // How deep the parent is: its chain of parents, as stored.
+    let depth: i32 = sqlx::query_scalar(
+        "WITH RECURSIVE up (order_id, depth) AS (
+             SELECT $1::text, 0
+             UNION ALL
+             SELECT c.parent_order_id, up.depth + 1
+               FROM order_children c JOIN up ON c.child_order_id = up.order_id
+              WHERE up.depth <= $2)
+         SELECT max(depth) FROM up",
+    )
+    .bind(parent.order_id.as_str())
+    .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
+    .fetch_one(&mut *conn)
+    .await?;
+    if usize::try_from(depth).unwrap_or(usize::MAX) >= MAX_DEPTH {
+        let reason = format!(
+            "child order {} could not start: it would be {} children deep, and at most {MAX_DEPTH} are allowed",
+            start.child,
+            depth + 1
+        );
+        return refuse(conn, store, actor, at, &reason).await;
+    }
+    let inserted = insert_pending(
+        &mut *conn,
+        &Pending {
+            order_id: start.child,
+            body: start.body,
+            submitted_by: parent.submitted_by.as_deref(),
+            workflow: start.workflow,
+            version: start.version,
+            reply_to: None,
+            trace_id: parent.trace_id.as_deref(),
+            priority: parent.priority,
+            correlation_id: None,
+            start_at: None,
+        },
+        &steps,
+    )
+    .await?;
+    if !inserted {
+        let linked: Option<(String, String)> = sqlx::query_as(
+            "SELECT parent_order_id, step FROM order_children WHERE child_order_id = $1",
+        )
+        .bind(start.child)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if linked
+            .as_ref()
+            .is_some_and(|(p, s)| (p.as_str(), s.as_str()) == at)
+        {
+            // The same start, taken in already.
+            return Ok(Vec::new());
+        }
+        let reason = format!(
+            "child order {} could not start: an order with its id exists, which this step did not start (a client's own order?); rename the step or that order's id",
+            start.child
+        );
+        return refuse(conn, store, actor, at, &reason).await;
+    }
+    sqlx::query(
+        "INSERT INTO order_children (child_order_id, parent_order_id, step) VALUES ($1, $2, $3)",
+    )
+    .bind(start.child)
+    .bind(parent.order_id.as_str())
+    .bind(start.step)
+    .execute(&mut *conn)
+    .await?;
+    transition(conn, store, &[start.child], actor, Slots::Check, |_| {
+        Event::Submitted
+    })
+    .await
+}
