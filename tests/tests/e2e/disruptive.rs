@@ -102,10 +102,15 @@ async fn terminate_connections(env: &TestEnv) {
 
 /// Publishes orders `ids` through any outage: a failed publish reconnects
 /// and tries again (the order id makes a repeat harmless).
-async fn publish_through_outages(env: &TestEnv, ids: Vec<String>, pace: Duration) {
+async fn publish_through_outages(
+    env: &TestEnv,
+    orders: Vec<sas_messages::SubmitOrder>,
+    pace: Duration,
+) {
     let (mut connection, mut publisher) = env.broker().await;
-    for id in ids {
-        let body = serde_json::to_vec(&order(&id)).unwrap();
+    for order in orders {
+        let id = order.order_id.as_str().to_owned();
+        let body = serde_json::to_vec(&order).unwrap();
         loop {
             let sent = publisher
                 .publish(
@@ -152,7 +157,8 @@ async fn outage_during_load<F: std::future::Future<Output = ()>>(
 ) {
     let mut system = env.system(2).await;
     let ids: Vec<String> = (0..300).map(|n| format!("{prefix}{n}")).collect();
-    let publishing = publish_through_outages(env, ids, Duration::from_millis(10));
+    let orders = ids.iter().map(|id| order(id)).collect();
+    let publishing = publish_through_outages(env, orders, Duration::from_millis(10));
     let disrupting = async {
         env.wait_for_count(ProcessState::Processed, 30, Duration::from_secs(30))
             .await;
@@ -259,15 +265,35 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         ])
         .await;
     let supervisor_vars = [Setting::SupervisorMaxFailures(8)];
+    // The test's order workflow, and a parent whose middle step runs an
+    // order of it as a child: one order in ten is such a parent.
+    let order_workflow =
+        std::fs::read_to_string(env.workflow_file()).expect("the test's workflow file");
+    let mut parent = String::from("name = \"parent\"\n\n");
+    parent.push_str(&env.call_step(("hold", "inventory", "reserve", "release"), None));
+    parent.push_str(
+        "[[steps]]\nname = \"fulfil\"\nkind = \"child\"\nworkflow = \"order\"\ntimeout_ms = 60000\n\n",
+    );
+    parent.push_str(&env.call_step(("notify", "shipping", "ship", "cancel"), None));
+    let workflows = env.workflows(&[("order.toml", &order_workflow), ("parent.toml", &parent)]);
     let mut processes: Vec<Service> = vec![sim_process];
     processes.extend(env.agents(2, &sim, &[]));
-    processes.extend((0..2).map(|i| env.scheduler(i, &[])));
+    processes.extend((0..2).map(|i| env.scheduler(i, &workflows)));
     processes.extend((0..2).map(|i| env.supervisor(i, &supervisor_vars)));
 
-    let ids: Vec<String> = (0..orders).map(|n| format!("chaos-{n}")).collect();
+    let is_parent = |n: usize| n % 10 == 7;
+    let submissions = (0..orders)
+        .map(|n| {
+            let mut submitted = order(&format!("chaos-{n}"));
+            if is_parent(n) {
+                submitted.workflow = Some("parent".into());
+            }
+            submitted
+        })
+        .collect();
     let pace = Duration::from_millis(15);
     let load_time = pace * orders as u32;
-    let publishing = publish_through_outages(&env, ids.clone(), pace);
+    let publishing = publish_through_outages(&env, submissions, pace);
     let mut kills: HashMap<String, usize> = HashMap::new();
     let chaos = async {
         let chaos_started = Instant::now();
@@ -295,7 +321,19 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     };
     tokio::join!(publishing, chaos);
 
-    let terminal = every_order_ended(&env, orders).await;
+    // Every order ends, and so does every child a parent started.
+    let children: i64 = wait_until("every child to end", Duration::from_secs(240), || async {
+        let (children, open): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE p.state NOT IN ('processed', 'compensated', 'error'))
+               FROM order_children c JOIN order_process p ON p.order_id = c.child_order_id",
+        )
+        .fetch_one(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        (open == 0).then_some(children).ok_or_else(|| format!("{open} of {children} running"))
+    })
+    .await;
+    let terminal = every_order_ended(&env, orders + usize::try_from(children).unwrap_or(0)).await;
     let count = |state: ProcessState| {
         terminal
             .iter()
@@ -306,8 +344,14 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         .fetch_one(&env.db)
         .await
         .unwrap();
-    assert_eq!(stored, orders as i64, "no order lost");
+    assert_eq!(
+        stored,
+        orders as i64 + children,
+        "no order lost, no child twice"
+    );
 
+    // A parent's effects are counted with its child's (their keys start
+    // with the parent's id): its own two and the child's three.
     let by_order = sim.effects_by_order().await;
     let states: HashMap<String, ProcessState> =
         sqlx::query_as::<_, (String, ProcessState)>("SELECT order_id, state FROM order_process")
@@ -317,10 +361,27 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
             .into_iter()
             .collect();
     for (order_id, state) in &states {
+        let Some(n) = order_id
+            .strip_prefix("chaos-")
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            // A child: its parent's tree is checked whole.
+            let parent = order_id.split(':').next().unwrap_or_default();
+            assert_eq!(
+                Some(state),
+                states
+                    .get(parent)
+                    .filter(|s| **s != ProcessState::Error)
+                    .or(Some(state)),
+                "child {order_id} ended other than its parent"
+            );
+            continue;
+        };
         let (forward, undo) = by_order.get(order_id).copied().unwrap_or((0, 0));
+        let steps = if is_parent(n) { 5 } else { 3 };
         match state {
             ProcessState::Processed => assert!(
-                forward == 3 && undo == 0,
+                forward == steps && undo == 0,
                 "{order_id} processed with {forward} effects and {undo} undone"
             ),
             ProcessState::Compensated => assert!(
@@ -334,7 +395,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     sim.assert_no_undo_before_its_action().await;
     let stats = sim.stats().await.unwrap();
     eprintln!(
-        "chaos: seed {seed}, {orders} orders in {:.0?}: {} processed, {} compensated, {} error; kills {kills:?}; remote: {} calls, {} applied, {} deduplicated, {} transient faults, {} hangs",
+        "chaos: seed {seed}, {orders} orders and {children} children in {:.0?}: {} processed, {} compensated, {} error; kills {kills:?}; remote: {} calls, {} applied, {} deduplicated, {} transient faults, {} hangs",
         started.elapsed(),
         count(ProcessState::Processed),
         count(ProcessState::Compensated),
