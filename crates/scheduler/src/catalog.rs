@@ -401,6 +401,13 @@ mod tests {
         assert!(error.to_string().contains("not both"), "{error}");
     }
 
+    /// Why the catalog of `files` is refused, all causes.
+    fn refusal(files: &[(&str, &str)]) -> String {
+        let dir = folder(files);
+        let refused = Catalog::load("", dir.path().to_str().unwrap()).err();
+        format!("{:#}", refused.expect("a refusal"))
+    }
+
     /// A workflow named `name` whose steps start the workflows `children`.
     fn starting(name: &str, version: u32, children: &[&str]) -> String {
         let mut text = format!(
@@ -426,13 +433,7 @@ mod tests {
             matches!(park, Some(Park::Child { ref workflow, version: 7, .. }) if workflow == "b"),
             "{park:?}"
         );
-        let dir = folder(&[("a.toml", &starting("a", 1, &["gone"]))]);
-        let error = format!(
-            "{:#}",
-            Catalog::load("", dir.path().to_str().unwrap())
-                .err()
-                .unwrap()
-        );
+        let error = refusal(&[("a.toml", &starting("a", 1, &["gone"]))]);
         assert!(
             error.contains("\"gone\" is not one this scheduler runs"),
             "{error}"
@@ -441,24 +442,12 @@ mod tests {
 
     #[test]
     fn a_workflow_that_starts_itself_or_children_too_deep_is_refused() {
-        let dir = folder(&[("a.toml", &starting("a", 1, &["a"]))]);
-        let error = format!(
-            "{:#}",
-            Catalog::load("", dir.path().to_str().unwrap())
-                .err()
-                .unwrap()
-        );
+        let error = refusal(&[("a.toml", &starting("a", 1, &["a"]))]);
         assert!(error.contains("may not start itself"), "{error}");
-        let dir = folder(&[
+        let error = refusal(&[
             ("a.toml", &starting("a", 1, &["b"])),
             ("b.toml", &starting("b", 1, &["a"])),
         ]);
-        let error = format!(
-            "{:#}",
-            Catalog::load("", dir.path().to_str().unwrap())
-                .err()
-                .unwrap()
-        );
         assert!(
             error.contains("a -> b -> a") || error.contains("b -> a -> b"),
             "{error}"
@@ -488,12 +477,7 @@ mod tests {
             .iter()
             .map(|(n, t)| (n.as_str(), t.as_str()))
             .collect();
-        let error = format!(
-            "{:#}",
-            Catalog::load("", folder(&refs).path().to_str().unwrap())
-                .err()
-                .unwrap()
-        );
+        let error = refusal(&refs);
         assert!(error.contains("at most 5 are allowed"), "{error}");
     }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use sas_store::machine::HistoryEvent;
 use sas_store::{ProcessState, StepState};
+use sas_tests::process::System;
 use sas_tests::sim::SimClient;
 use sas_tests::{order, TestEnv};
 
@@ -54,6 +55,30 @@ fn faults(refused: f64, latency_ms: u64) -> serde_json::Value {
                         "permanent_fault_rate": refused, "hang_rate": 0.0 })
 }
 
+/// The system the tests run: remote-sim with `latency_ms` on every call,
+/// `agents` agents per queue, a scheduler running `workflows`, a
+/// supervisor; and a publisher.
+async fn start(
+    env: &TestEnv,
+    workflows: &[sas_tests::Setting],
+    agents: usize,
+    latency_ms: u64,
+) -> (System, sas_broker::Publisher, sas_broker::lapin::Connection) {
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(None, faults(0.0, latency_ms))
+        .await
+        .expect("set remote-sim's faults");
+    let system = System {
+        agents: env.agents(agents, &sim, &[]),
+        schedulers: vec![env.scheduler(0, workflows)],
+        supervisors: vec![env.supervisor(0, &[])],
+        sim_process,
+        sim,
+    };
+    let (connection, publisher) = env.broker().await;
+    (system, publisher, connection)
+}
+
 /// The applied keys of `order_id` and its child, with when each applied.
 async fn applied(sim: &SimClient, order_id: &str) -> Vec<(String, chrono::DateTime<chrono::Utc>)> {
     let at = sim.applied_at().await;
@@ -75,11 +100,8 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
 {
     const ORDERS: usize = 5;
     let env = TestEnv::new().await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &[]);
-    let _scheduler = env.scheduler(0, &workflows(&env));
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (system, publisher, _connection) = start(&env, &workflows(&env), 1, 0).await;
+    let sim = &system.sim;
 
     // Processed: the parent's fulfil step holds its child's results.
     env.publish_order(&publisher, &parent_order("ok-0")).await;
@@ -147,7 +169,7 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
             Duration::from_secs(1),
         )
         .await;
-        let keys = applied(&sim, &id).await;
+        let keys = applied(sim, &id).await;
         let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
         let expected = [
             format!("{id}:reserve_stock"),
@@ -224,11 +246,8 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
 #[tokio::test(flavor = "multi_thread")]
 async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
     let env = TestEnv::new().await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &[]);
-    let _scheduler = env.scheduler(0, &workflows(&env));
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (system, publisher, _connection) = start(&env, &workflows(&env), 1, 0).await;
+    let sim = &system.sim;
     // A client's own order, with the id parent sq-0's child would get.
     let mut squatter = order("sq-0:fulfil");
     squatter.workflow = Some("fulfil".into());
@@ -269,11 +288,8 @@ async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parent_cancelled_while_its_child_runs_cancels_the_child_and_nothing_is_left_undone() {
     let env = TestEnv::new().await;
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    let _agents = env.agents(1, &sim, &[]);
-    let _scheduler = env.scheduler(0, &workflows(&env));
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (system, publisher, _connection) = start(&env, &workflows(&env), 1, 0).await;
+    let sim = &system.sim;
     // The shipping service is slow: the child is mid-run when the parent
     // is cancelled.
     sim.set_faults(Some("shipping"), faults(0.0, 1500))
@@ -316,7 +332,7 @@ async fn a_parent_cancelled_while_its_child_runs_cancels_the_child_and_nothing_i
     .await;
     // Whatever the child had applied is undone, each undo after its action;
     // what it never reached was never called.
-    let keys = applied(&sim, "c-0").await;
+    let keys = applied(sim, "c-0").await;
     let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
     for action in names.iter().filter(|k| !k.ends_with(":undo")) {
         assert!(
@@ -334,16 +350,9 @@ async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_ever
     const ORDERS: usize = 30;
     let env = TestEnv::new().await;
     let settings = workflows(&env);
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
     // Slow enough that the kill finds parents before, at and after their
     // child step.
-    sim.set_faults(None, faults(0.0, 150))
-        .await
-        .expect("set remote-sim's faults");
-    let _agents = env.agents(1, &sim, &[]);
-    let mut scheduler = env.scheduler(0, &settings);
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (mut system, publisher, _connection) = start(&env, &settings, 1, 150).await;
     for i in 0..ORDERS {
         env.publish_order(&publisher, &parent_order(&format!("k-{i}")))
             .await;
@@ -359,7 +368,7 @@ async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_ever
             .ok_or_else(|| format!("{children} children"))
     })
     .await;
-    scheduler.kill9().await;
+    system.schedulers[0].kill9().await;
     let (processed,): (i64,) = sqlx::query_as(
         "SELECT count(*) FROM order_process WHERE state = 'processed' AND workflow = 'parent'",
     )
@@ -398,7 +407,7 @@ async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_ever
         2 * ORDERS as i64,
         "no order but the parents and their children"
     );
-    let counts = sim.applied_per_key().await.expect("the ledger");
+    let counts = system.sim.applied_per_key().await.expect("the ledger");
     assert_eq!(
         counts.len(),
         5 * ORDERS,
@@ -437,15 +446,8 @@ fn three_levels(env: &TestEnv) -> [sas_tests::Setting; 2] {
 async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing_undone() {
     const ORDERS: usize = 20;
     let env = TestEnv::new().await;
-    let settings = three_levels(&env);
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    sim.set_faults(None, faults(0.0, 100))
-        .await
-        .expect("set remote-sim's faults");
-    let _agents = env.agents(2, &sim, &[]);
-    let _scheduler = env.scheduler(0, &settings);
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (system, publisher, _connection) = start(&env, &three_levels(&env), 2, 100).await;
+    let sim = &system.sim;
     // Each order is cancelled at a moment drawn at random from the first
     // two seconds of its run (load shaping, not a wait for a condition):
     // before its child, while children are being started, mid-grandchild,

@@ -1304,15 +1304,16 @@ fn mail(name: &str, id: &str) -> park::MailboxEvent {
 
 /// An order of [`waiting_workflow`] whose reservation just succeeded.
 fn reserved(on_timeout: park::OnTimeout) -> (Snapshot, StepReply) {
-    let mut snapshot = Snapshot::new_order(
-        "o-1",
-        serde_json::json!({ "order_id": "o-1" }),
-        None,
-        None,
-        5,
+    reserved_in(
         &waiting_workflow(on_timeout),
-        t(0),
-    );
+        serde_json::json!({ "order_id": "o-1" }),
+    )
+}
+
+/// An order `body` of `steps` whose first step (the reservation) is in
+/// flight, and the reply that says it succeeded.
+fn reserved_in(steps: &[NewStep], body: serde_json::Value) -> (Snapshot, StepReply) {
+    let mut snapshot = Snapshot::new_order("o-1", body, None, None, 5, steps, t(0));
     snapshot.process.state = ProcessState::Processing;
     snapshot.process.locked_by = Some(SCHEDULER.into());
     step(&mut snapshot, 0, StepState::Running, 1);
@@ -2210,20 +2211,10 @@ fn reserved_before_a_child() -> (Snapshot, StepReply) {
             group: None,
         },
     );
-    let mut snapshot = Snapshot::new_order(
-        "o-1",
-        serde_json::json!({ "order_id": "o-1", "reply_to": "q" }),
-        None,
-        None,
-        5,
+    reserved_in(
         &steps,
-        t(0),
-    );
-    snapshot.process.state = ProcessState::Processing;
-    snapshot.process.locked_by = Some(SCHEDULER.into());
-    step(&mut snapshot, 0, StepState::Running, 1);
-    snapshot.process.complete_by = snapshot.steps[0].complete_by;
-    (snapshot, reply(attempt(1), succeeded()))
+        serde_json::json!({ "order_id": "o-1", "reply_to": "q" }),
+    )
 }
 
 #[test]
