@@ -26,6 +26,19 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// True when Postgres rolled the transaction back as a deadlock or a
+    /// serialization failure (SQLSTATE class 40): nothing of it was
+    /// written, and running it again at once is the remedy.
+    pub fn is_rolled_back(&self) -> bool {
+        match self {
+            Self::Database(sqlx::Error::Database(db)) => {
+                db.code().is_some_and(|code| code.starts_with("40"))
+            }
+            Self::Shared(error) => error.is_rolled_back(),
+            _ => false,
+        }
+    }
+
     /// True when retrying later may succeed (connection lost, pool exhausted,
     /// server restarting, serialization conflict); false for bugs and bad data.
     pub fn is_transient(&self) -> bool {

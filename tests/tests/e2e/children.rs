@@ -516,3 +516,51 @@ async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing
     let counts = sim.applied_per_key().await.expect("the ledger");
     assert!(counts.values().all(|&n| n == 1), "{counts:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadlock_is_told_apart_as_a_rollback_to_run_again() {
+    // What an operator's action runs again (Writes::transition_one): two
+    // transactions locking two rows the other way round, as a cascade to a
+    // child and a child's end reaching its parent can.
+    let env = TestEnv::new().await;
+    for statement in [
+        "CREATE TABLE deadlock_probe (id int PRIMARY KEY)",
+        "INSERT INTO deadlock_probe VALUES (1), (2)",
+    ] {
+        sqlx::query(statement)
+            .execute(&env.db)
+            .await
+            .expect("the probe table");
+    }
+    let lock = |first: i32, second: i32| {
+        let pool = env.db.clone();
+        async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query("SELECT 1 FROM deadlock_probe WHERE id = $1 FOR UPDATE")
+                .bind(first)
+                .execute(&mut *tx)
+                .await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            sqlx::query("SELECT 1 FROM deadlock_probe WHERE id = $1 FOR UPDATE")
+                .bind(second)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        }
+    };
+    let (a, b) = tokio::join!(lock(1, 2), lock(2, 1));
+    let error = a
+        .err()
+        .or(b.err())
+        .expect("Postgres aborted one as a deadlock");
+    let error = sas_store::StoreError::from(error);
+    assert!(error.is_rolled_back(), "{error}");
+    assert!(error.is_transient(), "{error}");
+    let missing = sas_store::StoreError::from(
+        sqlx::query("SELECT * FROM no_such_table")
+            .execute(&env.db)
+            .await
+            .unwrap_err(),
+    );
+    assert!(!missing.is_rolled_back(), "{missing}");
+}

@@ -30,6 +30,10 @@ use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
 use crate::step_columns::{step_select, BESIDE_ORDER};
 use crate::{Store, StoreError};
 
+/// How many times [`Writes::transition_one`] runs a transaction Postgres
+/// rolled back (a deadlock) before it answers with the failure.
+const ROLLBACK_TRIES: u32 = 3;
+
 /// What one transition decided about one order, with what it decided on.
 pub(crate) struct Decided {
     /// The order as it was read under its lock.
@@ -252,6 +256,29 @@ impl Writes<'_> {
     /// # Errors
     /// When the database fails; nothing changed then.
     pub(crate) async fn transition_one(
+        self,
+        order_id: &str,
+        event: &Event<'_>,
+        actor: &str,
+    ) -> Result<Option<Decided>, StoreError> {
+        // A transaction Postgres rolled back as a deadlock (a cascade to a
+        // child or a parent meeting another transaction that locked them
+        // the other way round, see `children`) wrote nothing: run again,
+        // a few times, before answering that the database failed.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.transition_once(order_id, event, actor).await {
+                Err(error) if error.is_rolled_back() && tries < ROLLBACK_TRIES => {
+                    tracing::debug!(order_id, error = %error, "transition rolled back; running it again");
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// One try of [`Writes::transition_one`].
+    async fn transition_once(
         self,
         order_id: &str,
         event: &Event<'_>,

@@ -8,8 +8,8 @@
 //! child first when a child's end reaches its parent: the two can meet (a
 //! parent cancelled as its child ends), and Postgres then aborts one
 //! transaction as a deadlock, which the schedulers and the supervisors
-//! retry as any transient failure (an operator's action answers that the
-//! database failed, and changes nothing).
+//! retry as any transient failure, and an operator's action runs again
+//! (`Writes::transition_one`).
 
 use std::future::Future;
 use std::pin::Pin;
