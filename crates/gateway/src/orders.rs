@@ -21,6 +21,8 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use sas_broker::publish::{json_properties, order_headers, Outgoing};
 use sas_messages::SubmitOrder;
+use sas_store::machine::child::child_order_id;
+use sas_store::machine::kind::Kind;
 use sas_store::machine::StepRow;
 use sas_store::reads::queries::OrderSummary;
 use sas_store::ProcessState;
@@ -61,6 +63,10 @@ pub struct StepStatus {
     pub state: String,
     /// Attempts so far.
     pub attempts: i32,
+    /// The order a child step started (`ord-1:fulfil`), once it started:
+    /// read it here as any order of the tenant.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub child_order_id: Option<String>,
 }
 
 /// An order's status.
@@ -84,6 +90,9 @@ pub struct OrderStatusView {
     pub last_error: Option<String>,
     /// Its steps, in order.
     pub steps: Vec<StepStatus>,
+    /// The order whose child step started this one, if one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_order_id: Option<String>,
     /// When intake stored it.
     pub created_at: DateTime<Utc>,
     /// When it last changed.
@@ -91,7 +100,7 @@ pub struct OrderStatusView {
 }
 
 impl OrderStatusView {
-    fn new(summary: &OrderSummary, steps: &[StepRow]) -> Self {
+    fn new(summary: &OrderSummary, steps: &[StepRow], parent: Option<&str>) -> Self {
         let outcome = match summary.state {
             ProcessState::Processed => Some("processed"),
             ProcessState::Compensated => Some("compensated"),
@@ -112,8 +121,17 @@ impl OrderStatusView {
                     name: step.name.clone(),
                     state: step.state.as_str().to_owned(),
                     attempts: step.attempt,
+                    child_order_id: match step.kind() {
+                        Kind::Child { .. } if step.attempt > 0 => {
+                            let parent = summary.order_id.as_str().into();
+                            let child = child_order_id(&parent, step);
+                            Some(child.client_id().to_owned())
+                        }
+                        _ => None,
+                    },
                 })
                 .collect(),
+            parent_order_id: parent.map(|id| sas_messages::ids::client_id(id).to_owned()),
             created_at: summary.created_at,
             updated_at: summary.updated_at,
         }
@@ -518,7 +536,12 @@ pub async fn status(
             }
             return match status {
                 Some((summary, steps)) => {
-                    Json(OrderStatusView::new(&summary, &steps)).into_response()
+                    let parent = match gateway.store.reads().parent_of(&stored_id).await {
+                        Ok(parent) => parent,
+                        Err(error) => return store_unavailable(&error),
+                    };
+                    let view = OrderStatusView::new(&summary, &steps, parent.as_deref());
+                    Json(view).into_response()
                 }
                 None => problem(
                     StatusCode::NOT_FOUND,

@@ -148,6 +148,28 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
     let (code, out) = env.sasctl(&["orders", "show", "ok-0:fulfil"]).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("parent      ok-0 (its step fulfil)"), "{out}");
+    // And over the gateway, for the tenant's client.
+    let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
+    let read = |id: &'static str| {
+        let base = base.clone();
+        async move {
+            sas_tests::http_client()
+                .get(format!("{base}/v1/orders/{id}"))
+                .bearer_auth(super::gateway::SECRET)
+                .send()
+                .await
+                .expect("the gateway answers")
+                .json::<serde_json::Value>()
+                .await
+                .expect("JSON")
+        }
+    };
+    let view = read("ok-0").await;
+    assert_eq!(view["steps"][1]["child_order_id"], "ok-0:fulfil", "{view}");
+    assert!(view.get("parent_order_id").is_none(), "{view}");
+    let view = read("ok-0:fulfil").await;
+    assert_eq!(view["parent_order_id"], "ok-0", "{view}");
+    assert_eq!(view["workflow"], "fulfil", "{view}");
 
     // Refused after its child: the child is undone as a whole, then the
     // parent's reservation.

@@ -186,6 +186,20 @@ impl Reads<'_> {
         }))
     }
 
+    /// The order whose child step started `order_id`, if one did (see
+    /// [`crate::machine::child`]).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn parent_of(self, order_id: &str) -> Result<Option<String>, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT parent_order_id FROM order_children WHERE child_order_id = $1",
+        )
+        .bind(order_id)
+        .fetch_optional(self.pool())
+        .await?)
+    }
+
     /// An order's process record and steps (what a client's status shows),
     /// without its body or history; `None` if no such order exists.
     ///
