@@ -540,6 +540,7 @@ pub async fn status(
                         Ok(parent) => parent,
                         Err(error) => return store_unavailable(&error),
                     };
+                    let parent = parent.map(|link| link.order_id);
                     let view = OrderStatusView::new(&summary, &steps, parent.as_deref());
                     Json(view).into_response()
                 }

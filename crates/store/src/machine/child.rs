@@ -25,6 +25,16 @@ pub const MAX_DEPTH: usize = 5;
 /// The most child steps one workflow may have.
 pub const MAX_CHILDREN: usize = 20;
 
+/// The parent an order was started by (see [`child_order_id`]), read
+/// with its snapshot: whom its end is told to.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ParentLink {
+    /// The parent's id.
+    pub order_id: String,
+    /// The parent's step that started it.
+    pub step: String,
+}
+
 /// What a decision asks of another order, applied by the write kernel in
 /// the same transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]

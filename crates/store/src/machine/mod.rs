@@ -211,7 +211,7 @@ pub struct Snapshot {
     /// Who submitted it (`amqp:<user>`, `gateway:<client>`), when known.
     pub submitted_by: Option<String>,
     /// The order whose child step started it, if one did (see [`child`]).
-    pub parent: Option<String>,
+    pub parent: Option<child::ParentLink>,
 }
 
 impl Snapshot {

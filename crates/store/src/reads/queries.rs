@@ -163,12 +163,7 @@ impl Reads<'_> {
         };
         let body = self.order_body(order_id).await?.unwrap_or_default();
         let history = self.history(order_id).await?;
-        let parent = sqlx::query_as(
-            "SELECT parent_order_id AS order_id, step FROM order_children WHERE child_order_id = $1",
-        )
-        .bind(order_id)
-        .fetch_optional(self.pool())
-        .await?;
+        let parent = self.parent_of(order_id).await?;
         let children = sqlx::query_as(
             "SELECT child_order_id AS order_id, step FROM order_children
               WHERE parent_order_id = $1 ORDER BY created_at, child_order_id",
@@ -186,14 +181,14 @@ impl Reads<'_> {
         }))
     }
 
-    /// The order whose child step started `order_id`, if one did (see
-    /// [`crate::machine::child`]).
+    /// The order whose child step started `order_id`, and the step, if one
+    /// did (see [`crate::machine::child`]).
     ///
     /// # Errors
     /// When the database fails.
-    pub async fn parent_of(self, order_id: &str) -> Result<Option<String>, StoreError> {
-        Ok(sqlx::query_scalar(
-            "SELECT parent_order_id FROM order_children WHERE child_order_id = $1",
+    pub async fn parent_of(self, order_id: &str) -> Result<Option<ChildLink>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT parent_order_id AS order_id, step FROM order_children WHERE child_order_id = $1",
         )
         .bind(order_id)
         .fetch_optional(self.pool())

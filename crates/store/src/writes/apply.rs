@@ -330,7 +330,7 @@ pub(crate) async fn load_snapshots(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
                 p.waiting_key,
-                o.body, o.submitted_by, c.parent_order_id, now() AS now, ",
+                o.body, o.submitted_by, c.parent_order_id, c.step AS parent_step, now() AS now, ",
         step_select!(),
         "
            FROM order_process p
@@ -420,7 +420,13 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
         steps: Vec::new(),
         mailbox: Vec::new(),
         submitted_by: row.try_get("submitted_by")?,
-        parent: row.try_get("parent_order_id")?,
+        parent: match row.try_get::<Option<String>, _>("parent_order_id")? {
+            Some(order_id) => Some(crate::machine::child::ParentLink {
+                order_id,
+                step: row.try_get("parent_step")?,
+            }),
+            None => None,
+        },
     })
 }
 

@@ -76,61 +76,45 @@ pub(crate) fn cascade<'a>(
 }
 
 /// The parents of the orders of `decided` that ended (processed or
-/// compensated) decide their child's end, with its steps' results.
+/// compensated) decide their child's end, with its steps' results as the
+/// decision left them (replayed in memory: the link and the steps were
+/// read with the snapshot).
 async fn tell_parents(
     conn: &mut PgConnection,
     store: &Store,
     actor: &str,
     decided: &mut [Decided],
 ) -> Result<(), StoreError> {
-    let ended: Vec<&str> = decided
-        .iter()
-        .filter(|d| d.snapshot.parent.is_some())
-        .filter(|d| {
-            d.decision.process.as_ref().is_some_and(|p| {
-                matches!(p.state, ProcessState::Processed | ProcessState::Compensated)
-            })
-        })
-        .map(|d| d.snapshot.order_id.as_str())
-        .collect();
-    if ended.is_empty() {
-        return Ok(());
-    }
-    let parents: Vec<(String, String, String)> = sqlx::query_as(
-        "SELECT child_order_id, parent_order_id, step FROM order_children
-          WHERE child_order_id = ANY($1) ORDER BY parent_order_id",
-    )
-    .bind(&ended)
-    .fetch_all(&mut *conn)
-    .await?;
-    for (child, parent, step) in parents {
-        let Some(d) = decided
-            .iter_mut()
-            .find(|d| d.snapshot.order_id.as_str() == child)
-        else {
+    for d in decided.iter_mut() {
+        let (Some(parent), Some(process)) = (&d.snapshot.parent, &d.decision.process) else {
             continue;
         };
-        let state = d
-            .decision
-            .process
-            .as_ref()
-            .map_or(d.snapshot.process.state, |p| p.state);
-        let results: serde_json::Value = sqlx::query_scalar(
-            "SELECT coalesce(jsonb_object_agg(name, result) FILTER (WHERE result IS NOT NULL), '{}')
-               FROM steps WHERE order_id = $1",
-        )
-        .bind(&child)
-        .fetch_one(&mut *conn)
-        .await?;
+        let state = process.state;
+        if !matches!(state, ProcessState::Processed | ProcessState::Compensated) {
+            continue;
+        }
+        let mut after = d.snapshot.clone();
+        after.apply(&d.decision);
+        let results: serde_json::Map<String, serde_json::Value> = after
+            .steps
+            .into_iter()
+            .filter_map(|step| Some((step.name, step.result?)))
+            .collect();
+        let results = serde_json::Value::Object(results);
         let event = Event::ChildEnded {
-            step: &step,
-            child: &child,
+            step: &parent.step,
+            child: d.snapshot.order_id.as_str(),
             state,
             results: &results,
         };
-        let told = transition(&mut *conn, store, &[&parent], actor, Slots::Check, |_| {
-            event
-        })
+        let told = transition(
+            &mut *conn,
+            store,
+            &[parent.order_id.as_str()],
+            actor,
+            Slots::Check,
+            |_| event,
+        )
         .await?;
         for m in told {
             d.decision.progress.others.push(m.decision.progress);

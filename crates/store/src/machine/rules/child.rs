@@ -121,8 +121,7 @@ fn render(draft: &Draft<'_>, template: &serde_json::Value) -> Result<serde_json:
 }
 
 /// A claim found the order parked at child step `index` past its timeout:
-/// forward, the child took too long and the order is undone (the child
-/// with it); undoing, the child is asked again.
+/// the child took too long and the order is undone (the child with it).
 pub(super) fn timed_out(draft: &mut Draft<'_>, index: usize) {
     let step = &draft.steps[index];
     let name = step.name.clone();
@@ -142,7 +141,8 @@ pub(super) fn timed_out(draft: &mut Draft<'_>, index: usize) {
             draft.start_compensation(Some(&name), None, &why);
             draft.advance();
         }
-        StepState::Compensating => undo_child(draft, index),
+        // A parent waiting for its child's undo is compensating, never
+        // parked: its claims ask again through `Draft::advance`.
         _ => draft.unchanged("the step waits for no child"),
     }
 }
