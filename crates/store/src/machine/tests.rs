@@ -2316,6 +2316,20 @@ fn a_child_s_end_completes_the_step_or_undoes_the_parent_and_its_undo_waits_for_
     assert_eq!(process.state, ProcessState::Compensating);
     assert_eq!(process.locked_by, None);
     snapshot.apply(&claimed);
+    // No agent's reply settles the wait for the child's undo, not even
+    // one carrying the step's attempt id: only the child's end does.
+    let parked = snapshot.steps.iter().find(|s| s.name == "fulfil").unwrap();
+    let forged = StepReply {
+        step: "fulfil".into(),
+        attempt_id: parked.attempt_id.unwrap(),
+        ..ok.clone()
+    };
+    let stale = decide(&snapshot, &Event::Reply(&forged), &ctx(t(5)));
+    assert!(
+        matches!(stale.verdict, Verdict::Stale(_)),
+        "{:?}",
+        stale.verdict
+    );
     // The child ends compensated: the step is undone, then the reservation.
     let decision = decide(&snapshot, &compensated, &ctx(t(5)));
     let change = decision

@@ -22,11 +22,13 @@ pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
             return draft.stale(reply, format!("order is {other}, no attempt is awaited"));
         }
     };
+    // Only a step that calls an agent is answered by one: a parent waiting,
+    // compensating, for its child's undo has an attempt too, which only the
+    // child's end settles.
     let current = |expected: StepState| {
-        draft
-            .steps
-            .iter()
-            .position(|s| s.attempt_id == Some(reply.attempt_id) && s.state == expected)
+        draft.steps.iter().position(|s| {
+            s.attempt_id == Some(reply.attempt_id) && s.state == expected && s.kind().calls_out()
+        })
     };
     if let Some(index) = current(expected) {
         return answered(draft, index, reply);
@@ -36,7 +38,6 @@ pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
     if let Some(index) = (state == ProcessState::Compensating)
         .then(|| current(StepState::Running))
         .flatten()
-        .filter(|&index| draft.steps[index].kind().calls_out())
     {
         return late_answer(draft, index, reply);
     }
