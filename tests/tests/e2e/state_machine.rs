@@ -7,11 +7,19 @@
 //! events for a wait step, the awaited one or another, new or repeated;
 //! an operator's move to version 2 of the plan, its charge renamed)
 //! run against one order, of the plain workflow, of one with a wait step
-//! (each of its timeouts) or of one whose last two steps are a parallel
-//! group, twice: through the real store on Postgres, and
-//! through [`sas_store::machine::decide`] applied in memory. After every
-//! event the order's process, step, history and alert rows must be the
-//! same on both sides, and so must what each asks to publish.
+//! (each of its timeouts), of one whose last two steps are a parallel
+//! group, or of one with a child step (which starts an order of the plain
+//! workflow), twice: through the real store on Postgres, and through
+//! [`sas_store::machine::decide`] applied in memory. After every event
+//! every order's process, step, history and alert rows must be the same on
+//! both sides, and so must what each asks to publish.
+//!
+//! Events reach the child as they reach any order (its replies, dead
+//! letters, deadlines, claims, a cancel). What one order's decision does to
+//! another (a child started or asked to undo itself, a parent told of its
+//! child's end) is decided by the machine too
+//! ([`sas_store::machine::child`]): the model applies it as the write
+//! kernel does, in the same transaction's order.
 //!
 //! The time and the fresh attempt id of each decision are inputs of the
 //! state machine: the model takes them from what the database recorded
@@ -30,6 +38,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sas_messages::{
     AttemptId, OrderEvent, OrderId, StepKind, StepOutcome, StepReply, SCHEMA_VERSION,
 };
+use sas_store::machine::child::{end_told, undo_answer, ChildCommand, ParentLink, ToParent};
 use sas_store::machine::park::{MailboxEvent, OnTimeout, Park};
 use sas_store::machine::undo::undo_not_before;
 use sas_store::machine::{
@@ -103,7 +112,10 @@ enum Step {
         frees: bool,
     },
     Resubmitted,
-    Cancelled,
+    /// An operator cancels the case's order, or its child.
+    Cancelled {
+        child: bool,
+    },
     /// An operator resumes an order stopped in error from its failed step.
     Resumed,
     /// An event for the order: the one its wait step waits for or another,
@@ -139,7 +151,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
             .prop_map(|(target, no_call)| Step::DeadLettered { target, no_call }),
         2 => proptest::bool::ANY.prop_map(|frees| Step::Claimed { frees }),
         1 => Just(Step::Resubmitted),
-        1 => Just(Step::Cancelled),
+        1 => proptest::bool::ANY.prop_map(|child| Step::Cancelled { child }),
         1 => Just(Step::Resumed),
         1 => Just(Step::Moved),
         2 => (proptest::bool::weighted(0.8), 0u8..3).prop_map(|(awaited, id)| Step::Event { awaited, id }),
@@ -153,6 +165,8 @@ const CLAIMER: &str = "scheduler-2";
 const SUPERVISOR: &str = "supervisor-1";
 const OPERATOR: &str = "operator";
 const SIGNALER: &str = "scheduler-3";
+/// The workflow a child step starts (the plain one, registered as such).
+const SUB: &str = "fulfilment";
 
 fn policy() -> RecoveryPolicy {
     RecoveryPolicy {
@@ -213,37 +227,31 @@ struct Rows {
     admission: BTreeMap<String, (i32, i32)>,
 }
 
-/// The in-memory side: the order as the state machine's decisions left it.
-struct Model {
+/// One order as the state machine's decisions left it.
+struct Order {
     snapshot: Snapshot,
     history: Vec<HistoryRow>,
     alerts: Vec<AlertRow>,
-    last_reply: Option<StepReply>,
-    /// Per agent: (in flight, waiting, limit).
-    admission: BTreeMap<String, (i32, i32, i32)>,
-    /// Per agent: the cap up to which urgent heads may pass a full limit.
-    caps: BTreeMap<String, i32>,
     /// Every event id the order was sent (the store keeps each once).
     event_ids: HashSet<String>,
-    /// The plan version the order runs.
-    version: i32,
 }
 
-impl Model {
+impl Order {
+    fn new(snapshot: Snapshot) -> Self {
+        Self {
+            snapshot,
+            history: Vec::new(),
+            alerts: Vec::new(),
+            event_ids: HashSet::new(),
+        }
+    }
+
     fn record(&mut self, decision: &Decision, actor: &str) {
         self.snapshot.apply(decision);
         if let Some(used) = &decision.used_event {
             self.snapshot
                 .mailbox
                 .retain(|event| &event.event_id != used);
-        }
-        for delta in &decision.admission {
-            let counters = self
-                .admission
-                .get_mut(&delta.agent)
-                .expect("a registered agent");
-            counters.0 += delta.in_flight;
-            counters.1 += delta.waiting;
         }
         self.history.extend(
             decision
@@ -261,40 +269,110 @@ impl Model {
         }
     }
 
-    fn rows(&self) -> Rows {
-        Rows {
-            process: self.snapshot.process.clone(),
-            steps: self.snapshot.steps.clone(),
-            history: self.history.clone(),
-            alerts: self.alerts.clone(),
-            admission: self
+    /// Attempt ids in the order they were dispatched.
+    fn dispatched(&self) -> impl Iterator<Item = AttemptId> + '_ {
+        self.history
+            .iter()
+            .filter(|(_, line)| {
+                matches!(
+                    line.event,
+                    HistoryEvent::Dispatched | HistoryEvent::CompensationDispatched
+                )
+            })
+            .filter_map(|(_, line)| line.attempt_id)
+    }
+}
+
+/// One decision the model took, as the write kernel keeps it for what it
+/// does to other orders: the order, as it was, and the decision.
+struct Made {
+    id: String,
+    before: Snapshot,
+    decision: Decision,
+}
+
+/// The in-memory side: the case's order, and the children its child step
+/// started, as the state machine's decisions left them.
+struct Model {
+    /// By id.
+    orders: BTreeMap<String, Order>,
+    /// The id of the order the case submitted.
+    main: String,
+    last_reply: Option<StepReply>,
+    /// Per agent: (in flight, waiting, limit).
+    admission: BTreeMap<String, (i32, i32, i32)>,
+    /// Per agent: the cap up to which urgent heads may pass a full limit.
+    caps: BTreeMap<String, i32>,
+    /// The plan version the case's order runs.
+    version: i32,
+    /// The plans (version 1) a child step starts its child from, by
+    /// workflow, as registered.
+    plans: BTreeMap<String, Vec<NewStep>>,
+}
+
+impl Model {
+    fn main(&self) -> &Order {
+        &self.orders[&self.main]
+    }
+
+    fn record(&mut self, id: &str, decision: &Decision, actor: &str) {
+        self.orders
+            .get_mut(id)
+            .expect("a decision of an order of the model")
+            .record(decision, actor);
+        for delta in &decision.admission {
+            let counters = self
                 .admission
-                .iter()
-                .map(|(agent, (in_flight, waiting, _))| (agent.clone(), (*in_flight, *waiting)))
-                .collect(),
+                .get_mut(&delta.agent)
+                .expect("a registered agent (checked by `transition`)");
+            counters.0 += delta.in_flight;
+            counters.1 += delta.waiting;
         }
     }
 
-    /// Whether `agent` has a slot for an attempt of `kind` (see the store's
-    /// admission rule): room under the limit, and for new forward work
-    /// nobody in line ahead.
-    fn has_room(&self, agent: &str, kind: StepKind) -> bool {
+    fn rows(&self) -> BTreeMap<String, Rows> {
+        let admission: BTreeMap<String, (i32, i32)> = self
+            .admission
+            .iter()
+            .map(|(agent, (in_flight, waiting, _))| (agent.clone(), (*in_flight, *waiting)))
+            .collect();
+        self.orders
+            .iter()
+            .map(|(id, order)| {
+                let rows = Rows {
+                    process: order.snapshot.process.clone(),
+                    steps: order.snapshot.steps.clone(),
+                    history: order.history.clone(),
+                    alerts: order.alerts.clone(),
+                    admission: admission.clone(),
+                };
+                (id.clone(), rows)
+            })
+            .collect()
+    }
+
+    /// Whether `agent` has a slot for an attempt of `kind` of order `id`
+    /// (see the store's admission rule): room under the limit, and for new
+    /// forward work nobody in line ahead.
+    fn has_room(&self, id: &str, agent: &str, kind: StepKind) -> bool {
         let (in_flight, waiting, limit) = self.admission[agent];
-        let first_in_line =
-            kind == StepKind::Compensation || self.snapshot.process.waiting_for.is_some();
+        let first_in_line = kind == StepKind::Compensation
+            || self.orders[id].snapshot.process.waiting_for.is_some();
         in_flight < limit && (waiting == 0 || first_in_line)
     }
 
-    /// The agent whose full line a claim lets this order pass (the store's
+    /// The agent whose full line a claim lets order `id` pass (the store's
     /// `Levels`): its limit is full, in flight is under its cap, and fewer
     /// than the limit of the attempts in flight there are at the order's
-    /// level or above. The one order is all the database holds, so those
-    /// are its own, at its own level.
-    fn passing(&self) -> Option<&str> {
-        let agent = self.snapshot.process.waiting_for.as_deref()?;
+    /// level or above. The case's orders are all the database holds, all
+    /// at one level (a child takes its parent's priority).
+    fn passing(&self, id: &str) -> Option<&str> {
+        let agent = self.orders[id].snapshot.process.waiting_for.as_deref()?;
         let (in_flight, _, limit) = self.admission[agent];
-        let held = slots_held(&self.snapshot.process, &self.snapshot.steps)
-            .into_iter()
+        let held = self
+            .orders
+            .values()
+            .flat_map(|order| slots_held(&order.snapshot.process, &order.snapshot.steps))
             .filter(|&at| at == agent)
             .count();
         let passes = in_flight >= limit
@@ -303,30 +381,231 @@ impl Model {
         passes.then_some(agent)
     }
 
-    /// The state machine's decision as the store takes it: again with the
-    /// agent closed when the decision takes a slot it does not have (but
-    /// for the slot of the agent whose line it passes, `passing`).
-    fn decide(&self, event: &Event<'_>, ctx: &Context<'_>, passing: Option<&str>) -> Decision {
-        let decision = decide(&self.snapshot, event, ctx);
+    /// Whether a claim leaves order `id` alone in its agent's line: the
+    /// agent has no room and the order may not pass it.
+    fn untouched_in_line(&self, id: &str) -> bool {
+        self.passing(id).is_none()
+            && self.orders[id]
+                .snapshot
+                .process
+                .waiting_for
+                .as_deref()
+                .is_some_and(|agent| {
+                    let (in_flight, _, limit) = self.admission[agent];
+                    in_flight >= limit
+                })
+    }
+
+    /// The state machine's decision for order `id` as the store takes it:
+    /// again with the agent closed when the decision takes a slot it does
+    /// not have (but for the slot of the agent whose line it passes,
+    /// `passing`).
+    fn decide(
+        &self,
+        id: &str,
+        event: &Event<'_>,
+        ctx: &Context<'_>,
+        passing: Option<&str>,
+    ) -> Decision {
+        let snapshot = &self.orders[id].snapshot;
+        let decision = decide(snapshot, event, ctx);
         let full = decision
             .takes_slots()
             .into_iter()
-            .find(|&(agent, kind)| Some(agent) != passing && !self.has_room(agent, kind));
+            .find(|&(agent, kind)| Some(agent) != passing && !self.has_room(id, agent, kind));
         match full {
             Some((agent, _)) => {
                 let closed = Context {
                     closed: Some(agent),
                     ..*ctx
                 };
-                decide(&self.snapshot, event, &closed)
+                decide(snapshot, event, &closed)
             }
             None => decision,
         }
     }
 
+    /// The write kernel's transition, in memory: decides `event` for each
+    /// of `ids` that exists (in id order, as the store locks them; with
+    /// `claim`, letting each pass the line it may pass) and records it,
+    /// then what those decisions do to other orders (`cascade`).
+    fn transition(
+        &mut self,
+        chosen: &Chosen,
+        label: &str,
+        ids: &[&str],
+        actor: &str,
+        event: Event<'_>,
+        claim: bool,
+    ) -> Result<Vec<Made>, String> {
+        let mut ids: Vec<&str> = ids
+            .iter()
+            .copied()
+            .filter(|id| self.orders.contains_key(*id))
+            .collect();
+        ids.sort_unstable();
+        let mut made = Vec::new();
+        for id in ids {
+            let order = &self.orders[id];
+            let ctx = chosen.context(id, order.history.len(), actor);
+            let passing = if claim { self.passing(id) } else { None };
+            let decision = self.decide(id, &event, &ctx, passing);
+            no_undo_before_its_action_may_have_landed(label, &order.snapshot, &decision, &ctx)?;
+            let before = order.snapshot.clone();
+            // Only an agent a step calls has counters: a parked step (a
+            // wait, a child) holds no slot and times no call.
+            if let Some(delta) = decision
+                .admission
+                .iter()
+                .find(|d| !self.admission.contains_key(&d.agent))
+            {
+                return Err(format!(
+                    "after {label}, order {id}'s decision moves the counters of agent {:?}, which no step calls: {delta:?}\n{:#?}",
+                    delta.agent, decision.history
+                ));
+            }
+            self.record(id, &decision, actor);
+            made.push(Made {
+                id: id.to_owned(),
+                before,
+                decision,
+            });
+        }
+        self.cascade(chosen, label, actor, &mut made)?;
+        Ok(made)
+    }
+
+    /// What `made` does to other orders (the store's
+    /// `writes::children::cascade`): a child started or asked to undo
+    /// itself, then the parents of the orders that ended told; what each
+    /// decides joins the deciding order's progress.
+    fn cascade(
+        &mut self,
+        chosen: &Chosen,
+        label: &str,
+        actor: &str,
+        made: &mut [Made],
+    ) -> Result<(), String> {
+        for m in made.iter_mut() {
+            let Some(command) = m.decision.child.clone() else {
+                continue;
+            };
+            let moved = match &command {
+                ChildCommand::Start {
+                    child, step, body, ..
+                } => self.start_child(
+                    chosen,
+                    label,
+                    actor,
+                    &m.before,
+                    (step, child.as_str(), body),
+                )?,
+                ChildCommand::Undo {
+                    child,
+                    step,
+                    reason,
+                } => {
+                    let event = Event::UndoneForParent { reason };
+                    let undone =
+                        self.transition(chosen, label, &[child.as_str()], actor, event, false)?;
+                    let answer = undo_answer(
+                        child.as_str(),
+                        step,
+                        undone.first().map(|u| (&u.before, &u.decision)),
+                    );
+                    let told = match answer {
+                        Some(answer) => {
+                            let event = answer.event(step, child.as_str());
+                            self.transition(chosen, label, &[m.id.as_str()], actor, event, false)?
+                        }
+                        None => Vec::new(),
+                    };
+                    undone.into_iter().chain(told).collect()
+                }
+            };
+            for other in moved {
+                m.decision.progress.others.push(other.decision.progress);
+            }
+        }
+        for m in made.iter_mut() {
+            let Some((parent, told)) = end_told(&m.before, &m.decision) else {
+                continue;
+            };
+            let (parent, step) = (parent.order_id.clone(), parent.step.clone());
+            let event = told.event(&step, &m.id);
+            for other in self.transition(chosen, label, &[parent.as_str()], actor, event, false)? {
+                m.decision.progress.others.push(other.decision.progress);
+            }
+        }
+        Ok(())
+    }
+
+    /// The store's start of a child (`writes::children::start_child`):
+    /// from its workflow's plan, unless the plan is not registered, the
+    /// child would be too deep, or its id is another order's.
+    fn start_child(
+        &mut self,
+        chosen: &Chosen,
+        label: &str,
+        actor: &str,
+        parent: &Snapshot,
+        (step, child, body): (&str, &str, &serde_json::Value),
+    ) -> Result<Vec<Made>, String> {
+        let workflow = body["workflow"].as_str().unwrap_or_default();
+        let refused = match self.plans.get(workflow) {
+            None => Some(ToParent::not_registered(child, workflow, 1)),
+            Some(_) => {
+                let mut depth = 0;
+                let mut up = parent.parent.as_ref();
+                while let Some(link) = up {
+                    depth += 1;
+                    up = self.orders[&link.order_id].snapshot.parent.as_ref();
+                }
+                ToParent::too_deep(child, depth)
+            }
+        };
+        let link = ParentLink {
+            order_id: parent.order_id.to_string(),
+            step: step.to_owned(),
+        };
+        let refused = refused.or_else(|| match self.orders.get(child) {
+            Some(order) if order.snapshot.parent.as_ref() == Some(&link) => None,
+            Some(_) => Some(ToParent::squatted(child)),
+            None => None,
+        });
+        if let Some(refused) = refused {
+            let event = refused.event(step, child);
+            return self.transition(
+                chosen,
+                label,
+                &[parent.order_id.as_str()],
+                actor,
+                event,
+                false,
+            );
+        }
+        if self.orders.contains_key(child) {
+            // The same start, taken in already.
+            return Ok(Vec::new());
+        }
+        let mut snapshot = Snapshot::new_order(
+            child,
+            body.clone(),
+            None,
+            parent.trace_id.clone(),
+            parent.priority,
+            &self.plans[workflow],
+            chosen.context(child, 0, actor).now,
+        );
+        snapshot.submitted_by = parent.submitted_by.clone();
+        snapshot.parent = Some(link);
+        self.orders.insert(child.to_owned(), Order::new(snapshot));
+        self.transition(chosen, label, &[child], actor, Event::Submitted, false)
+    }
+
     /// What an operator's move of version 1 to `plan` (version 2) does to
-    /// the order: the machine's decision ([`Event::Moved`]), recorded as
-    /// any other.
+    /// the case's order: the machine's decision ([`Event::Moved`]),
+    /// recorded as any other.
     fn move_to(
         &mut self,
         plan: &[NewStep],
@@ -342,38 +621,32 @@ impl Model {
             from: 1,
             to: 2,
         };
-        let decision = decide(&self.snapshot, &event, ctx);
+        let decision = decide(&self.main().snapshot, &event, ctx);
         if decision.verdict != Verdict::Applied {
             return Returned::Moved(0);
         }
-        self.record(&decision, OPERATOR);
+        let main = self.main.clone();
+        self.record(&main, &decision, OPERATOR);
         self.version = 2;
         Returned::Moved(1)
     }
 
-    /// Attempt ids in the order they were dispatched.
-    fn dispatched(&self) -> Vec<AttemptId> {
-        self.history
-            .iter()
-            .filter(|(_, line)| {
-                matches!(
-                    line.event,
-                    HistoryEvent::Dispatched | HistoryEvent::CompensationDispatched
-                )
-            })
-            .filter_map(|(_, line)| line.attempt_id)
-            .collect()
-    }
-
-    /// The attempt a message aimed at `target` carries, and its step; of a
-    /// parallel group's attempts in flight, the `pick`-th (modulo).
-    fn attempt(&self, target: Target, pick: usize) -> (AttemptId, String) {
-        let dispatched = self.dispatched();
-        let in_flight: Vec<AttemptId> = self
-            .snapshot
-            .steps
-            .iter()
+    /// The attempt a message aimed at `target` carries, its step and its
+    /// order; of the attempts in flight (a parallel group's, a parent's
+    /// and its child's), the `pick`-th (modulo).
+    fn attempt(&self, target: Target, pick: usize) -> (AttemptId, String, String) {
+        let dispatched: Vec<AttemptId> = self.orders.values().flat_map(Order::dispatched).collect();
+        // Calls first: a parent parked at its child step has an attempt
+        // too, picked only while its child has none in flight.
+        let (calls, parked): (Vec<&StepRow>, Vec<&StepRow>) = self
+            .orders
+            .values()
+            .flat_map(|order| &order.snapshot.steps)
             .filter(|s| matches!(s.state, StepState::Running | StepState::Compensating))
+            .filter(|s| s.attempt_id.is_some())
+            .partition(|s| s.park.is_none());
+        let in_flight: Vec<AttemptId> = if calls.is_empty() { parked } else { calls }
+            .iter()
             .filter_map(|s| s.attempt_id)
             .collect();
         let in_flight = (!in_flight.is_empty()).then(|| in_flight[pick % in_flight.len()]);
@@ -383,11 +656,19 @@ impl Model {
             Target::Unknown => None,
         }
         .unwrap_or_else(|| Uuid::new_v4().into());
-        let step = self
+        // The order that dispatched it (the case's, for an unknown one).
+        let (order_id, order) = self
+            .orders
+            .iter()
+            .find(|(_, o)| {
+                o.snapshot.step_of_attempt(id).is_some() || o.dispatched().any(|a| a == id)
+            })
+            .unwrap_or_else(|| (&self.main, self.main()));
+        let step = order
             .snapshot
             .step_of_attempt(id)
             .map_or_else(|| "charge_payment".to_owned(), |s| s.name.clone());
-        (id, step)
+        (id, step, order_id.clone())
     }
 }
 
@@ -509,44 +790,88 @@ async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
     }
 }
 
-/// The inputs the database chose for the decision it just took: its clock
-/// (the `now()` of the history rows it wrote) and the id of the attempt it
-/// started, if any.
-async fn database_inputs(
-    db: &PgPool,
-    order_id: &str,
-    rows: &Rows,
-    seen: usize,
-) -> (DateTime<Utc>, AttemptId) {
-    let fresh = &rows.history[seen.min(rows.history.len())..];
-    let attempt = fresh
-        .iter()
-        .find(|(_, line)| {
-            matches!(
-                line.event,
-                HistoryEvent::Dispatched
-                    | HistoryEvent::CompensationDispatched
-                    | HistoryEvent::Waiting
-            )
-        })
-        .and_then(|(_, line)| line.attempt_id)
-        .unwrap_or_default();
-    let now: DateTime<Utc> = if fresh.is_empty() {
-        sqlx::query_scalar("SELECT now()")
+/// What the database chose for the decisions one event led to, the inputs
+/// of the state machine that come from neither the event nor the orders:
+/// the transaction's clock (`now()`, as each order's history rows recorded
+/// it) and the id of each attempt it started.
+struct Chosen {
+    /// Every order's rows, as the database holds them after the event.
+    rows: BTreeMap<String, Rows>,
+    /// Per order, the time of each history row, in order.
+    times: BTreeMap<String, Vec<DateTime<Utc>>>,
+    /// The clock of a decision that wrote no history.
+    now: DateTime<Utc>,
+}
+
+impl Chosen {
+    async fn read(db: &PgPool) -> Result<Self, String> {
+        let ids: Vec<String> = sqlx::query_scalar("SELECT order_id FROM orders ORDER BY order_id")
+            .fetch_all(db)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut rows = BTreeMap::new();
+        for id in ids {
+            let read = read_rows(db, &id).await;
+            rows.insert(id, read);
+        }
+        let mut times: BTreeMap<String, Vec<DateTime<Utc>>> = BTreeMap::new();
+        let lines: Vec<(String, DateTime<Utc>)> =
+            sqlx::query_as("SELECT order_id, at FROM history ORDER BY id")
+                .fetch_all(db)
+                .await
+                .map_err(|e| e.to_string())?;
+        for (id, at) in lines {
+            times.entry(id).or_default().push(at);
+        }
+        let now = sqlx::query_scalar("SELECT now()")
             .fetch_one(db)
             .await
-            .expect("read the clock")
-    } else {
-        sqlx::query_scalar(
-            "SELECT at FROM history WHERE order_id = $1 ORDER BY id OFFSET $2 LIMIT 1",
-        )
-        .bind(order_id)
-        .bind(seen as i64)
-        .fetch_one(db)
-        .await
-        .expect("read the decision's time")
-    };
-    (now, attempt)
+            .map_err(|e| e.to_string())?;
+        Ok(Self { rows, times, now })
+    }
+
+    /// The context of the decision of order `id` whose history lines, if
+    /// it writes any, start at its `seen`-th: their time, and the attempt
+    /// id of the first that starts an attempt.
+    fn context<'a>(&self, id: &str, seen: usize, actor: &'a str) -> Context<'a> {
+        let now = self
+            .times
+            .get(id)
+            .and_then(|times| times.get(seen))
+            .copied()
+            .unwrap_or(self.now);
+        let next_attempt_id = self
+            .rows
+            .get(id)
+            .and_then(|rows| {
+                rows.history
+                    .get(seen..)
+                    .unwrap_or_default()
+                    .iter()
+                    .find(|(_, line)| {
+                        matches!(
+                            line.event,
+                            HistoryEvent::Dispatched
+                                | HistoryEvent::CompensationDispatched
+                                | HistoryEvent::Waiting
+                                | HistoryEvent::ChildStarted
+                                | HistoryEvent::ChildUndoRequested
+                        )
+                    })
+                    .and_then(|(_, line)| line.attempt_id)
+            })
+            .unwrap_or_default();
+        Context {
+            now,
+            actor,
+            next_attempt_id,
+            start_margin: DeadlineSettings::default().start_margin(),
+            grace: DeadlineSettings::default().grace(),
+            max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
+            closed: None,
+            closed_key: None,
+        }
+    }
 }
 
 /// What a store path returned, reduced to what the state machine's
@@ -555,6 +880,9 @@ async fn database_inputs(
 enum Returned {
     Applied(Progress),
     NotApplied,
+    /// What several orders' decisions publish, in order (a claim, a
+    /// recovery).
+    Several(Vec<Progress>),
     Resubmitted(String),
     Refused(String),
     /// A resume: from which step, and whether the key was kept.
@@ -584,25 +912,28 @@ fn reply_returned(outcome: ReplyOutcome) -> Returned {
     }
 }
 
-fn one_or_none(mut progress: Vec<Progress>) -> Returned {
-    assert!(progress.len() <= 1, "one order, at most one decision");
-    progress
-        .pop()
-        .map_or(Returned::NotApplied, Returned::Applied)
+/// What several orders' decisions publish: nothing, one order's, or each
+/// in order.
+fn several(mut progress: Vec<Progress>) -> Returned {
+    match progress.len() {
+        0 => Returned::NotApplied,
+        1 => Returned::Applied(progress.pop().expect("one")),
+        _ => Returned::Several(progress),
+    }
 }
 
 /// Runs one sequence: intake, then each step, comparing after each.
 async fn run_case(
     store: &Store,
     db: &PgPool,
-    workflow: &[NewStep],
+    (workflow, sub): (&[NewStep], &[NewStep]),
     case: usize,
     (sequence, full): &(Vec<Step>, [bool; 3]),
     covered: &Mutex<HashSet<String>>,
 ) -> Result<(), String> {
     sqlx::query(
         "TRUNCATE orders, order_process, steps, history, alerts, admission, order_events,
-                  workflow_plans CASCADE",
+                  order_children, workflow_plans CASCADE",
     )
     .execute(db)
     .await
@@ -644,7 +975,10 @@ async fn run_case(
     let mapping = BTreeMap::from([("charge_payment".to_owned(), "charge".to_owned())]);
     store
         .writes()
-        .register_plans(&[sas_store::Plan::new("order", 2, &version_2)])
+        .register_plans(&[
+            sas_store::Plan::new("order", 2, &version_2),
+            sas_store::Plan::new(SUB, 1, sub),
+        ])
         .await
         .map_err(|e| e.to_string())?;
     let order_id: OrderId = format!("p-{case}").into();
@@ -675,58 +1009,50 @@ async fn run_case(
     let Intake::Accepted(progress) = accepted else {
         return Err(format!("intake did not accept the order: {accepted:?}"));
     };
-    let rows = read_rows(db, &order_id).await;
-    let (now, attempt) = database_inputs(db, &order_id, &rows, 0).await;
+    let chosen = Chosen::read(db).await?;
     let body = serde_json::to_value(&order).expect("order to JSON");
-    let snapshot = Snapshot::new_order(
+    let mut snapshot = Snapshot::new_order(
         &order_id,
         body,
         submission.reply_queue().map(str::to_owned),
         Some(submission.trace_id.clone()),
         5,
         workflow,
-        now,
+        chosen.context(&order_id, 0, INTAKE).now,
     );
-    let mut snapshot = snapshot;
     snapshot.reply_correlation_id = submission.correlation_id.clone();
+    let main = order_id.to_string();
     let mut model = Model {
-        snapshot,
-        history: Vec::new(),
-        alerts: Vec::new(),
+        orders: BTreeMap::from([(main.clone(), Order::new(snapshot))]),
+        main: main.clone(),
         last_reply: None,
         admission,
         caps,
-        event_ids: HashSet::new(),
         version: 1,
+        plans: BTreeMap::from([(SUB.to_owned(), sub.to_vec())]),
     };
-    let ctx = Context {
-        now,
-        actor: INTAKE,
-        next_attempt_id: attempt,
-        start_margin: DeadlineSettings::default().start_margin(),
-        grace: DeadlineSettings::default().grace(),
-        max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
-        closed: None,
-        closed_key: None,
-    };
-    let decision = model.decide(&Event::Submitted, &ctx, None);
-    model.record(&decision, INTAKE);
+    let made = model.transition(&chosen, "intake", &[&main], INTAKE, Event::Submitted, false)?;
     compare(
         "intake",
         &model.rows(),
-        &rows,
-        &expected(&decision),
+        &chosen.rows,
+        &expected(&made[0].decision),
         &Returned::Applied(progress),
     )?;
     recount_agrees("intake", store, &model).await?;
 
     let policy = policy();
     for (index, step) in sequence.iter().enumerate() {
-        let seen = model.history.len();
         let label = format!("event {index} {step:?}");
+        // The order an operator's cancel is for: the case's, or its child.
+        let child = model.orders.keys().find(|id| **id != main).cloned();
+        let cancelled = match (step, &child) {
+            (Step::Cancelled { child: true }, Some(child)) => child.clone(),
+            _ => main.clone(),
+        };
         let (event_reply, actor): (Option<StepReply>, &str) = match step {
             Step::Reply { target, answer, .. } => {
-                let (attempt_id, step) = model.attempt(*target, index);
+                let (attempt_id, step, order) = model.attempt(*target, index);
                 let outcome = match answer {
                     // Every other answer carries a NUL, which Postgres cannot store.
                     Answer::Succeeded => StepOutcome::Succeeded {
@@ -759,7 +1085,7 @@ async fn run_case(
                     retry_after_ms: None,
                     call_ms: None,
                     schema_version: SCHEMA_VERSION,
-                    order_id: order_id.clone(),
+                    order_id: order.into(),
                     step,
                     attempt_id,
                     agent_id: "agent-1".into(),
@@ -773,23 +1099,32 @@ async fn run_case(
             },
             Step::DeadlineMissed | Step::DeadLettered { .. } => (None, SUPERVISOR),
             Step::Claimed { .. } => (None, CLAIMER),
-            Step::Resubmitted | Step::Cancelled | Step::Resumed | Step::Moved => (None, OPERATOR),
+            Step::Resubmitted | Step::Cancelled { .. } | Step::Resumed | Step::Moved => {
+                (None, OPERATOR)
+            }
             Step::Event { .. } => (None, SIGNALER),
         };
-        // The world moves on: deadlines and backoffs pass, on both sides.
+        // The world moves on: deadlines and backoffs pass, on both sides,
+        // for every order.
         let hour = chrono::Duration::hours(1);
         match step {
             Step::DeadlineMissed => {
-                sqlx::query("UPDATE order_process SET complete_by = complete_by - interval '1 hour' WHERE order_id = $1")
-                    .bind(order_id.as_str())
-                    .execute(db)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let process = &mut model.snapshot.process;
-                process.complete_by = process.complete_by.map(|at| at - hour);
+                sqlx::query(
+                    "UPDATE order_process SET complete_by = complete_by - interval '1 hour'",
+                )
+                .execute(db)
+                .await
+                .map_err(|e| e.to_string())?;
+                for order in model.orders.values_mut() {
+                    let process = &mut order.snapshot.process;
+                    process.complete_by = process.complete_by.map(|at| at - hour);
+                }
             }
             Step::Claimed { frees } => {
-                let waited_for = model.snapshot.process.waiting_for.clone();
+                let waited_for = model
+                    .orders
+                    .values()
+                    .find_map(|order| order.snapshot.process.waiting_for.clone());
                 if let (true, Some(agent)) = (*frees, waited_for) {
                     // The row alone may be at zero while a shard holds the
                     // attempts: the total is what must stay above it.
@@ -801,17 +1136,18 @@ async fn run_case(
                     let counters = model.admission.get_mut(&agent).expect("a registered agent");
                     counters.0 = (counters.0 - 1).max(0);
                 }
-                sqlx::query("UPDATE order_process SET not_before = not_before - interval '1 hour' WHERE order_id = $1")
-                    .bind(order_id.as_str())
+                sqlx::query("UPDATE order_process SET not_before = not_before - interval '1 hour'")
                     .execute(db)
                     .await
                     .map_err(|e| e.to_string())?;
-                model.snapshot.process.not_before -= hour;
+                for order in model.orders.values_mut() {
+                    order.snapshot.process.not_before -= hour;
+                }
             }
             _ => {}
         }
         let dead_letter = match step {
-            Step::DeadLettered { target, .. } => Some(model.attempt(*target, index).0),
+            Step::DeadLettered { target, .. } => Some(model.attempt(*target, index)),
             _ => None,
         };
         let sent = match step {
@@ -828,6 +1164,7 @@ async fn run_case(
             _ => None,
         };
         let earlier = model
+            .main()
             .history
             .iter()
             .filter(|(_, line)| {
@@ -837,6 +1174,27 @@ async fn run_case(
                 )
             })
             .count() as i64;
+        // What a claim does, as the model sees it before: which orders of
+        // the agents' lines it passes or leaves alone.
+        let claimed = matches!(step, Step::Claimed { .. });
+        let in_line: Vec<String> = model
+            .orders
+            .iter()
+            .filter(|(_, order)| order.snapshot.process.waiting_for.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        if claimed {
+            let mut covered = covered.lock().expect("coverage lock");
+            for id in &in_line {
+                if model.passing(id).is_some() {
+                    covered.insert("a full agent's line passed under its cap".into());
+                } else if model.untouched_in_line(id) {
+                    covered.insert("a full agent's line left alone".into());
+                } else {
+                    covered.insert("the head of a line claimed".into());
+                }
+            }
+        }
 
         // Through the store.
         let returned = match (step, &event_reply) {
@@ -858,21 +1216,18 @@ async fn run_case(
                     .recover_expired_with(SUPERVISOR, &policy, 10, || 0.5)
                     .await
                     .map_err(|e| e.to_string())?;
-                one_or_none(recovered.into_iter().map(|r| r.progress).collect())
+                several(recovered.into_iter().map(|r| r.progress).collect())
             }
-            (Step::DeadLettered { no_call, .. }, _) => store
-                .writes()
-                .settle_dead_letter(
-                    &order_id,
-                    dead_letter.unwrap_or_default(),
-                    "poison",
-                    *no_call,
-                    SUPERVISOR,
-                )
-                .await
-                .map_err(|e| e.to_string())?
-                .map_or(Returned::NotApplied, Returned::Applied),
-            (Step::Claimed { .. }, _) => one_or_none(
+            (Step::DeadLettered { no_call, .. }, _) => {
+                let (attempt_id, _, order) = dead_letter.clone().expect("a dead letter's attempt");
+                store
+                    .writes()
+                    .settle_dead_letter(&order, attempt_id, "poison", *no_call, SUPERVISOR)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_or(Returned::NotApplied, Returned::Applied)
+            }
+            (Step::Claimed { .. }, _) => several(
                 store
                     .writes()
                     .claim_ready(CLAIMER, 10)
@@ -891,7 +1246,7 @@ async fn run_case(
                 Resubmit::Resubmitted { what, .. } => Returned::Resubmitted(what.to_string()),
                 Resubmit::NotFailed(state) => Returned::Refused(state.to_string()),
                 Resubmit::NotFound => return Err("resubmit: order not found".into()),
-                // The property test's orders are started by no parent.
+                // The case's order is started by no parent.
                 Resubmit::NotResubmittable(why) => {
                     return Err(format!("resubmit: refused as a child order: {why}"))
                 }
@@ -907,9 +1262,9 @@ async fn run_case(
                 Resume::NotResumable(_) => Returned::NotResumable,
                 Resume::NotFound => return Err("resume: order not found".into()),
             },
-            (Step::Cancelled, _) => match store
+            (Step::Cancelled { .. }, _) => match store
                 .writes()
-                .cancel(&order_id, "customer asked", OPERATOR)
+                .cancel(&cancelled, "customer asked", OPERATOR)
                 .await
                 .map_err(|e| e.to_string())?
             {
@@ -934,7 +1289,7 @@ async fn run_case(
                     .await
                     .map_err(|e| e.to_string())?;
                 match outcome {
-                    EventOutcome::Used(progress) => one_or_none(progress),
+                    EventOutcome::Used(progress) => several(progress),
                     EventOutcome::Kept { .. } | EventOutcome::Duplicate => Returned::NotApplied,
                     EventOutcome::Refused { reason } => {
                         return Err(format!("no wait names senders here, yet: {reason}"))
@@ -970,6 +1325,7 @@ async fn run_case(
         };
         let verdict = match &returned {
             Returned::Applied(_)
+            | Returned::Several(_)
             | Returned::Resubmitted(_)
             | Returned::Resumed(..)
             | Returned::Moved(1..) => "applied",
@@ -980,172 +1336,220 @@ async fn run_case(
             .lock()
             .expect("coverage lock")
             .insert(format!("{kind}{path}: {verdict}"));
-        let rows = read_rows(db, &order_id).await;
 
-        // Through the state machine, with the database's clock and attempt id.
-        let (now, next_attempt_id) = database_inputs(db, &order_id, &rows, seen).await;
-        let ctx = Context {
-            now,
-            actor,
-            next_attempt_id,
-            start_margin: DeadlineSettings::default().start_margin(),
-            grace: DeadlineSettings::default().grace(),
-            max_request_bytes: sas_store::connect::DEFAULT_MAX_REQUEST_BYTES,
-            closed: None,
-            closed_key: None,
+        // Through the state machine, with the database's clock and attempt ids.
+        let chosen = Chosen::read(db).await?;
+        if let Step::Event { .. } = step {
+            // Kept once per id, as the store keeps it; offered again to the
+            // order either way.
+            let event = sent.as_ref().expect("an event step sends one");
+            let now = chosen.context(&main, model.main().history.len(), actor).now;
+            let order = model.orders.get_mut(&main).expect("the case's order");
+            if order.event_ids.insert(event.event_id.clone()) {
+                order.snapshot.mailbox.push(MailboxEvent {
+                    event_id: event.event_id.clone(),
+                    name: event.name.clone(),
+                    data: serde_json::Value::Object(event.data.clone().unwrap_or_default()),
+                    received_at: now,
+                    principals: Vec::new(),
+                    sender: Some(SIGNALER.to_owned()),
+                });
+            }
+        }
+        let one = |made: Vec<Made>| {
+            made.first()
+                .map_or(Returned::NotApplied, |m| expected(&m.decision))
         };
-        let event = match (step, &event_reply) {
-            (_, Some(reply)) => Event::Reply(reply),
-            // A move needs its plan: `Model::move_to` below.
-            (Step::Moved, _) => Event::EventArrived,
-            (Step::DeadlineMissed, _) => Event::DeadlineMissed {
-                policy: &policy,
-                jitter: 0.5,
-            },
-            (Step::DeadLettered { no_call, .. }, _) => Event::DeadLettered {
-                attempt_id: dead_letter.unwrap_or_default(),
-                reason: "poison",
-                no_call: *no_call,
-            },
-            (Step::Claimed { .. }, _) => Event::Claimed,
-            (Step::Resubmitted, _) => Event::Resubmitted { earlier },
-            (Step::Cancelled, _) => Event::Cancelled {
-                reason: "customer asked",
-            },
-            (Step::Resumed, _) => Event::Resumed {
-                reason: "cause fixed",
-                earlier,
-            },
-            (Step::Event { .. }, _) => {
-                // Kept once per id, as the store keeps it; offered again
-                // to the order either way.
-                let event = sent.as_ref().expect("an event step sends one");
-                if model.event_ids.insert(event.event_id.clone()) {
-                    model.snapshot.mailbox.push(MailboxEvent {
-                        event_id: event.event_id.clone(),
-                        name: event.name.clone(),
-                        data: serde_json::Value::Object(event.data.clone().unwrap_or_default()),
-                        received_at: now,
-                        principals: Vec::new(),
-                        sender: Some(SIGNALER.to_owned()),
-                    });
+        let decided = match (step, &event_reply) {
+            (Step::Moved, _) => {
+                let ctx = chosen.context(&main, model.main().history.len(), actor);
+                model.move_to(&version_2, &mapping, &ctx)
+            }
+            (_, Some(reply)) => {
+                let order = reply.order_id.to_string();
+                one(model.transition(
+                    &chosen,
+                    &label,
+                    &[&order],
+                    actor,
+                    Event::Reply(reply),
+                    false,
+                )?)
+            }
+            (Step::DeadlineMissed, _) => {
+                let event = Event::DeadlineMissed {
+                    policy: &policy,
+                    jitter: 0.5,
+                };
+                let ids: Vec<String> = model.orders.keys().cloned().collect();
+                let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+                let made = model.transition(&chosen, &label, &ids, actor, event, false)?;
+                several(
+                    made.into_iter()
+                        .filter(|m| {
+                            m.decision.verdict == Verdict::Applied && m.decision.process.is_some()
+                        })
+                        .map(|m| m.decision.progress)
+                        .collect(),
+                )
+            }
+            (Step::DeadLettered { no_call, .. }, _) => {
+                let (attempt_id, _, order) = dead_letter.clone().expect("a dead letter's attempt");
+                let event = Event::DeadLettered {
+                    attempt_id,
+                    reason: "poison",
+                    no_call: *no_call,
+                };
+                one(model.transition(&chosen, &label, &[&order], actor, event, false)?)
+            }
+            (Step::Claimed { .. }, _) => {
+                // The heads of the agents' lines first (those a claim does
+                // not leave alone), then the orders due, each a
+                // transaction of its own.
+                let lines: Vec<&str> = in_line
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|id| !model.untouched_in_line(id))
+                    .collect();
+                let ids: Vec<String> = model.orders.keys().cloned().collect();
+                let due: Vec<&str> = ids
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|id| !in_line.iter().any(|line| line == id))
+                    .collect();
+                let mut progress = Vec::new();
+                for batch in [lines, due] {
+                    let made =
+                        model.transition(&chosen, &label, &batch, actor, Event::Claimed, true)?;
+                    progress.extend(
+                        made.into_iter()
+                            .filter(|m| m.decision.verdict == Verdict::Applied)
+                            .map(|m| m.decision.progress),
+                    );
                 }
-                Event::EventArrived
+                several(progress)
+            }
+            (Step::Resubmitted, _) => {
+                let event = Event::Resubmitted { earlier };
+                one(model.transition(&chosen, &label, &[&main], actor, event, false)?)
+            }
+            (Step::Cancelled { .. }, _) => {
+                let event = Event::Cancelled {
+                    reason: "customer asked",
+                };
+                one(model.transition(&chosen, &label, &[&cancelled], actor, event, false)?)
+            }
+            (Step::Resumed, _) => {
+                let event = Event::Resumed {
+                    reason: "cause fixed",
+                    earlier,
+                };
+                one(model.transition(&chosen, &label, &[&main], actor, event, false)?)
+            }
+            (Step::Event { .. }, _) => {
+                let made = model.transition(
+                    &chosen,
+                    &label,
+                    &[&main],
+                    actor,
+                    Event::EventArrived,
+                    false,
+                )?;
+                several(
+                    made.into_iter()
+                        .filter(|m| m.decision.verdict == Verdict::Applied)
+                        .map(|m| m.decision.progress)
+                        .collect(),
+                )
             }
             _ => unreachable!("every reply step carries a reply"),
-        };
-        // A claim serves an agent's line only while the agent has room, or
-        // lets its head pass a full limit under the cap: an order in line
-        // without either is left alone.
-        let claimed = matches!(step, Step::Claimed { .. });
-        let passing = model.passing().filter(|_| claimed).map(str::to_owned);
-        let untouched_in_line = claimed
-            && passing.is_none()
-            && model
-                .snapshot
-                .process
-                .waiting_for
-                .as_deref()
-                .is_some_and(|agent| {
-                    let (in_flight, _, limit) = model.admission[agent];
-                    in_flight >= limit
-                });
-        if passing.is_some() {
-            covered
-                .lock()
-                .expect("coverage lock")
-                .insert("a full agent's line passed under its cap".into());
-        }
-        if untouched_in_line {
-            covered
-                .lock()
-                .expect("coverage lock")
-                .insert("a full agent's line left alone".into());
-        } else if claimed && passing.is_none() && model.snapshot.process.waiting_for.is_some() {
-            covered
-                .lock()
-                .expect("coverage lock")
-                .insert("the head of a line claimed".into());
-        }
-        let decided = if matches!(step, Step::Moved) {
-            model.move_to(&version_2, &mapping, &ctx)
-        } else if untouched_in_line {
-            Returned::NotApplied
-        } else {
-            let decision = model.decide(&event, &ctx, passing.as_deref());
-            no_undo_before_its_action_may_have_landed(&label, &model.snapshot, &decision, &ctx)?;
-            model.record(&decision, actor);
-            expected(&decision)
         };
         if event_reply.is_some() {
             model.last_reply = event_reply.clone();
         }
-        compare(&label, &model.rows(), &rows, &decided, &returned)?;
+        compare(&label, &model.rows(), &chosen.rows, &decided, &returned)?;
         recount_agrees(&label, store, &model).await?;
-        for (event, path) in [
-            (HistoryEvent::Queued, "an order in a line"),
-            (HistoryEvent::Waiting, "an order parked at a wait"),
-            (HistoryEvent::WaitEnded, "a wait ended"),
-            (HistoryEvent::WaitTimedOut, "a wait timed out"),
-        ] {
-            if model.history.iter().any(|(_, line)| line.event == event) {
-                covered.lock().expect("coverage lock").insert(path.into());
-            }
-        }
-        let running = model
-            .snapshot
-            .steps
-            .iter()
-            .filter(|s| s.group.is_some() && s.state == StepState::Running)
-            .count();
-        let held = model.snapshot.process.locked_by.is_some();
-        if held && running == 2 {
-            covered
-                .lock()
-                .expect("coverage lock")
-                .insert("a group started whole".into());
-        }
-        if let Step::Reply {
-            target: Target::Current,
-            answer,
-            ..
-        } = step
-        {
-            let group_in_flight = held
-                && running == 1
-                && model.snapshot.process.state == sas_store::ProcessState::Processing;
-            let refused_beside = model.snapshot.process.state
-                == sas_store::ProcessState::Compensating
-                && !held
-                && running == 1;
-            if matches!(answer, Answer::Succeeded) && group_in_flight {
-                covered
-                    .lock()
-                    .expect("coverage lock")
-                    .insert("a group member completed beside one in flight".into());
-            }
-            if matches!(answer, Answer::Refused) && refused_beside {
-                covered
-                    .lock()
-                    .expect("coverage lock")
-                    .insert("a group member refused beside one in flight".into());
-            }
-        }
+        cover(&model, step, covered);
     }
     Ok(())
 }
 
-/// Reconcile's recount of the admission counters (its own SQL) gives what
-/// the machine says the one order in the database holds: the slot of its
-/// attempt in flight, its place in a line.
-async fn recount_agrees(label: &str, store: &Store, model: &Model) -> Result<(), String> {
-    let process = &model.snapshot.process;
-    let mut expected: BTreeMap<String, (i32, i32)> = BTreeMap::new();
-    for agent in slots_held(process, &model.snapshot.steps) {
-        expected.entry(agent.to_owned()).or_default().0 += 1;
+/// Records which of the rarer paths the sequence has reached so far.
+fn cover(model: &Model, step: &Step, covered: &Mutex<HashSet<String>>) {
+    let mut covered = covered.lock().expect("coverage lock");
+    let lines = || model.orders.values().flat_map(|order| &order.history);
+    for (event, path) in [
+        (HistoryEvent::Queued, "an order in a line"),
+        (HistoryEvent::Waiting, "an order parked at a wait"),
+        (HistoryEvent::WaitEnded, "a wait ended"),
+        (HistoryEvent::WaitTimedOut, "a wait timed out"),
+        (HistoryEvent::ChildStarted, "a child started"),
+        (
+            HistoryEvent::UndoneForParent,
+            "a child undone for its parent",
+        ),
+    ] {
+        if lines().any(|(_, line)| line.event == event) {
+            covered.insert(path.into());
+        }
     }
-    if let Some(agent) = &process.waiting_for {
-        expected.entry(agent.clone()).or_default().1 += 1;
+    for (said, path) in [
+        (" processed", "a child processed"),
+        ("failed and was undone", "a child failed, its parent undone"),
+        (" undone (compensated)", "a parent heard its child undone"),
+    ] {
+        if lines().any(|(_, line)| {
+            line.event == HistoryEvent::ChildEnded
+                && line.detail.as_deref().is_some_and(|d| d.contains(said))
+        }) {
+            covered.insert(path.into());
+        }
+    }
+    let main = model.main();
+    let running = main
+        .snapshot
+        .steps
+        .iter()
+        .filter(|s| s.group.is_some() && s.state == StepState::Running)
+        .count();
+    let held = main.snapshot.process.locked_by.is_some();
+    if held && running == 2 {
+        covered.insert("a group started whole".into());
+    }
+    if let Step::Reply {
+        target: Target::Current,
+        answer,
+        ..
+    } = step
+    {
+        let group_in_flight = held
+            && running == 1
+            && main.snapshot.process.state == sas_store::ProcessState::Processing;
+        let refused_beside = main.snapshot.process.state == sas_store::ProcessState::Compensating
+            && !held
+            && running == 1;
+        if matches!(answer, Answer::Succeeded) && group_in_flight {
+            covered.insert("a group member completed beside one in flight".into());
+        }
+        if matches!(answer, Answer::Refused) && refused_beside {
+            covered.insert("a group member refused beside one in flight".into());
+        }
+    }
+}
+
+/// Reconcile's recount of the admission counters (its own SQL) gives what
+/// the machine says the case's orders hold: the slots of their attempts in
+/// flight, their places in a line.
+async fn recount_agrees(label: &str, store: &Store, model: &Model) -> Result<(), String> {
+    let mut expected: BTreeMap<String, (i32, i32)> = BTreeMap::new();
+    for order in model.orders.values() {
+        let process = &order.snapshot.process;
+        for agent in slots_held(process, &order.snapshot.steps) {
+            expected.entry(agent.to_owned()).or_default().0 += 1;
+        }
+        if let Some(agent) = &process.waiting_for {
+            expected.entry(agent.clone()).or_default().1 += 1;
+        }
     }
     let recounted: BTreeMap<String, (i32, i32)> = store
         .admission()
@@ -1165,8 +1569,8 @@ async fn recount_agrees(label: &str, store: &Store, model: &Model) -> Result<(),
 
 fn compare(
     label: &str,
-    model: &Rows,
-    database: &Rows,
+    model: &BTreeMap<String, Rows>,
+    database: &BTreeMap<String, Rows>,
     decided: &Returned,
     returned: &Returned,
 ) -> Result<(), String> {
@@ -1195,10 +1599,12 @@ fn compare(
 /// freed: left alone, or let pass where the cap is 2 (`case % 3 == 0`:
 /// cases 12, 60, 108... by construction), all on the plain workflow; 1, a wait ended by its event; 3, a
 /// wait timed out (each meaning in turn); 2, a group member completed
-/// beside one in flight; 6, a member refused beside one in flight. Where a
-/// path needs room (1, 3, 6) or a full agent (4), the prefix sets the
-/// agents' fullness; elsewhere (0, 2, 5, 7) it stays random, so that the
-/// plain workflow, a group and a wait also meet full agents.
+/// beside one in flight; 6, a member refused beside one in flight; 5, a
+/// child processed (then, every other time, its parent refused at its
+/// charge); 7, a child refused (or its parent cancelled while it runs).
+/// Where a path needs room (1, 3, 5, 6, 7) or a full agent (4), the prefix
+/// sets the agents' fullness; elsewhere (0, 2) it stays random, so that
+/// the plain workflow and a group also meet full agents.
 fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
     let path = if (case / 8).is_multiple_of(2) {
         Path::Batched
@@ -1249,6 +1655,37 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
             *full = [false; 3];
             vec![reserved, answer(Answer::Refused)]
         }
+        // A child processed, its parent on at its charge; every other time
+        // the charge refused, the child undone as a whole.
+        5 => {
+            *full = [false; 3];
+            let ok = answer(Answer::Succeeded);
+            let mut prefix = vec![reserved, ok.clone(), ok.clone(), ok.clone()];
+            if !(case / 8).is_multiple_of(2) {
+                // The child's undo starts at a claim, then each undo of its
+                // three steps is answered.
+                let claim = Step::Claimed { frees: false };
+                let undone = [answer(Answer::Refused), claim, ok.clone(), ok.clone(), ok];
+                prefix.extend(undone);
+            }
+            prefix
+        }
+        // A child refused at its charge, which undoes itself, and then its
+        // parent; every other time the parent cancelled while its child
+        // runs.
+        7 => {
+            *full = [false; 3];
+            let ok = answer(Answer::Succeeded);
+            let last = if (case / 8).is_multiple_of(2) {
+                // The child's reservation undone: it ends compensated (no
+                // claim between: an hour passes at each, and the parent
+                // would time out first).
+                vec![answer(Answer::Refused), ok.clone()]
+            } else {
+                vec![Step::Cancelled { child: false }]
+            };
+            [vec![reserved, ok], last].concat()
+        }
         _ => Vec::new(),
     };
     sequence.splice(0..0, prefix);
@@ -1296,6 +1733,27 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
             ..Default::default()
         });
     }
+    // The plain workflow with a child step after its first, which starts
+    // an order of the plain workflow (`SUB`): the same agents, one order
+    // after the other.
+    let mut family = plain.clone();
+    family.insert(
+        1,
+        NewStep {
+            name: "fulfil".into(),
+            agent: String::new(),
+            action: SUB.into(),
+            compensation: Some("undo".into()),
+            timeout: std::time::Duration::from_secs(600),
+            calls: None,
+            park: Some(Park::Child {
+                workflow: SUB.into(),
+                version: 1,
+                attributes: None,
+            }),
+            group: None,
+        },
+    );
     // The plain workflow with its last two steps (charge, ship) side by side.
     let mut grouped = plain.clone();
     for step in &mut grouped[1..] {
@@ -1323,12 +1781,16 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         let outcome = runtime.block_on(run_case(
             &env.store,
             &env.db,
-            match case % 4 {
-                0 if case.is_multiple_of(8) && !(case / 8).is_multiple_of(2) => &stopping,
-                0 => &plain,
-                2 => &grouped,
-                _ => &waiting[(case / 4) % waiting.len()],
-            },
+            (
+                match case % 8 {
+                    0 if !(case / 8).is_multiple_of(2) => &stopping,
+                    0 | 4 => &plain,
+                    2 | 6 => &grouped,
+                    5 | 7 => &family,
+                    _ => &waiting[(case / 4) % waiting.len()],
+                },
+                &plain,
+            ),
             case,
             &sequence,
             &covered,
@@ -1379,6 +1841,11 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         "a group member refused beside one in flight",
         "Moved: applied",
         "Moved: not applied",
+        "a child started",
+        "a child processed",
+        "a child failed, its parent undone",
+        "a child undone for its parent",
+        "a parent heard its child undone",
     ] {
         assert!(
             reached.contains_key(path),

@@ -15,7 +15,8 @@
 
 use sas_messages::OrderId;
 
-use super::StepRow;
+use super::{Decision, Event, Snapshot, StepRow, Verdict};
+use crate::model::ProcessState;
 
 /// The deepest a chain of children may go (a parent's child's child ...):
 /// the catalog refuses a workflow that would start deeper, and one that
@@ -124,6 +125,124 @@ pub fn child_body(
         }
     }
     body
+}
+
+/// What a parent hears of its child, decided where the child changed (the
+/// write kernel, in the same transaction, turns it into the parent's
+/// event with [`ToParent::event`]). Decided here, not by the kernel, so
+/// that the property test's model of several orders hears the same.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToParent {
+    /// The child ended (processed or compensated) with its steps' results
+    /// by name: [`Event::ChildEnded`].
+    Ended {
+        /// Processed or compensated.
+        state: ProcessState,
+        /// Its steps' results, by step name.
+        results: serde_json::Value,
+    },
+    /// The child could not be started, or reached to be undone, for this
+    /// reason (saying what to do): [`Event::ChildRefused`].
+    Refused(String),
+}
+
+impl ToParent {
+    /// The parent's event for what it hears of `child`, started by its
+    /// step `step`.
+    pub fn event<'a>(&'a self, step: &'a str, child: &'a str) -> Event<'a> {
+        match self {
+            Self::Ended { state, results } => Event::ChildEnded {
+                step,
+                child,
+                state: *state,
+                results,
+            },
+            Self::Refused(reason) => Event::ChildRefused { step, reason },
+        }
+    }
+
+    /// A child of workflow `workflow` version `version` whose plan was never
+    /// registered cannot start.
+    pub fn not_registered(child: &str, workflow: &str, version: i32) -> Self {
+        Self::Refused(format!(
+            "child order {child} could not start: workflow {workflow} version {version} is not registered (a scheduler registers the workflows it runs as it starts)"
+        ))
+    }
+
+    /// A child whose parent is `depth` children deep cannot start when it
+    /// would be deeper than [`MAX_DEPTH`].
+    pub fn too_deep(child: &str, depth: usize) -> Option<Self> {
+        (depth >= MAX_DEPTH).then(|| {
+            Self::Refused(format!(
+                "child order {child} could not start: it would be {} children deep, and at most {MAX_DEPTH} are allowed",
+                depth + 1
+            ))
+        })
+    }
+
+    /// A child cannot start when an order with its id exists that the step
+    /// did not start.
+    pub fn squatted(child: &str) -> Self {
+        Self::Refused(format!(
+            "child order {child} could not start: an order with its id exists, which this step did not start (a client's own order?); rename the step or that order's id"
+        ))
+    }
+}
+
+/// The end `decision` brings the order of `before` to, told to the parent
+/// that started it: processed or compensated, with its steps' results as
+/// the decision left them. `None` for an order no parent started, or one
+/// the decision does not end.
+pub fn end_told<'a>(
+    before: &'a Snapshot,
+    decision: &Decision,
+) -> Option<(&'a ParentLink, ToParent)> {
+    let parent = before.parent.as_ref()?;
+    let state = decision.process.as_ref()?.state;
+    if !matches!(state, ProcessState::Processed | ProcessState::Compensated) {
+        return None;
+    }
+    let mut after = before.clone();
+    after.apply(decision);
+    let results: serde_json::Map<String, serde_json::Value> = after
+        .steps
+        .into_iter()
+        .filter_map(|step| Some((step.name, step.result?)))
+        .collect();
+    let results = serde_json::Value::Object(results);
+    Some((parent, ToParent::Ended { state, results }))
+}
+
+/// What the parent whose step `step` asked `child` to undo itself hears at
+/// once, given the child as it was and what it decided (`None`: gone,
+/// retired or never stored): the child's undo refused when it is gone or
+/// stopped in error while undoing itself, its end when it had undone
+/// itself already (it failed before the parent heard); nothing while it
+/// undoes itself (its end is told when it comes, see [`end_told`]).
+pub fn undo_answer(
+    child: &str,
+    step: &str,
+    undone: Option<(&Snapshot, &Decision)>,
+) -> Option<ToParent> {
+    match undone {
+        None => Some(ToParent::Refused(format!(
+            "child order {child} of step {step} is gone (retired, or never stored): what it did cannot be undone from here; undo it by hand, then resolve this alert"
+        ))),
+        Some((_, decision)) if matches!(decision.verdict, Verdict::Refused(ProcessState::Error)) => {
+            Some(ToParent::Refused(format!(
+                "child order {child} of step {step} stopped in error while undoing itself: fix its cause and resubmit it (its compensation resumes), then resubmit this order to finish undoing it"
+            )))
+        }
+        Some((before, decision))
+            if before.process.state == ProcessState::Compensated && decision.process.is_none() =>
+        {
+            Some(ToParent::Ended {
+                state: ProcessState::Compensated,
+                results: serde_json::Value::Object(serde_json::Map::new()),
+            })
+        }
+        Some(_) => None,
+    }
 }
 
 #[cfg(test)]

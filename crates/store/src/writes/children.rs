@@ -18,9 +18,9 @@ use sqlx::PgConnection;
 
 use super::apply::{transition, Decided, Slots};
 use super::intake::{insert_pending, Pending};
-use crate::machine::child::{ChildCommand, MAX_DEPTH};
-use crate::machine::{Event, Snapshot, Verdict};
-use crate::model::{NewStep, ProcessState};
+use crate::machine::child::{end_told, undo_answer, ChildCommand, ToParent, MAX_DEPTH};
+use crate::machine::{Event, Snapshot};
+use crate::model::NewStep;
 use crate::{Store, StoreError};
 
 /// The orders `decided` reach beyond themselves, decided in the same
@@ -76,9 +76,9 @@ pub(crate) fn cascade<'a>(
 }
 
 /// The parents of the orders of `decided` that ended (processed or
-/// compensated) decide their child's end, with its steps' results as the
-/// decision left them (replayed in memory: the link and the steps were
-/// read with the snapshot).
+/// compensated) decide their child's end ([`end_told`]: with its steps'
+/// results as the decision left them, the link and the steps read with the
+/// snapshot).
 async fn tell_parents(
     conn: &mut PgConnection,
     store: &Store,
@@ -86,36 +86,12 @@ async fn tell_parents(
     decided: &mut [Decided],
 ) -> Result<(), StoreError> {
     for d in decided.iter_mut() {
-        let (Some(parent), Some(process)) = (&d.snapshot.parent, &d.decision.process) else {
+        let Some((parent, told)) = end_told(&d.snapshot, &d.decision) else {
             continue;
         };
-        let state = process.state;
-        if !matches!(state, ProcessState::Processed | ProcessState::Compensated) {
-            continue;
-        }
-        let mut after = d.snapshot.clone();
-        after.apply(&d.decision);
-        let results: serde_json::Map<String, serde_json::Value> = after
-            .steps
-            .into_iter()
-            .filter_map(|step| Some((step.name, step.result?)))
-            .collect();
-        let results = serde_json::Value::Object(results);
-        let event = Event::ChildEnded {
-            step: &parent.step,
-            child: d.snapshot.order_id.as_str(),
-            state,
-            results: &results,
-        };
-        let told = transition(
-            &mut *conn,
-            store,
-            &[parent.order_id.as_str()],
-            actor,
-            Slots::Check,
-            |_| event,
-        )
-        .await?;
+        let (parent, step) = (parent.order_id.clone(), parent.step.clone());
+        let child = d.snapshot.order_id.as_str();
+        let told = tell(&mut *conn, store, actor, (&parent, &step), child, &told).await?;
         for m in told {
             d.decision.progress.others.push(m.decision.progress);
         }
@@ -124,63 +100,42 @@ async fn tell_parents(
 }
 
 /// Child `child` of step `parent.1` of order `parent.0` undoes itself for
-/// its parent. One already undone tells the parent at once; one that is
-/// gone, or stopped in error while undoing itself, refuses the parent's
-/// undo (the parent stops in `error`, saying what to do).
+/// its parent; the parent hears at once what [`undo_answer`] says it must.
 async fn undo_child(
     conn: &mut PgConnection,
     store: &Store,
     actor: &str,
-    (parent, step): (&str, &str),
+    parent: (&str, &str),
     child: &str,
     reason: &str,
 ) -> Result<Vec<Decided>, StoreError> {
     let event = Event::UndoneForParent { reason };
     let undone = transition(&mut *conn, store, &[child], actor, Slots::Check, |_| event).await?;
-    let refusal = match undone.first() {
-        None => Some(format!(
-            "child order {child} of step {step} is gone (retired, or never stored): what it did cannot be undone from here; undo it by hand, then resolve this alert"
-        )),
-        Some(u) if matches!(u.decision.verdict, Verdict::Refused(ProcessState::Error)) => Some(format!(
-            "child order {child} of step {step} stopped in error while undoing itself: fix its cause and resubmit it (its compensation resumes), then resubmit this order to finish undoing it"
-        )),
-        Some(u)
-            if u.snapshot.process.state == ProcessState::Compensated
-                && u.decision.process.is_none() =>
-        {
-            // Undone already (it failed and undid itself before the
-            // parent heard): the parent hears it now.
-            let empty = serde_json::Value::Object(serde_json::Map::new());
-            let event = Event::ChildEnded {
-                step,
-                child,
-                state: ProcessState::Compensated,
-                results: &empty,
-            };
-            let told = transition(&mut *conn, store, &[parent], actor, Slots::Check, |_| event).await?;
-            return Ok(undone.into_iter().chain(told).collect());
-        }
-        Some(_) => None,
-    };
-    match refusal {
-        Some(reason) => {
-            let refused = refuse(&mut *conn, store, actor, (parent, step), &reason).await?;
-            Ok(undone.into_iter().chain(refused).collect())
+    let answer = undo_answer(
+        child,
+        parent.1,
+        undone.first().map(|u| (&u.snapshot, &u.decision)),
+    );
+    match answer {
+        Some(answer) => {
+            let told = tell(&mut *conn, store, actor, parent, child, &answer).await?;
+            Ok(undone.into_iter().chain(told).collect())
         }
         None => Ok(undone),
     }
 }
 
-/// Order `parent` decides that the child of its step `step` could not be
-/// started or reached, for `reason`.
-async fn refuse(
+/// Order `parent.0` hears `told` of `child`, the child of its step
+/// `parent.1`.
+async fn tell(
     conn: &mut PgConnection,
     store: &Store,
     actor: &str,
     (parent, step): (&str, &str),
-    reason: &str,
+    child: &str,
+    told: &ToParent,
 ) -> Result<Vec<Decided>, StoreError> {
-    let event = Event::ChildRefused { step, reason };
+    let event = told.event(step, child);
     transition(conn, store, &[parent], actor, Slots::Check, |_| event).await
 }
 
@@ -218,11 +173,8 @@ async fn start_child(
             .fetch_optional(&mut *conn)
             .await?;
     let Some(sqlx::types::Json(steps)) = steps else {
-        let reason = format!(
-            "child order {} could not start: workflow {} version {} is not registered (a scheduler registers the workflows it runs as it starts)",
-            start.child, start.workflow, start.version
-        );
-        return refuse(conn, store, actor, at, &reason).await;
+        let refused = ToParent::not_registered(start.child, start.workflow, start.version);
+        return tell(conn, store, actor, at, start.child, &refused).await;
     };
     // How deep the parent is: its chain of parents, as stored.
     let depth: i32 = sqlx::query_scalar(
@@ -238,13 +190,10 @@ async fn start_child(
     .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
     .fetch_one(&mut *conn)
     .await?;
-    if usize::try_from(depth).unwrap_or(usize::MAX) >= MAX_DEPTH {
-        let reason = format!(
-            "child order {} could not start: it would be {} children deep, and at most {MAX_DEPTH} are allowed",
-            start.child,
-            depth + 1
-        );
-        return refuse(conn, store, actor, at, &reason).await;
+    if let Some(refused) =
+        ToParent::too_deep(start.child, usize::try_from(depth).unwrap_or(usize::MAX))
+    {
+        return tell(conn, store, actor, at, start.child, &refused).await;
     }
     let inserted = insert_pending(
         &mut *conn,
@@ -277,11 +226,8 @@ async fn start_child(
             // The same start, taken in already.
             return Ok(Vec::new());
         }
-        let reason = format!(
-            "child order {} could not start: an order with its id exists, which this step did not start (a client's own order?); rename the step or that order's id",
-            start.child
-        );
-        return refuse(conn, store, actor, at, &reason).await;
+        let refused = ToParent::squatted(start.child);
+        return tell(conn, store, actor, at, start.child, &refused).await;
     }
     sqlx::query(
         "INSERT INTO order_children (child_order_id, parent_order_id, step) VALUES ($1, $2, $3)",
