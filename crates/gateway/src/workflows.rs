@@ -102,15 +102,7 @@ impl Workflows {
         };
         let schema = workflow.schema.as_ref()?;
         let attributes = serde_json::Value::Object(order.attributes.clone().unwrap_or_default());
-        let error = schema.validate(&attributes).err()?;
-        let path = match error.instance_path().to_string() {
-            path if path.is_empty() => "/".to_owned(),
-            path => path,
-        };
-        Some(format!(
-            "attributes do not match workflow {name:?} (version {}) at {path}: {error}",
-            workflow.version
-        ))
+        sas_messages::attributes::refusal(schema, name, workflow.version, &attributes)
     }
 }
 

@@ -8,6 +8,8 @@
 //! - [`ids`]: the order id and attempt id types.
 //! - [`names`]: queue, exchange and header names (with a deployment prefix).
 //! - [`order`]: the order a client submits, and its validation.
+//! - [`attributes`]: an order's attributes checked against its workflow's
+//!   JSON Schema, with one refusal wherever an order starts.
 //! - [`event`]: an event from the outside world that a wait step waits for.
 //! - [`schedule`]: a change to a durable schedule, sent over the broker.
 //! - [`step`]: the request an agent receives and the reply it sends back.
@@ -19,6 +21,7 @@
 //! - [`contract`]: the JSON Schemas and the AsyncAPI document generated from
 //!   all of the above (checked in under `contract/`).
 
+pub mod attributes;
 pub mod contract;
 pub mod decode;
 pub mod event;

@@ -77,15 +77,12 @@ impl Entry {
         let schema = self.schema.as_ref()?;
         let empty = serde_json::Map::new();
         let attributes = serde_json::Value::Object(order.attributes.clone().unwrap_or(empty));
-        let error = schema.validate(&attributes).err()?;
-        let path = match error.instance_path().to_string() {
-            path if path.is_empty() => "/".to_owned(),
-            path => path,
-        };
-        Some(format!(
-            "attributes do not match workflow {:?} (version {}) at {path}: {error}",
-            self.workflow.name, self.workflow.version
-        ))
+        sas_messages::attributes::refusal(
+            schema,
+            &self.workflow.name,
+            self.workflow.version,
+            &attributes,
+        )
     }
 }
 

@@ -17,7 +17,13 @@ use sas_tests::{order, TestEnv};
 /// parent), and a parent that reserves, runs it (`fulfil`, its attributes
 /// built from the parent's), then charges.
 fn workflows(env: &TestEnv) -> [sas_tests::Setting; 2] {
-    let mut fulfil = String::from("name = \"fulfil\"\nversion = 3\n\n");
+    workflows_with_schema(env, "")
+}
+
+/// [`workflows`], the child's workflow with `schema` (TOML tables after its
+/// name and version: its `attributes_schema`).
+fn workflows_with_schema(env: &TestEnv, schema: &str) -> [sas_tests::Setting; 2] {
+    let mut fulfil = format!("name = \"fulfil\"\nversion = 3\n{schema}\n");
     for step in [
         ("hold", "inventory", "reserve", "release"),
         ("pack", "shipping", "ship", "cancel"),
@@ -305,6 +311,59 @@ async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
         .await
         .expect("the alert");
     assert!(alert.contains("which this step did not start"), "{alert}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_its_workflow_s_schema_refuses_never_starts_and_its_parent_is_undone() {
+    let env = TestEnv::new().await;
+    // The child's workflow takes the shop's customers only; the parent
+    // builds the child's `parent_customer` from its own order.
+    let schema = "[attributes_schema]\ntype = \"object\"\nrequired = [\"parent_customer\"]\n\
+                  [attributes_schema.properties.parent_customer]\ntype = \"string\"\npattern = \"^cust-\"\n";
+    let (system, publisher, _connection) =
+        start(&env, &workflows_with_schema(&env, schema), 1, 0).await;
+    let sim = &system.sim;
+    let mut refused = parent_order("as-bad");
+    refused.customer_id = "mallory".into();
+    env.publish_order(&publisher, &refused).await;
+    env.publish_order(&publisher, &parent_order("as-ok")).await;
+    env.wait_for_state("as-ok", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    env.wait_for_state("as-bad", ProcessState::Compensated, Duration::from_secs(30))
+        .await;
+    // As a client's order with those attributes would be refused at
+    // intake: no child stored, the step failed with an alert saying why,
+    // the parent's reservation undone, nothing else called.
+    assert_eq!(env.state_of("as-bad:fulfil").await, None);
+    let parent = env.detail("as-bad").await;
+    let fulfil = parent
+        .steps
+        .iter()
+        .find(|s| s.name == "fulfil")
+        .expect("fulfil");
+    assert_eq!(fulfil.state, StepState::Failed);
+    assert!(parent.children.is_empty(), "{:?}", parent.children);
+    let (alert,): (String,) =
+        sqlx::query_as("SELECT message FROM alerts WHERE order_id = 'as-bad'")
+            .fetch_one(&env.db)
+            .await
+            .expect("the alert");
+    assert!(
+        alert.contains("child order as-bad:fulfil could not start: its attributes do not match workflow \"fulfil\" (version 3) at /parent_customer"),
+        "{alert}"
+    );
+    let keys: Vec<String> = applied(sim, "as-bad")
+        .await
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(keys, ["as-bad:reserve_stock", "as-bad:reserve_stock:undo"]);
+    assert!(sim.applied_keys("as-bad:fulfil").await.is_empty());
+    // The shop's customer's child started and ended.
+    assert_eq!(
+        env.state_of("as-ok:fulfil").await,
+        Some(ProcessState::Processed)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

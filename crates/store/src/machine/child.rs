@@ -180,6 +180,26 @@ impl ToParent {
         })
     }
 
+    /// A child whose attributes (built from its parent's templates) do not
+    /// match its workflow's `attributes_schema` cannot start, as a client's
+    /// order with them would be refused at intake. A schema that does not
+    /// compile checks nothing (the scheduler that registered it refused to
+    /// start with it).
+    pub fn attributes_refused(
+        child: &str,
+        (workflow, version): (&str, i32),
+        schema: &serde_json::Value,
+        body: &serde_json::Value,
+    ) -> Option<Self> {
+        let validator = jsonschema::validator_for(schema).ok()?;
+        let empty = serde_json::Value::Object(serde_json::Map::new());
+        let attributes = body.get("attributes").unwrap_or(&empty);
+        let why = sas_messages::attributes::refusal(&validator, workflow, version, attributes)?;
+        Some(Self::Refused(format!(
+            "child order {child} could not start: its {why}"
+        )))
+    }
+
     /// A child cannot start when an order with its id exists that the step
     /// did not start.
     pub fn squatted(child: &str) -> Self {

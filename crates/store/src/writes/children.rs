@@ -153,8 +153,9 @@ struct ChildStart<'a> {
 /// plan, with its link to its parent, and takes it in: its first step
 /// starts with the parent's step, in the same transaction. The parent's
 /// step is refused instead (see [`Event::ChildRefused`]) when the plan was
-/// never registered, the child would be deeper than [`MAX_DEPTH`], or an
-/// order with the child's id exists that the step did not start.
+/// never registered, the child's attributes do not match its workflow's
+/// schema, the child would be deeper than [`MAX_DEPTH`], or an order with
+/// the child's id exists that the step did not start.
 ///
 /// # Errors
 /// When the database fails.
@@ -166,16 +167,24 @@ async fn start_child(
 ) -> Result<Vec<Decided>, StoreError> {
     let parent = start.parent;
     let at = (parent.order_id.as_str(), start.step);
-    let steps: Option<sqlx::types::Json<Vec<NewStep>>> =
-        sqlx::query_scalar("SELECT steps FROM workflow_plans WHERE name = $1 AND version = $2")
-            .bind(start.workflow)
-            .bind(start.version)
-            .fetch_optional(&mut *conn)
-            .await?;
-    let Some(sqlx::types::Json(steps)) = steps else {
+    let plan: Option<(sqlx::types::Json<Vec<NewStep>>, Option<serde_json::Value>)> =
+        sqlx::query_as(
+            "SELECT steps, attributes_schema FROM workflow_plans WHERE name = $1 AND version = $2",
+        )
+        .bind(start.workflow)
+        .bind(start.version)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some((sqlx::types::Json(steps), schema)) = plan else {
         let refused = ToParent::not_registered(start.child, start.workflow, start.version);
         return tell(conn, store, actor, at, start.child, &refused).await;
     };
+    let workflow = (start.workflow, start.version);
+    if let Some(refused) = schema
+        .and_then(|schema| ToParent::attributes_refused(start.child, workflow, &schema, start.body))
+    {
+        return tell(conn, store, actor, at, start.child, &refused).await;
+    }
     // How deep the parent is: its chain of parents, as stored.
     let depth: i32 = sqlx::query_scalar(
         "WITH RECURSIVE up (order_id, depth) AS (
