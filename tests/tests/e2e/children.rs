@@ -525,7 +525,7 @@ fn three_levels(env: &TestEnv) -> [sas_tests::Setting; 2] {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing_undone() {
-    const ORDERS: usize = 20;
+    const ORDERS: usize = 100;
     let env = TestEnv::new().await;
     let (system, publisher, _connection) = start(&env, &three_levels(&env), 2, 100).await;
     let sim = &system.sim;
