@@ -271,6 +271,25 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
     assert_eq!(env.state_of("ok-0:fulfil").await, None);
 }
 
+/// Parent `id`'s child could not start: its `fulfil` step failed, it has
+/// no child; the alert that says why.
+async fn start_refused(env: &TestEnv, id: &str) -> String {
+    let parent = env.detail(id).await;
+    let fulfil = parent
+        .steps
+        .iter()
+        .find(|s| s.name == "fulfil")
+        .expect("fulfil");
+    assert_eq!(fulfil.state, StepState::Failed);
+    assert!(parent.children.is_empty(), "{:?}", parent.children);
+    let (alert,): (String,) = sqlx::query_as("SELECT message FROM alerts WHERE order_id = $1")
+        .bind(id)
+        .fetch_one(&env.db)
+        .await
+        .expect("the alert");
+    alert
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
     let env = TestEnv::new().await;
@@ -291,14 +310,7 @@ async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
         .await;
     // The parent's step was refused and its reservation undone; the
     // client's order is untouched, and an alert says why.
-    let parent = env.detail("sq-0").await;
-    let fulfil = parent
-        .steps
-        .iter()
-        .find(|s| s.name == "fulfil")
-        .expect("fulfil");
-    assert_eq!(fulfil.state, StepState::Failed);
-    assert!(parent.children.is_empty(), "{:?}", parent.children);
+    let alert = start_refused(&env, "sq-0").await;
     assert_eq!(
         env.state_of("sq-0:fulfil").await,
         Some(ProcessState::Processed)
@@ -306,10 +318,6 @@ async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
     assert!(env.detail("sq-0:fulfil").await.parent.is_none());
     let keys = sim.applied_keys("sq-0:fulfil").await;
     assert!(!keys.iter().any(|k| k.ends_with(":undo")), "{keys:?}");
-    let (alert,): (String,) = sqlx::query_as("SELECT message FROM alerts WHERE order_id = 'sq-0'")
-        .fetch_one(&env.db)
-        .await
-        .expect("the alert");
     assert!(alert.contains("which this step did not start"), "{alert}");
 }
 
@@ -335,19 +343,7 @@ async fn a_child_its_workflow_s_schema_refuses_never_starts_and_its_parent_is_un
     // intake: no child stored, the step failed with an alert saying why,
     // the parent's reservation undone, nothing else called.
     assert_eq!(env.state_of("as-bad:fulfil").await, None);
-    let parent = env.detail("as-bad").await;
-    let fulfil = parent
-        .steps
-        .iter()
-        .find(|s| s.name == "fulfil")
-        .expect("fulfil");
-    assert_eq!(fulfil.state, StepState::Failed);
-    assert!(parent.children.is_empty(), "{:?}", parent.children);
-    let (alert,): (String,) =
-        sqlx::query_as("SELECT message FROM alerts WHERE order_id = 'as-bad'")
-            .fetch_one(&env.db)
-            .await
-            .expect("the alert");
+    let alert = start_refused(&env, "as-bad").await;
     assert!(
         alert.contains("child order as-bad:fulfil could not start: its attributes do not match workflow \"fulfil\" (version 3) at /parent_customer"),
         "{alert}"

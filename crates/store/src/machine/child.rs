@@ -127,10 +127,12 @@ pub fn child_body(
     body
 }
 
-/// What a parent hears of its child, decided where the child changed (the
-/// write kernel, in the same transaction, turns it into the parent's
-/// event with [`ToParent::event`]). Decided here, not by the kernel, so
-/// that the property test's model of several orders hears the same.
+/// What a parent hears of its child: its end, decided where the child
+/// ended; or that it could not be started or reached, decided where the
+/// parent tried. The write kernel, in the same transaction, turns it into
+/// the parent's event with [`ToParent::event`]. Decided here, not by the
+/// kernel, so that the property test's model of several orders hears the
+/// same.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToParent {
     /// The child ended (processed or compensated) with its steps' results
@@ -237,8 +239,9 @@ pub fn end_told<'a>(
 /// once, given the child as it was and what it decided (`None`: gone,
 /// retired or never stored): the child's undo refused when it is gone or
 /// stopped in error while undoing itself, its end when it had undone
-/// itself already (it failed before the parent heard); nothing while it
-/// undoes itself (its end is told when it comes, see [`end_told`]).
+/// itself already (it ended compensated while its parent could not take
+/// that end: stopped, or undoing an earlier step); nothing while it undoes
+/// itself (its end is told when it comes, see [`end_told`]).
 pub fn undo_answer(
     child: &str,
     step: &str,

@@ -42,7 +42,7 @@ pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
         return late_answer(draft, index, reply);
     }
     let reason = format!(
-        "attempt {} is not the step's current attempt (order {state})",
+        "attempt {} is not the current attempt of a step that calls an agent (order {state})",
         reply.attempt_id
     );
     draft.stale(reply, reason);
