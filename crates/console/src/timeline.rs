@@ -174,6 +174,8 @@ pub enum MarkKind {
     End,
     /// A wait step's timeout passed without its event.
     TimedOut,
+    /// A child order the step waits for stopped in error (in its lane).
+    ChildStopped,
 }
 
 /// A moment: across every lane, or in one lane when it concerns one step.
@@ -298,6 +300,7 @@ impl Builder {
                 self.mark(entry, MarkKind::Retry, lane);
             }
             (E::StaleReply, lane) => self.mark(entry, MarkKind::Stale, lane),
+            (E::ChildStopped, lane) => self.mark(entry, MarkKind::ChildStopped, lane),
             (E::CompensationStarted | E::Error, lane) => {
                 self.stop_going_forward(entry, lane, detail)
             }
@@ -686,6 +689,7 @@ fn mark_color(kind: MarkKind) -> &'static str {
         MarkKind::Operator => "#6a1b9a",
         MarkKind::End => "#1d232a",
         MarkKind::TimedOut => "#f2a900",
+        MarkKind::ChildStopped => "#ad1457",
     }
 }
 
@@ -700,6 +704,7 @@ pub fn legend() -> Markup {
             span.key { "┈ waiting in line, ╌ backoff, ┄ parked at a wait or delay, undo held" }
             span.key { span style={ "color:" (mark_color(MarkKind::Retry)) } { "▼" } " retry scheduled" }
             span.key { span style={ "color:" (mark_color(MarkKind::Operator)) } { "┆" } " operator action" }
+            span.key { span style={ "color:" (mark_color(MarkKind::ChildStopped)) } { "▼" } " child order stopped in error" }
         }
     }
 }
@@ -959,5 +964,25 @@ mod tests {
         let svg = svg(&timeline).into_string();
         assert!(svg.contains("waiting for its event or its time"), "{svg}");
         assert!(svg.contains("undo held until its action can no longer land"));
+    }
+
+    #[test]
+    fn a_child_that_stopped_in_error_is_marked_in_its_step_s_lane_which_waits_on() {
+        use HistoryEvent as E;
+        let history = vec![
+            line(0, E::Received, None, None),
+            line(1, E::Dispatched, Some("reserve"), Some(1)),
+            line(20, E::StepCompleted, Some("reserve"), Some(1)),
+            line(21, E::ChildStarted, Some("charge"), Some(2)),
+            line(90, E::ChildStopped, Some("charge"), None),
+        ];
+        let timeline = Timeline::build(&steps(), &history, at(200), false);
+        let marks: Vec<_> = timeline.marks.iter().map(|m| (m.kind, m.lane)).collect();
+        assert!(
+            marks.contains(&(MarkKind::ChildStopped, Some(1))),
+            "{marks:?}"
+        );
+        let waits: Vec<_> = timeline.waits.iter().map(|w| (w.lane, w.kind)).collect();
+        assert_eq!(waits, vec![(1, WaitKind::Parked)], "still waiting for it");
     }
 }

@@ -17,19 +17,25 @@ use sas_tests::{order, TestEnv};
 /// parent), and a parent that reserves, runs it (`fulfil`, its attributes
 /// built from the parent's), then charges.
 fn workflows(env: &TestEnv) -> [sas_tests::Setting; 2] {
-    workflows_with_schema(env, "")
+    workflows_with(env, "", "")
 }
 
 /// [`workflows`], the child's workflow with `schema` (TOML tables after its
-/// name and version: its `attributes_schema`).
-fn workflows_with_schema(env: &TestEnv, schema: &str) -> [sas_tests::Setting; 2] {
+/// name and version: its `attributes_schema`) and its `pack` step with
+/// `pack` (TOML keys: how it fails).
+fn workflows_with(env: &TestEnv, schema: &str, pack: &str) -> [sas_tests::Setting; 2] {
     let mut fulfil = format!("name = \"fulfil\"\nversion = 3\n{schema}\n");
     for step in [
         ("hold", "inventory", "reserve", "release"),
         ("pack", "shipping", "ship", "cancel"),
         ("label", "inventory", "reserve", "release"),
     ] {
-        fulfil.push_str(&env.call_step(step, None));
+        let extra = if step.0 == "pack" { pack } else { "" };
+        fulfil.push_str(&env.call_step(step, None).replacen(
+            "timeout_ms",
+            &format!("{extra}timeout_ms"),
+            1,
+        ));
     }
     let mut parent = String::from("name = \"parent\"\nversion = 1\n\n");
     parent.push_str(&env.call_step(("reserve_stock", "inventory", "reserve", "release"), None));
@@ -329,7 +335,7 @@ async fn a_child_its_workflow_s_schema_refuses_never_starts_and_its_parent_is_un
     let schema = "[attributes_schema]\ntype = \"object\"\nrequired = [\"parent_customer\"]\n\
                   [attributes_schema.properties.parent_customer]\ntype = \"string\"\npattern = \"^cust-\"\n";
     let (system, publisher, _connection) =
-        start(&env, &workflows_with_schema(&env, schema), 1, 0).await;
+        start(&env, &workflows_with(&env, schema, ""), 1, 0).await;
     let sim = &system.sim;
     let mut refused = parent_order("as-bad");
     refused.customer_id = "mallory".into();
@@ -360,6 +366,54 @@ async fn a_child_its_workflow_s_schema_refuses_never_starts_and_its_parent_is_un
         env.state_of("as-ok:fulfil").await,
         Some(ProcessState::Processed)
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_stopped_in_error_is_told_to_its_parent_at_once_and_resumed_the_parent_goes_on() {
+    let env = TestEnv::new().await;
+    // The child's `pack` stops its order when refused, for an operator.
+    let settings = workflows_with(&env, "", "on_failure = \"stop\"\n");
+    let (system, publisher, _connection) = start(&env, &settings, 1, 0).await;
+    let sim = &system.sim;
+    sim.set_faults(Some("shipping"), faults(1.0, 0))
+        .await
+        .expect("refuse the shipping calls");
+    env.publish_order(&publisher, &parent_order("cs-0")).await;
+    env.wait_for_state("cs-0:fulfil", ProcessState::Error, Duration::from_secs(30))
+        .await;
+    // The parent hears it in the transaction that stopped the child: a
+    // history line saying what to do, and it waits on.
+    let (detail,): (String,) = sqlx::query_as(
+        "SELECT detail FROM history WHERE order_id = 'cs-0' AND event = 'child_stopped'",
+    )
+    .fetch_one(&env.db)
+    .await
+    .expect("the parent's child_stopped line, as soon as the child stopped");
+    assert!(
+        detail.contains("child order cs-0:fulfil stopped in error"),
+        "{detail}"
+    );
+    assert!(detail.contains("resume or resubmit it"), "{detail}");
+    assert_eq!(env.state_of("cs-0").await, Some(ProcessState::Pending));
+    // The cause fixed, an operator resumes the child: it finishes, and so
+    // does its parent.
+    sim.set_faults(Some("shipping"), faults(0.0, 0))
+        .await
+        .expect("shipping fixed");
+    let (code, out) = env
+        .sasctl(&["resume", "cs-0:fulfil", "--reason", "shipping fixed"])
+        .await;
+    assert_eq!(code, 0, "{out}");
+    env.wait_for_state("cs-0", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        env.state_of("cs-0:fulfil").await,
+        Some(ProcessState::Processed)
+    );
+    let counts = sim.applied_per_key().await.expect("the ledger");
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+    let keys = sim.applied_keys("cs-0").await;
+    assert!(!keys.iter().any(|k| k.ends_with(":undo")), "{keys:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1524,6 +1524,10 @@ fn cover(model: &Model, step: &Step, covered: &Mutex<HashSet<String>>) {
             HistoryEvent::UndoneForParent,
             "a child undone for its parent",
         ),
+        (
+            HistoryEvent::ChildStopped,
+            "a parent heard its child stopped",
+        ),
     ] {
         if lines().any(|(_, line)| line.event == event) {
             covered.insert(path.into());
@@ -1534,11 +1538,15 @@ fn cover(model: &Model, step: &Step, covered: &Mutex<HashSet<String>>) {
         (" processed", "a child processed"),
         ("failed and was undone", "a child failed, its parent undone"),
         (" undone (compensated)", "a parent heard its child undone"),
+        (
+            " stopped in error while undoing itself",
+            "a parent's undo refused, its child stopped",
+        ),
     ] {
         if lines().any(|(_, line)| {
             matches!(
                 line.event,
-                HistoryEvent::ChildEnded | HistoryEvent::CompensationStarted
+                HistoryEvent::ChildEnded | HistoryEvent::CompensationStarted | HistoryEvent::Error
             ) && line.detail.as_deref().is_some_and(|d| d.contains(said))
         }) {
             covered.insert(path.into());
@@ -1660,6 +1668,11 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
         answer,
         path: Path::General,
     };
+    // The current attempt's message dead-lettered (its outcome unknown).
+    let dead_lettered = Step::DeadLettered {
+        target: Target::Current,
+        no_call: false,
+    };
     let prefix = match case % 8 {
         4 => {
             *full = [false, true, false];
@@ -1700,28 +1713,30 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
             *full = [false; 3];
             let ok = answer(Answer::Succeeded);
             let mut prefix = vec![reserved, ok.clone(), ok.clone(), ok.clone()];
-            if !(case / 8).is_multiple_of(2) {
-                // The child's undo starts at a claim, then each undo of its
-                // three steps is answered.
-                let claim = Step::Claimed { frees: false };
-                let undone = [answer(Answer::Refused), claim, ok.clone(), ok.clone(), ok];
-                prefix.extend(undone);
+            // The child's undo starts at a claim, then each undo of its
+            // three steps is answered; or its first undo is dead-lettered,
+            // and it stops in error while undoing itself.
+            let claim = Step::Claimed { frees: false };
+            match (case / 8) % 4 {
+                1 => prefix.extend([answer(Answer::Refused), claim, ok.clone(), ok.clone(), ok]),
+                3 => prefix.extend([answer(Answer::Refused), claim, dead_lettered]),
+                _ => {}
             }
             prefix
         }
         // A child refused at its charge, which undoes itself, and then its
-        // parent; every other time the parent cancelled while its child
-        // runs.
+        // parent; or whose undo is dead-lettered, and stops in error while
+        // its parent waits; or the parent cancelled while its child runs.
         7 => {
             *full = [false; 3];
             let ok = answer(Answer::Succeeded);
-            let last = if (case / 8).is_multiple_of(2) {
+            let last = match (case / 8) % 4 {
                 // The child's reservation undone: it ends compensated (no
                 // claim between: an hour passes at each, and the parent
                 // would time out first).
-                vec![answer(Answer::Refused), ok.clone()]
-            } else {
-                vec![Step::Cancelled { child: false }]
+                0 => vec![answer(Answer::Refused), ok.clone()],
+                2 => vec![answer(Answer::Refused), dead_lettered],
+                _ => vec![Step::Cancelled { child: false }],
             };
             [vec![reserved, ok], last].concat()
         }
@@ -1886,6 +1901,8 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         "a child failed, its parent undone",
         "a child undone for its parent",
         "a parent heard its child undone",
+        "a parent heard its child stopped",
+        "a parent's undo refused, its child stopped",
     ] {
         assert!(
             reached.contains_key(path),

@@ -146,6 +146,9 @@ pub enum ToParent {
     /// The child could not be started, or reached to be undone, for this
     /// reason (saying what to do): [`Event::ChildRefused`].
     Refused(String),
+    /// The child stopped in `error`, for this reason:
+    /// [`Event::ChildStopped`].
+    Stopped(String),
 }
 
 impl ToParent {
@@ -160,7 +163,20 @@ impl ToParent {
                 results,
             },
             Self::Refused(reason) => Event::ChildRefused { step, reason },
+            Self::Stopped(reason) => Event::ChildStopped {
+                step,
+                child,
+                reason,
+            },
         }
+    }
+
+    /// Why the undo of `child`, the child of step `step`, is refused when
+    /// the child stopped in `error` while undoing itself, and what to do.
+    pub fn stopped_while_undoing(child: &str, step: &str) -> String {
+        format!(
+            "child order {child} of step {step} stopped in error while undoing itself: fix its cause and resubmit it (its compensation resumes), then resubmit this order to finish undoing it"
+        )
     }
 
     /// A child of workflow `workflow` version `version` whose plan was never
@@ -213,14 +229,24 @@ impl ToParent {
 
 /// The end `decision` brings the order of `before` to, told to the parent
 /// that started it: processed or compensated, with its steps' results as
-/// the decision left them. `None` for an order no parent started, or one
-/// the decision does not end.
+/// the decision left them; or its stop, in `error`, with why. `None` for
+/// an order no parent started, or one the decision neither ends nor
+/// stops.
 pub fn end_told<'a>(
     before: &'a Snapshot,
     decision: &Decision,
 ) -> Option<(&'a ParentLink, ToParent)> {
     let parent = before.parent.as_ref()?;
-    let state = decision.process.as_ref()?.state;
+    let process = decision.process.as_ref()?;
+    let state = process.state;
+    if state == ProcessState::Error && before.process.state != ProcessState::Error {
+        let why = process
+            .last_error
+            .as_deref()
+            .unwrap_or("no reason recorded");
+        let reason = format!("child order {} stopped in error: {why}", before.order_id);
+        return Some((parent, ToParent::Stopped(reason)));
+    }
     if !matches!(state, ProcessState::Processed | ProcessState::Compensated) {
         return None;
     }
@@ -252,8 +278,8 @@ pub fn undo_answer(
             "child order {child} of step {step} is gone (retired, or never stored): what it did cannot be undone from here; undo it by hand, then resolve this alert"
         ))),
         Some((_, decision)) if matches!(decision.verdict, Verdict::Refused(ProcessState::Error)) => {
-            Some(ToParent::Refused(format!(
-                "child order {child} of step {step} stopped in error while undoing itself: fix its cause and resubmit it (its compensation resumes), then resubmit this order to finish undoing it"
+            Some(ToParent::Refused(ToParent::stopped_while_undoing(
+                child, step,
             )))
         }
         Some((before, decision))

@@ -379,6 +379,18 @@ pub enum Event<'a> {
         /// What went wrong, and what to do.
         reason: &'a str,
     },
+    /// A child step's child stopped in `error` (see [`child`]): waiting for
+    /// it forward, the order records it and waits on (an operator resumes
+    /// or resubmits the child, or cancels the order); waiting for its undo,
+    /// the undo is refused and the order stops in `error`.
+    ChildStopped {
+        /// The parent's step that started it.
+        step: &'a str,
+        /// The child's id.
+        child: &'a str,
+        /// Why the child stopped.
+        reason: &'a str,
+    },
     /// The order's parent is undone, and this order (its child) with it:
     /// cancelled while it runs, compensated once processed.
     UndoneForParent {

@@ -137,6 +137,9 @@ stored_names! {
         /// (the parent is undone): cancelled while it runs, compensated
         /// once processed.
         ChildUndoRequested = "child_undo_requested",
+        /// A child step's child order stopped in `error` (it waits for an
+        /// operator): the order goes on waiting for it, and says so.
+        ChildStopped = "child_stopped",
         /// An order started by a parent's child step is undone because its
         /// parent is: cancelled, or compensated after it was processed.
         UndoneForParent = "undone_for_parent",

@@ -2251,6 +2251,72 @@ fn a_child_step_starts_its_child_with_the_decision_and_parks_the_parent() {
 }
 
 #[test]
+fn a_child_stopped_in_error_is_recorded_by_a_parent_that_waits_on_and_refuses_an_undo() {
+    let (mut snapshot, ok) = reserved_before_a_child();
+    let started = decide(&snapshot, &Event::Reply(&ok), &ctx(t(2)));
+    snapshot.apply(&started);
+    let stopped = Event::ChildStopped {
+        step: "fulfil",
+        child: "o-1:fulfil",
+        reason: "child order o-1:fulfil stopped in error: step pack failed: refused",
+    };
+    // Forward: a history line saying what to do, and the parent waits on.
+    let decision = decide(&snapshot, &stopped, &ctx(t(3)));
+    assert_eq!(decision.verdict, Verdict::Applied);
+    assert!(decision.process.is_none(), "{:?}", decision.process);
+    assert!(decision.steps.is_empty());
+    let line = &decision.history[0];
+    assert_eq!(line.event, HistoryEvent::ChildStopped);
+    let detail = line.detail.as_deref().unwrap();
+    assert!(detail.contains("step pack failed: refused"), "{detail}");
+    assert!(detail.contains("resume or resubmit it"), "{detail}");
+    // An earlier child of the step changes nothing.
+    let earlier = Event::ChildStopped {
+        step: "fulfil",
+        child: "o-1:fulfil:r1",
+        reason: "old",
+    };
+    assert!(!decide(&snapshot, &earlier, &ctx(t(3))).writes());
+    // Waiting for the child's undo: the undo is refused, the parent stops.
+    let cancelled = decide(&snapshot, &Event::Cancelled { reason: "gone" }, &ctx(t(3)));
+    snapshot.apply(&cancelled);
+    let claimed = decide(&snapshot, &Event::Claimed, &ctx(t(4)));
+    snapshot.apply(&claimed);
+    let decision = decide(&snapshot, &stopped, &ctx(t(5)));
+    assert_eq!(
+        decision.process.as_ref().unwrap().state,
+        ProcessState::Error
+    );
+    let alert = decision.alert.as_ref().unwrap();
+    assert_eq!(alert.kind, AlertKind::CompensationFailed);
+    assert!(
+        alert
+            .message
+            .contains("stopped in error while undoing itself"),
+        "{}",
+        alert.message
+    );
+    // What a child's stop tells its parent: why, from its last error.
+    let mut child = fresh();
+    child.parent = Some(child::ParentLink {
+        order_id: "o-1".into(),
+        step: "fulfil".into(),
+    });
+    child.process.state = ProcessState::Processing;
+    let mut stop = decide(&child, &Event::Claimed, &ctx(t(6)));
+    let mut process = child.process.clone();
+    process.state = ProcessState::Error;
+    process.last_error = Some("step pack failed: refused".into());
+    stop.process = Some(process);
+    let (parent, told) = child::end_told(&child, &stop).unwrap();
+    assert_eq!(parent.order_id, "o-1");
+    assert!(
+        matches!(&told, child::ToParent::Stopped(why) if why.ends_with("stopped in error: step pack failed: refused")),
+        "{told:?}"
+    );
+}
+
+#[test]
 fn a_child_s_end_completes_the_step_or_undoes_the_parent_and_its_undo_waits_for_the_child() {
     let (mut snapshot, ok) = reserved_before_a_child();
     let started = decide(&snapshot, &Event::Reply(&ok), &ctx(t(2)));

@@ -7,7 +7,7 @@ use sas_messages::{StatusEvent, StepKind};
 
 use super::{Draft, Failure};
 use crate::machine::call::render_json;
-use crate::machine::child::{child_body, child_order_id, ChildCommand};
+use crate::machine::child::{child_body, child_order_id, ChildCommand, ToParent};
 use crate::machine::dispatch::{payload, Unbuilt};
 use crate::machine::park::Park;
 use crate::machine::{AlertKind, HistoryEvent, NewAlert};
@@ -220,6 +220,34 @@ pub(super) fn ended(
             draft.advance();
         }
         _ => draft.unchanged("the step does not wait for its child to end so"),
+    }
+}
+
+/// The child of step `step` stopped in `error` for `reason`: forward, the
+/// order records it and waits on for the child (an operator resumes or
+/// resubmits it, and its end reaches the order; or cancels the order,
+/// which undoes both) until the step's timeout; undoing, the child cannot
+/// finish its undo, and the order's undo of the step is refused (see
+/// [`refused`]).
+pub(super) fn stopped(draft: &mut Draft<'_>, (step, child): (&str, &str), reason: &str) {
+    let Some(index) = draft.steps.iter().position(|s| s.name == step) else {
+        return draft.unchanged("the order has no such step");
+    };
+    if child_order_id(&draft.snapshot.order_id, &draft.steps[index]).as_str() != child {
+        return draft.unchanged("the step waits for another child");
+    }
+    match (draft.steps[index].state, draft.process.state) {
+        (StepState::Running, ProcessState::Pending) => {
+            let until = draft.steps[index].complete_by.unwrap_or(draft.ctx.now);
+            let detail = format!(
+                "{reason}; this order waits for it until {until}: resume or resubmit it once its cause is fixed, or cancel this order to undo both"
+            );
+            draft.log(HistoryEvent::ChildStopped, Some(step), None, Some(detail));
+        }
+        (StepState::Compensating, ProcessState::Compensating) => {
+            refused(draft, step, &ToParent::stopped_while_undoing(child, step));
+        }
+        _ => draft.unchanged("the step waits for no child now"),
     }
 }
 

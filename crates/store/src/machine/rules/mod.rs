@@ -64,6 +64,11 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
         } => child::ended(&mut draft, (step, child), state, results),
         Event::UndoneForParent { reason } => child::undone_for_parent(&mut draft, reason),
         Event::ChildRefused { step, reason } => child::refused(&mut draft, step, reason),
+        Event::ChildStopped {
+            step,
+            child,
+            reason,
+        } => child::stopped(&mut draft, (step, child), reason),
     }
     draft.finish()
 }
