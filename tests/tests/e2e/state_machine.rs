@@ -1538,8 +1538,10 @@ fn cover(model: &Model, step: &Step, covered: &Mutex<HashSet<String>>) {
         (" processed", "a child processed"),
         ("failed and was undone", "a child failed, its parent undone"),
         (" undone (compensated)", "a parent heard its child undone"),
+        // The parent's ask after its child stopped (in the stop's own
+        // transaction it changes nothing: `rules::child::stopped`).
         (
-            " stopped in error while undoing itself",
+            "of step fulfil stopped in error while undoing itself",
             "a parent's undo refused, its child stopped",
         ),
     ] {
@@ -1715,11 +1717,13 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
             let mut prefix = vec![reserved, ok.clone(), ok.clone(), ok.clone()];
             // The child's undo starts at a claim, then each undo of its
             // three steps is answered; or its first undo is dead-lettered,
-            // and it stops in error while undoing itself.
+            // and it stops in error while undoing itself, which refuses
+            // its parent's undo.
             let claim = Step::Claimed { frees: false };
             match (case / 8) % 4 {
                 1 => prefix.extend([answer(Answer::Refused), claim, ok.clone(), ok.clone(), ok]),
-                3 => prefix.extend([answer(Answer::Refused), claim, dead_lettered]),
+                // The parent's next claim asks again, and hears it.
+                3 => prefix.extend([answer(Answer::Refused), claim.clone(), dead_lettered, claim]),
                 _ => {}
             }
             prefix

@@ -146,8 +146,8 @@ pub enum ToParent {
     /// The child could not be started, or reached to be undone, for this
     /// reason (saying what to do): [`Event::ChildRefused`].
     Refused(String),
-    /// The child stopped in `error`, for this reason:
-    /// [`Event::ChildStopped`].
+    /// The child stopped in `error`: why, and what an operator can do
+    /// ([`Event::ChildStopped`]).
     Stopped(String),
 }
 
@@ -240,11 +240,20 @@ pub fn end_told<'a>(
     let process = decision.process.as_ref()?;
     let state = process.state;
     if state == ProcessState::Error && before.process.state != ProcessState::Error {
+        let child = &before.order_id;
         let why = process
             .last_error
             .as_deref()
             .unwrap_or("no reason recorded");
-        let reason = format!("child order {} stopped in error: {why}", before.order_id);
+        let reason = if before.process.state == ProcessState::Compensating {
+            format!(
+                "child order {child} stopped in error while undoing itself: {why}; resubmit it once its cause is fixed (its undo resumes), and this order is undone when it ends"
+            )
+        } else {
+            format!(
+                "child order {child} stopped in error: {why}; resume or resubmit it once its cause is fixed, and this order goes on when it ends; or cancel this order, which undoes both"
+            )
+        };
         return Some((parent, ToParent::Stopped(reason)));
     }
     if !matches!(state, ProcessState::Processed | ProcessState::Compensated) {

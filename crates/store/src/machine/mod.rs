@@ -380,9 +380,9 @@ pub enum Event<'a> {
         reason: &'a str,
     },
     /// A child step's child stopped in `error` (see [`child`]): waiting for
-    /// it forward, the order records it and waits on (an operator resumes
-    /// or resubmits the child, or cancels the order); waiting for its undo,
-    /// the undo is refused and the order stops in `error`.
+    /// it forward, the order records why and what an operator can do, and
+    /// waits on until the step's timeout; waiting for its undo, nothing
+    /// changes (the order's next ask hears whether it can still be undone).
     ChildStopped {
         /// The parent's step that started it.
         step: &'a str,

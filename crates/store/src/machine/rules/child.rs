@@ -7,7 +7,7 @@ use sas_messages::{StatusEvent, StepKind};
 
 use super::{Draft, Failure};
 use crate::machine::call::render_json;
-use crate::machine::child::{child_body, child_order_id, ChildCommand, ToParent};
+use crate::machine::child::{child_body, child_order_id, ChildCommand};
 use crate::machine::dispatch::{payload, Unbuilt};
 use crate::machine::park::Park;
 use crate::machine::{AlertKind, HistoryEvent, NewAlert};
@@ -223,12 +223,14 @@ pub(super) fn ended(
     }
 }
 
-/// The child of step `step` stopped in `error` for `reason`: forward, the
-/// order records it and waits on for the child (an operator resumes or
-/// resubmits it, and its end reaches the order; or cancels the order,
-/// which undoes both) until the step's timeout; undoing, the child cannot
-/// finish its undo, and the order's undo of the step is refused (see
-/// [`refused`]).
+/// The child of step `step` stopped in `error` (`reason` says why and
+/// what to do, see [`crate::machine::child::end_told`]): forward, the
+/// order records it and waits on for the child until the step's timeout,
+/// when it undoes itself and the child. Undoing, nothing changes here: the
+/// order asks the child again (at its next claim) and hears then whether
+/// the child can still be undone. (Told in the transaction that stopped the
+/// child, the stop may already be old: the same transaction may have asked
+/// the child since to undo itself, and it did.)
 pub(super) fn stopped(draft: &mut Draft<'_>, (step, child): (&str, &str), reason: &str) {
     let Some(index) = draft.steps.iter().position(|s| s.name == step) else {
         return draft.unchanged("the order has no such step");
@@ -240,14 +242,11 @@ pub(super) fn stopped(draft: &mut Draft<'_>, (step, child): (&str, &str), reason
         (StepState::Running, ProcessState::Pending) => {
             let until = draft.steps[index].complete_by.unwrap_or(draft.ctx.now);
             let detail = format!(
-                "{reason}; this order waits for it until {until}: resume or resubmit it once its cause is fixed, or cancel this order to undo both"
+                "{reason} (this order waits for it until {until}, then undoes itself and the child)"
             );
             draft.log(HistoryEvent::ChildStopped, Some(step), None, Some(detail));
         }
-        (StepState::Compensating, ProcessState::Compensating) => {
-            refused(draft, step, &ToParent::stopped_while_undoing(child, step));
-        }
-        _ => draft.unchanged("the step waits for no child now"),
+        _ => draft.unchanged("the step waits for no child to go on"),
     }
 }
 
