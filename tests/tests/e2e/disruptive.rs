@@ -321,19 +321,38 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     };
     tokio::join!(publishing, chaos);
 
-    // Every order ends, and so does every child a parent started.
-    let children: i64 = wait_until("every child to end", Duration::from_secs(240), || async {
-        let (children, open): (i64, i64) = sqlx::query_as(
-            "SELECT count(*), count(*) FILTER (WHERE p.state NOT IN ('processed', 'compensated', 'error'))
-               FROM order_children c JOIN order_process p ON p.order_id = c.child_order_id",
-        )
-        .fetch_one(&env.db)
-        .await
-        .map_err(|e| e.to_string())?;
-        (open == 0).then_some(children).ok_or_else(|| format!("{open} of {children} running"))
-    })
+    // Every order ends, and so does every child a parent started. Counted
+    // together at each look: a parent ends only after its child, so the
+    // children counted once every order ended are all of them (counted
+    // first, while a parent had yet to start its child, they were one
+    // short for ever).
+    let (terminal, children) = wait_until(
+        "every order and every child to end",
+        Duration::from_secs(240),
+        || async {
+            let children: i64 = sqlx::query_scalar("SELECT count(*) FROM order_children")
+                .fetch_one(&env.db)
+                .await
+                .map_err(|e| e.to_string())?;
+            let counts = env
+                .store
+                .reads()
+                .count_by_state()
+                .await
+                .map_err(|e| e.to_string())?;
+            let ended: i64 = counts
+                .iter()
+                .filter(|(s, _)| s.is_terminal())
+                .map(|(_, n)| n)
+                .sum();
+            if ended == orders as i64 + children {
+                Ok((counts, children))
+            } else {
+                Err(format!("{counts:?}, {children} children"))
+            }
+        },
+    )
     .await;
-    let terminal = every_order_ended(&env, orders + usize::try_from(children).unwrap_or(0)).await;
     let count = |state: ProcessState| {
         terminal
             .iter()
