@@ -601,15 +601,18 @@ async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing
     let cancelled = outcomes.iter().filter(|(code, _)| *code == 0).count();
     // Every order ends, and so does every child it started.
     sas_tests::wait_until("every order to end", Duration::from_secs(120), || async {
-        let (open,): (i64,) = sqlx::query_as(
-            "SELECT count(*) FROM order_process WHERE state NOT IN ('processed', 'compensated')",
+        let (open, tops): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state NOT IN ('processed', 'compensated')),
+                    count(*) FILTER (WHERE workflow = 'top')
+               FROM order_process",
         )
         .fetch_one(&env.db)
         .await
         .map_err(|e| e.to_string())?;
-        (open == 0)
+        // Every top stored too: none open also holds before the last is.
+        (open == 0 && tops == ORDERS as i64)
             .then_some(())
-            .ok_or_else(|| format!("{open} open"))
+            .ok_or_else(|| format!("{open} open, {tops} of {ORDERS} tops stored"))
     })
     .await;
     let states: Vec<(String, String)> =

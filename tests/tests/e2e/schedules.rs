@@ -54,39 +54,47 @@ async fn runs(env: &TestEnv, name: &str) -> Vec<Decided> {
     .expect("read the runs")
 }
 
-/// Each started run's order: (occurrence, seconds from the occurrence to
-/// the order's receipt), oldest first; panics naming a started run with no
-/// order, or an order of the schedule with no started run.
+/// The started runs of schedule `name` (not by hand), each with how many
+/// seconds after its occurrence its order was stored, once every one has
+/// its order: a run is decided, then its order stored, in two steps, and a
+/// schedule still running decides more meanwhile. One order per started
+/// run and no other order of the schedule, or the wait fails saying so.
 async fn started_orders(env: &TestEnv, name: &str) -> Vec<(DateTime<Utc>, f64)> {
-    let rows: Vec<(DateTime<Utc>, Option<f64>)> = sqlx::query_as(
-        "SELECT r.occurrence, extract(epoch FROM o.received_at - r.occurrence)::float8
-           FROM schedule_runs r LEFT JOIN orders o ON o.order_id = r.order_id
-          WHERE r.name = $1 AND r.outcome = 'started' AND NOT r.by_hand
-          ORDER BY r.occurrence",
-    )
-    .bind(name)
-    .fetch_all(&env.db)
-    .await
-    .expect("read the started runs");
-    let (orders,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM orders WHERE order_id LIKE $1 || ':%'")
-            .bind(name)
-            .fetch_one(&env.db)
-            .await
-            .expect("count the orders");
-    assert_eq!(
-        orders,
-        rows.len() as i64,
-        "one order per started run, no other order of the schedule"
-    );
-    rows.into_iter()
-        .map(|(at, late)| {
-            (
-                at,
-                late.unwrap_or_else(|| panic!("the run of {at} has no order")),
+    wait_until(
+        &format!("an order for every started run of {name}"),
+        Duration::from_secs(30),
+        || async {
+            let rows: Vec<(DateTime<Utc>, Option<f64>)> = sqlx::query_as(
+                "SELECT r.occurrence, extract(epoch FROM o.received_at - r.occurrence)::float8
+                   FROM schedule_runs r LEFT JOIN orders o ON o.order_id = r.order_id
+                  WHERE r.name = $1 AND r.outcome = 'started' AND NOT r.by_hand
+                  ORDER BY r.occurrence",
             )
-        })
-        .collect()
+            .bind(name)
+            .fetch_all(&env.db)
+            .await
+            .map_err(|e| e.to_string())?;
+            let (orders,): (i64,) =
+                sqlx::query_as("SELECT count(*) FROM orders WHERE order_id LIKE $1 || ':%'")
+                    .bind(name)
+                    .fetch_one(&env.db)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            let stored: Option<Vec<(DateTime<Utc>, f64)>> = rows
+                .iter()
+                .map(|(at, late)| late.map(|late| (*at, late)))
+                .collect();
+            match stored {
+                Some(stored) if orders == rows.len() as i64 => Ok(stored),
+                _ => Err(format!(
+                    "{} started runs, {} of them with an order; {orders} orders of the schedule",
+                    rows.len(),
+                    rows.iter().filter(|(_, late)| late.is_some()).count()
+                )),
+            }
+        },
+    )
+    .await
 }
 
 /// How long the frozen scheduler stays frozen (as issue 49 asks): long
@@ -300,14 +308,24 @@ async fn after_every_scheduler_was_down_the_window_runs_once_in_order_and_older_
         .iter()
         .filter_map(|run| run.2.as_deref())
         .collect();
-    let stored: Vec<(String,)> = sqlx::query_as(
-        "SELECT order_id FROM orders WHERE order_id = ANY($1) ORDER BY received_at, order_id",
+    // Stored after the decision, one by one: all of them, then their order.
+    let stored: Vec<String> = wait_until(
+        "the window's orders stored",
+        Duration::from_secs(30),
+        || async {
+            let stored: Vec<String> = sqlx::query_scalar(
+            "SELECT order_id FROM orders WHERE order_id = ANY($1) ORDER BY received_at, order_id",
+        )
+        .bind(&ids)
+        .fetch_all(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+            (stored.len() == ids.len())
+                .then_some(stored.clone())
+                .ok_or_else(|| format!("{} of {} stored", stored.len(), ids.len()))
+        },
     )
-    .bind(&ids)
-    .fetch_all(&env.db)
-    .await
-    .expect("read the orders");
-    let stored: Vec<&str> = stored.iter().map(|(id,)| id.as_str()).collect();
+    .await;
     assert_eq!(stored, ids, "stored once each, in occurrence order");
     started_orders(&env, "each").await;
 }
