@@ -205,9 +205,25 @@ async fn a_postgres_restart_and_killed_connections_during_load_lose_no_order() {
 }
 
 /// Waits (4 minutes at most) until all `orders` orders have ended, and
-/// returns how many are in each state.
-async fn every_order_ended(env: &TestEnv, orders: usize) -> Vec<(ProcessState, i64)> {
+/// with `children` every child a parent started, and returns how many are
+/// in each state and how many children there are. Both are counted at
+/// each look: a parent ends only after its child, so the children counted
+/// once everything ended are all of them (counted once beforehand, while a
+/// parent had yet to start its child, they would be one short for ever).
+async fn every_order_ended(
+    env: &TestEnv,
+    orders: usize,
+    children: bool,
+) -> (Vec<(ProcessState, i64)>, i64) {
     wait_until("every order to end", Duration::from_secs(240), || async {
+        let children: i64 = if children {
+            sqlx::query_scalar("SELECT count(*) FROM order_children")
+                .fetch_one(&env.db)
+                .await
+                .map_err(|e| e.to_string())?
+        } else {
+            0
+        };
         let counts = env
             .store
             .reads()
@@ -219,10 +235,10 @@ async fn every_order_ended(env: &TestEnv, orders: usize) -> Vec<(ProcessState, i
             .filter(|(s, _)| s.is_terminal())
             .map(|(_, n)| n)
             .sum();
-        if ended == orders as i64 {
-            Ok(counts)
+        if ended == orders as i64 + children {
+            Ok((counts, children))
         } else {
-            Err(format!("{counts:?}"))
+            Err(format!("{counts:?}, {children} children"))
         }
     })
     .await
@@ -321,38 +337,8 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     };
     tokio::join!(publishing, chaos);
 
-    // Every order ends, and so does every child a parent started. Counted
-    // together at each look: a parent ends only after its child, so the
-    // children counted once every order ended are all of them (counted
-    // first, while a parent had yet to start its child, they were one
-    // short for ever).
-    let (terminal, children) = wait_until(
-        "every order and every child to end",
-        Duration::from_secs(240),
-        || async {
-            let children: i64 = sqlx::query_scalar("SELECT count(*) FROM order_children")
-                .fetch_one(&env.db)
-                .await
-                .map_err(|e| e.to_string())?;
-            let counts = env
-                .store
-                .reads()
-                .count_by_state()
-                .await
-                .map_err(|e| e.to_string())?;
-            let ended: i64 = counts
-                .iter()
-                .filter(|(s, _)| s.is_terminal())
-                .map(|(_, n)| n)
-                .sum();
-            if ended == orders as i64 + children {
-                Ok((counts, children))
-            } else {
-                Err(format!("{counts:?}, {children} children"))
-            }
-        },
-    )
-    .await;
+    // Every order ends, and so does every child a parent started.
+    let (terminal, children) = every_order_ended(&env, orders, true).await;
     let count = |state: ProcessState| {
         terminal
             .iter()
@@ -539,7 +525,7 @@ async fn chaos_late_actions_are_undone_only_after_they_landed() {
         tokio::time::sleep(Duration::from_millis(rng.random_range(100..300))).await;
     }
     proxy.clear_holds();
-    let terminal = every_order_ended(&env, orders).await;
+    let (terminal, _) = every_order_ended(&env, orders, false).await;
     // Each effect once (effects_by_order asserts it), no undo before its action.
     let by_order = sim.effects_by_order().await;
     sim.assert_no_undo_before_its_action().await;
