@@ -44,7 +44,16 @@ RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" \
 # the shared servers or loads the machine holds them alone while it runs
 # (crates/lab/src/servers.rs). A filter selects tests by name: `disruptive::`
 # one file's, `chaos` the chaos test.
-cargo test --workspace -- --test-threads 2 "$@"
+# A failure's message comes before its backtrace, which a log cut short
+# can lose: it is said again, briefly, at the very end.
+log="$(mktemp)"
+if ! cargo test --workspace -- --test-threads 2 "$@" 2>&1 | tee "$log"; then
+  echo "== Why each failing test failed (its panic, repeated from above) =="
+  grep -A 6 "panicked at" "$log" | grep -Ev "^stack backtrace:|^ +[0-9]+: |^ +at " || true
+  rm -f "$log"
+  exit 101
+fi
+rm -f "$log"
 # After the cargo tests, never beside them: both load the machine. The
 # highly available topology after the single-node one, whose Docker engine
 # and image stand-ins it reuses.

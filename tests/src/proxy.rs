@@ -9,11 +9,14 @@
 //! nothing else) while deliveries and everything else pass;
 //! [`AmqpProxy::nack_confirms`] turns the broker's `basic.ack` into
 //! `basic.nack` (what a quorum queue without a leader answers);
-//! [`AmqpProxy::drop_from_clients`] drops what clients send. [`AmqpProxy::cut`]
+//! [`AmqpProxy::drop_from_clients`] drops what clients send, whole frames at
+//! a time, and [`AmqpProxy::dropped_publishes`] names where each dropped
+//! `basic.publish` was going, so that a test waits for the very publish it
+//! means to lose rather than for a row written before it. [`AmqpProxy::cut`]
 //! closes every connection open through the proxy, as a dying node does.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -32,6 +35,7 @@ struct State {
     nack: AtomicBool,
     nacked: AtomicUsize,
     drop_upstream: AtomicBool,
+    dropped_publishes: Mutex<Vec<String>>,
     swallowed: AtomicUsize,
     connections: AtomicUsize,
     cuts: watch::Sender<u64>,
@@ -52,6 +56,7 @@ impl AmqpProxy {
             nack: AtomicBool::new(false),
             nacked: AtomicUsize::new(0),
             drop_upstream: AtomicBool::new(false),
+            dropped_publishes: Mutex::new(Vec::new()),
             swallowed: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
             cuts: watch::Sender::new(0),
@@ -91,6 +96,18 @@ impl AmqpProxy {
     /// when a node dies with them unread. Cut the connections after.
     pub fn drop_from_clients(&self, drop: bool) {
         self.state.drop_upstream.store(drop, Ordering::SeqCst);
+    }
+
+    /// The routing key of every `basic.publish` dropped so far, in order:
+    /// a request to an agent names its queue. A row the client stored
+    /// before publishing says nothing of whether the publish was sent yet;
+    /// this does.
+    pub fn dropped_publishes(&self) -> Vec<String> {
+        self.state
+            .dropped_publishes
+            .lock()
+            .expect("the proxy's list of dropped publishes")
+            .clone()
     }
 
     /// Confirm frames dropped so far.
@@ -162,15 +179,35 @@ async fn relay(client: TcpStream, broker: TcpStream, state: &State) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut broker_read, mut broker_write) = broker.into_split();
     let up = async {
+        // The protocol header ("AMQP" 0 0 9 1) comes before the first frame.
+        let mut header_left = 8;
+        let mut pending: Vec<u8> = Vec::new();
         let mut buffer = [0u8; 16 * 1024];
         loop {
             let read = match client_read.read(&mut buffer).await {
                 Ok(0) | Err(_) => return,
                 Ok(read) => read,
             };
-            if !state.drop_upstream.load(Ordering::SeqCst)
-                && broker_write.write_all(&buffer[..read]).await.is_err()
-            {
+            pending.extend_from_slice(&buffer[..read]);
+            let mut out = Vec::with_capacity(pending.len());
+            let mut at = header_left.min(pending.len());
+            out.extend_from_slice(&pending[..at]);
+            header_left -= at;
+            while let Some(len) = frame_len(&pending[at..]).filter(|_| header_left == 0) {
+                let frame = &pending[at..at + len];
+                if !state.drop_upstream.load(Ordering::SeqCst) {
+                    out.extend_from_slice(frame);
+                } else if let Some(routing_key) = publish_routing_key(frame) {
+                    state
+                        .dropped_publishes
+                        .lock()
+                        .expect("the proxy's list of dropped publishes")
+                        .push(routing_key);
+                }
+                at += len;
+            }
+            pending.drain(..at);
+            if broker_write.write_all(&out).await.is_err() {
                 return;
             }
         }
@@ -226,6 +263,20 @@ fn is_confirm(frame: &[u8]) -> bool {
     is_ack(frame) || (frame[0] == 1 && frame.len() >= 11 && frame[7..11] == [0, 60, 0, 120])
 }
 
+/// The routing key of a method frame of `basic.publish` (60, 40): its
+/// arguments are a reserved short, the exchange and the routing key (short
+/// strings: a length octet, then the bytes).
+fn publish_routing_key(frame: &[u8]) -> Option<String> {
+    if frame[0] != 1 || frame.get(7..11)? != [0, 60, 0, 40] {
+        return None;
+    }
+    let exchange_len = usize::from(*frame.get(13)?);
+    let key_at = 14 + exchange_len;
+    let key_len = usize::from(*frame.get(key_at)?);
+    let key = frame.get(key_at + 1..key_at + 1 + key_len)?;
+    Some(String::from_utf8_lossy(key).into_owned())
+}
+
 /// A method frame of `basic.ack` (60, 80).
 fn is_ack(frame: &[u8]) -> bool {
     frame[0] == 1 && frame.len() >= 11 && frame[7..11] == [0, 60, 0, 80]
@@ -233,7 +284,7 @@ fn is_ack(frame: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{frame_len, is_confirm};
+    use super::{frame_len, is_confirm, publish_routing_key};
 
     #[test]
     fn frames_are_cut_whole_and_confirms_recognised() {
@@ -246,5 +297,27 @@ mod tests {
         let heartbeat = [8, 0, 0, 0, 0, 0, 0, 0xCE];
         assert_eq!(frame_len(&heartbeat), Some(8));
         assert!(!is_confirm(&heartbeat));
+        assert_eq!(publish_routing_key(&heartbeat), None);
+        assert_eq!(publish_routing_key(&ack), None);
+    }
+
+    #[test]
+    fn a_publish_names_its_routing_key() {
+        // basic.publish on channel 1: reserved short, exchange "x",
+        // routing key "sas.agent.payment", mandatory bit.
+        let key = b"sas.agent.payment";
+        let mut args = vec![0, 60, 0, 40, 0, 0, 1, b'x', key.len() as u8];
+        args.extend_from_slice(key);
+        args.push(1);
+        let mut publish = vec![1, 0, 1];
+        publish.extend_from_slice(&(args.len() as u32).to_be_bytes());
+        publish.extend_from_slice(&args);
+        publish.push(0xCE);
+        assert_eq!(frame_len(&publish), Some(publish.len()));
+        assert_eq!(
+            publish_routing_key(&publish).as_deref(),
+            Some("sas.agent.payment")
+        );
+        assert!(!is_confirm(&publish));
     }
 }

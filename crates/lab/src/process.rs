@@ -368,6 +368,13 @@ pub async fn metric(port: u16, sample: &str) -> Option<f64> {
         .text()
         .await
         .ok()?;
+    sample_in(&text, sample)
+}
+
+/// The value of one sample in a Prometheus text exposition, such as a
+/// whole `/metrics` page: a test that compares two samples reads both from
+/// one scrape, since the next scrape may already tell another moment.
+pub fn sample_in(text: &str, sample: &str) -> Option<f64> {
     text.lines()
         .find(|line| line.starts_with(sample) && line[sample.len()..].starts_with(' '))
         .and_then(|line| line.rsplit(' ').next())

@@ -194,8 +194,10 @@ async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
     proxy.drop_from_clients(true);
     env.publish_order(&publisher, &order("lost-request-1"))
         .await;
-    env.wait_stored("lost-request-1", Duration::from_secs(20))
-        .await;
+    // The order is stored before its request is published: wait for the
+    // request itself to be dropped, or a slow scheduler sends it after the
+    // proxy passes again and nothing is lost.
+    wait_request_dropped(&env, &proxy, "inventory").await;
     proxy.drop_from_clients(false);
     proxy.cut();
     env.wait_for_state(
@@ -205,6 +207,23 @@ async fn a_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
     )
     .await;
     no_deadline_missed_and_each_effect_once(&env, &sim, "lost-request-1").await;
+}
+
+/// Waits until the proxy has dropped a request published to `agent`'s queue.
+async fn wait_request_dropped(env: &TestEnv, proxy: &AmqpProxy, agent: &str) {
+    let queue = env.amqp().names().agent_requests(agent);
+    wait_until(
+        &format!("a request to {queue} dropped"),
+        Duration::from_secs(20),
+        || async {
+            let dropped = proxy.dropped_publishes();
+            dropped
+                .contains(&queue)
+                .then_some(())
+                .ok_or_else(|| format!("dropped so far: {dropped:?}"))
+        },
+    )
+    .await;
 }
 
 /// How many history lines of `order_id` say `event`.
@@ -237,9 +256,9 @@ async fn wait_for_history(env: &TestEnv, order_id: &str, event: HistoryEvent) {
 /// it unread. The claim's loop goes down with the connection, yet the
 /// order is held with a 30-second deadline, so only the copy its announcing
 /// task sends again on the next connection can start the step in time.
-/// Every agent admits one attempt at a time, and the remote takes a second
-/// a call, so the second order waits in line until the first one's reply
-/// frees the slot.
+/// Every agent admits one attempt at a time, and the remote takes three
+/// seconds a reservation, so the second order waits in line until the
+/// first one's reply frees the slot.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claims_request_lost_with_its_connection_is_sent_again_on_the_next_one() {
     let ProxiedScheduler {
@@ -255,8 +274,12 @@ async fn a_claims_request_lost_with_its_connection_is_sent_again_on_the_next_one
         Setting::SchedulerAdmissionCeiling(1),
     ])
     .await;
-    let slow = serde_json::json!({ "latency_ms": 1000, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0 });
-    sim.set_faults(None, slow).await.expect("slow the remote");
+    // Slow enough that the second order is in line, and the proxy dropping,
+    // before the first one's reservation comes back, on a slow machine too.
+    let slow = serde_json::json!({ "latency_ms": 3000, "transient_fault_rate": 0.0, "permanent_fault_rate": 0.0, "hang_rate": 0.0 });
+    sim.set_faults(Some("inventory"), slow)
+        .await
+        .expect("slow the remote's inventory");
     env.publish_order(&publisher, &order("claim-lost-1")).await;
     wait_for_history(&env, "claim-lost-1", HistoryEvent::Dispatched).await;
     env.publish_order(&publisher, &order("claim-lost-2")).await;
@@ -264,7 +287,11 @@ async fn a_claims_request_lost_with_its_connection_is_sent_again_on_the_next_one
     // The first order's reply still comes in, frees the slot, and a claim
     // takes the second order; what the scheduler sends is lost.
     proxy.drop_from_clients(true);
+    // The claim commits before its request is published: wait for the
+    // request itself to be dropped, or a slow scheduler sends it after the
+    // proxy passes again and nothing is lost (CI saw it, under a whole run).
     wait_for_history(&env, "claim-lost-2", HistoryEvent::Claimed).await;
+    wait_request_dropped(&env, &proxy, "inventory").await;
     proxy.drop_from_clients(false);
     proxy.cut();
 
