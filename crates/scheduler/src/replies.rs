@@ -71,7 +71,10 @@ impl Scheduler {
                 metrics::counter!("sas_replies_total", "outcome" => label).increment(1);
                 // An applied reply settles its attempt: its slot is free.
                 self.slot_freed();
-                tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, trace_id = progress.trace_id.as_deref().unwrap_or(""), "reply applied");
+                // Where the attempt's time went, as the agent measured it:
+                // queued from dispatch to its call (of which waiting for a
+                // call slot), and the call itself.
+                tracing::info!(order_id = %reply.order_id, correlation_id = %attempt_id, step = %reply.step, outcome = label, agent_id = %reply.agent_id, trace_id = progress.trace_id.as_deref().unwrap_or(""), queued_ms = reply.queued_ms, slot_wait_ms = reply.slot_wait_ms, call_ms = reply.call_ms, "reply applied");
                 match self.announce(Some(publisher), &progress).await {
                     Ok(()) => Consumed::Ack,
                     Err(error) => {
