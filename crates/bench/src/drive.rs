@@ -159,17 +159,18 @@ impl StatusListener {
     /// that wants its status messages does (it works whether or not the
     /// status exchange is on).
     pub async fn start(env: &TestEnv) -> anyhow::Result<Self> {
-        Self::bound(env, None).await
+        Self::bound(env, &[]).await
     }
 
     /// [`StatusListener::start`], its queue bound to the status exchange
-    /// with `routing_key` (`order.*`: every order's statuses, as an
-    /// operator's watcher hears them, with no `reply_to` to name).
-    pub async fn bound(env: &TestEnv, routing_key: Option<&str>) -> anyhow::Result<Self> {
+    /// with each of `routing_keys` (`order.<id>`: one order's statuses, as a
+    /// client with no `reply_to` to name hears them; `order.*`: every
+    /// order's, as an operator's watcher does).
+    pub async fn bound(env: &TestEnv, routing_keys: &[&str]) -> anyhow::Result<Self> {
         let settings = env.amqp();
         let connection = sas_broker::connect(&settings, "bench-status").await?;
         let (queue, mut consumer) =
-            topology::status_consumer(&connection, &settings, routing_key).await?;
+            topology::status_consumer(&connection, &settings, routing_keys).await?;
         let processed = Arc::new(Mutex::new(HashMap::new()));
         let first_step = Arc::new(Mutex::new(HashMap::new()));
         let status_wait_ms = Arc::new(Mutex::new(HashMap::new()));

@@ -18,6 +18,7 @@ mod phases;
 mod report;
 mod soak;
 mod system;
+mod time_spent;
 
 use std::path::PathBuf;
 

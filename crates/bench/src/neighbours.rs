@@ -26,12 +26,14 @@ use std::time::{Duration, Instant};
 use sas_broker::lapin::types::{AMQPValue, FieldTable};
 use sas_broker::Publisher;
 use sas_lab::{order, Setting, TestEnv};
+use sas_messages::QueueNames;
 use serde_json::json;
 
 use crate::drive::{publish_each, StatusListener};
 use crate::phases::ids;
 use crate::report::{percentiles, Neighbours};
 use crate::system::{quiet, start_agent, BenchSystem};
+use crate::time_spent::{self, Clock, Gap};
 
 /// Latency of every remote call in this phase, as in the overload phase.
 const LATENCY_MS: u64 = 100;
@@ -95,24 +97,40 @@ pub async fn run(
     // Each step of an order has a queue of its own, each served at
     // CONCURRENCY calls per LATENCY_MS.
     let capacity = f64::from(CONCURRENCY * 1000) / LATENCY_MS as f64;
-    let listener = StatusListener::bound(env, Some("order.*")).await?;
+    let quiet_n = (capacity * QUIET_FACTOR * secs).ceil() as usize;
+    let warm = ids("nb-warm-", 4);
+    let alone_ids = ids("nb-alone-", quiet_n);
+    let quiet_ids = ids("nb-quiet-", quiet_n);
+    // The quiet tenant's client hears its own orders' statuses only, as a
+    // client of the status exchange does: bound to each (as sent and as
+    // stored), not to every order's, which would have this process decode
+    // the noisy tenant's thousands a second on the machine it measures.
+    let keys: Vec<String> = [&warm, &alone_ids, &quiet_ids]
+        .into_iter()
+        .flatten()
+        .flat_map(|id| {
+            [
+                QueueNames::status_routing_key(id),
+                QueueNames::status_routing_key(&format!("{id}@quiet")),
+            ]
+        })
+        .collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let listener = StatusListener::bound(env, &keys).await?;
+    let clock = Clock::now();
     let client = Client {
         env,
         publisher,
         user: &user,
     };
     // Warm: the new scheduler is up and has the tenants.
-    let warm = ids("nb-warm-", 4);
     client.send("quiet", &warm, 0.0).await;
     wait_ended(env, &warm, "quiet", Duration::from_secs(60)).await?;
 
-    let quiet_n = (capacity * QUIET_FACTOR * secs).ceil() as usize;
-    let alone_ids = ids("nb-alone-", quiet_n);
     let alone_sent = client
         .send("quiet", &alone_ids, capacity * QUIET_FACTOR)
         .await;
     wait_ended(env, &alone_ids, "quiet", Duration::from_secs(120)).await?;
-    let quiet_ids = ids("nb-quiet-", quiet_n);
     let noisy_ids = ids("nb-noisy-", (capacity * NOISY_FACTOR * secs) as usize);
     let started = Instant::now();
     let (quiet_sent, _) = tokio::join!(
@@ -134,6 +152,8 @@ pub async fn run(
     listener
         .wait_for_processed(4 + 2 * quiet_n, Duration::from_secs(10))
         .await;
+    let quiet_alone_gaps = where_time_went(env, &listener, &alone_sent, &clock).await?;
+    let quiet_beside_noisy_gaps = where_time_went(env, &listener, &quiet_sent, &clock).await?;
     agent.kill9().await;
     Ok(Neighbours {
         capacity_orders_per_sec: capacity,
@@ -144,7 +164,53 @@ pub async fn run(
         noisy_goodput_fraction: noisy_processed as f64 / window / capacity,
         noisy_quota_per_sec: noisy_quota,
         noisy_stored: usize::try_from(noisy_stored).unwrap_or(0),
+        quiet_alone_gaps,
+        quiet_beside_noisy_gaps,
     })
+}
+
+/// Where the quiet tenant's orders of `sent` spent their time, from their
+/// history (see [`time_spent`]).
+async fn where_time_went(
+    env: &TestEnv,
+    listener: &StatusListener,
+    sent: &HashMap<String, Instant>,
+    clock: &Clock,
+) -> anyhow::Result<Vec<Gap>> {
+    let stored = |id: &str| format!("{id}@quiet");
+    let ids: Vec<String> = sent.keys().map(|id| stored(id)).collect();
+    let rows: Vec<(
+        String,
+        String,
+        Option<String>,
+        chrono::DateTime<chrono::Utc>,
+    )> = sqlx::query_as("SELECT order_id, event, step, at FROM history WHERE order_id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&env.db)
+        .await?;
+    let lines = rows
+        .into_iter()
+        .map(|(order_id, event, step, at)| time_spent::Line {
+            order_id,
+            event,
+            step,
+            at,
+        })
+        .collect();
+    let sent_at = sent
+        .iter()
+        .map(|(id, at)| (stored(id), clock.wall(*at)))
+        .collect();
+    let heard = {
+        let done = listener.processed.lock().expect("lock");
+        sent.keys()
+            .filter_map(|id| {
+                let at = done.get(&stored(id)).or_else(|| done.get(id))?;
+                Some((stored(id), clock.wall(*at)))
+            })
+            .collect()
+    };
+    Ok(time_spent::gaps(lines, &sent_at, &heard))
 }
 
 /// Publishes orders as the gateway client of a tenant, vouched for by the

@@ -56,7 +56,7 @@ pub struct OverloadPoint {
 }
 
 /// The noisy-neighbour phase: a quiet tenant's latency beside a noisy one.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Neighbours {
     /// What the remote service can absorb, orders/s.
     pub capacity_orders_per_sec: f64,
@@ -77,6 +77,12 @@ pub struct Neighbours {
     pub noisy_quota_per_sec: Option<f64>,
     /// The noisy tenant's orders stored (the rest refused by its quota).
     pub noisy_stored: usize,
+    /// Where the quiet tenant's orders spent their time alone, hop by hop
+    /// (from their history).
+    pub quiet_alone_gaps: Vec<crate::time_spent::Gap>,
+    /// The same beside the noisy tenant: the hops that grew are what a
+    /// neighbour slows.
+    pub quiet_beside_noisy_gaps: Vec<crate::time_spent::Gap>,
 }
 
 /// The keyed phase: the same orders through a workflow without limits by
@@ -473,7 +479,7 @@ impl Report {
 
     /// Neighbours: the quiet tenant alone and beside the noisy one.
     fn neighbour_rows(&self, out: &mut String) {
-        let Some(n) = self.neighbours else {
+        let Some(n) = &self.neighbours else {
             return;
         };
         row(
@@ -504,6 +510,22 @@ impl Report {
                 n.noisy_goodput_fraction
             ),
         );
+        for beside in &n.quiet_beside_noisy_gaps {
+            let alone = n
+                .quiet_alone_gaps
+                .iter()
+                .find(|gap| gap.between == beside.between);
+            row(
+                out,
+                &format!("neighbours: quiet {}", beside.between),
+                format!(
+                    "mean {:.0} ms (alone {}), max {:.0} ms",
+                    beside.mean_ms,
+                    alone.map_or_else(|| "-".to_owned(), |gap| format!("{:.0}", gap.mean_ms)),
+                    beside.max_ms
+                ),
+            );
+        }
     }
 
     /// Memory: each binary's resident memory at idle and at its peak.

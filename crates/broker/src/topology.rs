@@ -259,8 +259,8 @@ pub async fn delete_all(
     Ok(())
 }
 
-/// A private, auto-deleted queue, bound to the status exchange with
-/// `routing_key` if given (`order.<id>` for one order, `order.*` for all),
+/// A private, auto-deleted queue, bound to the status exchange with each of
+/// `routing_keys` (`order.<id>` for one order, `order.*` for all),
 /// consumed without acknowledgements: how a client follows orders live
 /// (unbound, it serves as an order's `reply_to`). Returns its name too.
 ///
@@ -269,7 +269,7 @@ pub async fn delete_all(
 pub async fn status_consumer(
     connection: &Connection,
     settings: &AmqpSettings,
-    routing_key: Option<&str>,
+    routing_keys: &[&str],
 ) -> Result<(String, lapin::Consumer), BrokerError> {
     let timeout = settings.operation_timeout();
     let channel = timed("opening a channel", timeout, connection.create_channel()).await?;
@@ -297,7 +297,7 @@ pub async fn status_consumer(
         ),
     )
     .await?;
-    if let Some(routing_key) = routing_key {
+    for routing_key in routing_keys {
         bind(
             &channel,
             settings,

@@ -30,7 +30,7 @@ impl Watcher {
         let (_, consumer) = topology::status_consumer(
             connection,
             settings,
-            Some(&QueueNames::status_routing_key(order_id)),
+            &[&QueueNames::status_routing_key(order_id)],
         )
         .await?;
         Ok(Self { consumer })

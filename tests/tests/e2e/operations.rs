@@ -367,11 +367,11 @@ async fn with_the_status_exchange_off_status_messages_still_reach_the_order_s_re
     let (connection, publisher) = env.broker().await;
     let settings = env.amqp();
     let (_, mut watched) =
-        sas_broker::topology::status_consumer(&connection, &settings, Some("order.*"))
+        sas_broker::topology::status_consumer(&connection, &settings, &["order.*"])
             .await
             .unwrap();
     let (client_queue, mut client) =
-        sas_broker::topology::status_consumer(&connection, &settings, None)
+        sas_broker::topology::status_consumer(&connection, &settings, &[])
             .await
             .unwrap();
 

@@ -144,7 +144,7 @@ async fn an_unknown_workflow_and_attributes_its_schema_refuses_are_rejected_with
     let _supervisor = env.supervisor(0, &[]);
     let (connection, publisher) = env.broker().await;
     let (client_queue, mut client) =
-        sas_broker::topology::status_consumer(&connection, &env.amqp(), None)
+        sas_broker::topology::status_consumer(&connection, &env.amqp(), &[])
             .await
             .unwrap();
 
