@@ -96,7 +96,7 @@ fn auth_file(env: &TestEnv, name: &str, value: &str) -> String {
 
 /// Starts one agent process serving `names`, with its ops endpoint on a
 /// known port.
-fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[Setting]) -> (Service, u16) {
+async fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[Setting]) -> (Service, u16) {
     let ops = free_port();
     let mut all = vec![
         Setting::AgentName(names.to_owned()),
@@ -105,7 +105,12 @@ fn agent(env: &TestEnv, names: &str, remote_url: &str, vars: &[Setting]) -> (Ser
         Setting::Listen(ops),
     ];
     all.extend(vars.iter().cloned());
-    (env.spawn("agent", "agent-0", &all), ops)
+    let agent = env.spawn("agent", "agent-0", &all);
+    // Ready before a test measures it: a request's start-by, and the lag
+    // of a skewed clock, count from its dispatch, and an agent still
+    // starting on a slow machine would spend them in the queue.
+    sas_tests::wait::wait_ready("the agent", &format!("http://127.0.0.1:{ops}")).await;
+    (agent, ops)
 }
 
 /// The test's reply queue (exclusive: it goes with the connection) and a
@@ -241,7 +246,8 @@ async fn an_agent_calls_remote_sim_over_https_with_a_ca_made_in_the_test_and_the
             Setting::AgentRemoteCaFile(pki.ca.display().to_string()),
             Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer service-secret")),
         ],
-    );
+    )
+    .await;
     let _scheduler = env.scheduler(0, &[]);
     let _supervisor = env.supervisor(0, &[]);
 
@@ -277,7 +283,8 @@ async fn with_the_wrong_ca_the_agent_says_certificate_stays_up_and_applies_nothi
             Setting::AgentRemoteCaFile(wrong_ca.display().to_string()),
             Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer service-secret")),
         ],
-    );
+    )
+    .await;
 
     let request = request(
         "wrong-ca-1",
@@ -332,7 +339,8 @@ async fn a_wrong_bearer_token_is_refused_clearly_and_nothing_is_applied() {
             Setting::AgentRemoteCaFile(pki.ca.display().to_string()),
             Setting::AgentRemoteAuthHeaderFile(auth_file(&env, "auth", "Bearer not-the-token")),
         ],
-    );
+    )
+    .await;
     let mut request = request(
         "token-1",
         StepKind::Action,
@@ -449,7 +457,8 @@ async fn bad_answers_each_get_a_clear_decision_and_nothing_crashes() {
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
         &[Setting::AgentRetryBaseMs(100)],
-    );
+    )
+    .await;
 
     let mut sent = std::collections::HashMap::new();
     for action in ["oversized", "binary", "nul", "empty"] {
@@ -544,7 +553,8 @@ async fn an_agent_whose_clock_runs_two_seconds_behind_never_starts_a_call_after_
             // Keep calling through the 429s: the breaker is not under test.
             Setting::CircuitFailureThreshold(1000),
         ],
-    );
+    )
+    .await;
     // The service keeps answering 429 (nothing applied), so the agent
     // retries until it must stop.
     let request = request(
@@ -797,7 +807,8 @@ async fn an_agent_that_loses_its_broker_connection_drops_the_calls_it_started_fo
             Setting::AgentId(agent_id.clone()),
             Setting::AgentCallTimeoutMs(30000),
         ],
-    );
+    )
+    .await;
     let (connection, publisher) = env.broker().await;
     let (reply_to, _replies) = reply_queue(&env, &connection).await;
     let request = request(
@@ -893,7 +904,8 @@ async fn a_request_whose_start_by_passed_in_the_queue_is_answered_not_started_wi
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
         &[],
-    );
+    )
+    .await;
     let reply = next_reply(&mut replies, Duration::from_secs(20)).await;
     assert_eq!(reply.attempt_id, late.attempt_id);
     match &reply.outcome {
@@ -949,7 +961,8 @@ async fn a_redelivered_request_past_its_start_by_is_never_answered_not_started()
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
         &[],
-    );
+    )
+    .await;
     wait_expired(ops, "the agent to drop the request").await;
     // Silence: the supervisor counts a failure and marks the step maybe
     // applied, so an undo covers the earlier delivery's call.
@@ -987,7 +1000,8 @@ async fn a_request_without_start_by_is_never_answered_not_started() {
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
         &[],
-    );
+    )
+    .await;
     wait_expired(ops, "the agent to drop the request").await;
     let reply = tokio::time::timeout(Duration::from_millis(500), replies.next()).await;
     assert!(
@@ -1039,7 +1053,8 @@ async fn call_order(waiting: &[(&str, StepKind, &str, Option<u8>)]) -> Vec<Strin
             Setting::AgentConcurrency(1),
             Setting::AgentCallTimeoutMs(30_000),
         ],
-    );
+    )
+    .await;
     let (connection, publisher) = env.broker().await;
     let (reply_to, mut replies) = reply_queue(&env, &connection).await;
     let step = |order_id: &str, kind: StepKind, action: &str| {
@@ -1189,7 +1204,8 @@ async fn an_action_answered_with_65000_bytes_of_json_fails_for_good_at_once_as_m
         "payment",
         &format!("http://127.0.0.1:{port}/big"),
         &[Setting::AgentRetryBaseMs(100)],
-    );
+    )
+    .await;
     let request = request(
         "big-1",
         StepKind::Action,
@@ -1245,7 +1261,8 @@ async fn a_404_to_an_undo_is_a_refusal_naming_the_route_never_nothing_to_undo() 
         "payment",
         &format!("http://127.0.0.1:{port}/bad"),
         &[],
-    );
+    )
+    .await;
     // The bad remote has no such route: its fallback answers 404.
     let undo = request(
         "undo-404",

@@ -19,11 +19,22 @@ async fn a_remote_s_retry_after_pauses_its_lane_without_a_failure_and_orders_kee
     let (_sim_process, sim) = env.remote_sim(&[]).await;
     let ops = free_port();
     let _payment = env.agent("payment", 0, &sim, &[Setting::Listen(ops)]);
-    let _inventory = env.agent("inventory", 0, &sim, &[]);
+    let inventory_ops = free_port();
+    let _inventory = env.agent("inventory", 0, &sim, &[Setting::Listen(inventory_ops)]);
     let _shipping = env.agent("shipping", 0, &sim, &[]);
-    let _scheduler = env.scheduler(0, &[]);
+    let scheduler_ops = free_port();
+    let _scheduler = env.scheduler(0, &[Setting::Listen(scheduler_ops)]);
     let _supervisor = env.supervisor(0, &[]);
     let (_connection, publisher) = env.broker().await;
+    // Every reservation must land within the pause: the services' start,
+    // slow on a loaded machine, must not count against it.
+    for (what, port) in [
+        ("the scheduler", scheduler_ops),
+        ("the inventory agent", inventory_ops),
+        ("the payment agent", ops),
+    ] {
+        sas_tests::wait::wait_ready(what, &format!("http://127.0.0.1:{port}")).await;
+    }
 
     let throttle = Duration::from_secs(5);
     sim.throttle("payment", throttle.as_millis() as u64)

@@ -665,21 +665,6 @@ async fn events_by_business_key_reach_the_order_waiting_with_it_before_or_after_
     let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
     let (_connection, publisher) = env.broker().await;
 
-    // Before any order has invoice INV-2, a provider's webhook through the
-    // gateway: kept by key.
-    let answer = sas_tests::http_client()
-        .post(format!("{base}/v1/correlation-keys/INV-2/events"))
-        .bearer_auth(super::gateway::SECRET)
-        .json(&serde_json::json!({ "schema_version": 1, "name": "settled", "event_id": "psp-2", "data": { "by": "psp" } }))
-        .send()
-        .await
-        .expect("the gateway answers");
-    assert_eq!(answer.status(), reqwest::StatusCode::ACCEPTED);
-    let accepted: serde_json::Value = answer.json().await.unwrap();
-    assert_eq!(
-        accepted,
-        serde_json::json!({ "correlation_key": "INV-2", "event_id": "psp-2" })
-    );
     // Order 1 parks at its settlement; its event comes by key, twice.
     env.publish_order(&publisher, &invoiced("key-1", "INV-1"))
         .await;
@@ -714,6 +699,23 @@ async fn events_by_business_key_reach_the_order_waiting_with_it_before_or_after_
         },
     )
     .await;
+    // Before any order has invoice INV-2, a provider's webhook through the
+    // gateway: kept by key (for the 3 s this test's schedulers keep an
+    // event nobody waits for: sent just before order 2, whose intake,
+    // reservation and parking fit in them, not before order 1's whole run).
+    let answer = sas_tests::http_client()
+        .post(format!("{base}/v1/correlation-keys/INV-2/events"))
+        .bearer_auth(super::gateway::SECRET)
+        .json(&serde_json::json!({ "schema_version": 1, "name": "settled", "event_id": "psp-2", "data": { "by": "psp" } }))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status(), reqwest::StatusCode::ACCEPTED);
+    let accepted: serde_json::Value = answer.json().await.unwrap();
+    assert_eq!(
+        accepted,
+        serde_json::json!({ "correlation_key": "INV-2", "event_id": "psp-2" })
+    );
     // Order 2 parks after its event came: the next claim gives it over.
     env.publish_order(&publisher, &invoiced("key-2", "INV-2"))
         .await;
