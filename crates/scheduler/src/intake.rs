@@ -168,6 +168,13 @@ impl Scheduler {
             Intake::Accepted(progress) => {
                 metrics::counter!("sas_orders_received_total").increment(1);
                 tracing::info!(order_id = %order.order_id, trace_id = %trace_id, redelivered = delivery.redelivered, "order received");
+                if progress.dispatches.is_empty() && self.tenancy.is_configured() {
+                    // It joined a line (or parked): with tenants, a claim
+                    // lets it pass a full limit now if its tenant has
+                    // nothing in flight there (the store's `Head::fresh`),
+                    // rather than after the next round of replies.
+                    self.claim_wake.notify_one();
+                }
                 match self.announce(Some(publisher), &progress).await {
                     Ok(()) => {
                         let keep = std::time::Duration::from_secs(

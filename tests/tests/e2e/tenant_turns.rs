@@ -67,15 +67,17 @@ async fn processed(env: &TestEnv, tenant: &str) -> i64 {
     .unwrap()
 }
 
-/// A slow system (remote-sim at `latency_ms` a call, one agent process of
-/// one call at a time per queue) whose scheduler reads `tenancy` (a
-/// tenancy file's text) and keeps each agent's limit at `limit`.
-async fn slow_system(
+/// A slow system (remote-sim at `latency_ms` a call) whose scheduler reads
+/// `tenancy` (a tenancy file's text) and keeps each agent's limit at
+/// `limit`, up to `ceiling`, and no agent yet: a test stores its orders
+/// first, so that what it measures is the order the lines serve them in,
+/// not how fast it published them. No supervisor adapts the limits.
+async fn slow_scheduler(
     env: &TestEnv,
     tenancy: &str,
     latency_ms: u64,
-    limit: u32,
-) -> Vec<sas_tests::process::Service> {
+    (limit, ceiling): (u32, u32),
+) -> (Vec<sas_tests::process::Service>, sas_tests::sim::SimClient) {
     let file = std::env::temp_dir().join(format!("{}-turns.toml", env.id));
     std::fs::write(&file, tenancy).unwrap();
     let (sim_process, sim) = env.remote_sim(&[]).await;
@@ -85,18 +87,24 @@ async fn slow_system(
     )
     .await
     .expect("slow the remote");
-    let mut processes = env.agents(1, &sim, &[Setting::AgentConcurrency(1)]);
-    processes.push(sim_process);
-    processes.push(env.scheduler(
-        0,
-        &[
-            Setting::SchedulerTenancyFile(file.display().to_string()),
-            Setting::AmqpDelegatingUsers(env.amqp().user().expect("a broker user")),
-            Setting::SchedulerAdmissionInitial(limit),
-            Setting::SchedulerAdmissionCeiling(limit),
-        ],
-    ));
-    processes
+    let processes = vec![
+        sim_process,
+        env.scheduler(
+            0,
+            &[
+                Setting::SchedulerTenancyFile(file.display().to_string()),
+                Setting::AmqpDelegatingUsers(env.amqp().user().expect("a broker user")),
+                Setting::SchedulerAdmissionInitial(limit),
+                Setting::SchedulerAdmissionCeiling(ceiling),
+            ],
+        ),
+    ];
+    (processes, sim)
+}
+
+/// One agent process of one call at a time per queue.
+fn slow_agents(env: &TestEnv, sim: &sas_tests::sim::SimClient) -> Vec<sas_tests::process::Service> {
+    env.agents(1, sim, &[Setting::AgentConcurrency(1)])
 }
 
 /// Waits until at least `n` orders are stored: in the agents' lines, or
@@ -124,11 +132,11 @@ async fn a_quiet_tenant_takes_the_next_turn_past_a_busy_tenants_burst() {
     // A burst meant to fill the lines for seconds: alone on the machine, so
     // that what is measured is the lines' order, not CPU contention.
     let env = TestEnv::exclusive(5000).await;
-    let _system = slow_system(
+    let (_system, sim) = slow_scheduler(
         &env,
         "[tenants.a]\nmembers = [\"gateway:a\"]\n[tenants.b]\nmembers = [\"gateway:b\"]\n",
         50,
-        2,
+        (2, 2),
     )
     .await;
     let (_connection, publisher) = env.broker().await;
@@ -146,6 +154,9 @@ async fn a_quiet_tenant_takes_the_next_turn_past_a_busy_tenants_burst() {
     for n in 0..4 {
         publish_as(&env, &publisher, "b", &order(&format!("b-{n}"))).await;
     }
+    // Every order in line before any is served.
+    stored(&env, i64::from(burst) + 5).await;
+    let _agents = slow_agents(&env, &sim);
     wait_until(
         "b's orders and a's urgent order processed",
         Duration::from_secs(60),
@@ -182,12 +193,12 @@ async fn a_quiet_tenant_takes_the_next_turn_past_a_busy_tenants_burst() {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_busy_tenants_take_turns_by_weight() {
     let env = TestEnv::exclusive(5000).await;
-    let _system = slow_system(
+    let (_system, sim) = slow_scheduler(
         &env,
         "[tenants.heavy]\nmembers = [\"gateway:heavy\"]\nweight = 3\n\
          [tenants.light]\nmembers = [\"gateway:light\"]\n",
         40,
-        1,
+        (1, 1),
     )
     .await;
     let (_connection, publisher) = env.broker().await;
@@ -201,6 +212,7 @@ async fn two_busy_tenants_take_turns_by_weight() {
         publish_as(&env, &publisher, "heavy", &order(&format!("h-{n}"))).await;
     }
     stored(&env, 121).await;
+    let _agents = slow_agents(&env, &sim);
     env.wait_for_count(ProcessState::Processed, 121, Duration::from_secs(120))
         .await;
     // The order in which inventory's line was served: its first attempts.
@@ -225,6 +237,69 @@ async fn two_busy_tenants_take_turns_by_weight() {
     assert!(
         (26..=34).contains(&heavy),
         "{heavy} of the first 40 served were heavy's: {served:?}"
+    );
+}
+
+/// A limit full of one tenant's work, and room under the cap: another
+/// tenant's order, with nothing in flight at the agent, passes the limit at
+/// once (the agent will give it the next call slot before the busy
+/// tenant's requests it holds), rather than waiting in line for a reply to
+/// free room and then at the agent for the round after. The busy tenant's
+/// next order waits for room, as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_with_nothing_in_flight_passes_a_limit_full_of_another_tenants_work() {
+    let env = TestEnv::new().await;
+    let (_system, sim) = slow_scheduler(
+        &env,
+        "[tenants.a]\nmembers = [\"gateway:a\"]\n[tenants.b]\nmembers = [\"gateway:b\"]\n",
+        1000,
+        (1, 10),
+    )
+    .await;
+    // No supervisor measures the agents here: the cap, which the
+    // supervisors set every window, is set by hand (0 lets nothing pass).
+    wait_until("inventory registered", Duration::from_secs(20), || async {
+        let updated = sqlx::query("UPDATE admission SET admit_cap = 10 WHERE agent = 'inventory'")
+            .execute(&env.db)
+            .await
+            .map_err(|e| e.to_string())?
+            .rows_affected();
+        (updated == 1).then_some(()).ok_or("not yet".to_owned())
+    })
+    .await;
+    let _agents = slow_agents(&env, &sim);
+    let (_connection, publisher) = env.broker().await;
+    for n in 0..4 {
+        publish_as(&env, &publisher, "a", &order(&format!("a-{n}"))).await;
+    }
+    stored(&env, 4).await;
+    publish_as(&env, &publisher, "b", &order("b-0")).await;
+    env.wait_for_count(ProcessState::Processed, 5, Duration::from_secs(60))
+        .await;
+    let at = |order_id: &'static str, event: &'static str| {
+        let db = env.db.clone();
+        async move {
+            sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+                "SELECT min(at) FROM history
+                  WHERE order_id = $1 AND event = $2 AND step = 'reserve_stock'",
+            )
+            .bind(order_id)
+            .bind(event)
+            .fetch_one(&db)
+            .await
+            .unwrap()
+        }
+    };
+    let first_reserved = at("a-0@a", "step_completed").await;
+    let b_dispatched = at("b-0@b", "dispatched").await;
+    let a_next = at("a-1@a", "dispatched").await;
+    assert!(
+        b_dispatched < first_reserved,
+        "b's order started at {b_dispatched}, after a's first reservation ended at {first_reserved}: it waited in line"
+    );
+    assert!(
+        a_next >= first_reserved,
+        "a's second order started at {a_next}, before its first reservation ended at {first_reserved}: a busy tenant passed its own limit"
     );
 }
 

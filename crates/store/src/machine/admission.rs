@@ -333,6 +333,22 @@ pub const UNDO_LEVEL: i16 = 10;
 /// order, so the line's order is kept, aging included: an order that has
 /// waited long enough to stand before urgent ones holds them back until
 /// the limit has room for it.
+///
+/// Tenants pass the same way ([`Head::fresh`]): an agent hands the
+/// requests it holds to its call slots in the order of their tenants'
+/// turns (the agent's `turns`), so a request of a tenant with nothing in
+/// flight there stands behind the calls and the more urgent levels only,
+/// not behind another tenant's backlog held at the agent. Held back at the
+/// limit instead, it would wait for a round of replies to free room, and
+/// then, reaching the agent just after those replies' slots were taken
+/// again by what the agent held, for another round (the noisy-neighbour
+/// phase's quiet tenant, docs/performance.md). Such a head passes while
+/// fewer than the limit are in flight at levels above its own, under the
+/// cap, also from behind a head that must wait (that one waits for its own
+/// tenant's work, which the fresh head does not stand behind at the
+/// agent); each tenant passes one attempt so (its next has one ahead of
+/// it). The scheduler claims as soon as an order joins a line while
+/// tenants are configured, so that it passes then, not at the next reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Levels {
     /// `at_or_above[l]`: attempts in flight at level `l` or above.
@@ -365,19 +381,61 @@ impl Levels {
     /// ones admitted as in flight, and returns how many there are. Stops at
     /// the first that does not fit: the ones behind it wait behind it.
     pub fn admit(&mut self, limit: i32, room: i64, candidates: &[i16]) -> usize {
-        let mut admitted = 0;
-        for &level in candidates {
-            let level = level.clamp(0, UNDO_LEVEL) as usize;
-            if admitted as i64 >= room || self.at_or_above[level] >= i64::from(limit) {
+        let heads: Vec<Head> = candidates
+            .iter()
+            .map(|&level| Head {
+                level,
+                fresh: false,
+            })
+            .collect();
+        self.admit_heads(limit, room, &heads).len()
+    }
+
+    /// [`Levels::admit`] for heads that may be [`Head::fresh`], returning
+    /// the indices of those admitted. A head that is not fresh fits while
+    /// fewer than `limit` are in flight at its level or above, and only
+    /// until one such head does not fit: the ones behind it wait behind it,
+    /// in line order. A fresh head fits while fewer than `limit` are in
+    /// flight at levels above its own (what stands before it at the agent),
+    /// even behind a head that did not fit: that one waits for its own
+    /// tenant's work, which the fresh head does not stand behind at the
+    /// agent. All under `room`.
+    pub fn admit_heads(&mut self, limit: i32, room: i64, candidates: &[Head]) -> Vec<usize> {
+        let mut admitted = Vec::new();
+        let mut blocked = false;
+        for (index, head) in candidates.iter().enumerate() {
+            if admitted.len() as i64 >= room {
                 break;
+            }
+            let level = head.level.clamp(0, UNDO_LEVEL) as usize;
+            let fits = if head.fresh {
+                self.at_or_above.get(level + 1).copied().unwrap_or(0) < i64::from(limit)
+            } else {
+                !blocked && self.at_or_above[level] < i64::from(limit)
+            };
+            if !fits {
+                blocked |= !head.fresh;
+                continue;
             }
             for slot in &mut self.at_or_above[..=level] {
                 *slot += 1;
             }
-            admitted += 1;
+            admitted.push(index);
         }
         admitted
     }
+}
+
+/// A head of a full line, as [`Levels::admit_heads`] weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    /// Its order's priority, or [`UNDO_LEVEL`] for an undo.
+    pub level: i16,
+    /// It took a turn in the line (tenants are configured), and it is the
+    /// first head of a tenant with nothing in flight at the agent: the
+    /// agent will hand it the next free call slot before every other
+    /// tenant's request it holds at its level.
+    pub fresh: bool,
 }
 
 #[cfg(test)]
@@ -598,6 +656,47 @@ mod tests {
         assert_eq!(levels.most(7), 7);
         assert_eq!(levels.admit(7, 100, &[UNDO_LEVEL; 9]), 7);
         assert_eq!(levels.most(7), 0);
+    }
+
+    #[test]
+    fn a_tenant_with_nothing_in_flight_passes_a_limit_full_of_another_tenants_work() {
+        let head = |level, fresh| Head { level, fresh };
+        // 8 attempts of priority 5 in flight (a busy tenant's) under a
+        // limit of 8.
+        let mut levels = Levels::new([(5, 8)]);
+        // A quiet tenant's head passes; the busy tenant's behind it waits,
+        // and so does what stands behind that.
+        assert_eq!(
+            levels.admit_heads(8, 100, &[head(5, true), head(5, false), head(5, false)]),
+            [0]
+        );
+        // Also from behind the busy tenant's head, which waits for its own
+        // tenant's work; the busy tenant's next heads keep waiting.
+        assert_eq!(
+            levels.admit_heads(8, 100, &[head(5, false), head(5, true), head(5, false)]),
+            [1]
+        );
+        // Under the cap only.
+        assert_eq!(
+            levels.admit_heads(8, 0, &[head(5, true)]),
+            Vec::<usize>::new()
+        );
+        assert_eq!(
+            levels.admit_heads(8, 1, &[head(5, true), head(5, true)]),
+            [0]
+        );
+        // Not past a limit full of more urgent work: that stands before it
+        // at the agent too.
+        let mut urgent = Levels::new([(9, 8)]);
+        assert!(urgent.admit_heads(8, 100, &[head(5, true)]).is_empty());
+        assert_eq!(urgent.admit_heads(8, 100, &[head(9, true)]), [0]);
+        // Undos take turns among themselves as well: a limit full of one
+        // tenant's undos lets another tenant's first undo pass.
+        let mut undos = Levels::new([(UNDO_LEVEL, 8), (5, 40)]);
+        assert!(undos
+            .admit_heads(8, 100, &[head(UNDO_LEVEL, false)])
+            .is_empty());
+        assert_eq!(undos.admit_heads(8, 100, &[head(UNDO_LEVEL, true)]), [0]);
     }
 
     #[test]

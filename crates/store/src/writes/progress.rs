@@ -18,7 +18,7 @@ use super::apply::{transition, Decided, Slots};
 use super::key_room::{read_key_line, KeyRead};
 use super::Writes;
 use crate::admission::IN_FLIGHT;
-use crate::machine::admission::{Levels, UNDO_LEVEL};
+use crate::machine::admission::{Head, Levels, UNDO_LEVEL};
 use crate::machine::concurrency::KeyLimits;
 use crate::machine::{Event, Verdict};
 use crate::model::Progress;
@@ -40,33 +40,37 @@ struct Line {
 
 /// The heads of `line`, whose limit is full, that may pass it, at most
 /// `left` ([`Levels`]): each at a level (its order's priority, or an
-/// undo's) with fewer than the limit in flight at that level or above,
-/// under the cap. Reads the heads first, and locks only those that pass
-/// (each still in the line: a head that left it meanwhile, or that another
-/// transaction holds, is not started).
+/// undo's) with fewer than the limit in flight at that level or above, or,
+/// the first of a tenant with nothing in flight at the agent in a line
+/// that takes turns, above it ([`Head::fresh`]); under the cap. Reads the
+/// heads first, and locks only those that pass (each still in the line: a
+/// head that left it meanwhile, or that another transaction holds, is not
+/// started).
 async fn urgent_heads(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     line: &Line,
     left: i64,
 ) -> Result<Vec<String>, StoreError> {
-    let in_flight: Vec<(i16, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+    let in_flight: Vec<(i16, String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT (CASE op.state WHEN 'compensating' THEN {UNDO_LEVEL} ELSE op.priority END)::int2,
-                count(*)::int8
+                sas_tenant_of(op.order_id), count(*)::int8
          {IN_FLIGHT} AND s.agent = $1
-          GROUP BY 1"
+          GROUP BY 1, 2"
     )))
     .bind(&line.agent)
     .fetch_all(&mut **tx)
     .await?;
-    let mut levels = Levels::new(in_flight);
+    let mut levels = Levels::new(in_flight.iter().map(|(level, _, count)| (*level, *count)));
+    let mut busy: HashSet<String> = in_flight.into_iter().map(|(_, tenant, _)| tenant).collect();
     let room = i64::from(line.admit_cap - line.in_flight).min(left);
-    let most = levels.most(line.admit_limit).min(room).min(PASSING_AT_ONCE);
+    let most = room.min(PASSING_AT_ONCE);
     if most <= 0 {
         return Ok(Vec::new());
     }
-    let heads: Vec<(String, i16)> = sqlx::query_as(AssertSqlSafe(format!(
+    let heads: Vec<(String, i16, String, bool)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT order_id,
-                (CASE state WHEN 'compensating' THEN {UNDO_LEVEL} ELSE priority END)::int2
+                (CASE state WHEN 'compensating' THEN {UNDO_LEVEL} ELSE priority END)::int2,
+                sas_tenant_of(order_id), turn IS NOT NULL
            FROM order_process
           WHERE waiting_for = $1 AND not_before <= now()
           ORDER BY admit_key
@@ -76,15 +80,23 @@ async fn urgent_heads(
     .bind(most)
     .fetch_all(&mut **tx)
     .await?;
-    let candidates: Vec<i16> = heads.iter().map(|(_, level)| *level).collect();
-    let passing = levels.admit(line.admit_limit, room, &candidates);
-    if passing == 0 {
+    // Only a tenant's first head may be fresh: the next has that one ahead
+    // of it.
+    let candidates: Vec<Head> = heads
+        .iter()
+        .map(|(_, level, tenant, took_turn)| Head {
+            level: *level,
+            fresh: *took_turn && busy.insert(tenant.clone()),
+        })
+        .collect();
+    let passing: Vec<&str> = levels
+        .admit_heads(line.admit_limit, room, &candidates)
+        .into_iter()
+        .map(|index| heads[index].0.as_str())
+        .collect();
+    if passing.is_empty() {
         return Ok(Vec::new());
     }
-    let passing: Vec<&str> = heads[..passing]
-        .iter()
-        .map(|(order_id, _)| order_id.as_str())
-        .collect();
     Ok(sqlx::query_scalar(AssertSqlSafe(format!(
         "WITH heads AS (
              SELECT order_id, admit_key, turn FROM order_process
