@@ -135,6 +135,28 @@ impl SimClient {
         Ok(counts)
     }
 
+    /// Waits until the side effect of idempotency key `key` (`<order
+    /// id>:<step>`) is applied: the request reached the remote, so it was
+    /// published, which a row the scheduler committed before publishing
+    /// does not say.
+    ///
+    /// # Panics
+    /// When it is not within 20 s.
+    pub async fn wait_applied(&self, key: &str) {
+        crate::wait_until(
+            &format!("{key} applied at the remote"),
+            std::time::Duration::from_secs(20),
+            || async {
+                let applied = self.applied_per_key().await.map_err(|e| e.to_string())?;
+                applied
+                    .contains_key(key)
+                    .then_some(())
+                    .ok_or_else(|| format!("applied so far: {applied:?}"))
+            },
+        )
+        .await;
+    }
+
     /// Applied side effects per order, as (forward keys, compensation keys),
     /// after asserting that no key was applied twice.
     ///

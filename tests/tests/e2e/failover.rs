@@ -107,18 +107,7 @@ async fn a_request_left_unconfirmed_by_a_lost_connection_is_sent_again_and_done_
     env.publish_order(&publisher, &order("unconfirmed-1")).await;
     // The first request reached its queue and the agent: the reservation is
     // applied, while the scheduler still waits for the request's confirm.
-    wait_until(
-        "the reservation to be applied",
-        Duration::from_secs(20),
-        || async {
-            let applied = sim.applied_per_key().await.map_err(|e| e.to_string())?;
-            applied
-                .contains_key("unconfirmed-1:reserve_stock")
-                .then_some(())
-                .ok_or_else(|| format!("{applied:?}"))
-        },
-    )
-    .await;
+    sim.wait_applied("unconfirmed-1:reserve_stock").await;
     assert!(proxy.confirms_swallowed() > 0, "no confirm was held back");
     proxy.swallow_confirms(false);
     proxy.cut();

@@ -422,18 +422,7 @@ async fn a_dead_lettered_success_reply_is_applied_and_the_order_runs_on() {
     // The reservation reached the remote (applied at once, answered 1.5 s
     // later): its request was published. The order's row alone is stored
     // before that, and a kill then would lose the request, not the reply.
-    wait_until(
-        "the reservation applied at the remote",
-        Duration::from_secs(20),
-        || async {
-            let applied = sim.applied_per_key().await.map_err(|e| e.to_string())?;
-            applied
-                .contains_key("dead-reply:reserve_stock")
-                .then_some(())
-                .ok_or_else(|| format!("{applied:?}"))
-        },
-    )
-    .await;
+    sim.wait_applied("dead-reply:reserve_stock").await;
     scheduler.kill9().await;
     // A consumer of the reply queue that hands the reply back each time:
     // with a delivery limit of 3, the fourth return dead-letters it.
