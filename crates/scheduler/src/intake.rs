@@ -168,8 +168,12 @@ impl Scheduler {
             Intake::Accepted(progress) => {
                 metrics::counter!("sas_orders_received_total").increment(1);
                 tracing::info!(order_id = %order.order_id, trace_id = %trace_id, redelivered = delivery.redelivered, "order received");
-                if progress.dispatches.is_empty() && self.tenancy.is_configured() {
-                    // It joined a line (or parked): with tenants, a claim
+                let parked = progress
+                    .statuses
+                    .iter()
+                    .any(|status| status.event == sas_messages::StatusEvent::Waiting);
+                if progress.dispatches.is_empty() && !parked && self.tenancy.is_configured() {
+                    // It joined a line: with tenants, a claim
                     // lets it pass a full limit now if its tenant has
                     // nothing in flight there (the store's `Head::fresh`),
                     // rather than after the next round of replies.

@@ -343,8 +343,9 @@ pub const UNDO_LEVEL: i16 = 10;
 /// then, reaching the agent just after those replies' slots were taken
 /// again by what the agent held, for another round (the noisy-neighbour
 /// phase's quiet tenant, docs/performance.md). Such a head passes while
-/// fewer than the limit are in flight at levels above its own, under the
-/// cap, also from behind a head that must wait (that one waits for its own
+/// fewer than the limit are in flight at levels above its own and fewer
+/// than twice the limit in all, under the cap, also from behind a head
+/// that must wait (that one waits for its own
 /// tenant's work, which the fresh head does not stand behind at the
 /// agent); each tenant passes one attempt so (its next has one ahead of
 /// it). The scheduler claims as soon as an order joins a line while
@@ -369,8 +370,8 @@ impl Levels {
         Self { at_or_above }
     }
 
-    /// The most heads [`Levels::admit`] could let pass under `limit`: as
-    /// many as undos could.
+    /// The most heads [`Levels::admit`] could let pass under `limit`
+    /// without fresh heads: as many as undos could.
     pub fn most(&self, limit: i32) -> i64 {
         (i64::from(limit) - self.at_or_above[UNDO_LEVEL as usize]).max(0)
     }
@@ -396,10 +397,12 @@ impl Levels {
     /// fewer than `limit` are in flight at its level or above, and only
     /// until one such head does not fit: the ones behind it wait behind it,
     /// in line order. A fresh head fits while fewer than `limit` are in
-    /// flight at levels above its own (what stands before it at the agent),
-    /// even behind a head that did not fit: that one waits for its own
-    /// tenant's work, which the fresh head does not stand behind at the
-    /// agent. All under `room`.
+    /// flight at levels above its own (what stands before it at the agent)
+    /// and fewer than twice `limit` in all (so that many light tenants
+    /// passing together never more than double what the agent holds), even
+    /// behind a head that did not fit: that one waits for its own tenant's
+    /// work, which the fresh head does not stand behind at the agent. A
+    /// fresh head that does not fit stops the rest. All under `room`.
     pub fn admit_heads(&mut self, limit: i32, room: i64, candidates: &[Head]) -> Vec<usize> {
         let mut admitted = Vec::new();
         let mut blocked = false;
@@ -410,12 +413,20 @@ impl Levels {
             let level = head.level.clamp(0, UNDO_LEVEL) as usize;
             let fits = if head.fresh {
                 self.at_or_above.get(level + 1).copied().unwrap_or(0) < i64::from(limit)
+                    && self.at_or_above[0] < 2 * i64::from(limit)
             } else {
                 !blocked && self.at_or_above[level] < i64::from(limit)
             };
-            if !fits {
-                blocked |= !head.fresh;
-                continue;
+            match (fits, head.fresh) {
+                (true, _) => {}
+                // Held back by more urgent work, or by the bound on fresh
+                // passes: it holds back what stands behind it, as an
+                // order that has aged to the front does.
+                (false, true) => break,
+                (false, false) => {
+                    blocked = true;
+                    continue;
+                }
             }
             for slot in &mut self.at_or_above[..=level] {
                 *slot += 1;
@@ -685,14 +696,27 @@ mod tests {
             levels.admit_heads(8, 1, &[head(5, true), head(5, true)]),
             [0]
         );
+        // Light tenants passing together stop at twice the limit in all:
+        // 11 in flight now, so 5 more.
+        assert_eq!(levels.admit_heads(8, 100, &[head(5, true); 9]).len(), 5);
+        // A fresh head held back holds back what stands behind it.
+        let mut aged = Levels::new([(3, 8)]);
+        assert!(aged
+            .admit_heads(8, 100, &[head(2, true), head(9, false)])
+            .is_empty());
         // Not past a limit full of more urgent work: that stands before it
         // at the agent too.
         let mut urgent = Levels::new([(9, 8)]);
         assert!(urgent.admit_heads(8, 100, &[head(5, true)]).is_empty());
         assert_eq!(urgent.admit_heads(8, 100, &[head(9, true)]), [0]);
         // Undos take turns among themselves as well: a limit full of one
-        // tenant's undos lets another tenant's first undo pass.
-        let mut undos = Levels::new([(UNDO_LEVEL, 8), (5, 40)]);
+        // tenant's undos lets another tenant's first undo pass, while
+        // fewer than twice the limit are in flight in all.
+        let mut crowded = Levels::new([(UNDO_LEVEL, 8), (5, 40)]);
+        assert!(crowded
+            .admit_heads(8, 100, &[head(UNDO_LEVEL, true)])
+            .is_empty());
+        let mut undos = Levels::new([(UNDO_LEVEL, 8), (5, 4)]);
         assert!(undos
             .admit_heads(8, 100, &[head(UNDO_LEVEL, false)])
             .is_empty());

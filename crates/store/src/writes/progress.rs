@@ -84,9 +84,12 @@ async fn urgent_heads(
     // of it.
     let candidates: Vec<Head> = heads
         .iter()
-        .map(|(_, level, tenant, took_turn)| Head {
-            level: *level,
-            fresh: *took_turn && busy.insert(tenant.clone()),
+        .map(|(_, level, tenant, took_turn)| {
+            let first = busy.insert(tenant.clone());
+            Head {
+                level: *level,
+                fresh: *took_turn && first,
+            }
         })
         .collect();
     let passing: Vec<&str> = levels
