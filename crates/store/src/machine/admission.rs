@@ -444,8 +444,9 @@ pub struct Head {
     pub level: i16,
     /// It took a turn in the line (tenants are configured), and it is the
     /// first head of a tenant with nothing in flight at the agent: the
-    /// agent will hand it the next free call slot before every other
-    /// tenant's request it holds at its level.
+    /// agent gives its request the head's turn, before the requests it
+    /// holds of tenants with a backlog there at its level (another fresh
+    /// tenant's ties with it, and the two go in arrival order).
     pub fresh: bool,
 }
 
