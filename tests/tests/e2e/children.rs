@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use sas_store::machine::HistoryEvent;
+use sas_store::writes::operator::Resume;
 use sas_store::{ProcessState, StepState};
 use sas_tests::process::System;
 use sas_tests::sim::SimClient;
@@ -414,6 +415,70 @@ async fn a_child_stopped_in_error_is_told_to_its_parent_at_once_and_resumed_the_
     assert!(counts.values().all(|&n| n == 1), "{counts:?}");
     let keys = sim.applied_keys("cs-0").await;
     assert!(!keys.iter().any(|k| k.ends_with(":undo")), "{keys:?}");
+}
+
+/// A child is put back (here resumed) only while its parent waits for it,
+/// and that is read under the child's lock: the transaction that ends a
+/// child holds it, and may tell the parent in the same commit to stop
+/// waiting. The test holds such a transaction open (the child's lock, the
+/// parent's step failed) while an operator resumes the child. Checked
+/// before the lock, as it once was, the parent's step still read
+/// `running`, the child ran again, and its effects had nobody to undo them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_is_not_resumed_past_a_commit_that_ends_its_parent_s_wait() {
+    let env = TestEnv::new().await;
+    let settings = workflows_with(&env, "", "on_failure = \"stop\"\n");
+    let (system, publisher, _connection) = start(&env, &settings, 1, 0).await;
+    system
+        .sim
+        .set_faults(Some("shipping"), faults(1.0, 0))
+        .await
+        .expect("refuse the shipping calls");
+    env.publish_order(&publisher, &parent_order("rc-0")).await;
+    env.wait_for_state("rc-0:fulfil", ProcessState::Error, Duration::from_secs(30))
+        .await;
+    // What the child's last commit would do: hold the child's lock, and end
+    // the parent's wait.
+    let mut ending = env.db.begin().await.expect("a transaction");
+    sqlx::query("SELECT 1 FROM order_process WHERE order_id = 'rc-0:fulfil' FOR UPDATE")
+        .execute(&mut *ending)
+        .await
+        .expect("the child's lock");
+    sqlx::query("UPDATE steps SET state = 'failed' WHERE order_id = 'rc-0' AND name = 'fulfil'")
+        .execute(&mut *ending)
+        .await
+        .expect("the parent's step ends");
+    let store = env.store.clone();
+    let resume = tokio::spawn(async move {
+        store
+            .writes()
+            .resume("rc-0:fulfil", "shipping fixed", "test:ops")
+            .await
+    });
+    sas_tests::wait_until(
+        "the resume to wait for the child's lock",
+        Duration::from_secs(10),
+        || async {
+            let waiting: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                                 WHERE datname = current_database() AND wait_event_type = 'Lock')",
+            )
+            .fetch_one(&env.db)
+            .await
+            .map_err(|e| e.to_string())?;
+            (waiting || resume.is_finished())
+                .then_some(())
+                .ok_or_else(|| "not yet".to_owned())
+        },
+    )
+    .await;
+    ending.commit().await.expect("commit");
+    let outcome = resume.await.expect("the resume task").expect("the resume");
+    match outcome {
+        Resume::NotResumable(why) => assert!(why.contains("which no longer waits for it"), "{why}"),
+        other => panic!("the child was put back after its parent stopped waiting: {other:?}"),
+    }
+    assert_eq!(env.state_of("rc-0:fulfil").await, Some(ProcessState::Error));
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -30,7 +30,7 @@ use crate::machine::{decide, Context, Decision, Event, ProcessRow, Snapshot};
 use crate::step_columns::{step_select, BESIDE_ORDER};
 use crate::{Store, StoreError};
 
-/// How many times [`Writes::transition_one`] runs a transaction Postgres
+/// How many times [`run_again_if_rolled_back`] runs a transaction Postgres
 /// rolled back (a deadlock) before it answers with the failure.
 const ROLLBACK_TRIES: u32 = 3;
 
@@ -261,20 +261,7 @@ impl Writes<'_> {
         event: &Event<'_>,
         actor: &str,
     ) -> Result<Option<Decided>, StoreError> {
-        // A transaction Postgres rolled back as a deadlock (a cascade to a
-        // child or a parent meeting another transaction that locked them
-        // the other way round, see `children`) wrote nothing: run again,
-        // a few times, before answering that the database failed.
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match self.transition_once(order_id, event, actor).await {
-                Err(error) if error.is_rolled_back() && tries < ROLLBACK_TRIES => {
-                    tracing::debug!(order_id, error = %error, "transition rolled back; running it again");
-                }
-                outcome => return outcome,
-            }
-        }
+        run_again_if_rolled_back(order_id, || self.transition_once(order_id, event, actor)).await
     }
 
     /// One try of [`Writes::transition_one`].
@@ -296,6 +283,34 @@ impl Writes<'_> {
         .await?;
         tx.commit().await?;
         Ok(decided.into_iter().next())
+    }
+}
+
+/// Runs `once` (a transaction of its own on `order_id`) again when
+/// Postgres rolled it back as a deadlock, a few times, before answering
+/// that the database failed. A rolled-back transaction wrote nothing; a
+/// cascade to a child or a parent can meet another transaction that locked
+/// them the other way round (see `children`).
+///
+/// # Errors
+/// The last try's failure.
+pub(crate) async fn run_again_if_rolled_back<T, F, Fut>(
+    order_id: &str,
+    mut once: F,
+) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match once().await {
+            Err(error) if error.is_rolled_back() && tries < ROLLBACK_TRIES => {
+                tracing::debug!(order_id, error = %error, "transaction rolled back; running it again");
+            }
+            outcome => return outcome,
+        }
     }
 }
 

@@ -5,7 +5,9 @@
 use sas_messages::AttemptId;
 use serde::Serialize;
 
-use super::apply::Decided;
+use sqlx::PgConnection;
+
+use super::apply::{run_again_if_rolled_back, transition, Decided, Slots};
 use super::Writes;
 use crate::machine::{Event, ResubmitAction, Verdict};
 use crate::model::{ProcessState, Progress};
@@ -157,14 +159,13 @@ impl Writes<'_> {
     /// # Errors
     /// When the database fails.
     pub async fn resubmit(self, order_id: &str, actor: &str) -> Result<Resubmit, StoreError> {
-        if let Some(why) = self.child_put_back_refusal(order_id).await? {
-            return Ok(Resubmit::NotResubmittable(why));
-        }
-        let earlier = self.put_back_before(order_id).await?;
-        let event = Event::Resubmitted { earlier };
-        Ok(match self.transition_one(order_id, &event, actor).await? {
-            None => Resubmit::NotFound,
-            Some(Decided { decision, .. }) => match decision.verdict {
+        let decided = self
+            .put_back(order_id, actor, |earlier| Event::Resubmitted { earlier })
+            .await?;
+        Ok(match decided {
+            Err(why) => Resubmit::NotResubmittable(why),
+            Ok(None) => Resubmit::NotFound,
+            Ok(Some(Decided { decision, .. })) => match decision.verdict {
                 Verdict::Resubmitted(what) => Resubmit::Resubmitted {
                     what,
                     fresh_keys: decision
@@ -183,44 +184,51 @@ impl Writes<'_> {
         })
     }
 
-    /// Why child order `order_id` may not be put back (resubmitted or
-    /// resumed): its parent's step no longer waits for it (the parent took
-    /// its end and went on, or started another child), so that running it
-    /// again would leave effects nobody undoes. `None` for an order no step
-    /// started, or one its parent still waits for (running, or undoing it).
+    /// Puts `order_id` back into its workflow (the event `event` makes of
+    /// how many times an operator did before) in one transaction, run
+    /// again if Postgres rolled it back as a deadlock. `Err` says why a
+    /// child may not be put back ([`child_put_back_refusal`]); `Ok(None)`:
+    /// no such order.
+    ///
+    /// The order's own lock is taken first, and its parent's step read
+    /// under it: every transaction that ends a child, and so may tell its
+    /// parent to stop waiting for it, holds the child's lock; read before
+    /// that lock, a parent's step could say "waits" while the child's last
+    /// undo was being committed, and the child would run again with nobody
+    /// left to undo it.
     ///
     /// # Errors
     /// When the database fails.
-    async fn child_put_back_refusal(self, order_id: &str) -> Result<Option<String>, StoreError> {
-        let link: Option<(String, String, String, String)> = sqlx::query_as(
-            "SELECT c.parent_order_id, c.step, s.idempotency_key, s.state::text
-               FROM order_children c
-               JOIN steps s ON s.order_id = c.parent_order_id AND s.name = c.step
-              WHERE c.child_order_id = $1",
-        )
-        .bind(order_id)
-        .fetch_optional(self.pool())
-        .await?;
-        let Some((parent, step, key, state)) = link else {
-            return Ok(None);
-        };
-        let current = crate::machine::child::child_of_key(&parent.as_str().into(), &step, &key);
-        let waits =
-            current.as_str() == order_id && matches!(state.as_str(), "running" | "compensating");
-        Ok((!waits).then(|| format!(
-            "order {order_id} was started by step {step} of order {parent}, which no longer waits for it: run again, it would leave effects nobody undoes; resubmit or resume {parent} instead, which starts a new child"
-        )))
-    }
-
-    /// How many times an operator put the order back before (resubmitted
-    /// or resumed): a fresh key of the next generation is one never sent.
-    async fn put_back_before(self, order_id: &str) -> Result<i64, StoreError> {
-        Ok(sqlx::query_scalar(
-            "SELECT count(*) FROM history WHERE order_id = $1 AND event IN ('resubmitted', 'resumed')",
-        )
-        .bind(order_id)
-        .fetch_one(self.pool())
-        .await?)
+    async fn put_back<'e>(
+        self,
+        order_id: &str,
+        actor: &str,
+        event: impl Fn(i64) -> Event<'e>,
+    ) -> Result<Result<Option<Decided>, String>, StoreError> {
+        run_again_if_rolled_back(order_id, || async {
+            let mut tx = self.pool().begin().await?;
+            sqlx::query("SELECT 1 FROM order_process WHERE order_id = $1 FOR UPDATE")
+                .bind(order_id)
+                .execute(&mut *tx)
+                .await?;
+            if let Some(why) = child_put_back_refusal(&mut tx, order_id).await? {
+                return Ok(Err(why));
+            }
+            let earlier = put_back_before(&mut tx, order_id).await?;
+            let event = event(earlier);
+            let decided = transition(
+                &mut tx,
+                self.store,
+                &[order_id],
+                actor,
+                Slots::Check,
+                |_| event,
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(Ok(decided.into_iter().next()))
+        })
+        .await
     }
 
     /// Resumes an order stopped in `error` from the step that failed, once
@@ -235,14 +243,16 @@ impl Writes<'_> {
         reason: &str,
         actor: &str,
     ) -> Result<Resume, StoreError> {
-        if let Some(why) = self.child_put_back_refusal(order_id).await? {
-            return Ok(Resume::NotResumable(why));
-        }
-        let earlier = self.put_back_before(order_id).await?;
-        let event = Event::Resumed { reason, earlier };
-        Ok(match self.transition_one(order_id, &event, actor).await? {
-            None => Resume::NotFound,
-            Some(Decided { decision, .. }) => match decision.verdict {
+        let decided = self
+            .put_back(order_id, actor, |earlier| Event::Resumed {
+                reason,
+                earlier,
+            })
+            .await?;
+        Ok(match decided {
+            Err(why) => Resume::NotResumable(why),
+            Ok(None) => Resume::NotFound,
+            Ok(Some(Decided { decision, .. })) => match decision.verdict {
                 Verdict::Resumed { from, key_kept } => Resume::Resumed { from, key_kept },
                 Verdict::Refused(state) => Resume::NotStopped(state),
                 Verdict::NotResumable(why) => Resume::NotResumable(why),
@@ -280,4 +290,49 @@ impl Writes<'_> {
             },
         })
     }
+}
+
+/// Why child order `order_id` may not be put back (resubmitted or
+/// resumed): its parent's step no longer waits for it (the parent took its
+/// end and went on, or started another child), so that running it again
+/// would leave effects nobody undoes. `None` for an order no step started,
+/// or one its parent still waits for (running, or undoing it). Read in the
+/// caller's transaction, under the child's lock (see [`Writes::put_back`]).
+///
+/// # Errors
+/// When the database fails.
+async fn child_put_back_refusal(
+    conn: &mut PgConnection,
+    order_id: &str,
+) -> Result<Option<String>, StoreError> {
+    let link: Option<(String, String, String, String)> = sqlx::query_as(
+        "SELECT c.parent_order_id, c.step, s.idempotency_key, s.state::text
+           FROM order_children c
+           JOIN steps s ON s.order_id = c.parent_order_id AND s.name = c.step
+          WHERE c.child_order_id = $1",
+    )
+    .bind(order_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some((parent, step, key, state)) = link else {
+        return Ok(None);
+    };
+    let current = crate::machine::child::child_of_key(&parent.as_str().into(), &step, &key);
+    let waits =
+        current.as_str() == order_id && matches!(state.as_str(), "running" | "compensating");
+    Ok((!waits).then(|| format!(
+        "order {order_id} was started by step {step} of order {parent}, which no longer waits for it: run again, it would leave effects nobody undoes; resubmit or resume {parent} instead, which starts a new child"
+    )))
+}
+
+/// How many times an operator put the order back before (resubmitted or
+/// resumed): a fresh key of the next generation is one never sent. Read
+/// under the order's lock, so two operators never count the same.
+async fn put_back_before(conn: &mut PgConnection, order_id: &str) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM history WHERE order_id = $1 AND event IN ('resubmitted', 'resumed')",
+    )
+    .bind(order_id)
+    .fetch_one(&mut *conn)
+    .await?)
 }
