@@ -21,10 +21,8 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use sas_broker::publish::{json_properties, order_headers, Outgoing};
 use sas_messages::SubmitOrder;
-use sas_store::machine::child::child_order_id;
-use sas_store::machine::kind::Kind;
 use sas_store::machine::StepRow;
-use sas_store::reads::queries::OrderSummary;
+use sas_store::reads::queries::{ChildLink, OrderSummary};
 use sas_store::ProcessState;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -100,7 +98,14 @@ pub struct OrderStatusView {
 }
 
 impl OrderStatusView {
-    fn new(summary: &OrderSummary, steps: &[StepRow], parent: Option<&str>) -> Self {
+    /// The view of an order, its parent (if a child step started it) and
+    /// the children its steps started, oldest first.
+    fn new(
+        summary: &OrderSummary,
+        steps: &[StepRow],
+        parent: Option<&str>,
+        children: &[ChildLink],
+    ) -> Self {
         let outcome = match summary.state {
             ProcessState::Processed => Some("processed"),
             ProcessState::Compensated => Some("compensated"),
@@ -121,14 +126,13 @@ impl OrderStatusView {
                     name: step.name.clone(),
                     state: step.state.as_str().to_owned(),
                     attempts: step.attempt,
-                    child_order_id: match step.kind() {
-                        Kind::Child { .. } if step.attempt > 0 => {
-                            let parent = summary.order_id.as_str().into();
-                            let child = child_order_id(&parent, step);
-                            Some(child.client_id().to_owned())
-                        }
-                        _ => None,
-                    },
+                    // The step's latest child: a resubmitted parent's step
+                    // starts a new one.
+                    child_order_id: children
+                        .iter()
+                        .rev()
+                        .find(|child| child.step == step.name)
+                        .map(|child| sas_messages::ids::client_id(&child.order_id).to_owned()),
                 })
                 .collect(),
             parent_order_id: parent.map(|id| sas_messages::ids::client_id(id).to_owned()),
@@ -536,12 +540,14 @@ pub async fn status(
             }
             return match status {
                 Some((summary, steps)) => {
-                    let parent = match gateway.store.reads().parent_of(&stored_id).await {
-                        Ok(parent) => parent,
+                    let reads = gateway.store.reads();
+                    let links = tokio::try_join!(reads.parent_of(&stored_id), reads.children_of(&stored_id));
+                    let (parent, children) = match links {
+                        Ok(links) => links,
                         Err(error) => return store_unavailable(&error),
                     };
                     let parent = parent.map(|link| link.order_id);
-                    let view = OrderStatusView::new(&summary, &steps, parent.as_deref());
+                    let view = OrderStatusView::new(&summary, &steps, parent.as_deref(), &children);
                     Json(view).into_response()
                 }
                 None => problem(

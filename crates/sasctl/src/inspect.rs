@@ -89,14 +89,15 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
             Kind::Child { workflow } => format!("child:{workflow}"),
             Kind::Call => step.agent.clone(),
         };
-        // A child step names the order it started (`sasctl inspect` it).
-        let started = match step.kind() {
-            Kind::Child { .. } if step.attempt > 0 => format!(
-                "  (child order {})",
-                sas_store::machine::child::child_order_id(&s.order_id.as_str().into(), step)
-            ),
-            _ => String::new(),
-        };
+        // A child step names the order it started last (`sasctl inspect`
+        // it), from the stored links: a refused start stored none.
+        let started = detail
+            .children
+            .iter()
+            .rev()
+            .find(|child| child.step == step.name)
+            .map(|child| format!("  (child order {})", child.order_id))
+            .unwrap_or_default();
         let until = if step.kind().parks() && step.state == sas_store::StepState::Running {
             step.complete_by
                 .map(|at| format!("  (until {})", at.to_rfc3339()))

@@ -53,6 +53,10 @@ pub struct FilterArgs {
     /// Whose id starts with this.
     #[arg(long)]
     pub id: Option<String>,
+    /// Started by a child step of this order (its id exactly, with
+    /// @tenant for a tenant's order).
+    #[arg(long)]
+    pub parent: Option<String>,
 }
 
 impl FilterArgs {
@@ -71,6 +75,7 @@ impl FilterArgs {
             ("step", &self.step),
             ("priority", &self.priority),
             ("id", &self.id),
+            ("parent", &self.parent),
         ] {
             if let Some(value) = value {
                 pairs.push((name, value.as_str()));

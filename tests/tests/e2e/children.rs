@@ -9,6 +9,7 @@ use std::time::Duration;
 use sas_store::machine::HistoryEvent;
 use sas_store::writes::operator::Resume;
 use sas_store::{ProcessState, StepState};
+use sas_tests::console::As;
 use sas_tests::process::System;
 use sas_tests::sim::SimClient;
 use sas_tests::{order, TestEnv};
@@ -161,6 +162,49 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
     let (code, out) = env.sasctl(&["orders", "show", "ok-0:fulfil"]).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("parent      ok-0 (its step fulfil)"), "{out}");
+    // A parent's children are found by it, whatever their ids.
+    let (code, out) = env
+        .sasctl(&["orders", "list", "--parent", "ok-0", "-o", "json"])
+        .await;
+    assert_eq!(code, 0, "{out}");
+    let page: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let found: Vec<&str> = page["orders"]
+        .as_array()
+        .expect("orders")
+        .iter()
+        .filter_map(|row| row["order_id"].as_str())
+        .collect();
+    assert_eq!(found, ["ok-0:fulfil"], "{page}");
+    // And in the console: each page links to the other, and the parent's to
+    // its children in the orders list, which the parent filter selects.
+    let (_console, console) = env.console(&[]).await;
+    let page = |path: String| {
+        let console = &console;
+        async move {
+            let response = console.get(&path, As::Viewer).await;
+            assert_eq!(response.status(), 200, "{path}");
+            response.text().await.expect("the page")
+        }
+    };
+    let parent_page = page("/orders/ok-0".into()).await;
+    assert!(
+        parent_page.contains(
+            r#"<a href="/orders/ok-0:fulfil"><code>ok-0:fulfil</code></a> (step fulfil)"#
+        ),
+        "{parent_page}"
+    );
+    assert!(
+        parent_page.contains(r#"id="children-list" href="/orders?parent=ok-0""#),
+        "{parent_page}"
+    );
+    let child_page = page("/orders/ok-0:fulfil".into()).await;
+    assert!(
+        child_page.contains(r#"of order <a href="/orders/ok-0"><code>ok-0</code></a>"#),
+        "{child_page}"
+    );
+    let listed = page("/orders?parent=ok-0".into()).await;
+    assert!(listed.contains("/orders/ok-0:fulfil"), "{listed}");
+    assert!(!listed.contains(r#"href="/orders/ok-0""#), "{listed}");
     // And over the gateway, for the tenant's client.
     let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
     let read = |id: &'static str| {
@@ -326,6 +370,21 @@ async fn an_order_holding_a_child_s_id_is_never_taken_for_the_child() {
     let keys = sim.applied_keys("sq-0:fulfil").await;
     assert!(!keys.iter().any(|k| k.ends_with(":undo")), "{keys:?}");
     assert!(alert.contains("which this step did not start"), "{alert}");
+    // No tool names the client's order the parent's child.
+    let (code, out) = env.sasctl(&["orders", "show", "sq-0"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(!out.contains("(child order sq-0:fulfil)"), "{out}");
+    let (_gateway, base) = super::gateway::gateway(&env, &[]).await;
+    let view: serde_json::Value = sas_tests::http_client()
+        .get(format!("{base}/v1/orders/sq-0"))
+        .bearer_auth(super::gateway::SECRET)
+        .send()
+        .await
+        .expect("the gateway answers")
+        .json()
+        .await
+        .expect("JSON");
+    assert!(view["steps"][1].get("child_order_id").is_none(), "{view}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

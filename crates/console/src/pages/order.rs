@@ -12,6 +12,7 @@ use maud::{html, Markup};
 use sas_store::machine::kind::Kind;
 use sas_store::machine::StepRow;
 use sas_store::reads::queries::{Delivery, OrderDetail};
+use sas_store::reads::search::OrderFilter;
 use sas_store::{ProcessState, StepState};
 use serde::Deserialize;
 
@@ -360,6 +361,11 @@ fn family(detail: &OrderDetail) -> Markup {
                     a href=(format!("/orders/{}", child.order_id)) { code { (child.order_id) } }
                     " (step " (child.step) ")"
                 }
+                " · "
+                a #children-list href={ "/orders?" (super::orders::filter_query(&OrderFilter {
+                    parent: Some(detail.summary.order_id.clone()),
+                    ..OrderFilter::default()
+                })) } { "in the orders list" }
             }
         }
     }

@@ -44,6 +44,7 @@ fn filter_form(filter: &OrderFilter) -> Markup {
                 }
             }
             label { "order id (or its beginning)" input type="search" name="id" value=(value(&filter.id)); }
+            label { "parent order" input type="search" name="parent" value=(value(&filter.parent)); }
             label { "customer" input type="text" name="customer" value=(value(&filter.customer)); }
             label { "from (UTC)" input type="datetime-local" step="1" name="from" value=(instant(filter.from)); }
             label { "to (UTC)" input type="datetime-local" step="1" name="to" value=(instant(filter.to)); }

@@ -164,13 +164,7 @@ impl Reads<'_> {
         let body = self.order_body(order_id).await?.unwrap_or_default();
         let history = self.history(order_id).await?;
         let parent = self.parent_of(order_id).await?;
-        let children = sqlx::query_as(
-            "SELECT child_order_id AS order_id, step FROM order_children
-              WHERE parent_order_id = $1 ORDER BY created_at, child_order_id",
-        )
-        .bind(order_id)
-        .fetch_all(self.pool())
-        .await?;
+        let children = self.children_of(order_id).await?;
         Ok(Some(OrderDetail {
             summary,
             body,
@@ -192,6 +186,22 @@ impl Reads<'_> {
         )
         .bind(order_id)
         .fetch_optional(self.pool())
+        .await?)
+    }
+
+    /// The orders the child steps of `order_id` started, oldest first: the
+    /// stored links, so a start that was refused (no child stored) or a
+    /// client's own order with a child's id is never named a child.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn children_of(self, order_id: &str) -> Result<Vec<ChildLink>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT child_order_id AS order_id, step FROM order_children
+              WHERE parent_order_id = $1 ORDER BY created_at, child_order_id",
+        )
+        .bind(order_id)
+        .fetch_all(self.pool())
         .await?)
     }
 

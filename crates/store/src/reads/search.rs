@@ -44,6 +44,9 @@ pub struct OrderFilter {
     pub priority: Option<i16>,
     /// Whose id starts with this (an exact id is a prefix of itself).
     pub id: Option<String>,
+    /// Started by a child step of this order (its id, exactly): the
+    /// children of one parent, whatever their ids.
+    pub parent: Option<String>,
 }
 
 /// Where a page ends: the `(created_at, order_id)` of its last row. Written
@@ -94,6 +97,16 @@ fn is_id(text: &str) -> bool {
         && text
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// An order id as the store keeps it: a client's id ([`is_id`]), and
+/// `@tenant` after it for a tenant's order
+/// ([`sas_messages::ids::OrderId::qualified`]).
+fn is_stored_id(text: &str) -> bool {
+    match text.rsplit_once(sas_messages::ids::TENANT_SEPARATOR) {
+        Some((id, tenant)) => is_id(id) && sas_messages::ids::is_tenant_name(tenant),
+        None => is_id(text),
+    }
 }
 
 /// An instant: RFC 3339, or `YYYY-MM-DDTHH:MM[:SS]` (an HTML
@@ -149,7 +162,7 @@ pub struct Page {
 
 impl OrderFilter {
     /// The filter's own parameter names.
-    pub const PARAMETERS: [&'static str; 8] = [
+    pub const PARAMETERS: [&'static str; 9] = [
         "state",
         "customer",
         "from",
@@ -158,6 +171,7 @@ impl OrderFilter {
         "step",
         "priority",
         "id",
+        "parent",
     ];
 
     /// Reads a filter from query parameters (`state` may repeat or hold a
@@ -239,6 +253,16 @@ impl OrderFilter {
                     }
                     filter.id = Some(value.to_owned());
                 }
+                "parent" => {
+                    if !is_stored_id(value) {
+                        return Err(refuse(
+                            name,
+                            value,
+                            "a parent order's id as the console and sasctl show it: 1 to 64 of A-Z a-z 0-9 - _ . :, then @tenant for a tenant's order",
+                        ));
+                    }
+                    filter.parent = Some(value.to_owned());
+                }
                 _ => {
                     let mut known: Vec<&str> = Self::PARAMETERS.to_vec();
                     known.extend_from_slice(other);
@@ -286,6 +310,9 @@ impl OrderFilter {
         if let Some(id) = &self.id {
             pairs.push(("id", id.clone()));
         }
+        if let Some(parent) = &self.parent {
+            pairs.push(("parent", parent.clone()));
+        }
         pairs
     }
 
@@ -328,6 +355,15 @@ impl OrderFilter {
             // The id's characters hold no LIKE wildcard but `_`, escaped here.
             query.push(" AND o.order_id LIKE ");
             query.push_bind(format!("{}%", id.replace('_', "\\_")));
+        }
+        if let Some(parent) = &self.parent {
+            // Served by the links' index on the parent.
+            query.push(
+                " AND p.order_id IN (SELECT c.child_order_id FROM order_children c
+                   WHERE c.parent_order_id = ",
+            );
+            query.push_bind(parent.clone());
+            query.push(")");
         }
     }
 }
@@ -513,8 +549,10 @@ mod tests {
             ("step", "charge_payment"),
             ("priority", "9"),
             ("id", "ord-1"),
+            ("parent", "ord-1@shop"),
         ])
         .unwrap();
+        assert_eq!(filter.parent.as_deref(), Some("ord-1@shop"));
         assert_eq!(
             filter.states,
             vec![ProcessState::Error, ProcessState::Compensated]
@@ -542,6 +580,8 @@ mod tests {
             (vec![("min_failures", "-1")], "min_failures"),
             (vec![("from", "yesterday")], "from"),
             (vec![("id", "ord 1; drop")], "id"),
+            (vec![("parent", "ord-1@Shop!")], "parent"),
+            (vec![("parent", "@shop")], "parent"),
             (
                 vec![("customer", "x".repeat(65).leak() as &str)],
                 "customer",
