@@ -176,6 +176,9 @@ pub enum MarkKind {
     TimedOut,
     /// A child order the step waits for stopped in error (in its lane).
     ChildStopped,
+    /// A line of a step the plan no longer names (a version move renamed
+    /// or dropped it): no lane to draw it in, so across them, named.
+    Unplaced,
 }
 
 /// A moment: across every lane, or in one lane when it concerns one step.
@@ -355,7 +358,16 @@ impl Builder {
                 | E::ChildEnded
                 | E::ChildUndoRequested,
                 None,
-            ) => {}
+            ) => {
+                let mut unplaced = entry.clone();
+                if let Some(step) = &entry.step {
+                    unplaced.detail = Some(match &entry.detail {
+                        Some(text) => format!("step {step}, no longer in the plan: {text}"),
+                        None => format!("step {step}, no longer in the plan"),
+                    });
+                }
+                self.mark(&unplaced, MarkKind::Unplaced, None);
+            }
         }
     }
 
@@ -690,6 +702,7 @@ fn mark_color(kind: MarkKind) -> &'static str {
         MarkKind::End => "#1d232a",
         MarkKind::TimedOut => "#f2a900",
         MarkKind::ChildStopped => "#ad1457",
+        MarkKind::Unplaced => "#8d6e63",
     }
 }
 
@@ -705,6 +718,7 @@ pub fn legend() -> Markup {
             span.key { span style={ "color:" (mark_color(MarkKind::Retry)) } { "▼" } " retry scheduled" }
             span.key { span style={ "color:" (mark_color(MarkKind::Operator)) } { "┆" } " operator action" }
             span.key { span style={ "color:" (mark_color(MarkKind::ChildStopped)) } { "▼" } " child order stopped in error" }
+            span.key { span style={ "color:" (mark_color(MarkKind::Unplaced)) } { "┆" } " a step no longer in the plan (moved)" }
         }
     }
 }
@@ -931,6 +945,8 @@ mod tests {
             line(5, E::Dispatched, Some("reserve"), Some(1)),
             line(30, E::StepCompleted, Some("reserve"), Some(1)),
             line(31, E::Waiting, Some("charge"), None),
+            // A step of the old version, which the plan no longer names.
+            line(40, E::Queued, Some("gift_wrap"), None),
             line(50, E::Moved, None, None),
             line(80, E::WaitEnded, Some("charge"), None),
             line(81, E::Waiting, Some("ship"), None),
@@ -961,6 +977,22 @@ mod tests {
             "the move: {marks:?}"
         );
         assert!(marks.contains(&(MarkKind::TimedOut, Some(2))), "{marks:?}");
+        let unplaced = timeline
+            .marks
+            .iter()
+            .find(|m| m.kind == MarkKind::Unplaced)
+            .expect("the dropped step's line is drawn");
+        assert_eq!(
+            (unplaced.lane, unplaced.label.as_str()),
+            (None, "waiting_for_admission")
+        );
+        assert!(
+            unplaced
+                .detail
+                .contains("step gift_wrap, no longer in the plan"),
+            "{}",
+            unplaced.detail
+        );
         let svg = svg(&timeline).into_string();
         assert!(svg.contains("waiting for its event or its time"), "{svg}");
         assert!(svg.contains("undo held until its action can no longer land"));

@@ -397,7 +397,7 @@ impl StepDefinition {
     fn timeout(&self) -> Duration {
         let ms = match self.kind {
             StepType::Delay => self.delay_ms.unwrap_or(0).max(1),
-            _ => self.timeout_ms,
+            StepType::Call | StepType::Wait | StepType::Child => self.timeout_ms,
         };
         Duration::from_millis(ms)
     }
@@ -516,7 +516,7 @@ impl Workflow {
                 // A child step is undone by undoing its child as a whole.
                 compensation: match step.kind {
                     StepType::Child => Some("undo".into()),
-                    _ => step.compensation.clone(),
+                    StepType::Call | StepType::Wait | StepType::Delay => step.compensation.clone(),
                 },
                 timeout: step.timeout(),
                 park: step.park(),

@@ -83,6 +83,28 @@ impl Kind<'_> {
         }
     }
 
+    /// Whether a running step of this kind may be carried by a move to a
+    /// step of kind `to` under the same name (see [`crate::machine::moves`]):
+    /// a call only to a call, a parked step only to one that parks the same
+    /// way (a wait or a delay to a wait or a delay, a child to a child), so
+    /// that what it waits for still ends it.
+    pub fn carries_running_to(self, to: Kind<'_>) -> bool {
+        match (self, to) {
+            (Kind::Call, to) => match to {
+                Kind::Call => true,
+                Kind::Wait { .. } | Kind::Delay | Kind::Child { .. } => false,
+            },
+            (Kind::Wait { .. } | Kind::Delay, to) => match to {
+                Kind::Wait { .. } | Kind::Delay => true,
+                Kind::Call | Kind::Child { .. } => false,
+            },
+            (Kind::Child { .. }, to) => match to {
+                Kind::Child { .. } => true,
+                Kind::Call | Kind::Wait { .. } | Kind::Delay => false,
+            },
+        }
+    }
+
     /// Whether a cancel ends a running step of this kind where it is (a
     /// wait or a delay, which did nothing), rather than undoing it (a
     /// call's action, a child's run).
@@ -131,16 +153,41 @@ mod tests {
                 on_timeout: OnTimeout::Fail
             }
         );
-        for (kind, calls_out, parks) in [
-            (Kind::of(None), true, false),
-            (Kind::of(Some(&wait)), false, true),
-            (Kind::of(Some(&delay)), false, true),
+        let child = Park::Child {
+            workflow: "fulfil".into(),
+            version: 3,
+            attributes: None,
+        };
+        assert_eq!(Kind::of(Some(&child)), Kind::Child { workflow: "fulfil" });
+        for (kind, calls_out, parks, acts, ends_on_cancel) in [
+            (Kind::of(None), true, false, true, false),
+            (Kind::of(Some(&wait)), false, true, false, true),
+            (Kind::of(Some(&delay)), false, true, false, true),
+            (Kind::of(Some(&child)), false, true, true, false),
         ] {
             assert_eq!(
-                (kind.calls_out(), kind.parks()),
-                (calls_out, parks),
+                (
+                    kind.calls_out(),
+                    kind.parks(),
+                    kind.may_act_while_running(),
+                    kind.ends_on_cancel()
+                ),
+                (calls_out, parks, acts, ends_on_cancel),
                 "{kind:?}"
             );
         }
+        // A running step moves only to a step that ends the same way.
+        let (call, wait, delay, child) = (
+            Kind::of(None),
+            Kind::of(Some(&wait)),
+            Kind::of(Some(&delay)),
+            Kind::of(Some(&child)),
+        );
+        let kinds = [call, wait, delay, child];
+        let carried: Vec<(usize, usize)> = (0..4)
+            .flat_map(|from| (0..4).map(move |to| (from, to)))
+            .filter(|&(from, to)| kinds[from].carries_running_to(kinds[to]))
+            .collect();
+        assert_eq!(carried, [(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (3, 3)]);
     }
 }

@@ -104,10 +104,7 @@ pub fn plan_move(
     for (position, definition) in (0..).zip(steps) {
         let mut row = StepRow::new(&snapshot.order_id, position, definition);
         if let Some(old) = carried.get(definition.name.as_str()) {
-            let child = |kind: Kind<'_>| matches!(kind, Kind::Child { .. });
-            if old.state == StepState::Running
-                && (old.kind().parks() != definition.kind().parks()
-                    || child(old.kind()) != child(definition.kind()))
+            if old.state == StepState::Running && !old.kind().carries_running_to(definition.kind())
             {
                 return Err(Unsafe(format!(
                     "the order waits at step {:?}, which is no wait step in version {to}",
