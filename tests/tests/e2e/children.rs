@@ -241,13 +241,27 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
         let id = format!("refused-{i}");
         env.wait_for_state(&id, ProcessState::Compensated, Duration::from_secs(90))
             .await;
-        // The child ended before the parent did.
-        env.wait_for_state(
-            &format!("{id}:fulfil"),
-            ProcessState::Compensated,
-            Duration::from_secs(1),
+        // The child ended, compensated, before the parent sent the undo of
+        // its earlier step (the history's clock is the database's).
+        let child = format!("{id}:fulfil");
+        assert_eq!(env.state_of(&child).await, Some(ProcessState::Compensated));
+        let (child_ended, parent_undo): (
+            chrono::DateTime<chrono::Utc>,
+            chrono::DateTime<chrono::Utc>,
+        ) = sqlx::query_as(
+            "SELECT (SELECT at FROM history WHERE order_id = $1 AND event = 'compensated'),
+                        (SELECT min(at) FROM history WHERE order_id = $2
+                            AND event = 'compensation_dispatched' AND step = 'reserve_stock')",
         )
-        .await;
+        .bind(&child)
+        .bind(&id)
+        .fetch_one(&env.db)
+        .await
+        .expect("the child's end and the parent's undo");
+        assert!(
+            child_ended <= parent_undo,
+            "{id} undid reserve_stock at {parent_undo}, before its child ended at {child_ended}"
+        );
         let keys = applied(sim, &id).await;
         let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
         let expected = [
@@ -703,25 +717,69 @@ async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing
     let env = TestEnv::new().await;
     let (system, publisher, _connection) = start(&env, &three_levels(&env), 2, 100).await;
     let sim = &system.sim;
-    // Each order is cancelled at a moment drawn at random from the first
-    // two seconds of its run (load shaping, not a wait for a condition):
-    // before its child, while children are being started, mid-grandchild,
-    // or after it ended (then the cancel is refused and it stays processed).
-    let mut cancels = Vec::new();
-    for i in 0..ORDERS {
-        let id = format!("top-{i}");
-        let mut order = order(&id);
+    // Each tree is cancelled at a random moment of a phase of its run,
+    // chosen by turns: from its start (before its child, or as it starts
+    // it), from its child's start (while the child runs or starts the
+    // grandchild), or from the grandchild's start (mid-grandchild, or
+    // after it all ended: then the cancel is refused and it stays
+    // processed). One loop reads which orders exist and sends each cancel
+    // its random time after its phase began.
+    let tops: Vec<String> = (0..ORDERS).map(|i| format!("top-{i}")).collect();
+    for top in &tops {
+        let mut order = order(top);
         order.workflow = Some("top".into());
         env.publish_order(&publisher, &order).await;
-        let after = Duration::from_millis(rand::random_range(0..2000));
-        let env = &env;
-        cancels.push(async move {
-            tokio::time::sleep(after).await;
-            env.sasctl(&["cancel", &id, "--reason", "changed their mind"])
-                .await
-        });
     }
-    let outcomes = futures_util::future::join_all(cancels).await;
+    let mut plan: Vec<(usize, Duration, Option<tokio::time::Instant>)> = (0..ORDERS)
+        .map(|i| {
+            let orders_started = [1, 2, 3][i % 3];
+            let jitter = Duration::from_millis(rand::random_range(0..300));
+            (orders_started, jitter, None)
+        })
+        .collect();
+    let mut sent = [false; ORDERS];
+    let mut cancels = futures_util::stream::FuturesUnordered::new();
+    let mut outcomes = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while sent.iter().any(|s| !s) || !cancels.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "trees never reached their phase: {plan:?}"
+        );
+        tokio::select! {
+            Some(outcome) = futures_util::StreamExt::next(&mut cancels) => outcomes.push(outcome),
+            () = tokio::time::sleep(Duration::from_millis(25)) => {
+                let ids: std::collections::HashSet<String> =
+                    sqlx::query_scalar("SELECT order_id FROM order_process")
+                        .fetch_all(&env.db)
+                        .await
+                        .expect("the orders")
+                        .into_iter()
+                        .collect();
+                let now = tokio::time::Instant::now();
+                for (i, top) in tops.iter().enumerate() {
+                    let (needed, jitter, began) = &mut plan[i];
+                    if sent[i] {
+                        continue;
+                    }
+                    let started = [top.clone(), format!("{top}:outer"), format!("{top}:outer:inner")]
+                        .iter()
+                        .filter(|id| ids.contains(*id))
+                        .count();
+                    if began.is_none() && started >= *needed {
+                        *began = Some(now + *jitter);
+                    }
+                    if began.is_some_and(|at| at <= now) {
+                        sent[i] = true;
+                        let env = &env;
+                        cancels.push(async move {
+                            env.sasctl(&["cancel", top, "--reason", "changed their mind"]).await
+                        });
+                    }
+                }
+            }
+        }
+    }
     let cancelled = outcomes.iter().filter(|(code, _)| *code == 0).count();
     // Every order ends, and so does every child it started.
     sas_tests::wait_until("every order to end", Duration::from_secs(120), || async {
@@ -745,6 +803,9 @@ async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing
             .await
             .expect("the states");
     let mut compensated = 0;
+    // How many orders each compensated tree had started (1: cancelled
+    // before its child, 3: down to the grandchild).
+    let mut sizes = [0usize; 4];
     for i in 0..ORDERS {
         let top = format!("top-{i}");
         let tree: Vec<&(String, String)> = states
@@ -764,7 +825,32 @@ async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing
                 "{action} of {top} ({own}): {keys:?}"
             );
         }
+        if own == "compensated" {
+            sizes[tree.len().min(3)] += 1;
+            // Undone in the reverse of the order done, across the levels: a
+            // child as a whole (its later steps first) before its parent's
+            // earlier steps, the grandchild within the child.
+            let done: Vec<&str> = keys
+                .iter()
+                .filter(|k| !k.ends_with(":undo"))
+                .map(String::as_str)
+                .rev()
+                .collect();
+            let undone: Vec<&str> = keys
+                .iter()
+                .filter_map(|k| k.strip_suffix(":undo"))
+                .collect();
+            assert_eq!(undone, done, "{top}: {keys:?}");
+        }
     }
+    println!("compensated trees of 1, 2 and 3 orders: {:?}", &sizes[1..]);
+    // The cancels met every moment of a tree: before its child, while the
+    // child ran (before its own child), and down to the grandchild.
+    assert!(
+        sizes[1] > 0 && sizes[2] > 0 && sizes[3] > 0,
+        "compensated trees of 1, 2 and 3 orders: {:?}",
+        &sizes[1..]
+    );
     assert_eq!(
         compensated, cancelled,
         "each accepted cancel undid its tree, and only those"

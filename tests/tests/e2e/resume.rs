@@ -144,7 +144,7 @@ async fn orders_stopped_by_a_refusing_remote_resume_from_the_failed_step_once_it
     let (code, _) = env.sasctl(&bulk).await;
     assert_ne!(code, 0, "a bulk resume without a reason is refused");
     let (code, out) = env
-        .sasctl(&[&bulk[..], &["--reason", reason]].concat())
+        .sasctl(&[&bulk[..], &["--reason", reason, "--actor", "ops-kim"]].concat())
         .await;
     assert_eq!(code, 0, "{out}");
     env.wait_for_count(
@@ -189,18 +189,25 @@ async fn orders_stopped_by_a_refusing_remote_resume_from_the_failed_step_once_it
             "{id}"
         );
     }
-    // The history names the operator and the reason, once per order; the
-    // alerts are resolved.
-    let (resumed,): (i64,) = sqlx::query_as(
-        "SELECT count(*) FROM history WHERE event = 'resumed' \
-         AND (actor LIKE 'sasctl:%' OR actor = 'console:ann') \
-         AND step = 'charge_payment' AND detail LIKE '%' || $1 || '%'",
+    // The history names the operator and the reason, once per order: the
+    // console's user for the one, sasctl's for the others; the alerts are
+    // resolved.
+    let by_actor: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT actor, count(*) FROM history WHERE event = 'resumed' \
+         AND step = 'charge_payment' AND detail LIKE '%' || $1 || '%' \
+         GROUP BY actor ORDER BY actor",
     )
     .bind(reason)
-    .fetch_one(&env.db)
+    .fetch_all(&env.db)
     .await
     .expect("count history");
-    assert_eq!(resumed, ORDERS as i64);
+    assert_eq!(
+        by_actor,
+        [
+            ("console:ann".to_owned(), 1),
+            ("sasctl:ops-kim".to_owned(), ORDERS as i64 - 1)
+        ]
+    );
     let (open,): (i64,) = sqlx::query_as("SELECT count(*) FROM alerts WHERE resolved_at IS NULL")
         .fetch_one(&env.db)
         .await
@@ -209,4 +216,103 @@ async fn orders_stopped_by_a_refusing_remote_resume_from_the_failed_step_once_it
     // A processed order cannot be resumed.
     let (code, _) = env.sasctl(&["resume", "stop-0", "--reason", "again"]).await;
     assert_eq!(code, 1);
+}
+
+/// Resuming an order whose compensation began would send an action whose
+/// undo is in doubt: sasctl, the console and a bulk resume each refuse it
+/// with the reason, and send nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_order_whose_undo_began_is_not_resumed_and_each_tool_says_why() {
+    let env = TestEnv::new().await;
+    // The reservation's undo is misspelt: the remote answers 404, which
+    // proves nothing undone.
+    let workflow = stopping_workflow(&env).replacen("\"release\"", "\"relese\"", 1);
+    assert!(workflow.contains("relese"), "{workflow}");
+    let (_sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(1.0))
+        .await
+        .expect("set remote-sim's faults");
+    let _agents = env.agents(1, &sim, &[]);
+    let _scheduler = env.scheduler(0, &env.workflows(&[("order.toml", &workflow)]));
+    let _supervisor = env.supervisor(0, &[]);
+    let (_connection, publisher) = env.broker().await;
+    env.publish_orders(&publisher, "doubt", 2).await;
+    env.wait_for_count(ProcessState::Error, 2, Duration::from_secs(60))
+        .await;
+    // doubt-0 is cancelled: its compensation begins, and stops in error at
+    // the reservation's undo.
+    let (code, out) = env.sasctl(&["cancel", "doubt-0"]).await;
+    assert_eq!(code, 0, "{out}");
+    sas_tests::wait_until(
+        "doubt-0's undo refused, in error",
+        Duration::from_secs(60),
+        || async {
+            let detail = env.detail("doubt-0").await;
+            (detail.summary.state == ProcessState::Error
+                && detail.steps[0].state == sas_store::StepState::Compensating)
+                .then_some(())
+                .ok_or_else(|| format!("{} {:?}", detail.summary.state, detail.steps))
+        },
+    )
+    .await;
+    let (code, _, err) = env
+        .sasctl_with_errors(&["resume", "doubt-0", "--reason", "fixed"])
+        .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("its compensation began"), "{err}");
+    let (_console_process, console) = env.console(&[]).await;
+    let refused = console
+        .act(
+            "/api/orders/doubt-0/resume",
+            As::Operator,
+            serde_json::json!({ "reason": "fixed" }),
+        )
+        .await;
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    let body = refused.text().await.expect("the answer");
+    assert!(body.contains("its compensation began"), "{body}");
+    // In bulk, it is skipped with the reason; the other is resumed.
+    let (code, out) = env
+        .sasctl(&[
+            "bulk",
+            "resume",
+            "--state",
+            "error",
+            "--confirm",
+            "2",
+            "--reason",
+            "fixed",
+            "-o",
+            "json",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}");
+    let outcome: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(
+        outcome["applied"],
+        serde_json::json!(["doubt-1"]),
+        "{outcome}"
+    );
+    let skipped = outcome["skipped"].to_string();
+    assert!(
+        skipped.contains("doubt-0") && skipped.contains("its compensation began"),
+        "{outcome}"
+    );
+    // Nothing was sent for doubt-0: no call since, and its history has no
+    // resume.
+    let (resumed,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM history WHERE order_id = 'doubt-0' AND event = 'resumed'",
+    )
+    .fetch_one(&env.db)
+    .await
+    .expect("count history");
+    assert_eq!(resumed, 0);
+    let effects = sim.side_effects().await.expect("the ledger");
+    assert!(
+        !effects
+            .iter()
+            .any(|e| e.order_id.as_deref() == Some("doubt-0")
+                && e.key.starts_with("doubt-0:charge_payment:")),
+        "a charge was sent for the order whose undo began"
+    );
 }

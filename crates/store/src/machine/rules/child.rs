@@ -47,8 +47,11 @@ fn start_child(draft: &mut Draft<'_>, index: usize) {
     let attempt_id = draft.park_at(index, StepState::Running, ProcessState::Pending, until);
     // A child that started may have run steps: undone if the parent is.
     draft.change_step(index, |step| step.maybe_applied = true);
+    // "Starting": the write kernel stores the child in this transaction,
+    // and a start it refuses (an id taken, no such plan, too deep) is the
+    // next line, `compensation_started` or `error`, at the same instant.
     let detail = format!(
-        "started child order {child} (workflow {workflow} version {version}); waiting for it to end until {until}"
+        "starting child order {child} (workflow {workflow} version {version}), to wait for it to end until {until}"
     );
     draft.log(
         HistoryEvent::ChildStarted,
