@@ -267,8 +267,8 @@ impl Snapshot {
         if let Some(process) = &decision.process {
             self.process = process.clone();
         }
-        if let Some(steps) = &decision.moved_steps {
-            self.steps.clone_from(steps);
+        if let Some(moved) = &decision.moved {
+            self.steps.clone_from(&moved.steps);
         }
         for change in &decision.steps {
             if let Some(step) = self
@@ -514,9 +514,9 @@ pub struct Decision {
     /// The business key the order waits with from now on (its wait step
     /// reads one): events naming it go to the order.
     pub wait_key: Option<park::WaitKey>,
-    /// Every step of the order under a new plan, when a move replaced them
-    /// (positions and names may change, so they are not [`StepChange`]s).
-    pub moved_steps: Option<Vec<StepRow>>,
+    /// The order's new plan, when a move replaced its steps (positions and
+    /// names may change, so they are not [`StepChange`]s).
+    pub moved: Option<MovedPlan>,
     /// A key the remote asked to rest (see [`concurrency::KeyPause`]).
     pub key_pause: Option<concurrency::KeyPause>,
     /// What the reply said of an adaptive key's remote (see
@@ -571,7 +571,19 @@ impl Decision {
             || !self.history.is_empty()
             || self.alert.is_some()
             || self.resolve_alerts
+            || self.moved.is_some()
     }
+}
+
+/// What a move makes of an order (see [`Event::Moved`]): the version it
+/// now runs and every one of its steps, written by the write kernel in
+/// place of the old ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MovedPlan {
+    /// The workflow version the order moved to.
+    pub version: i32,
+    /// Its steps under that version, with what the carried ones did.
+    pub steps: Vec<StepRow>,
 }
 
 /// A status message for `order_id` stamped with the database clock.

@@ -463,6 +463,20 @@ async fn apply_all(
     if writes.is_empty() {
         return Ok(());
     }
+    // A move's new steps replace the old ones first: the statement below
+    // changes no step of a moved order (its changes are the new plan).
+    for d in &writes {
+        if let Some(moved) = &d.decision.moved {
+            let steps = serde_json::to_value(&moved.steps)
+                .map_err(|e| StoreError::Invariant(format!("steps as JSON: {e}")))?;
+            sqlx::query("SELECT sas_replace_steps($1, $2, $3)")
+                .bind(d.snapshot.order_id.as_str())
+                .bind(moved.version)
+                .bind(&steps)
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
     let rows = Rows::of(&writes);
     if !rows.admission.agent.is_empty() {
         // The agents' rows are locked before the statement that moves them,

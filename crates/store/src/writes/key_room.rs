@@ -441,7 +441,7 @@ mod tests {
             admission: Vec::new(),
             used_event: None,
             wait_key: None,
-            moved_steps: None,
+            moved: None,
             key_pause: Some(crate::machine::concurrency::KeyPause {
                 key: "payment:m-1".into(),
                 until: now + chrono::Duration::seconds(2),

@@ -7,10 +7,9 @@ use std::collections::BTreeMap;
 
 use sqlx::types::Json;
 
-use super::apply::load_snapshots;
+use super::apply::{transition, Slots};
 use super::Writes;
-use crate::machine::moves::Moved;
-use crate::machine::{decide, Event, HistoryEvent, Verdict};
+use crate::machine::{Event, HistoryEvent, Verdict};
 use crate::model::{NewStep, Plan};
 use crate::StoreError;
 
@@ -154,31 +153,32 @@ impl Writes<'_> {
         .fetch_one(&mut *tx)
         .await?;
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let (snapshots, now) = load_snapshots(&mut tx, &ids).await?;
         let mut report = MoveReport {
             not_waiting,
             ..MoveReport::default()
         };
-        let ctx = self.store.context(now, actor);
         let event = Event::Moved {
             plan: &steps,
             mapping: request.mapping,
             from: request.from,
             to: request.to,
         };
-        let mut planned = Vec::new();
-        for snapshot in &snapshots {
-            let order_id = snapshot.order_id.as_str().to_owned();
-            let decision = decide(snapshot, &event, &ctx);
-            match (decision.verdict, decision.moved_steps) {
-                (Verdict::Applied, Some(steps)) => {
-                    let detail = decision
+        // Decided and written by the write kernel as any event (the new
+        // steps, the order out of its line, the history); what a preview or
+        // an unconfirmed count must not keep is rolled back.
+        let decided = transition(&mut tx, self.store, &ids, actor, Slots::Check, |_| event).await?;
+        for d in decided {
+            let order_id = d.snapshot.order_id.as_str().to_owned();
+            match (d.decision.verdict, d.decision.moved) {
+                (Verdict::Applied, Some(_)) => {
+                    let detail = d
+                        .decision
                         .history
                         .into_iter()
                         .find(|line| line.event == HistoryEvent::Moved)
                         .and_then(|line| line.detail)
                         .unwrap_or_default();
-                    planned.push((snapshot, Moved { steps, detail }));
+                    report.moved.push((order_id, detail));
                 }
                 (Verdict::NotMovable(why), _) => report.refused.push((order_id, why)),
                 (other, _) => {
@@ -189,21 +189,13 @@ impl Writes<'_> {
             }
         }
         if let (true, Some(confirmed)) = (request.apply, request.confirmed) {
-            if planned.len() > confirmed {
+            if report.moved.len() > confirmed {
                 tx.rollback().await?;
                 return Err(MoveError::MoreThanConfirmed {
-                    found: planned.len(),
+                    found: report.moved.len(),
                     confirmed,
                 });
             }
-        }
-        for (snapshot, moved) in planned {
-            if request.apply {
-                replace(&mut tx, snapshot, &moved, request.to, actor).await?;
-            }
-            report
-                .moved
-                .push((snapshot.order_id.as_str().to_owned(), moved.detail));
         }
         if request.apply {
             tx.commit().await?;
@@ -212,49 +204,4 @@ impl Writes<'_> {
         }
         Ok(report)
     }
-}
-
-/// Writes one move: the new steps, the order out of its line, the history.
-async fn replace(
-    tx: &mut sqlx::PgConnection,
-    snapshot: &crate::machine::Snapshot,
-    moved: &Moved,
-    version: i32,
-    actor: &str,
-) -> Result<(), StoreError> {
-    let order_id = snapshot.order_id.as_str();
-    let steps = serde_json::to_value(&moved.steps)
-        .map_err(|e| StoreError::Invariant(format!("steps as JSON: {e}")))?;
-    sqlx::query("SELECT sas_replace_steps($1, $2, $3)")
-        .bind(order_id)
-        .bind(version)
-        .bind(&steps)
-        .execute(&mut *tx)
-        .await?;
-    if let Some(agent) = &snapshot.process.waiting_for {
-        sqlx::query("UPDATE admission SET waiting = GREATEST(waiting - 1, 0) WHERE agent = $1")
-            .bind(agent)
-            .execute(&mut *tx)
-            .await?;
-    }
-    // Out of its line (an agent's or a key's): its place there was for a
-    // step of the old plan.
-    if snapshot.process.waiting_for.is_some() || snapshot.process.waiting_key.is_some() {
-        sqlx::query(
-            "UPDATE order_process SET waiting_for = NULL, waiting_key = NULL, admit_key = NULL,
-                                      not_before = now()
-              WHERE order_id = $1",
-        )
-        .bind(order_id)
-        .execute(&mut *tx)
-        .await?;
-    }
-    sqlx::query("INSERT INTO history (order_id, actor, event, detail) VALUES ($1, $2, $3, $4)")
-        .bind(order_id)
-        .bind(actor)
-        .bind(HistoryEvent::Moved.as_str())
-        .bind(&moved.detail)
-        .execute(&mut *tx)
-        .await?;
-    Ok(())
 }

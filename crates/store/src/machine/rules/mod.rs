@@ -113,8 +113,8 @@ struct Draft<'a> {
     used_event: Option<String>,
     /// The business key the order now waits with, if its wait has one.
     wait_key: Option<crate::machine::park::WaitKey>,
-    /// A move replaced the steps (see [`Decision::moved_steps`]).
-    moved: bool,
+    /// A move replaced the steps, to this version (see [`Decision::moved`]).
+    moved: Option<i32>,
     /// A key the remote asked to rest.
     key_pause: Option<super::concurrency::KeyPause>,
     /// What a reply said of an adaptive key's remote.
@@ -145,7 +145,7 @@ impl<'a> Draft<'a> {
             answered: None,
             used_event: None,
             wait_key: None,
-            moved: false,
+            moved: None,
             key_pause: None,
             key_sample: None,
             child: None,
@@ -643,7 +643,7 @@ impl<'a> Draft<'a> {
                 admission: Vec::new(),
                 used_event: None,
                 wait_key: None,
-                moved_steps: None,
+                moved: None,
                 key_pause: None,
                 key_sample: None,
                 child: None,
@@ -652,7 +652,7 @@ impl<'a> Draft<'a> {
         let steps = self
             .changed
             .iter()
-            .filter(|_| !self.moved)
+            .filter(|_| self.moved.is_none())
             .filter(|&&index| self.steps[index] != self.snapshot.steps[index])
             .map(|&index| {
                 let before = &self.snapshot.steps[index];
@@ -705,7 +705,10 @@ impl<'a> Draft<'a> {
             progress: self.progress,
             used_event: self.used_event,
             wait_key: self.wait_key,
-            moved_steps: moved.then_some(self.steps),
+            moved: moved.map(|version| super::MovedPlan {
+                version,
+                steps: self.steps,
+            }),
             key_pause: self.key_pause,
             key_sample: self.key_sample,
             child: self.child,

@@ -26,7 +26,7 @@ pub(super) fn moved(
         }
     };
     draft.steps = moved.steps;
-    draft.moved = true;
+    draft.moved = Some(versions.1);
     if draft.process.waiting_for.is_some() || draft.process.waiting_key.is_some() {
         // Out of its line: its place there was for a step of the old plan.
         draft.process.waiting_for = None;
