@@ -614,6 +614,94 @@ async fn a_parent_cancelled_while_its_child_runs_cancels_the_child_and_nothing_i
     sim.assert_no_undo_before_its_action().await;
 }
 
+/// The depth limit holds at run time, against the plans as stored, not
+/// only in the catalog a scheduler checks as it starts: here the stored
+/// plan of the child's workflow is changed behind the schedulers' back to
+/// start itself (as two schedulers registering different files could
+/// leave it). The chain stops at five children deep, the step that would
+/// start a sixth fails with an alert saying why, and every order of the
+/// chain is undone, deepest first, each action once and its undo after it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_loop_in_the_stored_plans_stops_at_the_depth_limit_and_is_undone_as_a_whole() {
+    let env = TestEnv::new().await;
+    let (system, publisher, _connection) = start(&env, &workflows(&env), 1, 0).await;
+    let sim = &system.sim;
+    sas_tests::wait_until("the plans registered", Duration::from_secs(30), || async {
+        let plans: i64 = sqlx::query_scalar("SELECT count(*) FROM workflow_plans")
+            .fetch_one(&env.db)
+            .await
+            .map_err(|e| e.to_string())?;
+        (plans == 2)
+            .then_some(())
+            .ok_or_else(|| format!("{plans} plans"))
+    })
+    .await;
+    // fulfil gains a last step `again`: the parent's child step, which
+    // starts fulfil.
+    let changed = sqlx::query(
+        "UPDATE workflow_plans f
+            SET steps = f.steps || jsonb_build_array(
+                (SELECT s FROM workflow_plans p, jsonb_array_elements(p.steps) s
+                  WHERE p.name = 'parent' AND s ->> 'name' = 'fulfil')
+                || '{\"name\": \"again\"}'::jsonb)
+          WHERE f.name = 'fulfil'",
+    )
+    .execute(&env.db)
+    .await
+    .expect("the stored plan changed");
+    assert_eq!(changed.rows_affected(), 1);
+
+    env.publish_order(&publisher, &parent_order("deep-0")).await;
+    env.wait_for_state("deep-0", ProcessState::Compensated, Duration::from_secs(60))
+        .await;
+    let chain: Vec<(String, String)> = sqlx::query_as(
+        "SELECT order_id, state::text FROM order_process WHERE order_id LIKE 'deep-0:%' ORDER BY order_id",
+    )
+    .fetch_all(&env.db)
+    .await
+    .expect("the chain");
+    let deepest = format!("deep-0:fulfil{}", ":again".repeat(4));
+    assert_eq!(
+        chain.len(),
+        sas_store::machine::child::MAX_DEPTH,
+        "{chain:?}"
+    );
+    assert!(
+        chain.iter().all(|(_, state)| state == "compensated"),
+        "{chain:?}"
+    );
+    assert_eq!(
+        chain.last().map(|(id, _)| id.as_str()),
+        Some(deepest.as_str())
+    );
+    let (alert,): (String,) = sqlx::query_as("SELECT message FROM alerts WHERE order_id = $1")
+        .bind(&deepest)
+        .fetch_one(&env.db)
+        .await
+        .expect("the deepest child's alert");
+    assert!(
+        alert.contains("it would be 6 children deep, and at most 5 are allowed"),
+        "{alert}"
+    );
+    // Every effect once, each undone after it, the deepest child's first.
+    let keys = sim.applied_keys("deep-0").await;
+    let done: Vec<&str> = keys
+        .iter()
+        .filter(|k| !k.ends_with(":undo"))
+        .map(String::as_str)
+        .rev()
+        .collect();
+    let undone: Vec<&str> = keys
+        .iter()
+        .filter_map(|k| k.strip_suffix(":undo"))
+        .collect();
+    assert_eq!(undone, done, "{keys:?}");
+    assert_eq!(done.len(), 1 + 3 * sas_store::machine::child::MAX_DEPTH);
+    sim.assert_no_undo_before_its_action().await;
+    let counts = sim.applied_per_key().await.expect("the ledger");
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_every_effect_once() {
     const ORDERS: usize = 30;
