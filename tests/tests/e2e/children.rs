@@ -336,6 +336,28 @@ async fn a_parent_takes_its_child_s_results_and_undoes_the_child_as_a_whole_when
     assert_eq!(env.state_of("ok-0:fulfil").await, None);
 }
 
+/// Asserts that a compensated tree's applied `keys` (in the ledger's
+/// order) undo its actions in the reverse of the order they were done,
+/// across the levels: a child as a whole (its later steps first) before
+/// its parent's earlier steps. An undo whose action never landed (sent
+/// because the action's outcome was unknown at its deadline) has no place
+/// in that order. Returns how many actions were done.
+fn undone_in_reverse(top: &str, keys: &[String]) -> usize {
+    let done: Vec<&str> = keys
+        .iter()
+        .filter(|k| !k.ends_with(":undo"))
+        .map(String::as_str)
+        .rev()
+        .collect();
+    let undone: Vec<&str> = keys
+        .iter()
+        .filter_map(|k| k.strip_suffix(":undo"))
+        .filter(|action| done.contains(action))
+        .collect();
+    assert_eq!(undone, done, "{top}: {keys:?}");
+    done.len()
+}
+
 /// Parent `id`'s child could not start: its `fulfil` step failed, it has
 /// no child; the alert that says why.
 async fn start_refused(env: &TestEnv, id: &str) -> String {
@@ -685,18 +707,12 @@ async fn a_loop_in_the_stored_plans_stops_at_the_depth_limit_and_is_undone_as_a_
     );
     // Every effect once, each undone after it, the deepest child's first.
     let keys = sim.applied_keys("deep-0").await;
-    let done: Vec<&str> = keys
-        .iter()
-        .filter(|k| !k.ends_with(":undo"))
-        .map(String::as_str)
-        .rev()
-        .collect();
-    let undone: Vec<&str> = keys
-        .iter()
-        .filter_map(|k| k.strip_suffix(":undo"))
-        .collect();
-    assert_eq!(undone, done, "{keys:?}");
-    assert_eq!(done.len(), 1 + 3 * sas_store::machine::child::MAX_DEPTH);
+    let done = undone_in_reverse("deep-0", &keys);
+    assert_eq!(
+        done,
+        1 + 3 * sas_store::machine::child::MAX_DEPTH,
+        "{keys:?}"
+    );
     sim.assert_no_undo_before_its_action().await;
     let counts = sim.applied_per_key().await.expect("the ledger");
     assert!(counts.values().all(|&n| n == 1), "{counts:?}");
@@ -915,23 +931,7 @@ async fn cancels_at_random_moments_reach_children_at_any_depth_and_leave_nothing
         }
         if own == "compensated" {
             sizes[tree.len().min(3)] += 1;
-            // Undone in the reverse of the order done, across the levels: a
-            // child as a whole (its later steps first) before its parent's
-            // earlier steps, the grandchild within the child.
-            let done: Vec<&str> = keys
-                .iter()
-                .filter(|k| !k.ends_with(":undo"))
-                .map(String::as_str)
-                .rev()
-                .collect();
-            // (An undo whose action never landed is sent when the action's
-            // outcome was unknown at its deadline: it has no place here.)
-            let undone: Vec<&str> = keys
-                .iter()
-                .filter_map(|k| k.strip_suffix(":undo"))
-                .filter(|action| done.contains(action))
-                .collect();
-            assert_eq!(undone, done, "{top}: {keys:?}");
+            undone_in_reverse(&top, &keys);
         }
     }
     println!("compensated trees of 1, 2 and 3 orders: {:?}", &sizes[1..]);

@@ -247,7 +247,10 @@ async fn every_order_ended(
 /// At least 1,000 orders (`SAS_CHAOS_ORDERS`) under load while processes of
 /// every kind are killed with -9 and restarted at random (seeded by
 /// `SAS_CHAOS_SEED`, printed so that a failure can be replayed), and the
-/// broker is restarted once.
+/// broker is restarted once. One order in ten is a parent whose middle step
+/// runs an order as a child, and operators cancel running parents
+/// meanwhile: every tree ends as one, a compensated tree with every effect
+/// of it undone.
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     const MIN_KILLS: usize = 6;
@@ -335,7 +338,37 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
         }
         assert!(broker_restarted, "the broker was restarted once");
     };
-    tokio::join!(publishing, chaos);
+    // Operators cancel parents while the load runs: one running at that
+    // moment (its child starting, running, or being undone), whatever the
+    // kills do meanwhile.
+    let mut cancel_rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut cancels = (0, 0);
+    let cancelling = async {
+        let since = Instant::now();
+        while since.elapsed() < load_time {
+            tokio::time::sleep(Duration::from_millis(cancel_rng.random_range(200..600))).await;
+            let running: Vec<String> = sqlx::query_scalar(
+                "SELECT order_id FROM order_process
+                  WHERE workflow = 'parent' AND state IN ('pending', 'processing')",
+            )
+            .fetch_all(&env.db)
+            .await
+            .unwrap_or_default();
+            if running.is_empty() {
+                continue;
+            }
+            let parent = &running[cancel_rng.random_range(0..running.len())];
+            let (code, _) = env.sasctl(&["cancel", parent, "--reason", "chaos"]).await;
+            cancels.0 += 1;
+            cancels.1 += usize::from(code == 0);
+        }
+    };
+    tokio::join!(publishing, chaos, cancelling);
+    let (cancels_sent, cancels_taken) = cancels;
+    assert!(
+        cancels_taken > 0,
+        "no cancel reached a running parent ({cancels_sent} sent)"
+    );
 
     // Every order ends, and so does every child a parent started.
     let (terminal, children) = every_order_ended(&env, orders, true).await;
@@ -400,7 +433,7 @@ async fn chaos_every_order_ends_and_no_side_effect_happens_twice() {
     sim.assert_no_undo_before_its_action().await;
     let stats = sim.stats().await.unwrap();
     eprintln!(
-        "chaos: seed {seed}, {orders} orders and {children} children in {:.0?}: {} processed, {} compensated, {} error; kills {kills:?}; remote: {} calls, {} applied, {} deduplicated, {} transient faults, {} hangs",
+        "chaos: seed {seed}, {orders} orders and {children} children in {:.0?}: {} processed, {} compensated, {} error; kills {kills:?}; parents cancelled {cancels_taken} of {cancels_sent} asked; remote: {} calls, {} applied, {} deduplicated, {} transient faults, {} hangs",
         started.elapsed(),
         count(ProcessState::Processed),
         count(ProcessState::Compensated),

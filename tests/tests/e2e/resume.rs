@@ -10,6 +10,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use sas_store::ProcessState;
 use sas_tests::console::As;
+use sas_tests::process::System;
 use sas_tests::TestEnv;
 
 /// The order workflow whose `charge_payment` stops the order on failure.
@@ -34,20 +35,34 @@ fn faults(refused: f64) -> serde_json::Value {
                         "permanent_fault_rate": refused, "hang_rate": 0.0 })
 }
 
+/// The system the tests run: `workflow`, an agent per queue, a payment
+/// provider that refuses every new key for good (422), a supervisor; and a
+/// publisher.
+async fn refusing_payments(
+    env: &TestEnv,
+    workflow: &str,
+) -> (System, sas_broker::Publisher, sas_broker::lapin::Connection) {
+    let (sim_process, sim) = env.remote_sim(&[]).await;
+    sim.set_faults(Some("payment"), faults(1.0))
+        .await
+        .expect("set remote-sim's faults");
+    let system = System {
+        agents: env.agents(1, &sim, &[]),
+        schedulers: vec![env.scheduler(0, &env.workflows(&[("order.toml", workflow)]))],
+        supervisors: vec![env.supervisor(0, &[])],
+        sim_process,
+        sim,
+    };
+    let (connection, publisher) = env.broker().await;
+    (system, publisher, connection)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn orders_stopped_by_a_refusing_remote_resume_from_the_failed_step_once_it_is_fixed() {
     const ORDERS: usize = 50;
     let env = TestEnv::new().await;
-    let workflow = stopping_workflow(&env);
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    // The payment provider refuses every new key for good (422).
-    sim.set_faults(Some("payment"), faults(1.0))
-        .await
-        .expect("set remote-sim's faults");
-    let _agents = env.agents(1, &sim, &[]);
-    let _scheduler = env.scheduler(0, &env.workflows(&[("order.toml", &workflow)]));
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (system, publisher, _connection) = refusing_payments(&env, &stopping_workflow(&env)).await;
+    let sim = &system.sim;
 
     env.publish_orders(&publisher, "stop", ORDERS + 1).await;
     env.wait_for_count(
@@ -228,14 +243,8 @@ async fn an_order_whose_undo_began_is_not_resumed_and_each_tool_says_why() {
     // proves nothing undone.
     let workflow = stopping_workflow(&env).replacen("\"release\"", "\"relese\"", 1);
     assert!(workflow.contains("relese"), "{workflow}");
-    let (_sim_process, sim) = env.remote_sim(&[]).await;
-    sim.set_faults(Some("payment"), faults(1.0))
-        .await
-        .expect("set remote-sim's faults");
-    let _agents = env.agents(1, &sim, &[]);
-    let _scheduler = env.scheduler(0, &env.workflows(&[("order.toml", &workflow)]));
-    let _supervisor = env.supervisor(0, &[]);
-    let (_connection, publisher) = env.broker().await;
+    let (system, publisher, _connection) = refusing_payments(&env, &workflow).await;
+    let sim = &system.sim;
     env.publish_orders(&publisher, "doubt", 2).await;
     env.wait_for_count(ProcessState::Error, 2, Duration::from_secs(60))
         .await;
