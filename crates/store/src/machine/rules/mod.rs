@@ -8,12 +8,14 @@
 mod child;
 mod dead_letter;
 mod deadline;
+mod delay;
 mod group;
 mod moved;
 mod operator;
 mod park;
 mod reply;
 mod start;
+mod wait;
 
 use std::collections::BTreeSet;
 
@@ -49,7 +51,7 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
         Event::Resubmitted { earlier } => operator::resubmitted(&mut draft, earlier),
         Event::Resumed { reason, earlier } => operator::resumed(&mut draft, reason, earlier),
         Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
-        Event::EventArrived => park::event_arrived(&mut draft),
+        Event::EventArrived => wait::event_arrived(&mut draft),
         Event::Moved {
             plan,
             mapping,
@@ -366,7 +368,8 @@ impl<'a> Draft<'a> {
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
         match self.steps[index].kind() {
-            Kind::Wait { .. } | Kind::Delay => return park::start(self, index),
+            Kind::Wait { .. } => return wait::start(self, index),
+            Kind::Delay => return delay::start(self, index),
             Kind::Child { .. } => return child::start(self, index, kind),
             Kind::Call => {}
         }
