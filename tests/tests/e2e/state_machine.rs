@@ -417,7 +417,26 @@ impl Model {
         ctx: &Context<'_>,
         passing: Option<&str>,
     ) -> Decision {
-        let snapshot = &self.orders[id].snapshot;
+        // A child's link says whether its parent still waits for it, as
+        // the store reads it under the child's lock.
+        let mut snapshot = self.orders[id].snapshot.clone();
+        if let Some(link) = snapshot.parent.as_mut() {
+            let parent = &self.orders[&link.order_id].snapshot;
+            link.waits = parent
+                .steps
+                .iter()
+                .find(|s| s.name == link.step)
+                .is_some_and(|step| {
+                    sas_store::machine::child::parent_waits(
+                        &parent.order_id,
+                        &step.name,
+                        &step.idempotency_key,
+                        step.state,
+                        id,
+                    )
+                });
+        }
+        let snapshot = &snapshot;
         let decision = decide(snapshot, event, ctx);
         let full = decision
             .takes_slots()
@@ -581,9 +600,18 @@ impl Model {
         let link = ParentLink {
             order_id: parent.order_id.to_string(),
             step: step.to_owned(),
+            waits: true,
         };
         let refused = refused.or_else(|| match self.orders.get(child) {
-            Some(order) if order.snapshot.parent.as_ref() == Some(&link) => None,
+            Some(order)
+                if order
+                    .snapshot
+                    .parent
+                    .as_ref()
+                    .is_some_and(|p| p.same_step(&link)) =>
+            {
+                None
+            }
             Some(_) => Some(ToParent::squatted(child)),
             None => None,
         });
@@ -913,7 +941,8 @@ fn expected(decision: &Decision) -> Returned {
         Verdict::Resubmitted(what) => Returned::Resubmitted(what.to_string()),
         Verdict::Refused(state) => Returned::Refused(state.to_string()),
         Verdict::Resumed { from, key_kept } => Returned::Resumed(from.clone(), *key_kept),
-        Verdict::NotResumable(_) => Returned::NotResumable,
+        // (Put back, the case's order is never a child: it has no parent.)
+        Verdict::NotResumable(_) | Verdict::NotPutBack(_) => Returned::NotResumable,
         Verdict::NotMovable(_) => Returned::Moved(0),
         Verdict::Stale(_) | Verdict::Unchanged(_) => Returned::NotApplied,
     }

@@ -16,7 +16,7 @@
 use sas_messages::OrderId;
 
 use super::{Decision, Event, Snapshot, StepRow, Verdict};
-use crate::model::ProcessState;
+use crate::model::{ProcessState, StepState};
 
 /// The deepest a chain of children may go (a parent's child's child ...):
 /// the catalog refuses a workflow that would start deeper, and one that
@@ -27,13 +27,54 @@ pub const MAX_DEPTH: usize = 5;
 pub const MAX_CHILDREN: usize = 20;
 
 /// The parent an order was started by (see [`child_order_id`]), read
-/// with its snapshot: whom its end is told to.
+/// with its snapshot: whom its end is told to, and whether the parent
+/// still waits for it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ParentLink {
     /// The parent's id.
     pub order_id: String,
     /// The parent's step that started it.
     pub step: String,
+    /// The parent's step still waits for this order ([`parent_waits`]):
+    /// read under this order's lock, as every transaction that ends a child
+    /// (and so may tell its parent to stop waiting) holds it.
+    pub waits: bool,
+}
+
+impl ParentLink {
+    /// Whether it links to the same parent's step as `other` (whatever
+    /// each says of the wait).
+    pub fn same_step(&self, other: &ParentLink) -> bool {
+        (self.order_id.as_str(), self.step.as_str())
+            == (other.order_id.as_str(), other.step.as_str())
+    }
+}
+
+/// Whether parent `parent`'s step `step`, with idempotency key `key` and in
+/// state `state`, still waits for order `child`: `child` is the child its
+/// current key starts, and the step runs (forward) or undoes it. A parent
+/// that took the child's end and went on, or started another child, does
+/// not: running `child` again would leave effects nobody undoes.
+pub fn parent_waits(
+    parent: &OrderId,
+    step: &str,
+    key: &str,
+    state: StepState,
+    child: &str,
+) -> bool {
+    child_of_key(parent, step, key).as_str() == child
+        && matches!(state, StepState::Running | StepState::Compensating)
+}
+
+/// Why an operator may not put `child` back (resubmit or resume it): its
+/// parent no longer waits for it. `None` for an order no step started, or
+/// one its parent still waits for.
+pub fn put_back_refusal(child: &OrderId, parent: Option<&ParentLink>) -> Option<String> {
+    let parent = parent.filter(|link| !link.waits)?;
+    Some(format!(
+        "order {child} was started by step {} of order {}, which no longer waits for it: run again, it would leave effects nobody undoes; resubmit or resume {} instead, which starts a new child",
+        parent.step, parent.order_id, parent.order_id
+    ))
 }
 
 /// What a decision asks of another order, applied by the write kernel in

@@ -451,6 +451,9 @@ pub enum Verdict {
     },
     /// An operator's resume the order's steps do not allow, and why.
     NotResumable(String),
+    /// An operator's resubmission or resume of a child order its parent no
+    /// longer waits for ([`child::put_back_refusal`]), and why.
+    NotPutBack(String),
     /// An operator's move the order does not allow (it is running, or the
     /// move would lose what it did), and why.
     NotMovable(String),

@@ -170,6 +170,7 @@ fn outcome(decision: &Decision, before: ProcessState) -> String {
             after.as_str().to_owned()
         }
         Verdict::NotResumable(_) => "not resumable".into(),
+        Verdict::NotPutBack(_) => "not put back".into(),
         Verdict::NotMovable(_) => "not movable".into(),
         Verdict::Stale(_) => "stale".into(),
         Verdict::Unchanged(_) => "-".into(),
@@ -1806,6 +1807,56 @@ fn a_step_that_says_stop_ends_its_order_in_error_undoing_nothing_and_resumes_wit
 }
 
 #[test]
+fn a_child_its_parent_no_longer_waits_for_is_not_put_back_and_one_it_waits_for_is() {
+    let mut snapshot = charging_with_stop();
+    let refused = reply(attempt(2), failed(true));
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&refused), &ctx(t(3))));
+    assert_eq!(snapshot.process.state, ProcessState::Error);
+    let resume = Event::Resumed {
+        reason: "fixed",
+        earlier: 0,
+    };
+    let resubmit = Event::Resubmitted { earlier: 0 };
+    for waits in [false, true] {
+        snapshot.parent = Some(child::ParentLink {
+            order_id: "p-1".into(),
+            step: "fulfil".into(),
+            waits,
+        });
+        for event in [&resume, &resubmit] {
+            let decision = decide(&snapshot, event, &ctx(t(60)));
+            match (&decision.verdict, waits) {
+                (Verdict::NotPutBack(why), false) => {
+                    assert!(!decision.writes(), "{event:?}");
+                    assert!(
+                        why.contains("step fulfil of order p-1, which no longer waits for it"),
+                        "{why}"
+                    );
+                }
+                (Verdict::Resumed { .. } | Verdict::Resubmitted(_), true) => {}
+                (other, _) => panic!("{event:?}, parent waits {waits}: {other:?}"),
+            }
+        }
+    }
+    // The parent's step waits for the child its current key starts, while
+    // it runs or undoes it.
+    let parent: sas_messages::OrderId = "p-1".into();
+    for (key, state, waits) in [
+        ("p-1:fulfil", StepState::Running, true),
+        ("p-1:fulfil", StepState::Compensating, true),
+        ("p-1:fulfil", StepState::Completed, false),
+        ("p-1:fulfil", StepState::Failed, false),
+        ("p-1:fulfil:r1", StepState::Running, false),
+    ] {
+        assert_eq!(
+            child::parent_waits(&parent, "fulfil", key, state, "p-1:fulfil"),
+            waits,
+            "{key} {state}"
+        );
+    }
+}
+
+#[test]
 fn a_step_that_says_stop_out_of_retries_resumes_with_its_key_kept_and_stays_to_undo() {
     let mut snapshot = charging_with_stop();
     snapshot.process.failure_count = policy().max_failures;
@@ -2294,6 +2345,7 @@ fn a_child_stopped_in_error_is_recorded_by_a_parent_that_waits_on_with_what_to_d
     child.parent = Some(child::ParentLink {
         order_id: "o-1".into(),
         step: "fulfil".into(),
+        waits: true,
     });
     child.process.state = ProcessState::Processing;
     let mut stop = decide(&child, &Event::Claimed, &ctx(t(6)));

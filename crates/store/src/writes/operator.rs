@@ -163,9 +163,8 @@ impl Writes<'_> {
             .put_back(order_id, actor, |earlier| Event::Resubmitted { earlier })
             .await?;
         Ok(match decided {
-            Err(why) => Resubmit::NotResubmittable(why),
-            Ok(None) => Resubmit::NotFound,
-            Ok(Some(Decided { decision, .. })) => match decision.verdict {
+            None => Resubmit::NotFound,
+            Some(Decided { decision, .. }) => match decision.verdict {
                 Verdict::Resubmitted(what) => Resubmit::Resubmitted {
                     what,
                     fresh_keys: decision
@@ -175,6 +174,7 @@ impl Writes<'_> {
                         .collect(),
                 },
                 Verdict::Refused(state) => Resubmit::NotFailed(state),
+                Verdict::NotPutBack(why) => Resubmit::NotResubmittable(why),
                 other => {
                     return Err(StoreError::Invariant(format!(
                         "a resubmission was decided as {other:?}"
@@ -186,16 +186,12 @@ impl Writes<'_> {
 
     /// Puts `order_id` back into its workflow (the event `event` makes of
     /// how many times an operator did before) in one transaction, run
-    /// again if Postgres rolled it back as a deadlock. `Err` says why a
-    /// child may not be put back ([`child_put_back_refusal`]); `Ok(None)`:
-    /// no such order.
-    ///
-    /// The order's own lock is taken first, and its parent's step read
-    /// under it: every transaction that ends a child, and so may tell its
-    /// parent to stop waiting for it, holds the child's lock; read before
-    /// that lock, a parent's step could say "waits" while the child's last
-    /// undo was being committed, and the child would run again with nobody
-    /// left to undo it.
+    /// again if Postgres rolled it back as a deadlock; `None`: no such
+    /// order. The count is read under the order's lock, and so is the
+    /// snapshot the machine decides on, whose parent link says whether a
+    /// child's parent still waits for it
+    /// ([`crate::machine::child::put_back_refusal`]): every transaction
+    /// that ends a child holds the child's lock.
     ///
     /// # Errors
     /// When the database fails.
@@ -204,16 +200,13 @@ impl Writes<'_> {
         order_id: &str,
         actor: &str,
         event: impl Fn(i64) -> Event<'e>,
-    ) -> Result<Result<Option<Decided>, String>, StoreError> {
+    ) -> Result<Option<Decided>, StoreError> {
         run_again_if_rolled_back(order_id, || async {
             let mut tx = self.pool().begin().await?;
             sqlx::query("SELECT 1 FROM order_process WHERE order_id = $1 FOR UPDATE")
                 .bind(order_id)
                 .execute(&mut *tx)
                 .await?;
-            if let Some(why) = child_put_back_refusal(&mut tx, order_id).await? {
-                return Ok(Err(why));
-            }
             let earlier = put_back_before(&mut tx, order_id).await?;
             let event = event(earlier);
             let decided = transition(
@@ -226,7 +219,7 @@ impl Writes<'_> {
             )
             .await?;
             tx.commit().await?;
-            Ok(Ok(decided.into_iter().next()))
+            Ok(decided.into_iter().next())
         })
         .await
     }
@@ -250,12 +243,11 @@ impl Writes<'_> {
             })
             .await?;
         Ok(match decided {
-            Err(why) => Resume::NotResumable(why),
-            Ok(None) => Resume::NotFound,
-            Ok(Some(Decided { decision, .. })) => match decision.verdict {
+            None => Resume::NotFound,
+            Some(Decided { decision, .. }) => match decision.verdict {
                 Verdict::Resumed { from, key_kept } => Resume::Resumed { from, key_kept },
                 Verdict::Refused(state) => Resume::NotStopped(state),
-                Verdict::NotResumable(why) => Resume::NotResumable(why),
+                Verdict::NotResumable(why) | Verdict::NotPutBack(why) => Resume::NotResumable(why),
                 other => {
                     return Err(StoreError::Invariant(format!(
                         "a resume was decided as {other:?}"
@@ -290,39 +282,6 @@ impl Writes<'_> {
             },
         })
     }
-}
-
-/// Why child order `order_id` may not be put back (resubmitted or
-/// resumed): its parent's step no longer waits for it (the parent took its
-/// end and went on, or started another child), so that running it again
-/// would leave effects nobody undoes. `None` for an order no step started,
-/// or one its parent still waits for (running, or undoing it). Read in the
-/// caller's transaction, under the child's lock (see [`Writes::put_back`]).
-///
-/// # Errors
-/// When the database fails.
-async fn child_put_back_refusal(
-    conn: &mut PgConnection,
-    order_id: &str,
-) -> Result<Option<String>, StoreError> {
-    let link: Option<(String, String, String, String)> = sqlx::query_as(
-        "SELECT c.parent_order_id, c.step, s.idempotency_key, s.state::text
-           FROM order_children c
-           JOIN steps s ON s.order_id = c.parent_order_id AND s.name = c.step
-          WHERE c.child_order_id = $1",
-    )
-    .bind(order_id)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some((parent, step, key, state)) = link else {
-        return Ok(None);
-    };
-    let current = crate::machine::child::child_of_key(&parent.as_str().into(), &step, &key);
-    let waits =
-        current.as_str() == order_id && matches!(state.as_str(), "running" | "compensating");
-    Ok((!waits).then(|| format!(
-        "order {order_id} was started by step {step} of order {parent}, which no longer waits for it: run again, it would leave effects nobody undoes; resubmit or resume {parent} instead, which starts a new child"
-    )))
 }
 
 /// How many times an operator put the order back before (resubmitted or

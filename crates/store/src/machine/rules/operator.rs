@@ -7,10 +7,23 @@ use crate::machine::dispatch::resubmitted_key;
 use crate::machine::{HistoryEvent, ResubmitAction, StepRow, Verdict};
 use crate::model::{ProcessState, StepState};
 
+/// Why the order may not be put back: a child its parent no longer waits
+/// for ([`crate::machine::child::put_back_refusal`]).
+fn orphaned(draft: &Draft<'_>) -> Option<String> {
+    crate::machine::child::put_back_refusal(
+        &draft.snapshot.order_id,
+        draft.snapshot.parent.as_ref(),
+    )
+}
+
 /// An operator put an order that ended `error` or `compensated` back: a
 /// failed compensation resumes; otherwise the workflow restarts, every step
 /// not completed with a fresh key (the old one is decided at the remote).
 pub(super) fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
+    if let Some(why) = orphaned(draft) {
+        draft.verdict = Verdict::NotPutBack(why);
+        return;
+    }
     let state = draft.process.state;
     if !matches!(state, ProcessState::Error | ProcessState::Compensated) {
         draft.verdict = Verdict::Refused(state);
@@ -96,6 +109,10 @@ pub(super) fn resubmitted(draft: &mut Draft<'_>, earlier: i64) {
 /// undo is in doubt, and running actions again on top of it could leave
 /// effects nobody undoes (`resubmit` resumes the compensation instead).
 pub(super) fn resumed(draft: &mut Draft<'_>, reason: &str, earlier: i64) {
+    if let Some(why) = orphaned(draft) {
+        draft.verdict = Verdict::NotPutBack(why);
+        return;
+    }
     let state = draft.process.state;
     if state != ProcessState::Error {
         draft.verdict = Verdict::Refused(state);
