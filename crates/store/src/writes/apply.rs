@@ -346,15 +346,13 @@ pub(crate) async fn load_snapshots(
         "SELECT p.order_id, p.state, p.locked_by, p.complete_by, p.failure_count, p.not_before,
                 p.last_error, p.reply_to, p.trace_id, p.reply_correlation_id, p.priority, p.waiting_for, p.admit_key,
                 p.waiting_key,
-                o.body, o.submitted_by, c.parent_order_id, c.step AS parent_step,
-                ps.idempotency_key AS parent_step_key, ps.state AS parent_step_state, now() AS now, ",
+                o.body, o.submitted_by, c.parent_order_id, c.step AS parent_step, now() AS now, ",
         step_select!(),
         "
            FROM order_process p
            JOIN orders o ON o.order_id = p.order_id
            JOIN steps s ON s.order_id = p.order_id
            LEFT JOIN order_children c ON c.child_order_id = p.order_id
-           LEFT JOIN steps ps ON ps.order_id = c.parent_order_id AND ps.name = c.step
           WHERE p.order_id = ANY($1)
           ORDER BY p.order_id, s.position"
     ))
@@ -381,6 +379,36 @@ pub(crate) async fn load_snapshots(
                 let mut snapshot = snapshot_from_row(row)?;
                 snapshot.steps.push(step);
                 snapshots.insert(order_id, snapshot);
+            }
+        }
+    }
+    // Only children read their parent's step (does it still wait for
+    // them?): no cost for other orders. Under the children's locks, as
+    // every transaction that ends a child holds its lock.
+    let children: Vec<&str> = snapshots
+        .values()
+        .filter(|s| s.parent.is_some())
+        .map(|s| s.order_id.as_str())
+        .collect();
+    if !children.is_empty() {
+        let steps: Vec<(String, String, StepState)> = sqlx::query_as(
+            "SELECT c.child_order_id, s.idempotency_key, s.state
+               FROM order_children c
+               JOIN steps s ON s.order_id = c.parent_order_id AND s.name = c.step
+              WHERE c.child_order_id = ANY($1)",
+        )
+        .bind(&children)
+        .fetch_all(&mut *conn)
+        .await?;
+        for (child, key, state) in steps {
+            if let Some(link) = snapshots.get_mut(&child).and_then(|s| s.parent.as_mut()) {
+                link.waits = crate::machine::child::parent_waits(
+                    &link.order_id.as_str().into(),
+                    &link.step,
+                    &key,
+                    state,
+                    &child,
+                );
             }
         }
     }
@@ -439,28 +467,12 @@ fn snapshot_from_row(row: &PgRow) -> Result<Snapshot, StoreError> {
         mailbox: Vec::new(),
         submitted_by: row.try_get("submitted_by")?,
         parent: match row.try_get::<Option<String>, _>("parent_order_id")? {
-            Some(order_id) => {
-                let step: String = row.try_get("parent_step")?;
-                let key: Option<String> = row.try_get("parent_step_key")?;
-                let state: Option<StepState> = row.try_get("parent_step_state")?;
-                let child: String = row.try_get("order_id")?;
-                let waits = match (key, state) {
-                    (Some(key), Some(state)) => crate::machine::child::parent_waits(
-                        &order_id.as_str().into(),
-                        &step,
-                        &key,
-                        state,
-                        &child,
-                    ),
-                    // The parent's step is gone (retired): nobody waits.
-                    _ => false,
-                };
-                Some(crate::machine::child::ParentLink {
-                    order_id,
-                    step,
-                    waits,
-                })
-            }
+            // Whether it waits is read below, for children only.
+            Some(order_id) => Some(crate::machine::child::ParentLink {
+                order_id,
+                step: row.try_get("parent_step")?,
+                waits: false,
+            }),
             None => None,
         },
     })
