@@ -269,7 +269,13 @@ async fn a_tenant_with_nothing_in_flight_passes_a_limit_full_of_another_tenants_
     .await;
     let _agents = slow_agents(&env, &sim);
     let (_connection, publisher) = env.broker().await;
-    for n in 0..4 {
+    // a-0 fills the limit alone, then a's others join the line: published
+    // together, two intakes in transactions of their own could each take
+    // the one free slot (seen: two of a's in flight at a limit of 1), and
+    // the pass is rightly closed at twice the limit.
+    publish_as(&env, &publisher, "a", &order("a-0")).await;
+    stored(&env, 1).await;
+    for n in 1..4 {
         publish_as(&env, &publisher, "a", &order(&format!("a-{n}"))).await;
     }
     stored(&env, 4).await;
