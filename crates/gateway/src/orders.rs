@@ -126,12 +126,7 @@ impl OrderStatusView {
                     name: step.name.clone(),
                     state: step.state.as_str().to_owned(),
                     attempts: step.attempt,
-                    // The step's latest child: a resubmitted parent's step
-                    // starts a new one.
-                    child_order_id: children
-                        .iter()
-                        .rev()
-                        .find(|child| child.step == step.name)
+                    child_order_id: ChildLink::latest(children, &step.name)
                         .map(|child| sas_messages::ids::client_id(&child.order_id).to_owned()),
                 })
                 .collect(),

@@ -91,11 +91,7 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
         };
         // A child step names the order it started last (`sasctl inspect`
         // it), from the stored links: a refused start stored none.
-        let started = detail
-            .children
-            .iter()
-            .rev()
-            .find(|child| child.step == step.name)
+        let started = sas_store::reads::queries::ChildLink::latest(&detail.children, &step.name)
             .map(|child| format!("  (child order {})", child.order_id))
             .unwrap_or_default();
         let until = if step.kind().parks() && step.state == sas_store::StepState::Running {

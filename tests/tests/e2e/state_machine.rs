@@ -602,19 +602,18 @@ impl Model {
             step: step.to_owned(),
             waits: true,
         };
-        let refused = refused.or_else(|| match self.orders.get(child) {
-            Some(order)
-                if order
-                    .snapshot
-                    .parent
-                    .as_ref()
-                    .is_some_and(|p| p.same_step(&link)) =>
-            {
-                None
-            }
-            Some(_) => Some(ToParent::squatted(child)),
-            None => None,
-        });
+        let refused =
+            refused.or_else(|| match self.orders.get(child) {
+                Some(order)
+                    if order.snapshot.parent.as_ref().is_some_and(|p| {
+                        (&p.order_id, &p.step) == (&link.order_id, &link.step)
+                    }) =>
+                {
+                    None
+                }
+                Some(_) => Some(ToParent::squatted(child)),
+                None => None,
+            });
         if let Some(refused) = refused {
             let event = refused.event(step, child);
             return self.transition(

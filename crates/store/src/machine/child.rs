@@ -41,15 +41,6 @@ pub struct ParentLink {
     pub waits: bool,
 }
 
-impl ParentLink {
-    /// Whether it links to the same parent's step as `other` (whatever
-    /// each says of the wait).
-    pub fn same_step(&self, other: &ParentLink) -> bool {
-        (self.order_id.as_str(), self.step.as_str())
-            == (other.order_id.as_str(), other.step.as_str())
-    }
-}
-
 /// Whether parent `parent`'s step `step`, with idempotency key `key` and in
 /// state `state`, still waits for order `child`: `child` is the child its
 /// current key starts, and the step runs (forward) or undoes it. A parent

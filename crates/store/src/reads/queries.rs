@@ -101,6 +101,15 @@ pub struct ChildLink {
     pub step: String,
 }
 
+impl ChildLink {
+    /// The child step `step` started last, of a parent's `children` (oldest
+    /// first, as [`Reads::children_of`] reads them): a parent put back
+    /// starts a new child at the same step.
+    pub fn latest<'c>(children: &'c [ChildLink], step: &str) -> Option<&'c ChildLink> {
+        children.iter().rev().find(|child| child.step == step)
+    }
+}
+
 /// An operator alert.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct Alert {
