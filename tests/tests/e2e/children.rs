@@ -719,6 +719,86 @@ async fn a_loop_in_the_stored_plans_stops_at_the_depth_limit_and_is_undone_as_a_
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_tree_at_its_size_limit_starts_no_more_children_and_its_parent_is_undone() {
+    use sas_store::machine::child::MAX_TREE_ORDERS;
+    let env = TestEnv::new().await;
+    let (system, publisher, _connection) = start(&env, &workflows(&env), 1, 0).await;
+    let sim = &system.sim;
+    // A first generation: refused at its charge, its child undone.
+    sim.set_faults(Some("payment"), faults(1.0, 0))
+        .await
+        .expect("set remote-sim's faults");
+    env.publish_order(&publisher, &parent_order("tree-0")).await;
+    env.wait_for_state("tree-0", ProcessState::Compensated, Duration::from_secs(90))
+        .await;
+    // Earlier generations, as put-backs leave them: the tree now holds
+    // its limit (the root, its first child and these).
+    let earlier = i32::try_from(MAX_TREE_ORDERS - 2).unwrap();
+    let linked = sqlx::query(
+        "WITH made AS (
+             INSERT INTO orders (order_id, body)
+             SELECT 'tree-0:fulfil:old' || g, '{}' FROM generate_series(1, $1) g
+             RETURNING order_id)
+         INSERT INTO order_children (child_order_id, parent_order_id, step)
+         SELECT order_id, 'tree-0', 'fulfil' FROM made",
+    )
+    .bind(earlier)
+    .execute(&env.db)
+    .await
+    .expect("earlier generations linked");
+    assert_eq!(linked.rows_affected(), u64::try_from(earlier).unwrap());
+
+    // Put back once more, its payment fixed: the child step is refused
+    // before its child starts, and the order is undone.
+    sim.set_faults(Some("payment"), faults(0.0, 0))
+        .await
+        .expect("set remote-sim's faults");
+    let (code, out) = env.sasctl(&["resubmit", "tree-0"]).await;
+    assert_eq!(code, 0, "{out}");
+    sas_tests::wait_until("tree-0 undone again", Duration::from_secs(90), || async {
+        let ended: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM history WHERE order_id = 'tree-0' AND event = 'compensated'",
+        )
+        .fetch_one(&env.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        (ended == 2)
+            .then_some(())
+            .ok_or_else(|| format!("compensated {ended} times"))
+    })
+    .await;
+    assert_eq!(
+        env.state_of("tree-0").await,
+        Some(ProcessState::Compensated)
+    );
+    let started: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM order_process WHERE order_id LIKE 'tree-0:%'")
+            .fetch_one(&env.db)
+            .await
+            .expect("the children");
+    assert_eq!(started, 1, "only the first generation's child ever ran");
+    let alerts: Vec<String> =
+        sqlx::query_scalar("SELECT message FROM alerts WHERE order_id = 'tree-0'")
+            .fetch_all(&env.db)
+            .await
+            .expect("the alerts");
+    let limit = format!(
+        "the tree of order tree-0 holds {MAX_TREE_ORDERS} orders, and at most {MAX_TREE_ORDERS} are allowed"
+    );
+    assert!(alerts.iter().any(|a| a.contains(&limit)), "{alerts:?}");
+    // Every effect once, each undone after it; nothing of the refused
+    // start was sent.
+    let keys = sim.applied_keys("tree-0").await;
+    assert!(
+        keys.iter().all(|key| !key.starts_with("tree-0:fulfil:r1")),
+        "{keys:?}"
+    );
+    sim.assert_no_undo_before_its_action().await;
+    let counts = sim.applied_per_key().await.expect("the ledger");
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn parents_run_across_kill_9_of_the_scheduler_with_one_child_each_and_every_effect_once() {
     const ORDERS: usize = 30;
     let env = TestEnv::new().await;

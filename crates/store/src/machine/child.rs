@@ -26,6 +26,12 @@ pub const MAX_DEPTH: usize = 5;
 /// The most child steps one workflow may have.
 pub const MAX_CHILDREN: usize = 20;
 
+/// The most orders one tree may hold (its root and every order started
+/// under it, at any depth, in every generation): [`MAX_CHILDREN`] and
+/// [`MAX_DEPTH`] alone allow 20^5, and each operator put-back starts a
+/// new generation of children. A start past it refuses its parent's step.
+pub const MAX_TREE_ORDERS: usize = 1000;
+
 /// The parent an order was started by (see [`child_order_id`]), read
 /// with its snapshot: whom its end is told to, and whether the parent
 /// still waits for it.
@@ -226,6 +232,16 @@ impl ToParent {
             Self::Refused(format!(
                 "child order {child} could not start: it would be {} children deep, and at most {MAX_DEPTH} are allowed",
                 depth + 1
+            ))
+        })
+    }
+
+    /// A child cannot start when the tree of `root` holds `size` orders,
+    /// [`MAX_TREE_ORDERS`] or more, already.
+    pub fn tree_full(child: &str, root: &str, size: usize) -> Option<Self> {
+        (size >= MAX_TREE_ORDERS).then(|| {
+            Self::Refused(format!(
+                "child order {child} could not start: the tree of order {root} holds {size} orders, and at most {MAX_TREE_ORDERS} are allowed (resubmitting a parent starts its children anew: see each child's history)"
             ))
         })
     }

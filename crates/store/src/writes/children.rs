@@ -154,7 +154,9 @@ struct ChildStart<'a> {
 /// starts with the parent's step, in the same transaction. The parent's
 /// step is refused instead (see [`Event::ChildRefused`]) when the plan was
 /// never registered, the child's attributes do not match its workflow's
-/// schema, the child would be deeper than [`MAX_DEPTH`], or an order with
+/// schema, the child would be deeper than [`MAX_DEPTH`] or its tree hold
+/// more than
+/// [`MAX_TREE_ORDERS`](crate::machine::child::MAX_TREE_ORDERS) orders, or an order with
 /// the child's id exists that the step did not start.
 ///
 /// # Errors
@@ -185,15 +187,16 @@ async fn start_child(
     {
         return tell(conn, store, actor, at, start.child, &refused).await;
     }
-    // How deep the parent is: its chain of parents, as stored.
-    let depth: i32 = sqlx::query_scalar(
+    // How deep the parent is, and the root of its tree: its chain of
+    // parents, as stored.
+    let (depth, root): (i32, String) = sqlx::query_as(
         "WITH RECURSIVE up (order_id, depth) AS (
              SELECT $1::text, 0
              UNION ALL
              SELECT c.parent_order_id, up.depth + 1
                FROM order_children c JOIN up ON c.child_order_id = up.order_id
               WHERE up.depth <= $2)
-         SELECT max(depth) FROM up",
+         SELECT depth, order_id FROM up ORDER BY depth DESC LIMIT 1",
     )
     .bind(parent.order_id.as_str())
     .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
@@ -202,6 +205,30 @@ async fn start_child(
     if let Some(refused) =
         ToParent::too_deep(start.child, usize::try_from(depth).unwrap_or(usize::MAX))
     {
+        return tell(conn, store, actor, at, start.child, &refused).await;
+    }
+    // How many orders the tree holds: every order its root started, at any
+    // depth and in every generation (an operator's put-back starts new
+    // children). Read without a lock: starts committed at the same instant
+    // in other branches of one tree may pass the bound together.
+    let size: i64 = sqlx::query_scalar(
+        "WITH RECURSIVE down (order_id, depth) AS (
+             SELECT $1::text, 0
+             UNION ALL
+             SELECT c.child_order_id, down.depth + 1
+               FROM order_children c JOIN down ON c.parent_order_id = down.order_id
+              WHERE down.depth <= $2)
+         SELECT count(*) FROM down",
+    )
+    .bind(&root)
+    .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
+    .fetch_one(&mut *conn)
+    .await?;
+    if let Some(refused) = ToParent::tree_full(
+        start.child,
+        &root,
+        usize::try_from(size).unwrap_or(usize::MAX),
+    ) {
         return tell(conn, store, actor, at, start.child, &refused).await;
     }
     let inserted = insert_pending(
