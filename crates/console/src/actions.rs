@@ -14,6 +14,7 @@ use sas_announce::bulk::{run_bulk, Bulk, BulkError};
 use sas_announce::event::{event_message, EventAddress, NewEvent};
 use sas_announce::replay::{replay_dead_letter, ReplayError};
 use sas_store::machine::park::{OnTimeout, Park};
+use sas_store::machine::wait::EventAdmission;
 use sas_store::machine::StepRow;
 use sas_store::reads::dead_letters::NotReplayable;
 use sas_store::reads::search::OrderFilter;
@@ -394,16 +395,17 @@ impl Console {
     /// records the wait's end with the event's id; the console records
     /// nothing more.
     ///
-    /// The order is checked first: the event is sent only while the order
-    /// waits for it (an order that moved on meanwhile keeps the event in
-    /// its mailbox, where a later wait for the same name would use it).
+    /// The order is checked first, by the rule the gateway and `sasctl
+    /// signal` follow ([`sas_store::machine::wait::admission`]): the event
+    /// is sent when the order waits for it now, or has a wait for it still
+    /// ahead (its mailbox keeps the event until the order gets there).
     ///
     /// # Errors
     /// 400 for a name that cannot be an event's, 404 for no such order,
-    /// 403 when the wait names senders and this operator is none of them
-    /// (`console.tenancy_file`), 409 when it does not wait for this event
-    /// now, 503 when the store fails or the broker does not confirm the
-    /// event.
+    /// 403 when the order's waits for it name senders and this operator is
+    /// none of them (`console.tenancy_file`), 409 when nothing in the order
+    /// will use it (it ended, or no wait for it is ahead), 503 when the
+    /// store fails or the broker does not confirm the event.
     pub async fn send_event(
         &self,
         order_id: &str,
@@ -428,42 +430,27 @@ impl Console {
             },
         )
         .map_err(|invalid| Failure::bad_request(invalid.to_string()))?;
-        let (summary, steps) = self
+        // What the event would become there, as the gateway and sasctl
+        // check it too: an operator's mistake is answered at once, and
+        // nothing is sent.
+        let principals = self.tenancy.sender(&identity).principals;
+        let admission = self
             .store
             .reads()
-            .order_status(order_id)
-            .await?
-            .ok_or_else(|| Failure::not_found(format!("order {order_id}")))?;
-        match waiting_for_event(summary.state, &steps) {
-            Some(waiting) if waiting.event == event => {
-                // The schedulers would refuse it from an operator the wait
-                // does not accept: say so now, and send nothing.
-                let principals = self.tenancy.sender(&identity).principals;
-                let park = waiting.step.park.as_ref();
-                if park.is_some_and(|park| {
-                    !park.accepts(&principals, sas_messages::ids::tenant_of(order_id))
-                }) {
-                    return Err(Failure::new(
-                        axum::http::StatusCode::FORBIDDEN,
-                        format!(
-                            "the wait at step {} accepts {event} only from {}; you hold none of these (the tenancy file's roles): nothing was sent",
-                            waiting.step.name,
-                            park.map(|p| p.senders().join(", ")).unwrap_or_default()
-                        ),
-                    ));
-                }
+            .event_admission(order_id, event, &sent.event_id, Some(&principals))
+            .await?;
+        let said = admission.describe(order_id, event, &identity);
+        match admission {
+            EventAdmission::Used { .. } | EventAdmission::Kept { .. } => {}
+            // The console acts on orders it shows.
+            EventAdmission::NoOrderYet => {
+                return Err(Failure::not_found(format!("order {order_id}")))
             }
-            Some(waiting) => {
-                return Err(Failure::conflict(format!(
-                    "order {order_id} waits for the event {} at step {}, not for {event}: nothing was sent",
-                    waiting.event, waiting.step.name
-                )));
+            EventAdmission::Refused { .. } => {
+                return Err(Failure::new(axum::http::StatusCode::FORBIDDEN, said))
             }
-            None => {
-                return Err(Failure::conflict(format!(
-                    "order {order_id} is {} and waits for no event now: nothing was sent",
-                    summary.state
-                )));
+            EventAdmission::Duplicate | EventAdmission::Unused { .. } => {
+                return Err(Failure::conflict(said))
             }
         }
         let publisher = self.session.publisher().get().map_err(|_| {
@@ -487,7 +474,7 @@ impl Console {
         tracing::info!(order_id, user = %who.name, event, event_id = %sent.event_id, "event sent to a waiting order");
         Ok(EventSent {
             message: format!(
-                "event {event} sent to order {order_id} ({}): its wait ends once a scheduler takes it",
+                "event {event} sent to order {order_id} ({}): {said}",
                 sent.event_id
             ),
             event_id: sent.event_id,

@@ -25,8 +25,11 @@ use sas_messages::{OrderEvent, QueueNames, SCHEMA_VERSION};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::orders::{not_confirmed, problem, publish_confirmed, unreadable_body};
+use crate::orders::{
+    not_confirmed, problem, publish_confirmed, store_unavailable, unreadable_body,
+};
 use crate::{Caller, Gateway};
+use sas_store::machine::wait::EventAdmission;
 
 /// An event for an order's wait step, as a client sends it (the order is
 /// the path's).
@@ -128,6 +131,13 @@ async fn take(gateway: &Gateway, caller: &Caller, address: EventAddress, body: &
             format!("name the order by the id you submitted, the key as your orders give it (without '{separator}')"),
         );
     }
+    if let Some(order_id) = &event.order_id {
+        let principals = gateway.tenancy.sender(&identity).principals;
+        let stored_id = order_id.qualified(&tenant);
+        if let Err(refused) = check(gateway, &stored_id, &event, &identity, &principals).await {
+            return refused;
+        }
+    }
     let order_id = event.order_id.as_ref().map(ToString::to_string);
     let about = order_id
         .clone()
@@ -154,6 +164,47 @@ async fn take(gateway: &Gateway, caller: &Caller, address: EventAddress, body: &
             not_confirmed(&format!("the event was not accepted: the broker did not confirm it ({error}); send the same event again, which is safe (one event per event_id)"))
         }
     }
+}
+
+/// Answers, before anything is sent, an event the order `stored_id` would
+/// not take from the client `identity` (known by `principals`), by the rule the console and `sasctl signal` follow
+/// ([`sas_store::machine::wait::admission`]): 403 when every wait of the
+/// order for it refuses this client (the scheduler would refuse it), 409
+/// when nothing in the order will use it (it ended, or no wait for it is
+/// ahead). An event the order waits for, has a wait for ahead, or had
+/// before (a retried webhook), or for an order not stored yet, is sent.
+async fn check(
+    gateway: &Gateway,
+    stored_id: &str,
+    event: &OrderEvent,
+    identity: &str,
+    principals: &[String],
+) -> Result<(), Response> {
+    let admission = gateway
+        .store
+        .reads()
+        .event_admission(stored_id, &event.name, &event.event_id, Some(principals))
+        .await
+        .map_err(|error| store_unavailable(&error))?;
+    if admission.sendable() {
+        return Ok(());
+    }
+    let status = match admission {
+        EventAdmission::Refused { .. } => {
+            counted("refused");
+            StatusCode::FORBIDDEN
+        }
+        _ => {
+            counted("unused");
+            StatusCode::CONFLICT
+        }
+    };
+    // Said with the client's id, as it knows the order.
+    let own = sas_messages::ids::client_id(stored_id);
+    Err(problem(
+        status,
+        admission.describe(own, &event.name, identity),
+    ))
 }
 
 fn counted(outcome: &'static str) {

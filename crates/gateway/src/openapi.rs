@@ -246,7 +246,9 @@ fn events_path(
             "Send an event to the order's wait step (a webhook, an approval)",
             "order_id",
             "The order keeps it in its mailbox once per event_id: sending it again is safe; one that comes before the order reaches its wait, \
-             or before the order exists, is kept for it (scheduler.event_ttl_secs).",
+             or before the order exists, is kept for it (scheduler.event_ttl_secs). The order is checked first, as the console and sasctl check it: \
+             nothing is sent when every wait of the order for this event refuses the client (403), or when nothing in the order will use it (409: \
+             the order ended, or no wait for it is ahead).",
         ),
         EventsFor::Key => (
             "sendEventForKey",
@@ -275,10 +277,11 @@ fn events_path(
                 },
                 "400": error("Not a valid event: the reason names the field."),
                 "401": error("No client secret, or a wrong one."),
-                "403": error("The client belongs to no tenant."),
+                "403": error("The client belongs to no tenant, or (for an order) every wait of the order for this event accepts it only from others: nothing was sent."),
+                "409": error("For an order: nothing in it will use this event (it ended, or no wait for it is ahead): nothing was sent."),
                 "413": error("The body exceeds amqp.max_message_bytes."),
                 "429": error("Too many failed authentications from this address: see Retry-After."),
-                "503": error("The broker did not confirm it: send the same event again (see Retry-After)."),
+                "503": error("The broker did not confirm it, or the state store could not be read: send the same event again (see Retry-After)."),
             },
         },
     })

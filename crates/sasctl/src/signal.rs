@@ -6,6 +6,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use sas_announce::event::{event_message, EventAddress, NewEvent};
+use sas_messages::OrderEvent;
+use sas_runtime::tenancy::Tenancy;
 
 use crate::Target;
 
@@ -29,14 +31,27 @@ pub struct SignalArgs {
     /// The event's id: the same id twice is one event (default: a new one).
     #[arg(long)]
     pub event_id: Option<String>,
+    /// The schedulers' tenancy file, where the deployment has one: sasctl
+    /// then checks the event as the schedulers will, for the order of its
+    /// broker user's tenant and against the wait's `senders`. Without it,
+    /// tenancy is open (one tenant, every sender accepted), as the
+    /// schedulers' is without one.
+    #[arg(long, env = "SAS_SCHEDULER__TENANCY_FILE", default_value = "")]
+    pub tenancy_file: String,
 }
 
 /// Publishes the event and prints its id once the broker confirmed it. The
 /// order, if it waits for the event, moves on; if it has not reached its
-/// wait yet, or does not exist yet, the event is kept for it.
+/// wait yet, or does not exist yet, the event is kept for it. An event for
+/// an order is checked first, by the rule the console and the gateway
+/// follow ([`sas_store::machine::wait::admission`]): nothing is sent when
+/// every wait of the order for it refuses sasctl's broker user, or when
+/// nothing in the order will use it (it ended, or no wait for it is
+/// ahead).
 ///
 /// # Errors
-/// When the event is invalid or the broker does not confirm it.
+/// When the event is invalid, the order will not take it, the state store
+/// cannot be read or the broker does not confirm it.
 pub async fn run(target: &Target, args: SignalArgs) -> anyhow::Result<ExitCode> {
     let address = if args.key {
         EventAddress::Key(args.order_id)
@@ -57,6 +72,23 @@ pub async fn run(target: &Target, args: SignalArgs) -> anyhow::Result<ExitCode> 
             tenant: None,
         },
     )?;
+    if let Some(order_id) = &event.order_id {
+        let tenancy = Tenancy::load(&args.tenancy_file).map_err(anyhow::Error::msg)?;
+        let identity = format!("amqp:{}", settings.user().unwrap_or_default());
+        let sender = tenancy.sender(&identity);
+        let tenant = sender.tenant.as_deref().with_context(|| {
+            format!("{identity} belongs to no tenant in {}: the schedulers would refuse its event, so nothing was sent", args.tenancy_file)
+        })?;
+        let stored_id = order_id.qualified(tenant);
+        check(
+            target,
+            stored_id.as_str(),
+            &event,
+            &identity,
+            &sender.principals,
+        )
+        .await?;
+    }
     let (_connection, publisher) =
         crate::submit::open_publisher(&settings, &settings.names().events()).await?;
     publisher
@@ -65,4 +97,31 @@ pub async fn run(target: &Target, args: SignalArgs) -> anyhow::Result<ExitCode> 
         .with_context(|| format!("event {} was not confirmed", event.event_id))?;
     println!("{}", event.event_id);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses, before anything is sent, an event order `order_id` (its stored
+/// id) would not take from `identity`, known by `principals`; says on
+/// stderr what the order will do with one it takes.
+///
+/// # Errors
+/// When the order will not take it, or the state store cannot be read.
+async fn check(
+    target: &Target,
+    order_id: &str,
+    event: &OrderEvent,
+    identity: &str,
+    principals: &[String],
+) -> anyhow::Result<()> {
+    let admission = target
+        .store()?
+        .reads()
+        .event_admission(order_id, &event.name, &event.event_id, Some(principals))
+        .await
+        .with_context(|| {
+            format!("order {order_id} could not be read from the state store: nothing was sent")
+        })?;
+    let said = admission.describe(order_id, &event.name, identity);
+    anyhow::ensure!(admission.sendable(), "{said}");
+    eprintln!("{said}");
+    Ok(())
 }

@@ -172,8 +172,8 @@ async fn the_api_sends_the_event_an_order_waits_for_and_refuses_any_other() {
     .await;
     assert_eq!(status, StatusCode::CONFLICT, "{answer}");
     let error = answer["error"].as_str().unwrap_or_default();
-    assert!(
-        error.contains("waits for the event approved at step approval, not for rejected"),
+    assert_eq!(
+        error, "order big-1 waits for approved, not for rejected: nothing was sent",
         "{error}"
     );
     env.publish_order(&publisher, &order("plain-1")).await;

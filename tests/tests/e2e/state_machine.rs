@@ -256,11 +256,6 @@ impl Order {
 
     fn record(&mut self, decision: &Decision, actor: &str) {
         self.snapshot.apply(decision);
-        if let Some(used) = &decision.used_event {
-            self.snapshot
-                .mailbox
-                .retain(|event| &event.event_id != used);
-        }
         self.history.extend(
             decision
                 .history

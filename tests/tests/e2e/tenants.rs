@@ -223,7 +223,8 @@ approver = ["gateway:manager", "amqp:{mgr_user}"]
     .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
 
-    // shop approves its own order, over HTTP: refused, in its history.
+    // shop approves its own order, over HTTP: refused at once (the rule
+    // the scheduler follows), and nothing is sent.
     let (status, body) = call(
         post.clone(),
         url("/v1/orders/big-1/events"),
@@ -231,11 +232,11 @@ approver = ["gateway:manager", "amqp:{mgr_user}"]
         Some(&json!({"schema_version": 1, "name": "approved", "event_id": "self-http"})),
     )
     .await;
-    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    let refused = in_history(&env, "big-1@shop", "event_refused", "self-http").await;
-    assert!(
-        refused.contains("from gateway:shop") && refused.contains("role:approver"),
-        "{refused}"
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert_eq!(
+        body["error"],
+        "the wait at step approval of order big-1 accepts approved only from role:approver, and gateway:shop is none of these: nothing was sent",
+        "{body}"
     );
 
     // Over AMQP as shop's broker user, and with a forged sender header

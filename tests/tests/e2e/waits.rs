@@ -367,6 +367,25 @@ async fn a_webhook_over_the_gateway_approves_a_waiting_order_once() {
         send(serde_json::json!({ "schema_version": 1, "name": "ap proved", "event_id": "w-1" }))
             .await;
     assert_eq!(bad.status(), reqwest::StatusCode::BAD_REQUEST);
+    // An event no wait of the order is for: the gateway and sasctl refuse
+    // it alike, before anything is sent.
+    let other =
+        send(serde_json::json!({ "schema_version": 1, "name": "rejected", "event_id": "w-2" }))
+            .await;
+    assert_eq!(other.status(), reqwest::StatusCode::CONFLICT);
+    let other: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(
+        other["error"], "order hook-1 waits for approved, not for rejected: nothing was sent",
+        "{other}"
+    );
+    let (code, _, said) = env
+        .sasctl_with_errors(&["signal", "hook-1", "rejected"])
+        .await;
+    assert_eq!(code, 1, "{said}");
+    assert!(
+        said.contains("order hook-1 waits for approved, not for rejected: nothing was sent"),
+        "{said}"
+    );
     let body = serde_json::json!({ "schema_version": 1, "name": "approved", "event_id": "psp-77", "data": { "by": "psp" } });
     // The provider retries its webhook: the order uses the event once.
     for _ in 0..2 {
@@ -379,6 +398,27 @@ async fn a_webhook_over_the_gateway_approves_a_waiting_order_once() {
     assert_eq!(
         detail.steps[1].result,
         Some(serde_json::json!({ "by": "psp" }))
+    );
+    // Retried once more after the order ended: still taken (the same
+    // event); a new one, from the gateway or sasctl, is refused: nothing
+    // will use it.
+    assert_eq!(send(body).await.status(), reqwest::StatusCode::ACCEPTED);
+    let late =
+        send(serde_json::json!({ "schema_version": 1, "name": "approved", "event_id": "psp-78" }))
+            .await;
+    assert_eq!(late.status(), reqwest::StatusCode::CONFLICT);
+    let late: serde_json::Value = late.json().await.unwrap();
+    assert_eq!(
+        late["error"], "order hook-1 is processed and waits for no event: nothing was sent",
+        "{late}"
+    );
+    let (code, _, said) = env
+        .sasctl_with_errors(&["signal", "hook-1", "approved"])
+        .await;
+    assert_eq!(code, 1, "{said}");
+    assert!(
+        said.contains("is processed and waits for no event"),
+        "{said}"
     );
     assert_eq!(
         mailbox(&env, "hook-1").await,

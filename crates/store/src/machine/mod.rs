@@ -20,6 +20,8 @@
 //!   payload, deadline and history detail.
 //! - [`kind`]: what a step does (a call, a wait, a delay): the closed set
 //!   the rules match on.
+//! - [`wait`]: what an event sent to an order becomes there, the one rule
+//!   the scheduler and every front end that sends one follow.
 //! - [`undo`]: when a step may be undone, the one rule every road to
 //!   compensation follows.
 //! - `rules`: the decisions, one function per event.
@@ -38,6 +40,7 @@ mod rules;
 #[cfg(test)]
 mod tests;
 pub mod undo;
+pub mod wait;
 
 use std::time::Duration;
 
@@ -278,6 +281,10 @@ impl Snapshot {
             {
                 *step = change.row.clone();
             }
+        }
+        // A used event leaves the mailbox (the store marks it used).
+        if let Some(used) = &decision.used_event {
+            self.mailbox.retain(|event| &event.event_id != used);
         }
     }
 }

@@ -1397,6 +1397,77 @@ fn an_event_already_in_the_mailbox_is_used_when_the_order_gets_there() {
 }
 
 #[test]
+fn what_an_event_becomes_is_one_rule_for_every_front_end() {
+    use super::wait::{admission, EventAdmission};
+    let anyone = vec!["amqp:x".to_owned(), "*".to_owned()];
+    let kim = vec!["console:kim".to_owned()];
+    let ann = vec!["console:ann".to_owned(), "role:approver".to_owned()];
+    let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+    let at = |snapshot: &Snapshot, event: &str, who: Option<&[String]>| {
+        admission(
+            snapshot.process.state,
+            &snapshot.steps,
+            event,
+            who,
+            "default",
+        )
+    };
+    let kept = EventAdmission::Kept {
+        step: "approval".into(),
+    };
+    // Before the wait: kept for it; an event no step waits for: unused,
+    // naming what the order does wait for.
+    assert_eq!(at(&snapshot, "approved", Some(&anyone)), kept);
+    let EventAdmission::Unused { why } = at(&snapshot, "rejected", Some(&anyone)) else {
+        panic!("no wait for rejected");
+    };
+    assert_eq!(why, "waits for approved, not for rejected");
+    // A wait that names its senders refuses everyone else, before and at
+    // the wait; a sender it does not know is the scheduler's to check.
+    snapshot.steps[1].park = Some(park::Park::Event {
+        event: "approved".into(),
+        on_timeout: park::OnTimeout::Compensate,
+        correlation_key: None,
+        senders: vec!["role:approver".into()],
+    });
+    let refused = EventAdmission::Refused {
+        step: "approval".into(),
+        senders: vec!["role:approver".into()],
+    };
+    assert_eq!(at(&snapshot, "approved", Some(&kim)), refused);
+    assert_eq!(at(&snapshot, "approved", Some(&ann)), kept);
+    assert_eq!(at(&snapshot, "approved", None), kept);
+    assert!(!refused.sendable() && kept.sendable());
+    // Parked at the wait: used.
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
+    assert_eq!(
+        at(&snapshot, "approved", Some(&ann)),
+        EventAdmission::Used {
+            step: "approval".into()
+        }
+    );
+    assert_eq!(at(&snapshot, "approved", Some(&kim)), refused);
+    // Past it: unused; ended: unused.
+    let mut approval = mail("approved", "m-1");
+    approval.principals.clone_from(&ann);
+    snapshot.mailbox.push(approval);
+    snapshot.apply(&decide(&snapshot, &Event::EventArrived, &ctx(t(4))));
+    assert!(
+        snapshot.mailbox.is_empty(),
+        "the used event left the mailbox"
+    );
+    let EventAdmission::Unused { why } = at(&snapshot, "approved", Some(&ann)) else {
+        panic!("past the wait");
+    };
+    assert_eq!(why, "is past its wait for approved (step approval)");
+    snapshot.process.state = ProcessState::Processed;
+    let EventAdmission::Unused { why } = at(&snapshot, "approved", Some(&ann)) else {
+        panic!("ended");
+    };
+    assert_eq!(why, "is processed and waits for no event");
+}
+
+#[test]
 fn a_wait_that_times_out_compensates_fails_or_goes_on_as_its_step_says() {
     for (on_timeout, state) in [
         (park::OnTimeout::Compensate, ProcessState::Compensating),

@@ -7,6 +7,7 @@ use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use super::Reads;
+use crate::machine::wait::EventAdmission;
 use crate::machine::{AlertKind, HistoryEvent, StepRow};
 use crate::model::ProcessState;
 use crate::step_columns::{step_select, BESIDE_ORDER};
@@ -244,6 +245,42 @@ impl Reads<'_> {
         .map(|row| BESIDE_ORDER.read(row))
         .collect::<Result<_, _>>()?;
         Ok(Some((summary, steps)))
+    }
+
+    /// What event `event` with id `event_id`, from a sender known by
+    /// `principals` (`None`: the scheduler checks the sender), would become
+    /// in order `order_id` (its stored id) as it stands: what every front
+    /// end checks before it sends one (see [`crate::machine::wait`]).
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn event_admission(
+        self,
+        order_id: &str,
+        event: &str,
+        event_id: &str,
+        principals: Option<&[String]>,
+    ) -> Result<EventAdmission, StoreError> {
+        let seen: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM order_events WHERE order_id = $1 AND event_id = $2)",
+        )
+        .bind(order_id)
+        .bind(event_id)
+        .fetch_one(self.pool())
+        .await?;
+        if seen {
+            return Ok(EventAdmission::Duplicate);
+        }
+        let Some((summary, steps)) = self.order_status(order_id).await? else {
+            return Ok(EventAdmission::NoOrderYet);
+        };
+        Ok(crate::machine::wait::admission(
+            summary.state,
+            &steps,
+            event,
+            principals,
+            sas_messages::ids::tenant_of(order_id),
+        ))
     }
 
     /// Where an order's status messages go, besides `sas.status`, and the

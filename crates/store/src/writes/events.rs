@@ -10,6 +10,7 @@ use sas_messages::OrderEvent;
 use super::apply::{transition, Slots};
 use super::Writes;
 use crate::machine::park::Park;
+use crate::machine::wait;
 use crate::machine::{storable, Event, HistoryEvent, Verdict};
 use crate::model::Progress;
 use crate::StoreError;
@@ -401,20 +402,18 @@ async fn refuse_unaccepted(
             }
             continue;
         }
-        let mine: Vec<(&String, Park)> = waits
+        let mine: Vec<(&str, Park)> = waits
             .iter()
             .filter(|(id, _, _)| id == order_id)
-            .filter_map(|(_, step, park)| Some((step, serde_json::from_value(park.clone()).ok()?)))
+            .filter_map(|(_, step, park)| {
+                Some((step.as_str(), serde_json::from_value(park.clone()).ok()?))
+            })
             .collect();
         let tenant = sas_messages::ids::tenant_of(order_id);
-        if mine.is_empty()
-            || mine
-                .iter()
-                .any(|(_, park)| park.accepts(sender.principals, tenant))
-        {
+        let named = mine.iter().map(|(step, park)| (*step, park));
+        let Some((step, senders)) = wait::refusal(named, sender.principals, tenant) else {
             continue;
-        }
-        let (step, park) = &mine[0];
+        };
         refused.push((
             order_id.clone(),
             format!(
@@ -422,7 +421,7 @@ async fn refuse_unaccepted(
                 event.name,
                 event.event_id,
                 sender.identity,
-                park.senders().join(", ")
+                senders.join(", ")
             ),
         ));
     }

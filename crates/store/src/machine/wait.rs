@@ -1,0 +1,187 @@
+//! What an event sent to an order becomes there, decided once: by the
+//! scheduler that receives it (whether the order's waits refuse its sender)
+//! and by every front end before it sends one (the console, `sasctl
+//! signal`, the gateway), so that the three answer alike and say at once
+//! what the scheduler would only write in the order's history.
+//!
+//! What a wait step does on each event of the state machine is in the
+//! rules (`rules/wait.rs`); what every parked kind shares is in
+//! [`super::park`].
+
+use crate::machine::park::{parked_at, Park};
+use crate::machine::StepRow;
+use crate::model::{ProcessState, StepState};
+
+/// The wait steps an order's waits for `event` refuse a sender at, when
+/// every one of them does: the first such step and whom it accepts. `None`
+/// when one of them accepts the sender, or when the order has no wait for
+/// `event` (the event changes nothing there, and the mailbox may keep it).
+///
+/// `waits` are the order's wait steps for `event` (name and spec), in any
+/// state; `principals` what the sender is known by (see
+/// [`Park::accepts`]); `tenant` the order's tenant.
+pub fn refusal<'a>(
+    waits: impl IntoIterator<Item = (&'a str, &'a Park)>,
+    principals: &[String],
+    tenant: &str,
+) -> Option<(&'a str, &'a [String])> {
+    let mut first = None;
+    for (step, park) in waits {
+        if park.accepts(principals, tenant) {
+            return None;
+        }
+        first.get_or_insert((step, park.senders()));
+    }
+    first
+}
+
+/// What an event named `event` would become in an order, as the order
+/// stands: the one rule the console, `sasctl signal` and the gateway
+/// follow before they send one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventAdmission {
+    /// No order has this id (yet): the scheduler keeps the event for one
+    /// (`scheduler.event_ttl_secs`), then dead-letters it.
+    NoOrderYet,
+    /// An event with this id came for the order before: sending it again
+    /// changes nothing (safe, as a retried webhook is).
+    Duplicate,
+    /// The order is parked at wait step `step` for it: it runs on when the
+    /// event comes.
+    Used {
+        /// The wait step.
+        step: String,
+    },
+    /// Wait step `step` for it is still ahead: the order's mailbox keeps
+    /// the event, and the step uses it when the order gets there.
+    Kept {
+        /// The wait step.
+        step: String,
+    },
+    /// Every wait for it refuses the sender: the scheduler would refuse it.
+    Refused {
+        /// The first such wait step.
+        step: String,
+        /// Whom it accepts the event from.
+        senders: Vec<String>,
+    },
+    /// Nothing in the order will use it: the order ended, or none of its
+    /// steps still to come waits for it.
+    Unused {
+        /// Why, said of the order ("is processed and waits for no event").
+        why: String,
+    },
+}
+
+impl EventAdmission {
+    /// Whether the event is worth sending: the order takes or keeps it, or
+    /// may come yet, or has it already (sending again is safe).
+    pub fn sendable(&self) -> bool {
+        match self {
+            Self::NoOrderYet | Self::Duplicate | Self::Used { .. } | Self::Kept { .. } => true,
+            Self::Refused { .. } | Self::Unused { .. } => false,
+        }
+    }
+
+    /// What it means for event `event` of `sender`, in words for the
+    /// sender (order `order_id`).
+    pub fn describe(&self, order_id: &str, event: &str, sender: &str) -> String {
+        match self {
+            Self::NoOrderYet => format!(
+                "no order {order_id} yet: the event is kept for it for scheduler.event_ttl_secs"
+            ),
+            Self::Duplicate => {
+                format!("order {order_id} has had this event before: nothing changes")
+            }
+            Self::Used { step } => format!("order {order_id} waits for {event} at step {step}"),
+            Self::Kept { step } => format!(
+                "order {order_id} has not reached its wait for {event} (step {step}): its mailbox keeps the event until it does"
+            ),
+            Self::Refused { step, senders } => format!(
+                "the wait at step {step} of order {order_id} accepts {event} only from {}, and {sender} is none of these: nothing was sent",
+                senders.join(", ")
+            ),
+            Self::Unused { why } => format!("order {order_id} {why}: nothing was sent"),
+        }
+    }
+}
+
+/// What event `event`, from a sender known by `principals` (`None`: not
+/// known here; the scheduler checks it), would become in an order of
+/// tenant `tenant` in `state` with `steps`. The two cases a read decides
+/// (no such order, an event id seen before) are the store's
+/// ([`crate::reads::Reads::event_admission`]).
+pub fn admission(
+    state: ProcessState,
+    steps: &[StepRow],
+    event: &str,
+    principals: Option<&[String]>,
+    tenant: &str,
+) -> EventAdmission {
+    let waits: Vec<(usize, &Park)> = steps
+        .iter()
+        .enumerate()
+        .filter_map(|(index, step)| match &step.park {
+            Some(park @ Park::Event { event: name, .. }) if name == event => Some((index, park)),
+            Some(Park::Event { .. } | Park::Delay { .. } | Park::Child { .. }) | None => None,
+        })
+        .collect();
+    let live = match state {
+        ProcessState::Pending | ProcessState::Processing | ProcessState::Error => true,
+        ProcessState::Processed | ProcessState::Compensating | ProcessState::Compensated => false,
+    };
+    if !live {
+        return EventAdmission::Unused {
+            why: format!("is {state} and waits for no event"),
+        };
+    }
+    if waits.is_empty() {
+        let others: Vec<&str> = steps
+            .iter()
+            .filter_map(|step| match &step.park {
+                Some(Park::Event { event, .. }) => Some(event.as_str()),
+                Some(Park::Delay { .. } | Park::Child { .. }) | None => None,
+            })
+            .collect();
+        return EventAdmission::Unused {
+            why: if others.is_empty() {
+                format!("waits for no event in its workflow, not for {event}")
+            } else {
+                format!("waits for {}, not for {event}", others.join(", "))
+            },
+        };
+    }
+    if let Some(principals) = principals {
+        let named = waits
+            .iter()
+            .map(|(index, park)| (steps[*index].name.as_str(), *park));
+        if let Some((step, senders)) = refusal(named, principals, tenant) {
+            return EventAdmission::Refused {
+                step: step.to_owned(),
+                senders: senders.to_vec(),
+            };
+        }
+    }
+    let parked = parked_at(state, steps);
+    if let Some((index, _)) = waits.iter().find(|(index, _)| Some(*index) == parked) {
+        return EventAdmission::Used {
+            step: steps[*index].name.clone(),
+        };
+    }
+    match waits.iter().find(|(index, _)| {
+        matches!(
+            steps[*index].state,
+            StepState::NotStarted | StepState::Running
+        )
+    }) {
+        Some((index, _)) => EventAdmission::Kept {
+            step: steps[*index].name.clone(),
+        },
+        None => EventAdmission::Unused {
+            why: format!(
+                "is past its wait for {event} (step {})",
+                steps[waits[0].0].name
+            ),
+        },
+    }
+}
