@@ -1,19 +1,21 @@
 //! The rules: one function per event, sharing a [`Draft`] that collects
-//! the changes and turns them into a [`Decision`]. Each event's rules live
-//! in a module of their own, so a new kind of event or step is a new file:
-//! [`start`] (intake, claims), [`reply`], [`deadline`], [`dead_letter`],
-//! [`operator`] (resubmit, cancel), [`park`] (steps that wait for an event
-//! or a time), [`group`] (steps that run side by side).
+//! the changes and turns them into a [`Decision`]. One module per kind of
+//! step ([`super::kind::Kind`]), holding what that kind does on each event
+//! it receives: [`call`] (its start, an agent's reply, a missed deadline, a
+//! dead letter), [`wait`], [`delay`], [`child`]; what the parked kinds
+//! share is in [`park`]. The events every kind meets have modules of their
+//! own: [`start`] (intake, claims), [`operator`] (resubmit, resume,
+//! cancel), [`moved`] (a version move), [`group`] (steps that run side by
+//! side). A new kind is one variant of `Kind` and one module here: the
+//! compiler lists every match that must name it.
 
+mod call;
 mod child;
-mod dead_letter;
-mod deadline;
 mod delay;
 mod group;
 mod moved;
 mod operator;
 mod park;
-mod reply;
 mod start;
 mod wait;
 
@@ -23,14 +25,13 @@ use chrono::{DateTime, Utc};
 
 use sas_messages::{AttemptId, StatusEvent, StepKind, StepReply};
 
-use super::dispatch::{attempt_detail, operation, payload, Unbuilt};
 use super::kind::Kind;
 use super::undo::undo_not_before;
 use super::{
-    admission_delta, admit_key, status, AdmissionDelta, AlertKind, Context, Decision, Event,
-    HistoryEvent, HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
+    admission_delta, status, AdmissionDelta, AlertKind, Context, Decision, Event, HistoryEvent,
+    HistoryLine, NewAlert, ProcessRow, Snapshot, StepChange, StepRow, Verdict,
 };
-use crate::model::{Dispatch, ProcessState, Progress, StepState};
+use crate::model::{ProcessState, Progress, StepState};
 
 /// Decides what `event` does to the order in `snapshot`. Pure: the same
 /// inputs always give the same decision.
@@ -39,15 +40,15 @@ pub fn decide(snapshot: &Snapshot, event: &Event<'_>, ctx: &Context<'_>) -> Deci
     match *event {
         Event::Submitted => start::submitted(&mut draft),
         Event::Claimed => start::claimed(&mut draft),
-        Event::Reply(reply) => reply::replied(&mut draft, reply),
+        Event::Reply(reply) => call::replied(&mut draft, reply),
         Event::DeadlineMissed { policy, jitter } => {
-            deadline::deadline_missed(&mut draft, policy, jitter)
+            call::deadline_missed(&mut draft, policy, jitter)
         }
         Event::DeadLettered {
             attempt_id,
             reason,
             no_call,
-        } => dead_letter::dead_lettered(&mut draft, attempt_id, reason, no_call),
+        } => call::dead_lettered(&mut draft, attempt_id, reason, no_call),
         Event::Resubmitted { earlier } => operator::resubmitted(&mut draft, earlier),
         Event::Resumed { reason, earlier } => operator::resumed(&mut draft, reason, earlier),
         Event::Cancelled { reason } => operator::cancelled(&mut draft, reason),
@@ -368,233 +369,11 @@ impl<'a> Draft<'a> {
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
         match self.steps[index].kind() {
-            Kind::Wait { .. } => return wait::start(self, index),
-            Kind::Delay => return delay::start(self, index),
-            Kind::Child { .. } => return child::start(self, index, kind),
-            Kind::Call => {}
+            Kind::Call => call::start(self, index, kind),
+            Kind::Wait { .. } => wait::start(self, index),
+            Kind::Delay => delay::start(self, index),
+            Kind::Child { .. } => child::start(self, index, kind),
         }
-        if self.ctx.closed == Some(self.steps[index].agent.as_str()) {
-            return self.wait_for_slot(index, kind);
-        }
-        if let Some(line) = self.closed_key_line(index) {
-            return self.wait_for_key(index, kind, line);
-        }
-        match self.prepare_call(index, kind, self.ctx.next_attempt_id) {
-            Ok((started, dispatch)) => self.start_call(index, kind, started, dispatch),
-            Err(unbuilt) => self.refuse_unbuilt(index, kind, &unbuilt),
-        }
-    }
-
-    /// Attempt `attempt_id` of step `index`'s call as it would start now:
-    /// the step in flight with its deadline, and the request to send; or
-    /// why that request cannot be built (nothing may be sent then).
-    fn prepare_call(
-        &self,
-        index: usize,
-        kind: StepKind,
-        attempt_id: AttemptId,
-    ) -> Result<(StepRow, Dispatch), Unbuilt> {
-        let mut started = self.steps[index].clone();
-        started.state = match kind {
-            StepKind::Action => StepState::Running,
-            StepKind::Compensation => StepState::Compensating,
-        };
-        started.attempt += 1;
-        started.attempt_id = Some(attempt_id);
-        started.limit_key = self.key_line(index);
-        started.complete_by =
-            Some(self.ctx.now + chrono::Duration::milliseconds(i64::from(started.timeout_ms)));
-        let results = self
-            .steps
-            .iter()
-            .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
-        let payload = payload(&self.snapshot.body, results);
-        let dispatch = Dispatch::for_step(
-            &self.snapshot.order_id,
-            &started,
-            kind,
-            payload,
-            self.ctx.start_margin,
-            self.snapshot.priority,
-            self.ctx.max_request_bytes,
-        )?;
-        Ok((started, dispatch))
-    }
-
-    /// Starts a call [`Draft::prepare_call`] prepared: the step in flight,
-    /// the order held with it, the request to send.
-    fn start_call(&mut self, index: usize, kind: StepKind, started: StepRow, dispatch: Dispatch) {
-        self.change_step(index, |step| *step = started);
-        let step = &self.steps[index];
-        self.process.complete_by = step.complete_by;
-        self.process.locked_by = Some(self.ctx.actor.to_owned());
-        let event = match kind {
-            StepKind::Action => HistoryEvent::Dispatched,
-            StepKind::Compensation => HistoryEvent::CompensationDispatched,
-        };
-        let detail = attempt_detail(step.attempt, &step.agent, operation(step, kind));
-        let (name, attempt_id) = (step.name.clone(), step.attempt_id);
-        self.progress.dispatches.push(dispatch);
-        self.log(event, Some(&name), attempt_id, Some(detail));
-    }
-
-    /// The request of step `index`'s next attempt of `kind` could not be
-    /// built (a template with a hole, a request too large): nothing is
-    /// sent, and an alert names the step and why. An action is refused as
-    /// the remote would refuse it, and the order undone; an undo leaves the
-    /// order in error with its compensation to finish by hand (or resumed
-    /// by an operator once the cause is fixed).
-    fn refuse_unbuilt(&mut self, index: usize, kind: StepKind, unbuilt: &Unbuilt) {
-        let name = self.steps[index].name.clone();
-        let order_id = self.snapshot.order_id.clone();
-        match kind {
-            StepKind::Action => {
-                let reason = format!("the request of step {name} was not sent: {unbuilt}");
-                self.change_step(index, |step| {
-                    step.state = StepState::Failed;
-                    step.last_error = Some(reason.clone());
-                });
-                self.alert = Some(NewAlert {
-                    kind: AlertKind::RequestNotBuilt,
-                    message: format!("order {order_id}: {reason}; the order is undone"),
-                });
-                self.start_compensation(Some(&name), None, &reason);
-                self.advance();
-            }
-            StepKind::Compensation => {
-                let reason = format!("the undo of step {name} was not sent: {unbuilt}");
-                self.change_step(index, |step| {
-                    step.state = StepState::Compensating;
-                    step.undo_refused = true;
-                    step.last_error = Some(reason.clone());
-                });
-                let message = format!(
-                    "order {order_id}: {reason}; undo it by hand, or fix the cause and resubmit the order to resume its compensation"
-                );
-                self.fail(Failure {
-                    step: Some(&name),
-                    attempt_id: None,
-                    kind: AlertKind::RequestNotBuilt,
-                    detail: reason.clone(),
-                    last_error: &reason,
-                    message: &message,
-                });
-            }
-        }
-    }
-
-    /// No slot of the step's agent is free: the order waits in that agent's
-    /// line, held by nobody and with no deadline, so waiting never fails.
-    fn wait_for_slot(&mut self, index: usize, kind: StepKind) {
-        let now = self.ctx.now;
-        self.wait_in_line(index, kind, now, "has no free slot; waiting in its line");
-    }
-
-    /// Puts the order in the line of step `index`'s agent, placed as if it
-    /// had started waiting at `since`.
-    fn wait_in_line(&mut self, index: usize, kind: StepKind, since: DateTime<Utc>, why: &str) {
-        let step = &self.steps[index];
-        let agent = step.agent.clone();
-        let name = step.name.clone();
-        self.leave_held(kind, since);
-        self.keep_place_from_key_line();
-        let detail = format!("{agent} {why}");
-        self.process.waiting_for = Some(agent);
-        self.process.waiting_key = None;
-        self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
-    }
-
-    /// An order taken from a key's line and put in its agent's keeps its
-    /// place (its priority and how long it has waited), so that moving
-    /// between two long lines never sends it to the back.
-    fn keep_place_from_key_line(&mut self) {
-        if self.snapshot.process.waiting_key.is_some() {
-            if let Some(place) = self.snapshot.process.admit_key {
-                self.process.admit_key = Some(place.min(self.process.admit_key.unwrap_or(place)));
-            }
-        }
-    }
-
-    /// The order held by nobody, with no deadline, pending (or
-    /// compensating), placed in a line as if it had started waiting at
-    /// `since`.
-    fn leave_held(&mut self, kind: StepKind, since: DateTime<Utc>) {
-        if self.process.state == ProcessState::Processing {
-            self.process.state = ProcessState::Pending;
-        }
-        self.process.locked_by = None;
-        self.process.complete_by = None;
-        self.process.not_before = self.ctx.now;
-        self.process.admit_key = Some(admit_key(
-            since,
-            self.snapshot.priority,
-            kind == StepKind::Compensation,
-        ));
-    }
-
-    /// The key line of step `index`'s next attempt, when its workflow
-    /// limits it by key ([`super::concurrency`]).
-    pub(super) fn key_line(&self, index: usize) -> Option<String> {
-        let step = &self.steps[index];
-        let calls = step.calls.as_ref()?;
-        calls.key_limits()?;
-        let results = self
-            .steps
-            .iter()
-            .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
-        let context = super::call::context_of(&payload(&self.snapshot.body, results));
-        calls.key_line(&step.agent, &context).map(|(line, _)| line)
-    }
-
-    /// Step `index`'s key line, when the store found it with no room for
-    /// this decision.
-    pub(super) fn closed_key_line(&self, index: usize) -> Option<String> {
-        let closed = self.ctx.closed_key?;
-        self.key_line(index).filter(|line| line == closed)
-    }
-
-    /// Step `index`'s key `line` has no room: the order waits in the
-    /// key's line, held by nobody and with no deadline. An order taken
-    /// from that line and put back keeps its place.
-    pub(super) fn wait_for_key(&mut self, index: usize, kind: StepKind, line: String) {
-        let limits = self.steps[index]
-            .calls
-            .as_ref()
-            .and_then(|calls| calls.key_limits())
-            .map_or_else(String::new, |(limits, _, _)| limits.to_string());
-        let why = format!(
-            "has no room under {limits} (or its remote asked it to rest); waiting in its line"
-        );
-        self.wait_in_key_line(index, kind, line, self.ctx.now, &why);
-    }
-
-    /// Puts the order in key `line`'s line, placed as if it had started
-    /// waiting at `since` (or where it was, when taken from that line and
-    /// put back), its step naming the key.
-    fn wait_in_key_line(
-        &mut self,
-        index: usize,
-        kind: StepKind,
-        line: String,
-        since: DateTime<Utc>,
-        why: &str,
-    ) {
-        // Taken from a line (this key's, or its agent's) and put in this
-        // one: it keeps its place, so that moving between two long lines
-        // never sends it to the back.
-        let from_a_line = self.snapshot.process.waiting_key.is_some()
-            || self.snapshot.process.waiting_for.is_some();
-        let place = self.snapshot.process.admit_key.filter(|_| from_a_line);
-        self.leave_held(kind, since);
-        if place.is_some() {
-            self.process.admit_key = place;
-        }
-        self.change_step(index, |step| step.limit_key = Some(line.clone()));
-        let name = self.steps[index].name.clone();
-        let detail = format!("key {line} {why}");
-        self.process.waiting_for = None;
-        self.process.waiting_key = Some(line);
-        self.log(HistoryEvent::Queued, Some(&name), None, Some(detail));
     }
 
     fn finish_order(&mut self) {

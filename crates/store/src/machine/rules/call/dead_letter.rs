@@ -2,7 +2,7 @@
 
 use sas_messages::{AttemptId, StatusEvent};
 
-use super::{Draft, Failure};
+use crate::machine::rules::{Draft, Failure};
 use crate::machine::{AlertKind, HistoryEvent};
 use crate::model::{ProcessState, StepState};
 
@@ -21,7 +21,7 @@ use crate::model::{ProcessState, StepState};
 ///
 /// A request of an action given up when compensation began (the order is
 /// compensating, the step still running) settles that step the same way.
-pub(super) fn dead_lettered(
+pub(in crate::machine::rules) fn dead_lettered(
     draft: &mut Draft<'_>,
     attempt_id: AttemptId,
     reason: &str,

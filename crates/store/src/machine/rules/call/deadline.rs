@@ -4,14 +4,18 @@ use std::time::Duration;
 
 use sas_messages::StatusEvent;
 
-use super::{Draft, Failure};
+use crate::machine::rules::{Draft, Failure};
 use crate::machine::{to_micros, AlertKind, HistoryEvent, ProcessRow, RecoveryPolicy};
 use crate::model::{ProcessState, StepState};
 
 /// The supervisor found the deadline passed: retry after a growing,
 /// jittered wait, or past `max_failures` give up on the forward run
 /// (compensate, or stop where the step says `on_failure = "stop"`) or on the compensation (error, with an alert).
-pub(super) fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, jitter: f64) {
+pub(in crate::machine::rules) fn deadline_missed(
+    draft: &mut Draft<'_>,
+    policy: &RecoveryPolicy,
+    jitter: f64,
+) {
     let now = draft.ctx.now;
     let from = draft.process.state;
     let held = matches!(from, ProcessState::Processing | ProcessState::Compensating);
@@ -90,7 +94,7 @@ pub(super) fn deadline_missed(draft: &mut Draft<'_>, policy: &RecoveryPolicy, ji
 /// Records on each step in flight (one, or the members of a parallel
 /// group) that its attempt missed its deadline; returns their names and
 /// what happened, for the reason.
-pub(super) fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
+fn mark_missed(draft: &mut Draft<'_>) -> (Option<String>, String) {
     let in_flight: Vec<usize> = (0..draft.steps.len())
         .filter(|&i| {
             matches!(

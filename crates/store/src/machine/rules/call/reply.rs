@@ -3,9 +3,9 @@
 
 use sas_messages::{StatusEvent, StepKind, StepOutcome, StepReply};
 
-use super::{Draft, Failure};
 use crate::machine::concurrency::{KeyPause, LONGEST_KEY_PAUSE};
 use crate::machine::key_learning::{KeySample, KeySignal};
+use crate::machine::rules::{Draft, Failure};
 use crate::machine::StepRow;
 use crate::machine::{storable, storable_text};
 use crate::machine::{AlertKind, HistoryEvent};
@@ -13,7 +13,7 @@ use crate::model::{ProcessState, StepState};
 
 /// An agent's reply: applied only to the step's current attempt of an
 /// order that awaits one (fencing); anything else is stale.
-pub(super) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
+pub(in crate::machine::rules) fn replied(draft: &mut Draft<'_>, reply: &StepReply) {
     let state = draft.process.state;
     let expected = match state {
         ProcessState::Processing => StepState::Running,
@@ -129,7 +129,7 @@ fn late_answer(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
 /// compensation, of a compensation ends the order in error; a transient
 /// failure leaves the decision to the supervisor's next scan; an attempt
 /// that never started goes back to its agent's line.
-pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
+fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
     let name = draft.steps[index].name.clone();
     let step = &draft.steps[index];
     let in_flight_ms = step.complete_by.map_or(0, |complete_by| {
@@ -172,7 +172,7 @@ pub(super) fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
             // The supervisor decides at its next scan whether to retry or
             // undo; in a group, once the other members' attempts are done.
             draft.change_step(index, |step| step.last_error = Some(storable_text(error)));
-            if !super::group::others_in_flight(draft, index) {
+            if !crate::machine::rules::group::others_in_flight(draft, index) {
                 draft.process.complete_by = Some(draft.ctx.now);
             }
             draft.log(
@@ -248,7 +248,7 @@ fn succeeded(
     draft.log(event, Some(&name), Some(reply.attempt_id), Some(by));
     if forward {
         draft.notify(StatusEvent::StepCompleted, Some(&name), None);
-        if super::group::others_in_flight(draft, index) {
+        if crate::machine::rules::group::others_in_flight(draft, index) {
             // The order moves on when its whole group completed.
             return;
         }
@@ -301,7 +301,7 @@ fn refused(draft: &mut Draft<'_>, index: usize, reply: &StepReply, error: &str, 
 /// agent's line, at the place it had when the attempt was dispatched (it has
 /// waited since), and starts again as a slot frees; in a group whose other
 /// members are in flight, once they are done.
-pub(super) fn not_started(
+fn not_started(
     draft: &mut Draft<'_>,
     index: usize,
     reply: &StepReply,
@@ -337,7 +337,7 @@ pub(super) fn not_started(
         Some(reply.attempt_id),
         Some(format!("by {}: {reason}", reply.agent_id)),
     );
-    if kind == StepKind::Action && super::group::others_in_flight(draft, index) {
+    if kind == StepKind::Action && crate::machine::rules::group::others_in_flight(draft, index) {
         return;
     }
     match paused {
