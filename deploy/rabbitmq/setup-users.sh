@@ -70,14 +70,19 @@ common="sas\.dead-letter|sas\.dead-letters|sas\.dead-letters\.record|sas\.status
 agents="sas\.agent\..+"
 work="sas\.orders|sas\.events|sas\.scheduler\.replies|$agents"
 
+# Every rabbitmqctl call starts an Erlang node (about a second): the users
+# are listed once, and a new user needs no tags cleared.
+existing=$(rabbitmqctl -q list_users | cut -f1)
+
 ensure_user() { # user password-variable
   eval "password=\${$2:?$2 must be set: the broker password of $1}"
-  if rabbitmqctl -q list_users | cut -f1 | grep -qx -- "$1"; then
+  if printf '%s\n' "$existing" | grep -qx -- "$1"; then
     rabbitmqctl -q change_password "$1" "$password" >/dev/null
+    rabbitmqctl -q set_user_tags "$1" >/dev/null
   else
     rabbitmqctl -q add_user "$1" "$password" >/dev/null
+    existing=$(printf '%s\n%s' "$existing" "$1")
   fi
-  rabbitmqctl -q set_user_tags "$1" >/dev/null
 }
 
 grant() { # user configure write read
