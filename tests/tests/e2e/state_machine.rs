@@ -567,7 +567,8 @@ impl Model {
 
     /// The store's start of a child (`writes::children::start_child`):
     /// from its workflow's plan, unless the plan is not registered, the
-    /// child would be too deep, or its id is another order's. (The store
+    /// child would be too deep or its tree too large, or its id is another
+    /// order's. (The store
     /// also checks the child's attributes against its plan's schema; the
     /// case's plans have none.)
     fn start_child(
@@ -589,7 +590,18 @@ impl Model {
                     depth += 1;
                     up = self.orders[&link.order_id].snapshot.parent.as_ref();
                 }
-                ToParent::too_deep(child, depth)
+                // The tree: every order whose chain of parents ends at the
+                // parent's root.
+                let root_of = |id: &str| {
+                    let mut id = id.to_owned();
+                    while let Some(link) = &self.orders[&id].snapshot.parent {
+                        id.clone_from(&link.order_id);
+                    }
+                    id
+                };
+                let root = root_of(parent.order_id.as_str());
+                let size = self.orders.keys().filter(|id| root_of(id) == root).count();
+                ToParent::too_deep(child, depth).or_else(|| ToParent::tree_full(child, &root, size))
             }
         };
         let link = ParentLink {

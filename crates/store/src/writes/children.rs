@@ -187,16 +187,27 @@ async fn start_child(
     {
         return tell(conn, store, actor, at, start.child, &refused).await;
     }
-    // How deep the parent is, and the root of its tree: its chain of
-    // parents, as stored.
-    let (depth, root): (i32, String) = sqlx::query_as(
+    // How deep the parent is (its chain of parents, as stored), the root of
+    // its tree, and how many orders the tree holds: every order its root
+    // started, at any depth and in every generation (an operator's
+    // put-back starts new children). Read without a lock: starts committed
+    // at the same instant in other branches of one tree may pass the bound
+    // together.
+    let (depth, root, size): (i32, String, i64) = sqlx::query_as(
         "WITH RECURSIVE up (order_id, depth) AS (
              SELECT $1::text, 0
              UNION ALL
              SELECT c.parent_order_id, up.depth + 1
                FROM order_children c JOIN up ON c.child_order_id = up.order_id
-              WHERE up.depth <= $2)
-         SELECT depth, order_id FROM up ORDER BY depth DESC LIMIT 1",
+              WHERE up.depth <= $2),
+         top AS (SELECT order_id, depth FROM up ORDER BY depth DESC LIMIT 1),
+         down (order_id, depth) AS (
+             SELECT order_id, 0 FROM top
+             UNION ALL
+             SELECT c.child_order_id, down.depth + 1
+               FROM order_children c JOIN down ON c.parent_order_id = down.order_id
+              WHERE down.depth <= $2)
+         SELECT top.depth, top.order_id, (SELECT count(*) FROM down) FROM top",
     )
     .bind(parent.order_id.as_str())
     .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
@@ -207,23 +218,6 @@ async fn start_child(
     {
         return tell(conn, store, actor, at, start.child, &refused).await;
     }
-    // How many orders the tree holds: every order its root started, at any
-    // depth and in every generation (an operator's put-back starts new
-    // children). Read without a lock: starts committed at the same instant
-    // in other branches of one tree may pass the bound together.
-    let size: i64 = sqlx::query_scalar(
-        "WITH RECURSIVE down (order_id, depth) AS (
-             SELECT $1::text, 0
-             UNION ALL
-             SELECT c.child_order_id, down.depth + 1
-               FROM order_children c JOIN down ON c.parent_order_id = down.order_id
-              WHERE down.depth <= $2)
-         SELECT count(*) FROM down",
-    )
-    .bind(&root)
-    .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
-    .fetch_one(&mut *conn)
-    .await?;
     if let Some(refused) = ToParent::tree_full(
         start.child,
         &root,
