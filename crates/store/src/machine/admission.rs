@@ -370,12 +370,6 @@ impl Levels {
         Self { at_or_above }
     }
 
-    /// The most heads [`Levels::admit`] could let pass under `limit`
-    /// without fresh heads: as many as undos could.
-    pub fn most(&self, limit: i32) -> i64 {
-        (i64::from(limit) - self.at_or_above[UNDO_LEVEL as usize]).max(0)
-    }
-
     /// Admits the longest prefix of `candidates` (the levels of a line's
     /// heads, in line order) that fits: each under `limit` at its level and
     /// at most `room` in all (the cap less what is in flight). Counts the
@@ -656,7 +650,6 @@ mod tests {
     fn urgent_work_passes_a_limit_full_of_less_urgent_work() {
         // 190 attempts of priority 5 in flight under a limit of 7.
         let mut levels = Levels::new([(5, 190)]);
-        assert_eq!(levels.most(7), 7);
         // Heads of priority 9, 9, 6, then 5: the first three pass, the one
         // at 5 would queue behind the 190, and so waits, and so does the 9
         // behind it.
@@ -665,9 +658,8 @@ mod tests {
         assert_eq!(levels.admit(7, 100, &[9; 10]), 5);
         assert_eq!(levels.admit(7, 100, &[9]), 0);
         // Undos pass the urgent work, up to the limit of their own.
-        assert_eq!(levels.most(7), 7);
         assert_eq!(levels.admit(7, 100, &[UNDO_LEVEL; 9]), 7);
-        assert_eq!(levels.most(7), 0);
+        assert_eq!(levels.admit(7, 100, &[UNDO_LEVEL]), 0);
     }
 
     #[test]
@@ -727,7 +719,6 @@ mod tests {
     #[test]
     fn what_passes_the_limit_stays_under_the_cap() {
         let mut levels = Levels::new([(5, 190), (UNDO_LEVEL, 2)]);
-        assert_eq!(levels.most(7), 5);
         assert_eq!(levels.admit(7, 3, &[9; 10]), 3, "room under the cap");
         assert_eq!(levels.admit(7, 0, &[UNDO_LEVEL]), 0);
         // Levels out of range count as the nearest in range.
