@@ -185,7 +185,10 @@ async fn check(
         .reads()
         .event_admission(stored_id, &event.name, &event.event_id, Some(principals))
         .await
-        .map_err(|error| store_unavailable(&error))?;
+        .map_err(|error| {
+            counted("unavailable");
+            store_unavailable(&error)
+        })?;
     if admission.sendable() {
         return Ok(());
     }

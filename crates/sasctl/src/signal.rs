@@ -72,6 +72,11 @@ pub async fn run(target: &Target, args: SignalArgs) -> anyhow::Result<ExitCode> 
             tenant: None,
         },
     )?;
+    anyhow::ensure!(
+        !event.names_a_tenant(),
+        "name the order by the id its tenant's clients sent, without '{}' (the schedulers qualify it by your broker user's tenant)",
+        sas_messages::ids::TENANT_SEPARATOR
+    );
     if let Some(order_id) = &event.order_id {
         let tenancy = Tenancy::load(&args.tenancy_file).map_err(anyhow::Error::msg)?;
         let identity = format!("amqp:{}", settings.user().unwrap_or_default());
@@ -118,7 +123,7 @@ async fn check(
         .event_admission(order_id, &event.name, &event.event_id, Some(principals))
         .await
         .with_context(|| {
-            format!("order {order_id} could not be read from the state store: nothing was sent")
+            format!("order {order_id} could not be read from the state store (sasctl checks the order before it sends an event: --database-url, SAS_DATABASE__URL): nothing was sent")
         })?;
     let said = admission.describe(order_id, &event.name, identity);
     anyhow::ensure!(admission.sendable(), "{said}");

@@ -235,7 +235,7 @@ approver = ["gateway:manager", "amqp:{mgr_user}"]
     assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
     assert_eq!(
         body["error"],
-        "the wait at step approval of order big-1 accepts approved only from role:approver, and gateway:shop is none of these: nothing was sent",
+        "the wait at step approval of order big-1 accepts approved only from role:approver, and gateway:shop is none of these: nothing was sent; send it as one of them (the tenancy file gives roles and tenants)",
         "{body}"
     );
 

@@ -1465,6 +1465,48 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
         panic!("ended");
     };
     assert_eq!(why, "is processed and waits for no event");
+    // Stopped in error by the wait's timeout (`on_timeout = "fail"`): a
+    // resume starts the wait again, so the event is kept for it; once an
+    // undo began, nothing will use it.
+    snapshot.process.state = ProcessState::Error;
+    snapshot.steps[1].state = StepState::Failed;
+    snapshot.steps[2].state = StepState::NotStarted;
+    assert_eq!(at(&snapshot, "approved", Some(&ann)), kept);
+    snapshot.steps[0].state = StepState::Compensating;
+    assert!(matches!(
+        at(&snapshot, "approved", Some(&ann)),
+        EventAdmission::Unused { .. }
+    ));
+}
+
+#[test]
+fn an_event_the_parked_wait_refuses_from_its_sender_is_kept_for_a_later_wait_that_takes_it() {
+    use super::wait::{admission, EventAdmission};
+    let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
+    let wait = |senders: Vec<String>| park::Park::Event {
+        event: "approved".into(),
+        on_timeout: park::OnTimeout::Compensate,
+        correlation_key: None,
+        senders,
+    };
+    // A second wait for the same event, in place of the delay, from anyone.
+    snapshot.steps[1].park = Some(wait(vec!["role:approver".into()]));
+    snapshot.steps[2].park = Some(wait(Vec::new()));
+    snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
+    let kim = vec!["console:kim".to_owned()];
+    let admitted = admission(
+        snapshot.process.state,
+        &snapshot.steps,
+        "approved",
+        Some(&kim),
+        "default",
+    );
+    assert_eq!(
+        admitted,
+        EventAdmission::Kept {
+            step: snapshot.steps[2].name.clone()
+        }
+    );
 }
 
 #[test]

@@ -53,7 +53,9 @@ pub enum EventAdmission {
         step: String,
     },
     /// Wait step `step` for it is still ahead: the order's mailbox keeps
-    /// the event, and the step uses it when the order gets there.
+    /// the event, and the step uses it when the order gets there (an order
+    /// stopped in error before any undo: once an operator resumes or
+    /// resubmits it).
     Kept {
         /// The wait step.
         step: String,
@@ -95,10 +97,10 @@ impl EventAdmission {
             }
             Self::Used { step } => format!("order {order_id} waits for {event} at step {step}"),
             Self::Kept { step } => format!(
-                "order {order_id} has not reached its wait for {event} (step {step}): its mailbox keeps the event until it does"
+                "order {order_id} has its wait for {event} ahead (step {step}): its mailbox keeps the event until that step uses it"
             ),
             Self::Refused { step, senders } => format!(
-                "the wait at step {step} of order {order_id} accepts {event} only from {}, and {sender} is none of these: nothing was sent",
+                "the wait at step {step} of order {order_id} accepts {event} only from {}, and {sender} is none of these: nothing was sent; send it as one of them (the tenancy file gives roles and tenants)",
                 senders.join(", ")
             ),
             Self::Unused { why } => format!("order {order_id} {why}: nothing was sent"),
@@ -126,26 +128,48 @@ pub fn admission(
             Some(Park::Event { .. } | Park::Delay { .. } | Park::Child { .. }) | None => None,
         })
         .collect();
-    let live = match state {
-        ProcessState::Pending | ProcessState::Processing | ProcessState::Error => true,
+    // The step states still to come: an order stopped in error before any
+    // undo began may be resumed or resubmitted, which starts its failed
+    // step (a wait that timed out with `on_timeout = "fail"`) again.
+    let undoing = steps
+        .iter()
+        .any(|step| matches!(step.state, StepState::Compensating | StepState::Compensated));
+    let ahead = |step: &StepRow| match state {
+        ProcessState::Pending | ProcessState::Processing => {
+            matches!(step.state, StepState::NotStarted | StepState::Running)
+        }
+        ProcessState::Error => {
+            !undoing
+                && matches!(
+                    step.state,
+                    StepState::NotStarted | StepState::Running | StepState::Failed
+                )
+        }
         ProcessState::Processed | ProcessState::Compensating | ProcessState::Compensated => false,
     };
-    if !live {
+    if state == ProcessState::Error && undoing {
+        return EventAdmission::Unused {
+            why: "stopped in error while undoing itself: no wait of it will run again".into(),
+        };
+    }
+    if !steps.iter().any(ahead) {
         return EventAdmission::Unused {
             why: format!("is {state} and waits for no event"),
         };
     }
     if waits.is_empty() {
-        let others: Vec<&str> = steps
-            .iter()
-            .filter_map(|step| match &step.park {
-                Some(Park::Event { event, .. }) => Some(event.as_str()),
-                Some(Park::Delay { .. } | Park::Child { .. }) | None => None,
-            })
-            .collect();
+        let mut others: Vec<&str> = Vec::new();
+        for step in steps.iter().filter(|step| ahead(step)) {
+            match &step.park {
+                Some(Park::Event { event, .. }) if !others.contains(&event.as_str()) => {
+                    others.push(event);
+                }
+                Some(Park::Event { .. } | Park::Delay { .. } | Park::Child { .. }) | None => {}
+            }
+        }
         return EventAdmission::Unused {
             why: if others.is_empty() {
-                format!("waits for no event in its workflow, not for {event}")
+                format!("has no wait for {event} ahead")
             } else {
                 format!("waits for {}, not for {event}", others.join(", "))
             },
@@ -162,18 +186,17 @@ pub fn admission(
             };
         }
     }
+    // The first wait ahead that takes it from this sender: the one it is
+    // used at (now, when the order is parked there, or when it gets there).
+    let takes = |park: &Park| principals.is_none_or(|principals| park.accepts(principals, tenant));
     let parked = parked_at(state, steps);
-    if let Some((index, _)) = waits.iter().find(|(index, _)| Some(*index) == parked) {
-        return EventAdmission::Used {
+    match waits
+        .iter()
+        .find(|(index, park)| ahead(&steps[*index]) && takes(park))
+    {
+        Some((index, _)) if Some(*index) == parked => EventAdmission::Used {
             step: steps[*index].name.clone(),
-        };
-    }
-    match waits.iter().find(|(index, _)| {
-        matches!(
-            steps[*index].state,
-            StepState::NotStarted | StepState::Running
-        )
-    }) {
+        },
         Some((index, _)) => EventAdmission::Kept {
             step: steps[*index].name.clone(),
         },
