@@ -72,11 +72,12 @@ work="sas\.orders|sas\.events|sas\.scheduler\.replies|$agents"
 
 # Every rabbitmqctl call starts an Erlang node (about a second): the users
 # are listed once, and a new user needs no tags cleared.
-existing=$(rabbitmqctl -q list_users | cut -f1)
+listed=$(rabbitmqctl -q list_users) || { echo "setup-users.sh: rabbitmqctl cannot list the broker's users: is RabbitMQ up, and is this its node?" >&2; exit 1; }
+existing=$(printf '%s\n' "$listed" | cut -f1)
 
 ensure_user() { # user password-variable
   eval "password=\${$2:?$2 must be set: the broker password of $1}"
-  if printf '%s\n' "$existing" | grep -qx -- "$1"; then
+  if printf '%s\n' "$existing" | grep -qxF -- "$1"; then
     rabbitmqctl -q change_password "$1" "$password" >/dev/null
     rabbitmqctl -q set_user_tags "$1" >/dev/null
   else

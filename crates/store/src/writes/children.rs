@@ -190,7 +190,8 @@ async fn start_child(
     // How deep the parent is (its chain of parents, as stored), the root of
     // its tree, and how many orders the tree holds: every order its root
     // started, at any depth and in every generation (an operator's
-    // put-back starts new children). Read without a lock: starts committed
+    // put-back starts new children), but this child: the same start taken
+    // in again is no new order. Read without a lock: starts committed
     // at the same instant in other branches of one tree may pass the bound
     // together.
     let (depth, root, size): (i32, String, i64) = sqlx::query_as(
@@ -207,10 +208,11 @@ async fn start_child(
              SELECT c.child_order_id, down.depth + 1
                FROM order_children c JOIN down ON c.parent_order_id = down.order_id
               WHERE down.depth <= $2)
-         SELECT top.depth, top.order_id, (SELECT count(*) FROM down) FROM top",
+         SELECT top.depth, top.order_id, (SELECT count(*) FROM down WHERE order_id <> $3) FROM top",
     )
     .bind(parent.order_id.as_str())
     .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
+    .bind(start.child)
     .fetch_one(&mut *conn)
     .await?;
     if let Some(refused) =
