@@ -437,7 +437,7 @@ impl Console {
         let admission = self
             .store
             .reads()
-            .event_admission(order_id, event, &sent.event_id, Some(&principals))
+            .event_admission(order_id, event, &sent.event_id, &principals)
             .await?;
         let said = admission.describe(order_id, event, &identity);
         match admission {

@@ -183,7 +183,7 @@ async fn check(
     let admission = gateway
         .store
         .reads()
-        .event_admission(stored_id, &event.name, &event.event_id, Some(principals))
+        .event_admission(stored_id, &event.name, &event.event_id, principals)
         .await
         .map_err(|error| {
             counted("unavailable");

@@ -120,7 +120,7 @@ async fn check(
     let admission = target
         .store()?
         .reads()
-        .event_admission(order_id, &event.name, &event.event_id, Some(principals))
+        .event_admission(order_id, &event.name, &event.event_id, principals)
         .await
         .with_context(|| {
             format!("order {order_id} could not be read from the state store (sasctl checks the order before it sends an event: --database-url, SAS_DATABASE__URL): nothing was sent")

@@ -367,25 +367,31 @@ async fn a_webhook_over_the_gateway_approves_a_waiting_order_once() {
         send(serde_json::json!({ "schema_version": 1, "name": "ap proved", "event_id": "w-1" }))
             .await;
     assert_eq!(bad.status(), reqwest::StatusCode::BAD_REQUEST);
-    // An event no wait of the order is for: the gateway and sasctl refuse
-    // it alike, before anything is sent.
-    let other =
-        send(serde_json::json!({ "schema_version": 1, "name": "rejected", "event_id": "w-2" }))
+    // An event the order will not use is refused alike by the gateway (409)
+    // and sasctl (exit 1), in the same words, before anything is sent.
+    let refused_alike = |name: &'static str, event_id: &'static str, words: &'static str| {
+        let send = &send;
+        let env = &env;
+        async move {
+            let answer = send(
+                serde_json::json!({ "schema_version": 1, "name": name, "event_id": event_id }),
+            )
             .await;
-    assert_eq!(other.status(), reqwest::StatusCode::CONFLICT);
-    let other: serde_json::Value = other.json().await.unwrap();
-    assert_eq!(
-        other["error"], "order hook-1 waits for approved, not for rejected: nothing was sent",
-        "{other}"
-    );
-    let (code, _, said) = env
-        .sasctl_with_errors(&["signal", "hook-1", "rejected"])
-        .await;
-    assert_eq!(code, 1, "{said}");
-    assert!(
-        said.contains("order hook-1 waits for approved, not for rejected: nothing was sent"),
-        "{said}"
-    );
+            assert_eq!(answer.status(), reqwest::StatusCode::CONFLICT);
+            let answer: serde_json::Value = answer.json().await.unwrap();
+            assert_eq!(answer["error"], words, "{answer}");
+            let (code, _, said) = env.sasctl_with_errors(&["signal", "hook-1", name]).await;
+            assert_eq!(code, 1, "{said}");
+            assert!(said.contains(words), "{said}");
+        }
+    };
+    // An event no wait of the order is for.
+    refused_alike(
+        "rejected",
+        "w-2",
+        "order hook-1 waits for approved, not for rejected: nothing was sent",
+    )
+    .await;
     let body = serde_json::json!({ "schema_version": 1, "name": "approved", "event_id": "psp-77", "data": { "by": "psp" } });
     // The provider retries its webhook: the order uses the event once.
     for _ in 0..2 {
@@ -400,29 +406,75 @@ async fn a_webhook_over_the_gateway_approves_a_waiting_order_once() {
         Some(serde_json::json!({ "by": "psp" }))
     );
     // Retried once more after the order ended: still taken (the same
-    // event); a new one, from the gateway or sasctl, is refused: nothing
-    // will use it.
+    // event); a new one is refused: nothing will use it.
     assert_eq!(send(body).await.status(), reqwest::StatusCode::ACCEPTED);
-    let late =
-        send(serde_json::json!({ "schema_version": 1, "name": "approved", "event_id": "psp-78" }))
-            .await;
-    assert_eq!(late.status(), reqwest::StatusCode::CONFLICT);
-    let late: serde_json::Value = late.json().await.unwrap();
-    assert_eq!(
-        late["error"], "order hook-1 is processed and waits for no event: nothing was sent",
-        "{late}"
-    );
-    let (code, _, said) = env
-        .sasctl_with_errors(&["signal", "hook-1", "approved"])
-        .await;
-    assert_eq!(code, 1, "{said}");
-    assert!(
-        said.contains("is processed and waits for no event"),
-        "{said}"
-    );
+    refused_alike(
+        "approved",
+        "psp-78",
+        "order hook-1 is processed and waits for no event: nothing was sent",
+    )
+    .await;
     assert_eq!(
         mailbox(&env, "hook-1").await,
         [("psp-77".to_owned(), Some("approval".to_owned()))]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_webhook_the_gateway_cannot_check_against_the_store_is_a_503_and_nothing_is_sent() {
+    let env = TestEnv::new().await;
+    let workflows = approval_workflow(&env, 2, 60_000);
+    let _system = system(&env, &workflows).await;
+    // The gateway reaches Postgres through a route the test cuts.
+    let route = sas_tests::tcp_delay::DelayProxy::start("127.0.0.1:5432", Duration::ZERO).await;
+    let (_gateway, base) = super::gateway::gateway(
+        &env,
+        &[Setting::DatabaseUrl(route.postgres_url(&env.database_url))],
+    )
+    .await;
+    let (_connection, publisher) = env.broker().await;
+    env.publish_order(&publisher, &order("hook-9")).await;
+    wait_for_approval(&env, "hook-9").await;
+    let send = |event_id: &'static str| {
+        let base = base.clone();
+        async move {
+            sas_tests::http_client()
+                .post(format!("{base}/v1/orders/hook-9/events"))
+                .bearer_auth(super::gateway::SECRET)
+                .json(&serde_json::json!({ "schema_version": 1, "name": "approved", "event_id": event_id, "data": { "by": "psp" } }))
+                .send()
+                .await
+                .expect("the gateway answers")
+        }
+    };
+    // Postgres out of the gateway's reach: its connections cut, new ones
+    // refused.
+    route.point_at(&format!("127.0.0.1:{}", sas_tests::process::free_port()));
+    route.cut();
+    let down = send("down-1").await;
+    assert_eq!(down.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert!(down.headers().contains_key("retry-after"));
+    // Back in reach: the webhook sent again is taken.
+    route.point_at("127.0.0.1:5432");
+    wait_until(
+        "the gateway to take the event",
+        Duration::from_secs(30),
+        || async {
+            let status = send("up-1").await.status();
+            (status == reqwest::StatusCode::ACCEPTED)
+                .then_some(())
+                .ok_or_else(|| format!("answered {status}"))
+        },
+    )
+    .await;
+    env.wait_for_state("hook-9", ProcessState::Processed, Duration::from_secs(30))
+        .await;
+    // The order used the event sent after the outage; the one refused
+    // during it never reached the order (sent first, it would have been
+    // the one used).
+    assert_eq!(
+        mailbox(&env, "hook-9").await,
+        [("up-1".to_owned(), Some("approval".to_owned()))]
     );
 }
 

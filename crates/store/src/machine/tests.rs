@@ -1403,7 +1403,7 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
     let kim = vec!["console:kim".to_owned()];
     let ann = vec!["console:ann".to_owned(), "role:approver".to_owned()];
     let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
-    let at = |snapshot: &Snapshot, event: &str, who: Option<&[String]>| {
+    let at = |snapshot: &Snapshot, event: &str, who: &[String]| {
         admission(
             snapshot.process.state,
             &snapshot.steps,
@@ -1417,13 +1417,13 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
     };
     // Before the wait: kept for it; an event no step waits for: unused,
     // naming what the order does wait for.
-    assert_eq!(at(&snapshot, "approved", Some(&anyone)), kept);
-    let EventAdmission::Unused { why } = at(&snapshot, "rejected", Some(&anyone)) else {
+    assert_eq!(at(&snapshot, "approved", &anyone), kept);
+    let EventAdmission::Unused { why } = at(&snapshot, "rejected", &anyone) else {
         panic!("no wait for rejected");
     };
     assert_eq!(why, "waits for approved, not for rejected");
     // A wait that names its senders refuses everyone else, before and at
-    // the wait; a sender it does not know is the scheduler's to check.
+    // the wait.
     snapshot.steps[1].park = Some(park::Park::Event {
         event: "approved".into(),
         on_timeout: park::OnTimeout::Compensate,
@@ -1434,19 +1434,18 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
         step: "approval".into(),
         senders: vec!["role:approver".into()],
     };
-    assert_eq!(at(&snapshot, "approved", Some(&kim)), refused);
-    assert_eq!(at(&snapshot, "approved", Some(&ann)), kept);
-    assert_eq!(at(&snapshot, "approved", None), kept);
+    assert_eq!(at(&snapshot, "approved", &kim), refused);
+    assert_eq!(at(&snapshot, "approved", &ann), kept);
     assert!(!refused.sendable() && kept.sendable());
     // Parked at the wait: used.
     snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
     assert_eq!(
-        at(&snapshot, "approved", Some(&ann)),
+        at(&snapshot, "approved", &ann),
         EventAdmission::Used {
             step: "approval".into()
         }
     );
-    assert_eq!(at(&snapshot, "approved", Some(&kim)), refused);
+    assert_eq!(at(&snapshot, "approved", &kim), refused);
     // Past it: unused; ended: unused.
     let mut approval = mail("approved", "m-1");
     approval.principals.clone_from(&ann);
@@ -1456,12 +1455,12 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
         snapshot.mailbox.is_empty(),
         "the used event left the mailbox"
     );
-    let EventAdmission::Unused { why } = at(&snapshot, "approved", Some(&ann)) else {
+    let EventAdmission::Unused { why } = at(&snapshot, "approved", &ann) else {
         panic!("past the wait");
     };
     assert_eq!(why, "is past its wait for approved (step approval)");
     snapshot.process.state = ProcessState::Processed;
-    let EventAdmission::Unused { why } = at(&snapshot, "approved", Some(&ann)) else {
+    let EventAdmission::Unused { why } = at(&snapshot, "approved", &ann) else {
         panic!("ended");
     };
     assert_eq!(why, "is processed and waits for no event");
@@ -1471,10 +1470,10 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
     snapshot.process.state = ProcessState::Error;
     snapshot.steps[1].state = StepState::Failed;
     snapshot.steps[2].state = StepState::NotStarted;
-    assert_eq!(at(&snapshot, "approved", Some(&ann)), kept);
+    assert_eq!(at(&snapshot, "approved", &ann), kept);
     snapshot.steps[0].state = StepState::Compensating;
     assert!(matches!(
-        at(&snapshot, "approved", Some(&ann)),
+        at(&snapshot, "approved", &ann),
         EventAdmission::Unused { .. }
     ));
 }
@@ -1498,7 +1497,7 @@ fn an_event_the_parked_wait_refuses_from_its_sender_is_kept_for_a_later_wait_tha
         snapshot.process.state,
         &snapshot.steps,
         "approved",
-        Some(&kim),
+        &kim,
         "default",
     );
     assert_eq!(

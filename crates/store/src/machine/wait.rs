@@ -108,16 +108,15 @@ impl EventAdmission {
     }
 }
 
-/// What event `event`, from a sender known by `principals` (`None`: not
-/// known here; the scheduler checks it), would become in an order of
-/// tenant `tenant` in `state` with `steps`. The two cases a read decides
+/// What event `event`, from a sender known by `principals`, would become
+/// in an order of tenant `tenant` in `state` with `steps`. The two cases a read decides
 /// (no such order, an event id seen before) are the store's
 /// ([`crate::reads::Reads::event_admission`]).
 pub fn admission(
     state: ProcessState,
     steps: &[StepRow],
     event: &str,
-    principals: Option<&[String]>,
+    principals: &[String],
     tenant: &str,
 ) -> EventAdmission {
     let waits: Vec<(usize, &Park)> = steps
@@ -175,24 +174,21 @@ pub fn admission(
             },
         };
     }
-    if let Some(principals) = principals {
-        let named = waits
-            .iter()
-            .map(|(index, park)| (steps[*index].name.as_str(), *park));
-        if let Some((step, senders)) = refusal(named, principals, tenant) {
-            return EventAdmission::Refused {
-                step: step.to_owned(),
-                senders: senders.to_vec(),
-            };
-        }
+    let named = waits
+        .iter()
+        .map(|(index, park)| (steps[*index].name.as_str(), *park));
+    if let Some((step, senders)) = refusal(named, principals, tenant) {
+        return EventAdmission::Refused {
+            step: step.to_owned(),
+            senders: senders.to_vec(),
+        };
     }
     // The first wait ahead that takes it from this sender: the one it is
     // used at (now, when the order is parked there, or when it gets there).
-    let takes = |park: &Park| principals.is_none_or(|principals| park.accepts(principals, tenant));
     let parked = parked_at(state, steps);
     match waits
         .iter()
-        .find(|(index, park)| ahead(&steps[*index]) && takes(park))
+        .find(|(index, park)| ahead(&steps[*index]) && park.accepts(principals, tenant))
     {
         Some((index, _)) if Some(*index) == parked => EventAdmission::Used {
             step: steps[*index].name.clone(),

@@ -248,7 +248,7 @@ impl Reads<'_> {
     }
 
     /// What event `event` with id `event_id`, from a sender known by
-    /// `principals` (`None`: the scheduler checks the sender), would become
+    /// `principals`, would become
     /// in order `order_id` (its stored id) as it stands: what every front
     /// end checks before it sends one (see [`crate::machine::wait`]).
     ///
@@ -259,7 +259,7 @@ impl Reads<'_> {
         order_id: &str,
         event: &str,
         event_id: &str,
-        principals: Option<&[String]>,
+        principals: &[String],
     ) -> Result<EventAdmission, StoreError> {
         let seen: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM order_events WHERE order_id = $1 AND event_id = $2)",
