@@ -13,7 +13,8 @@ pub use sas_announce::bulk::BulkOutcome;
 use sas_announce::bulk::{run_bulk, Bulk, BulkError};
 use sas_announce::event::{event_message, EventAddress, NewEvent};
 use sas_announce::replay::{replay_dead_letter, ReplayError};
-use sas_store::machine::park::{OnTimeout, Park};
+use sas_store::machine::kind::{Kind, WaitStep};
+use sas_store::machine::park::OnTimeout;
 use sas_store::machine::wait::EventAdmission;
 use sas_store::machine::StepRow;
 use sas_store::reads::dead_letters::NotReplayable;
@@ -184,15 +185,15 @@ pub struct Waiting<'a> {
 /// state machine's rule) when that step waits for an event.
 pub fn waiting_for_event(state: ProcessState, steps: &[StepRow]) -> Option<Waiting<'_>> {
     let step = &steps[sas_store::machine::park::parked_at(state, steps)?];
-    match &step.park {
-        Some(Park::Event {
+    match &step.kind {
+        Kind::Wait(WaitStep {
             event, on_timeout, ..
         }) => Some(Waiting {
             step,
             event,
             on_timeout: *on_timeout,
         }),
-        Some(Park::Delay { .. } | Park::Child { .. }) | None => None,
+        Kind::Delay(_) | Kind::Child(_) | Kind::Call(_) => None,
     }
 }
 

@@ -227,12 +227,10 @@ impl TestEnv {
             .iter()
             .map(|(name, agent, action, compensation)| sas_store::NewStep {
                 name: (*name).into(),
-                agent: (*agent).into(),
-                action: (*action).into(),
-                compensation: Some((*compensation).into()),
+                kind: sas_store::machine::kind::Kind::Call(
+                    sas_store::machine::kind::CallStep::new(agent, action, Some(compensation)),
+                ),
                 timeout: std::time::Duration::from_millis(self.step_timeout_ms),
-                calls: None,
-                park: None,
                 group: None,
             })
             .collect()

@@ -83,18 +83,18 @@ pub async fn show(store: &Store, order_id: &str, json: bool) -> anyhow::Result<E
     println!("\nSTEPS");
     for step in &detail.steps {
         // A wait step has no agent: what it waits for, and until when.
-        let does = match step.kind() {
-            Kind::Wait { event, .. } => format!("wait:{event}"),
-            Kind::Delay => "delay".to_owned(),
-            Kind::Child { workflow } => format!("child:{workflow}"),
-            Kind::Call => step.agent.clone(),
+        let does = match &step.kind {
+            Kind::Wait(wait) => format!("wait:{}", wait.event),
+            Kind::Delay(_) => "delay".to_owned(),
+            Kind::Child(child) => format!("child:{}", child.workflow),
+            Kind::Call(call) => call.agent.clone(),
         };
         // A child step names the order it started last (`sasctl inspect`
         // it), from the stored links: a refused start stored none.
         let started = sas_store::reads::queries::ChildLink::latest(&detail.children, &step.name)
             .map(|child| format!("  (child order {})", child.order_id))
             .unwrap_or_default();
-        let until = if step.kind().parks() && step.state == sas_store::StepState::Running {
+        let until = if step.kind.parks() && step.state == sas_store::StepState::Running {
             step.complete_by
                 .map(|at| format!("  (until {})", at.to_rfc3339()))
                 .unwrap_or_default()

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use sas_messages::SubmitOrder;
 use sas_store::machine::child::MAX_DEPTH;
-use sas_store::machine::park::Park;
+use sas_store::machine::kind::{ChildStep, Kind};
 use sas_store::{NewStep, Plan};
 
 use crate::workflow::Workflow;
@@ -149,9 +149,9 @@ impl Catalog {
             .collect();
         for (name, entry) in &mut entries {
             for step in &mut entry.steps {
-                if let Some(Park::Child {
+                if let Kind::Child(ChildStep {
                     workflow, version, ..
-                }) = &mut step.park
+                }) = &mut step.kind
                 {
                     *version = *versions.get(workflow.as_str()).ok_or_else(|| {
                         anyhow::anyhow!(
@@ -239,12 +239,9 @@ impl Catalog {
         let mut waits = self
             .entries()
             .flat_map(|entry| &entry.steps)
-            .filter_map(|step| step.park.as_ref())
-            .filter(|park| {
-                matches!(park, sas_store::machine::park::Park::Event { event, .. } if event == name)
-            })
+            .filter_map(|step| step.kind.waits_for(name))
             .peekable();
-        waits.peek().is_none() || waits.any(|park| park.accepts(principals, tenant))
+        waits.peek().is_none() || waits.any(|wait| wait.accepts(principals, tenant))
     }
 
     /// Every agent some workflow sends to, each once, with the shortest
@@ -361,7 +358,7 @@ mod tests {
             .collect();
         assert_eq!(names, ["large_order", "order", "return"]);
         let refund = &catalog.get("return").unwrap().steps[1];
-        let template = refund.calls.as_ref().unwrap().action.as_ref().unwrap();
+        let template = refund.kind.calls().unwrap().action.as_ref().unwrap();
         assert_eq!(template.method.as_deref(), Some("PUT"));
     }
 
@@ -425,10 +422,10 @@ mod tests {
             ("b.toml", &starting("b", 7, &[])),
         ]);
         let catalog = Catalog::load("", dir.path().to_str().unwrap()).unwrap();
-        let park = catalog.get("a").unwrap().steps[1].park.clone();
+        let kind = &catalog.get("a").unwrap().steps[1].kind;
         assert!(
-            matches!(park, Some(Park::Child { ref workflow, version: 7, .. }) if workflow == "b"),
-            "{park:?}"
+            matches!(kind, Kind::Child(ChildStep { workflow, version: 7, .. }) if workflow == "b"),
+            "{kind:?}"
         );
         let error = refusal(&[("a.toml", &starting("a", 1, &["gone"]))]);
         assert!(

@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 use sas_store::machine::child::MAX_CHILDREN;
 use sas_store::machine::concurrency::Rate;
-use sas_store::machine::park::{OnTimeout, Park};
+use sas_store::machine::kind::{CallStep, ChildStep, DelayStep, Kind, WaitStep};
+use sas_store::machine::park::OnTimeout;
 use sas_store::{CallTemplate, Concurrency, NewStep, OnFailure, StepCalls};
 use serde::Deserialize;
 
@@ -176,27 +177,50 @@ fn is_plain_name(value: &str) -> bool {
 }
 
 impl StepDefinition {
-    /// What the step waits for, if it calls no agent.
-    fn park(&self) -> Option<Park> {
+    /// What the step does, in the store's form.
+    fn store_kind(&self) -> Kind {
         match self.kind {
-            StepType::Call => None,
-            StepType::Wait => Some(Park::Event {
+            StepType::Call => Kind::Call(CallStep {
+                agent: self.agent.clone(),
+                action: self.action.clone(),
+                compensation: self.compensation.clone(),
+                calls: self.calls().map(Box::new),
+            }),
+            StepType::Wait => Kind::Wait(WaitStep {
                 event: self.event.clone().unwrap_or_default(),
                 on_timeout: self.on_timeout.unwrap_or(OnTimeout::Compensate),
                 correlation_key: self.correlation_key.clone(),
                 senders: self.senders.clone(),
             }),
-            StepType::Delay => Some(Park::Delay {
+            StepType::Delay => Kind::Delay(DelayStep {
                 delay_ms: self.delay_ms.unwrap_or(0),
                 not_before: self.not_before.clone(),
             }),
             // The version is the catalog's (`Catalog::load` pins it).
-            StepType::Child => Some(Park::Child {
+            StepType::Child => Kind::Child(ChildStep {
                 workflow: self.workflow.clone().unwrap_or_default(),
                 version: 0,
                 attributes: self.attributes.clone(),
+                on_failure: self.on_failure.unwrap_or_default(),
             }),
         }
+    }
+
+    /// How a call step's requests are shaped and limited, when the file
+    /// says more than the default.
+    fn calls(&self) -> Option<StepCalls> {
+        (self.request.is_some()
+            || self.compensation_request.is_some()
+            || self.on_failure.is_some_and(|o| !o.is_default())
+            || self.concurrency.is_some()
+            || self.rate.is_some())
+        .then(|| StepCalls {
+            action: self.request.clone(),
+            compensation: self.compensation_request.clone(),
+            on_failure: self.on_failure.unwrap_or_default(),
+            concurrency: self.concurrency.clone(),
+            rate: self.rate.clone(),
+        })
     }
 
     /// Whether the step sets a field of a call (an agent, its action or
@@ -504,35 +528,9 @@ impl Workflow {
             .iter()
             .map(|step| NewStep {
                 name: step.name.clone(),
-                agent: step.agent.clone(),
-                // A wait step's "action" is what it waits for, for the
-                // history and the console.
-                action: match step.kind {
-                    StepType::Call => step.action.clone(),
-                    StepType::Wait => step.event.clone().unwrap_or_default(),
-                    StepType::Delay => "delay".into(),
-                    StepType::Child => step.workflow.clone().unwrap_or_default(),
-                },
-                // A child step is undone by undoing its child as a whole.
-                compensation: match step.kind {
-                    StepType::Child => Some("undo".into()),
-                    StepType::Call | StepType::Wait | StepType::Delay => step.compensation.clone(),
-                },
+                kind: step.store_kind(),
                 timeout: step.timeout(),
-                park: step.park(),
                 group: step.group.clone(),
-                calls: (step.request.is_some()
-                    || step.compensation_request.is_some()
-                    || step.on_failure.is_some_and(|o| !o.is_default())
-                    || step.concurrency.is_some()
-                    || step.rate.is_some())
-                .then(|| StepCalls {
-                    action: step.request.clone(),
-                    compensation: step.compensation_request.clone(),
-                    on_failure: step.on_failure.unwrap_or_default(),
-                    concurrency: step.concurrency.clone(),
-                    rate: step.rate.clone(),
-                }),
             })
             .collect()
     }
@@ -723,8 +721,8 @@ mod tests {
         // A wait may come first: intake parks the order at once.
         Workflow::parse(&format!("name = \"x\"\n{wait}{call}")).unwrap();
         assert!(matches!(
-            ok.new_steps()[1].park,
-            Some(Park::Event {
+            ok.new_steps()[1].kind,
+            Kind::Wait(WaitStep {
                 on_timeout: OnTimeout::Compensate,
                 ..
             })
@@ -734,7 +732,11 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(
-            gated.new_steps()[1].park.as_ref().unwrap().senders(),
+            gated.new_steps()[1]
+                .kind
+                .waits_for("approved")
+                .unwrap()
+                .senders,
             ["role:approver", "tenant", "gateway:manager"]
         );
         for (text, expected) in [
@@ -838,8 +840,8 @@ mod tests {
         ))
         .unwrap();
         let limit = ok.new_steps()[0]
-            .calls
-            .as_ref()
+            .kind
+            .calls()
             .and_then(|calls| calls.concurrency.clone())
             .expect("the limit is kept with the plan");
         assert_eq!(
@@ -853,8 +855,8 @@ mod tests {
         ))
         .unwrap();
         assert!(adaptive.new_steps()[0]
-            .calls
-            .as_ref()
+            .kind
+            .calls()
             .and_then(|calls| calls.concurrency.as_ref())
             .is_some_and(|c| c.adaptive && c.limit == 20));
         let rated = Workflow::parse(&format!(
@@ -863,8 +865,8 @@ mod tests {
         ))
         .unwrap();
         let rate = rated.new_steps()[0]
-            .calls
-            .as_ref()
+            .kind
+            .calls()
             .and_then(|calls| calls.rate.clone())
             .expect("the rate is kept with the plan");
         assert_eq!((rate.per_second, rate.burst), (20, 40));
@@ -941,8 +943,8 @@ mod tests {
         ))
         .unwrap();
         assert!(matches!(
-            &ok.new_steps()[1].park,
-            Some(Park::Event { correlation_key: Some(key), .. }) if key == "/results/charge/payment_id"
+            &ok.new_steps()[1].kind,
+            Kind::Wait(WaitStep { correlation_key: Some(key), .. }) if key == "/results/charge/payment_id"
         ));
         for (text, expected) in [
             (

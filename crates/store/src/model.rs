@@ -127,20 +127,14 @@ impl fmt::Display for StepState {
 pub struct NewStep {
     /// Step name, unique in the workflow (`reserve_stock`).
     pub name: String,
-    /// Agent whose queue receives the step's requests (`inventory`).
-    pub agent: String,
-    /// Remote operation of the step (`reserve`).
-    pub action: String,
-    /// Remote operation that undoes it (`release`), if it can be undone.
-    pub compensation: Option<String>,
+    /// What the step does: call an agent, wait for an event or a time, or
+    /// start a child order (see [`crate::machine::kind`]). Its fields are
+    /// this struct's in the JSON (the stored form, see
+    /// `machine::kind::stored`).
+    #[serde(flatten)]
+    pub kind: crate::machine::kind::Kind,
     /// How long one attempt may take before the supervisor steps in.
     pub timeout: Duration,
-    /// How the step's requests are shaped, when its workflow says (see
-    /// [`crate::machine::call`]); `None` sends the default call.
-    pub calls: Option<crate::StepCalls>,
-    /// What the step waits for, when it calls no agent (see
-    /// [`crate::machine::park`]); `None` for a step that calls an agent.
-    pub park: Option<crate::machine::park::Park>,
     /// The parallel group the step belongs to, if any: consecutive steps
     /// of one group start together, and the order moves on when all of
     /// them completed. Left out of the JSON when `None`, so that a plan

@@ -10,7 +10,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use crate::machine::call::StepCalls;
-use crate::machine::park::Park;
+use crate::machine::kind::{Kind, Park, Stored};
 use crate::machine::StepRow;
 use crate::StoreError;
 
@@ -110,9 +110,17 @@ impl StepColumns {
         Ok(StepRow {
             position: row.try_get(self.position)?,
             name: row.try_get(self.name)?,
-            agent: row.try_get(self.agent)?,
-            action: row.try_get(self.action)?,
-            compensation: row.try_get(self.compensation)?,
+            kind: Kind::from(Stored {
+                agent: row.try_get(self.agent)?,
+                action: row.try_get(self.action)?,
+                compensation: row.try_get(self.compensation)?,
+                calls: row
+                    .try_get::<Option<Json<Box<StepCalls>>>, _>(self.calls)?
+                    .map(|calls| calls.0),
+                park: row
+                    .try_get::<Option<Json<Park>>, _>(self.park)?
+                    .map(|park| park.0),
+            }),
             timeout_ms: row.try_get(self.timeout_ms)?,
             state: row.try_get(self.state)?,
             attempt: row.try_get(self.attempt)?,
@@ -127,12 +135,6 @@ impl StepColumns {
             undo_generation: row.try_get(self.undo_generation)?,
             undo_refused: row.try_get(self.undo_refused)?,
             undo_result: row.try_get(self.undo_result)?,
-            calls: row
-                .try_get::<Option<Json<StepCalls>>, _>(self.calls)?
-                .map(|calls| calls.0),
-            park: row
-                .try_get::<Option<Json<Park>>, _>(self.park)?
-                .map(|park| park.0),
             group: row.try_get(self.group)?,
             limit_key: row.try_get(self.limit_key)?,
         })

@@ -829,8 +829,9 @@ async fn batches_move_the_admission_counters_without_waiting_for_the_agents_rows
     let env = TestEnv::new().await;
     let agents: Vec<(String, Duration)> = env
         .steps()
-        .into_iter()
-        .map(|step| (step.agent, Duration::from_secs(10)))
+        .iter()
+        .filter_map(|step| step.kind.agent())
+        .map(|agent| (agent.to_owned(), Duration::from_secs(10)))
         .collect();
     env.store
         .admission()

@@ -46,7 +46,8 @@ use sas_messages::{
     AttemptId, OrderEvent, OrderId, StepKind, StepOutcome, StepReply, SCHEMA_VERSION,
 };
 use sas_store::machine::child::{end_told, undo_answer, ChildCommand, ParentLink, ToParent};
-use sas_store::machine::park::{MailboxEvent, OnTimeout, Park};
+use sas_store::machine::kind::{ChildStep, Kind, WaitStep};
+use sas_store::machine::park::{MailboxEvent, OnTimeout};
 use sas_store::machine::undo::undo_not_before;
 use sas_store::machine::{
     decide, slots_held, AlertKind, Context, Decision, Event, HistoryEvent, HistoryLine, ProcessRow,
@@ -692,7 +693,7 @@ impl Model {
             .flat_map(|order| &order.snapshot.steps)
             .filter(|s| matches!(s.state, StepState::Running | StepState::Compensating))
             .filter(|s| s.attempt_id.is_some())
-            .partition(|s| s.park.is_none());
+            .partition(|s| s.kind.calls_out());
         let in_flight: Vec<AttemptId> = if calls.is_empty() { parked } else { calls }
             .iter()
             .filter_map(|s| s.attempt_id)
@@ -720,7 +721,7 @@ impl Model {
     }
 }
 
-async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
+async fn read_rows(store: &Store, pool: &PgPool, order_id: &str) -> Rows {
     let process = sqlx::query(
         "SELECT state, locked_by, complete_by, failure_count, not_before, last_error,
                 waiting_for, admit_key, waiting_key
@@ -741,48 +742,13 @@ async fn read_rows(pool: &PgPool, order_id: &str) -> Rows {
         admit_key: process.get("admit_key"),
         waiting_key: process.get("waiting_key"),
     };
-    let steps = sqlx::query(
-        "SELECT position, name, agent, action, compensation, timeout_ms, state, attempt,
-                attempt_id, complete_by, idempotency_key, result, last_error, maybe_applied,
-                undo_generation, undo_refused, undo_result, request, park, step_group,
-                limit_key
-           FROM steps WHERE order_id = $1 ORDER BY position",
-    )
-    .bind(order_id)
-    .fetch_all(pool)
-    .await
-    .expect("read the steps")
-    .iter()
-    .map(|row| StepRow {
-        position: row.get("position"),
-        name: row.get("name"),
-        agent: row.get("agent"),
-        action: row.get("action"),
-        compensation: row.get("compensation"),
-        timeout_ms: row.get("timeout_ms"),
-        state: row.get("state"),
-        attempt: row.get("attempt"),
-        attempt_id: row
-            .get::<Option<Uuid>, _>("attempt_id")
-            .map(AttemptId::from),
-        complete_by: row.get("complete_by"),
-        idempotency_key: row.get("idempotency_key"),
-        result: row.get("result"),
-        last_error: row.get("last_error"),
-        maybe_applied: row.get("maybe_applied"),
-        undo_generation: row.get("undo_generation"),
-        undo_refused: row.get("undo_refused"),
-        undo_result: row.get("undo_result"),
-        calls: row
-            .get::<Option<sqlx::types::Json<sas_store::StepCalls>>, _>("request")
-            .map(|calls| calls.0),
-        park: row
-            .get::<Option<sqlx::types::Json<sas_store::machine::park::Park>>, _>("park")
-            .map(|park| park.0),
-        limit_key: row.get("limit_key"),
-        group: row.get("step_group"),
-    })
-    .collect();
+    // The store's own reading of steps, which its decisions use.
+    let (_, steps) = store
+        .reads()
+        .order_status(order_id)
+        .await
+        .expect("read the steps")
+        .expect("the order exists");
     let history = sqlx::query(
         "SELECT actor, event, step, attempt_id, detail FROM history WHERE order_id = $1 ORDER BY id",
     )
@@ -852,14 +818,14 @@ struct Chosen {
 }
 
 impl Chosen {
-    async fn read(db: &PgPool) -> Result<Self, String> {
+    async fn read(store: &Store, db: &PgPool) -> Result<Self, String> {
         let ids: Vec<String> = sqlx::query_scalar("SELECT order_id FROM orders ORDER BY order_id")
             .fetch_all(db)
             .await
             .map_err(|e| e.to_string())?;
         let mut rows = BTreeMap::new();
         for id in ids {
-            let read = read_rows(db, &id).await;
+            let read = read_rows(store, db, &id).await;
             rows.insert(id, read);
         }
         let mut times: BTreeMap<String, Vec<DateTime<Utc>>> = BTreeMap::new();
@@ -994,21 +960,21 @@ async fn run_case(
     let mut admission = BTreeMap::new();
     let mut caps = BTreeMap::new();
     let cap = if case.is_multiple_of(3) { 2 } else { 0 };
-    let calls = workflow.iter().filter(|step| step.kind().calls_out());
-    for (step, &full) in calls.zip(full) {
+    let agents = workflow.iter().filter_map(|step| step.kind.agent());
+    for (agent, &full) in agents.zip(full) {
         let in_flight = i32::from(full);
         sqlx::query(
             "INSERT INTO admission (agent, in_flight, admit_limit, admit_cap, ceiling, deadline_ms)
              VALUES ($1, $2, 1, $3, 1, 600000)",
         )
-        .bind(&step.agent)
+        .bind(agent)
         .bind(in_flight)
         .bind(cap)
         .execute(db)
         .await
         .map_err(|e| e.to_string())?;
-        admission.insert(step.agent.clone(), (in_flight, 0, 1));
-        caps.insert(step.agent.clone(), cap);
+        admission.insert(agent.to_owned(), (in_flight, 0, 1));
+        caps.insert(agent.to_owned(), cap);
     }
     // Version 2 of the plan: the charge renamed, for the operator's moves.
     let version_2: Vec<NewStep> = workflow
@@ -1063,7 +1029,7 @@ async fn run_case(
     let Intake::Accepted(progress) = accepted else {
         return Err(format!("intake did not accept the order: {accepted:?}"));
     };
-    let chosen = Chosen::read(db).await?;
+    let chosen = Chosen::read(store, db).await?;
     let body = serde_json::to_value(&order).expect("order to JSON");
     let mut snapshot = Snapshot::new_order(
         &order_id,
@@ -1392,7 +1358,7 @@ async fn run_case(
             .insert(format!("{kind}{path}: {verdict}"));
 
         // Through the state machine, with the database's clock and attempt ids.
-        let chosen = Chosen::read(db).await?;
+        let chosen = Chosen::read(store, db).await?;
         if let Step::Event { .. } = step {
             // Kept once per id, as the store keeps it; offered again to the
             // order either way.
@@ -1800,17 +1766,13 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
                 1,
                 NewStep {
                     name: "approval".into(),
-                    agent: String::new(),
-                    action: "approved".into(),
-                    compensation: None,
-                    timeout: std::time::Duration::from_secs(600),
-                    calls: None,
-                    park: Some(Park::Event {
+                    kind: Kind::Wait(WaitStep {
                         event: "approved".into(),
                         on_timeout,
                         correlation_key: None,
                         senders: Vec::new(),
                     }),
+                    timeout: std::time::Duration::from_secs(600),
                     group: None,
                 },
             );
@@ -1821,10 +1783,12 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
     // operator to resume.
     let mut stopping = plain.clone();
     for step in &mut stopping {
-        step.calls = Some(sas_store::StepCalls {
-            on_failure: sas_store::OnFailure::Stop,
-            ..Default::default()
-        });
+        if let Kind::Call(call) = &mut step.kind {
+            call.calls = Some(Box::new(sas_store::StepCalls {
+                on_failure: sas_store::OnFailure::Stop,
+                ..Default::default()
+            }));
+        }
     }
     // The plain workflow with a child step after its first, which starts
     // an order of the plain workflow (`SUB`): the same agents, one order
@@ -1834,16 +1798,13 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         1,
         NewStep {
             name: "fulfil".into(),
-            agent: String::new(),
-            action: SUB.into(),
-            compensation: Some("undo".into()),
-            timeout: std::time::Duration::from_secs(600),
-            calls: None,
-            park: Some(Park::Child {
+            kind: Kind::Child(ChildStep {
                 workflow: SUB.into(),
                 version: 1,
                 attributes: None,
+                on_failure: sas_store::OnFailure::Compensate,
             }),
+            timeout: std::time::Duration::from_secs(600),
             group: None,
         },
     );

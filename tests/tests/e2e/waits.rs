@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use sas_store::machine::kind::{CallStep, Kind};
 use sas_store::machine::HistoryEvent;
 use sas_store::reads::queries::HistoryEntry;
 use sas_store::ProcessState;
@@ -619,23 +620,18 @@ async fn waiting_orders_move_to_a_new_version_and_an_unsafe_move_is_refused() {
     // reserved would never be released.
     let approval = sas_store::NewStep {
         name: "approval".into(),
-        agent: String::new(),
-        action: "approved".into(),
-        compensation: None,
-        timeout: Duration::from_secs(60),
-        calls: None,
-        park: Some(sas_store::machine::park::Park::Event {
+        kind: Kind::Wait(sas_store::machine::kind::WaitStep {
             event: "approved".into(),
             on_timeout: sas_store::machine::park::OnTimeout::Compensate,
             correlation_key: None,
             senders: Vec::new(),
         }),
+        timeout: Duration::from_secs(60),
         group: None,
     };
     let kept = |agent: &str, compensation: Option<&str>| {
         let mut plan = env.steps();
-        plan[0].agent = agent.into();
-        plan[0].compensation = compensation.map(str::to_owned);
+        plan[0].kind = Kind::Call(CallStep::new(agent, "reserve", compensation));
         plan[1].name = "charge".into();
         plan.insert(1, approval.clone());
         plan

@@ -66,7 +66,7 @@ pub fn remaining(state: ProcessState, steps: &[StepRow]) -> (&'static str, Vec<&
                 .iter()
                 .rev()
                 .filter(|s| {
-                    s.compensation.is_some()
+                    s.kind.undoable()
                         && (matches!(s.state, StepState::Completed | StepState::Compensating)
                             || (s.maybe_applied && s.state != StepState::Compensated))
                 })
@@ -208,15 +208,15 @@ fn what_remains(detail: &OrderDetail) -> Markup {
         } @else {
             ol #remaining { @for step in &remaining {
                 li { (step.name) " ("
-                    @match step.kind() {
-                        Kind::Wait { event, .. } => { "waits for the event " (event) }
-                        Kind::Delay => { "waits for a time" }
-                        Kind::Child { workflow } => {
-                            @if what == "to undo" { "undoes its child order of " (workflow) } @else { "runs a child order of " (workflow) }
+                    @match &step.kind {
+                        Kind::Wait(wait) => { "waits for the event " (wait.event) }
+                        Kind::Delay(_) => { "waits for a time" }
+                        Kind::Child(child) => {
+                            @if what == "to undo" { "undoes its child order of " (child.workflow) } @else { "runs a child order of " (child.workflow) }
                         }
-                        Kind::Call => {
-                            (step.agent) ": "
-                            @if what == "to undo" { (step.compensation.as_deref().unwrap_or("-")) } @else { (step.action) }
+                        Kind::Call(call) => {
+                            (call.agent) ": "
+                            @if what == "to undo" { (call.compensation.as_deref().unwrap_or("-")) } @else { (call.action) }
                         }
                     }
                     ", " (step.state) ")" }
@@ -236,8 +236,8 @@ fn steps_table(steps: &[StepRow]) -> Markup {
             @for step in steps {
                 tr data-step=(step.name) {
                     td { (step.position) }
-                    td { (step.name) br; span.muted { (step.action) " / " (step.compensation.as_deref().unwrap_or("no undo")) } }
-                    td { (step.agent) }
+                    td { (step.name) br; span.muted { (step.kind.label()) " / " (step.kind.undo_label().unwrap_or("no undo")) } }
+                    td { (step.kind.agent().unwrap_or_default()) }
                     td { (step.state) @if step.maybe_applied { br; span.muted { "maybe applied" } } }
                     td.num { (step.attempt) }
                     td { (super::when_opt(step.complete_by)) br; span.muted { (step.timeout_ms) " ms each" } }

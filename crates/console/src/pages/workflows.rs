@@ -12,7 +12,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use chrono::{DateTime, Utc};
 use maud::{html, Markup};
-use sas_store::machine::park::{OnTimeout, Park};
+use sas_store::machine::kind::{ChildStep, DelayStep, Kind, WaitStep};
+use sas_store::machine::park::OnTimeout;
 use sas_store::reads::workflows::WorkflowVersion;
 use sas_store::NewStep;
 use serde::Serialize;
@@ -54,7 +55,7 @@ impl StepView {
         let mut view = Self {
             name: step.name.clone(),
             kind: "call",
-            does: format!("call {}.{}", step.agent, step.action),
+            does: String::new(),
             agent: None,
             action: None,
             compensation: None,
@@ -62,13 +63,14 @@ impl StepView {
             on_timeout: None,
             timeout_ms,
         };
-        match &step.park {
-            None => {
-                view.agent = Some(step.agent.clone());
-                view.action = Some(step.action.clone());
-                view.compensation.clone_from(&step.compensation);
+        match &step.kind {
+            Kind::Call(call) => {
+                view.does = format!("call {}.{}", call.agent, call.action);
+                view.agent = Some(call.agent.clone());
+                view.action = Some(call.action.clone());
+                view.compensation.clone_from(&call.compensation);
             }
-            Some(Park::Event {
+            Kind::Wait(WaitStep {
                 event,
                 on_timeout,
                 correlation_key,
@@ -86,7 +88,7 @@ impl StepView {
                 view.event = Some(event.clone());
                 view.on_timeout = Some(*on_timeout);
             }
-            Some(Park::Delay {
+            Kind::Delay(DelayStep {
                 delay_ms,
                 not_before,
             }) => {
@@ -97,7 +99,7 @@ impl StepView {
                         .push_str(&format!(", not before the order's {pointer}"));
                 }
             }
-            Some(Park::Child {
+            Kind::Child(ChildStep {
                 workflow, version, ..
             }) => {
                 view.kind = "child";
@@ -484,27 +486,27 @@ fn outcome_part(
 mod tests {
     use std::time::Duration;
 
-    use sas_store::machine::park::{OnTimeout, Park};
+    use sas_store::machine::kind::{CallStep, DelayStep, Kind, WaitStep};
+    use sas_store::machine::park::OnTimeout;
     use sas_store::NewStep;
 
     use super::{MoveForm, StepView};
 
-    fn step(name: &str, park: Option<Park>) -> NewStep {
+    fn step(name: &str, kind: Kind) -> NewStep {
         NewStep {
             name: name.into(),
-            agent: "inventory".into(),
-            action: "reserve".into(),
-            compensation: Some("release".into()),
+            kind,
             timeout: Duration::from_millis(1500),
-            calls: None,
-            park,
             group: None,
         }
     }
 
     #[test]
     fn a_step_says_what_it_does_by_kind() {
-        let call = StepView::of(&step("reserve_stock", None));
+        let call = StepView::of(&step(
+            "reserve_stock",
+            Kind::Call(CallStep::new("inventory", "reserve", Some("release"))),
+        ));
         assert_eq!(
             (call.kind, call.does.as_str()),
             ("call", "call inventory.reserve")
@@ -513,7 +515,7 @@ mod tests {
         assert_eq!(call.timeout_ms, 1500);
         let wait = StepView::of(&step(
             "approval",
-            Some(Park::Event {
+            Kind::Wait(WaitStep {
                 event: "approved".into(),
                 on_timeout: OnTimeout::Fail,
                 correlation_key: None,
@@ -528,7 +530,7 @@ mod tests {
         assert_eq!(wait.on_timeout, Some(OnTimeout::Fail));
         let delay = StepView::of(&step(
             "cooling_off",
-            Some(Park::Delay {
+            Kind::Delay(DelayStep {
                 delay_ms: 600_000,
                 not_before: Some("/attributes/ship_after".into()),
             }),

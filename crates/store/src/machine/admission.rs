@@ -53,7 +53,7 @@ pub fn slots_held<'a>(process: &ProcessRow, steps: &'a [StepRow]) -> Vec<&'a str
     steps
         .iter()
         .filter(|step| step.state == in_flight)
-        .map(|step| step.agent.as_str())
+        .filter_map(|step| step.kind.agent())
         .collect()
 }
 

@@ -1,5 +1,5 @@
 //! Child steps: a step that starts an order of another workflow, waits for
-//! it to end and takes its results (`kind = "child"`, [`super::park::Park::Child`]).
+//! it to end and takes its results (`kind = "child"`, [`super::kind::ChildStep`]).
 //!
 //! The child is an ordinary order of its parent's tenant, with an id
 //! derived from the parent's and the step's ([`child_order_id`]): the
@@ -354,6 +354,7 @@ pub fn undo_answer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::machine::kind::{ChildStep, Kind};
 
     #[test]
     fn a_child_s_id_is_the_parent_s_and_the_step_s_in_the_parent_s_tenant() {
@@ -361,12 +362,13 @@ mod tests {
         let step = |key: &str| {
             let definition = crate::model::NewStep {
                 name: "fulfil".into(),
-                agent: String::new(),
-                action: "fulfil".into(),
-                compensation: Some("undo".into()),
+                kind: Kind::Child(ChildStep {
+                    workflow: "fulfil".into(),
+                    version: 1,
+                    attributes: None,
+                    on_failure: crate::OnFailure::Compensate,
+                }),
                 timeout: std::time::Duration::from_secs(1),
-                calls: None,
-                park: None,
                 group: None,
             };
             let mut row = StepRow::new(&parent, 1, &definition);

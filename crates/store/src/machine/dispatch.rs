@@ -126,8 +126,8 @@ pub fn payload<'a>(
 /// The remote operation an attempt of `kind` calls on `step`.
 pub fn operation(step: &StepRow, kind: StepKind) -> &str {
     match kind {
-        StepKind::Action => &step.action,
-        StepKind::Compensation => step.compensation.as_deref().unwrap_or_default(),
+        StepKind::Action => step.kind.label(),
+        StepKind::Compensation => step.kind.undo_label().unwrap_or_default(),
     }
 }
 
@@ -160,7 +160,7 @@ impl Dispatch {
             StepKind::Action => step.idempotency_key.clone(),
             StepKind::Compensation => compensation_key(&step.idempotency_key, step.undo_generation),
         };
-        let template = step.calls.as_ref().and_then(|calls| calls.of(kind));
+        let template = step.kind.calls().and_then(|calls| calls.of(kind));
         let mut call = match template {
             Some(template) => template.render(payload)?,
             None => Rendered {
@@ -190,7 +190,7 @@ impl Dispatch {
         Ok(Self {
             order_id: order_id.into(),
             step: step.name.clone(),
-            agent: step.agent.clone(),
+            agent: step.kind.agent().unwrap_or_default().to_owned(),
             kind,
             action,
             attempt: step.attempt,

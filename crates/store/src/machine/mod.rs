@@ -89,12 +89,9 @@ pub struct StepRow {
     pub position: i32,
     /// Step name.
     pub name: String,
-    /// Agent whose queue receives its requests.
-    pub agent: String,
-    /// Remote operation of the step.
-    pub action: String,
-    /// Remote operation that undoes it, if it can be undone.
-    pub compensation: Option<String>,
+    /// What the step does (see [`kind`]), from its definition.
+    #[serde(flatten)]
+    pub kind: kind::Kind,
     /// How long one attempt may take.
     pub timeout_ms: i32,
     /// Step state.
@@ -121,10 +118,6 @@ pub struct StepRow {
     pub undo_refused: bool,
     /// What the remote service answered to the undo.
     pub undo_result: Option<serde_json::Value>,
-    /// How the step's requests are shaped, if not by default.
-    pub calls: Option<call::StepCalls>,
-    /// What the step waits for, when it calls no agent (see [`park`]).
-    pub park: Option<park::Park>,
     /// The parallel group it starts with, if any (see
     /// [`crate::NewStep::group`]).
     pub group: Option<String>,
@@ -139,9 +132,7 @@ impl StepRow {
         Self {
             position,
             name: step.name.clone(),
-            agent: step.agent.clone(),
-            action: step.action.clone(),
-            compensation: step.compensation.clone(),
+            kind: step.kind.clone(),
             timeout_ms: i32::try_from(step.timeout.as_millis()).unwrap_or(i32::MAX),
             state: StepState::NotStarted,
             attempt: 0,
@@ -154,8 +145,6 @@ impl StepRow {
             undo_generation: 0,
             undo_refused: false,
             undo_result: None,
-            calls: step.calls.clone(),
-            park: step.park.clone(),
             group: step.group.clone(),
             limit_key: None,
         }
@@ -167,7 +156,7 @@ impl StepRow {
     /// whose outcome is unknown). A step refused without any such attempt
     /// applied nothing.
     pub fn needs_undo(&self) -> bool {
-        self.compensation.is_some()
+        self.kind.undoable()
             && match self.state {
                 StepState::Completed | StepState::Running | StepState::Compensating => true,
                 StepState::Failed | StepState::NotStarted => self.maybe_applied,
@@ -178,9 +167,7 @@ impl StepRow {
     /// Whether its workflow says to stop the order in `error` when this step
     /// fails for good, instead of undoing it (see [`call::OnFailure`]).
     pub fn stops_on_failure(&self) -> bool {
-        self.calls
-            .as_ref()
-            .is_some_and(|calls| calls.on_failure == call::OnFailure::Stop)
+        self.kind.on_failure() == call::OnFailure::Stop
     }
 
     /// When its current attempt was started: its deadline less its timeout.
@@ -567,7 +554,7 @@ impl Decision {
                     StepState::Compensating => sas_messages::StepKind::Compensation,
                     _ => return None,
                 };
-                let (limits, _, _) = change.row.calls.as_ref()?.key_limits()?;
+                let (limits, _, _) = change.row.kind.calls()?.key_limits()?;
                 Some((change.row.limit_key.as_deref()?, limits, kind))
             })
             .collect()

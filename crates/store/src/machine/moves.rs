@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::kind::Kind;
+use super::kind::{ChildStep, Kind};
 use super::{Snapshot, StepRow};
 use crate::model::{NewStep, ProcessState, StepState};
 
@@ -83,7 +83,7 @@ pub fn plan_move(
                 }
             }
             None if old.needs_undo()
-                || (old.state == StepState::Completed && old.compensation.is_some()) =>
+                || (old.state == StepState::Completed && old.kind.undoable()) =>
             {
                 return Err(Unsafe(format!(
                     "step {:?} did (or may have done) its action and has no place in version {to}: it would be dropped without its undo",
@@ -104,8 +104,7 @@ pub fn plan_move(
     for (position, definition) in (0..).zip(steps) {
         let mut row = StepRow::new(&snapshot.order_id, position, definition);
         if let Some(old) = carried.get(definition.name.as_str()) {
-            if old.state == StepState::Running && !old.kind().carries_running_to(definition.kind())
-            {
+            if old.state == StepState::Running && !old.kind.carries_running_to(&definition.kind) {
                 return Err(Unsafe(format!(
                     "the order waits at step {:?}, which is no wait step in version {to}",
                     old.name
@@ -170,7 +169,7 @@ pub fn plan_move(
 fn may_have_acted(old: &StepRow) -> bool {
     match old.state {
         StepState::Completed | StepState::Compensating => true,
-        StepState::Running => old.kind().may_act_while_running(),
+        StepState::Running => old.kind.may_act_while_running(),
         // A step resumed by an operator keeps "maybe applied" until its
         // new attempt settles it.
         StepState::Failed | StepState::NotStarted => old.maybe_applied,
@@ -188,9 +187,9 @@ fn keeps_its_undo(old: &StepRow, new: &NewStep, to: i32) -> Result<(), Unsafe> {
     if !may_have_acted(old) {
         return Ok(());
     }
-    if let Kind::Child { workflow } = old.kind() {
+    if let Kind::Child(ChildStep { workflow, .. }) = &old.kind {
         let kept = new.name == old.name
-            && matches!(new.kind(), Kind::Child { workflow: w } if w == workflow);
+            && matches!(&new.kind, Kind::Child(child) if &child.workflow == workflow);
         if !kept {
             return Err(Unsafe(format!(
                 "step {:?} started a child order of {workflow}: version {to} must keep it as a child step of {workflow} under the same name, or its child could not be undone",
@@ -198,16 +197,19 @@ fn keeps_its_undo(old: &StepRow, new: &NewStep, to: i32) -> Result<(), Unsafe> {
             )));
         }
     }
-    if old.compensation.is_some() && new.compensation.is_none() {
+    if old.kind.undoable() && !new.kind.undoable() {
         return Err(Unsafe(format!(
             "step {:?} did (or may have done) its action and has no compensation in version {to}: it would lose its undo",
             old.name
         )));
     }
-    if old.agent != new.agent {
+    if old.kind.agent() != new.kind.agent() {
+        let at = |kind: &Kind| kind.agent().unwrap_or("no agent").to_owned();
         return Err(Unsafe(format!(
             "step {:?} did (or may have done) its action at {}, and version {to} gives it to {}: its effect could not be undone (nor a late call of it known)",
-            old.name, old.agent, new.agent
+            old.name,
+            at(&old.kind),
+            at(&new.kind)
         )));
     }
     Ok(())
@@ -218,36 +220,37 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::machine::park::{OnTimeout, Park};
+    use crate::machine::kind::{CallStep, WaitStep};
+    use crate::machine::park::OnTimeout;
 
-    fn step(name: &str, agent: &str, compensation: Option<&str>, park: Option<Park>) -> NewStep {
+    fn step(name: &str, kind: Kind) -> NewStep {
         NewStep {
             name: name.into(),
-            agent: agent.into(),
-            action: name.into(),
-            compensation: compensation.map(str::to_owned),
+            kind,
             timeout: Duration::from_secs(5),
-            calls: None,
-            park,
             group: None,
         }
     }
 
-    fn approval() -> Park {
-        Park::Event {
+    fn call(name: &str, agent: &str, compensation: Option<&str>) -> NewStep {
+        step(name, Kind::Call(CallStep::new(agent, name, compensation)))
+    }
+
+    fn approval() -> Kind {
+        Kind::Wait(WaitStep {
             event: "approved".into(),
             on_timeout: OnTimeout::Compensate,
             correlation_key: None,
             senders: Vec::new(),
-        }
+        })
     }
 
     /// Version 1: reserve, approval, charge; the order parked at approval.
     fn parked() -> Snapshot {
         let v1 = [
-            step("reserve", "inventory", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let now = chrono::Utc::now();
         let mut snapshot =
@@ -263,10 +266,10 @@ mod tests {
     #[test]
     fn a_parked_order_gains_a_step_and_keeps_what_it_did() {
         let v2 = [
-            step("reserve", "inventory", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("fraud_check", "payment", None, None),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("approval", approval()),
+            call("fraud_check", "payment", None),
+            call("charge", "payment", Some("refund")),
         ];
         let moved = plan_move(&parked(), &v2, &BTreeMap::new(), (1, 2)).unwrap();
         let states: Vec<StepState> = moved.steps.iter().map(|s| s.state).collect();
@@ -284,9 +287,9 @@ mod tests {
     #[test]
     fn a_rename_follows_the_mapping() {
         let v2 = [
-            step("reserve_stock", "inventory", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve_stock", "inventory", Some("release")),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let mapping = BTreeMap::from([("reserve".to_owned(), "reserve_stock".to_owned())]);
         let moved = plan_move(&parked(), &v2, &mapping, (1, 2)).unwrap();
@@ -301,45 +304,45 @@ mod tests {
     #[test]
     fn unsafe_moves_are_refused_with_the_reason() {
         let without_reserve = [
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &without_reserve, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("without its undo"), "{error}");
         let without_wait = [
-            step("reserve", "inventory", Some("release"), None),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &without_wait, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("waits at step \"approval\""), "{error}");
         let new_first = [
-            step("kyc", "payment", None, None),
-            step("reserve", "inventory", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            call("kyc", "payment", None),
+            call("reserve", "inventory", Some("release")),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &new_first, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("would never run"), "{error}");
         let mapping = BTreeMap::from([("charge".to_owned(), "reserve".to_owned())]);
         let v1 = [
-            step("reserve", "inventory", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &v1, &mapping, (1, 3)).unwrap_err();
         assert!(error.0.contains("two steps"), "{error}");
         // The reservation completed: its undo is owed where it happened.
         let undo_dropped = [
-            step("reserve", "inventory", None, None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", None),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &undo_dropped, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("would lose its undo"), "{error}");
         let elsewhere = [
-            step("reserve", "warehouse", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "warehouse", Some("release")),
+            step("approval", approval()),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &elsewhere, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("gives it to warehouse"), "{error}");
@@ -350,9 +353,9 @@ mod tests {
         backoff.steps[2].state = StepState::Running;
         backoff.steps[2].attempt = 1;
         let to_other_psp = [
-            step("reserve", "inventory", Some("release"), None),
-            step("approval", "", None, Some(approval())),
-            step("charge", "payments-v2", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("approval", approval()),
+            call("charge", "payments-v2", Some("refund")),
         ];
         let error = plan_move(&backoff, &to_other_psp, &BTreeMap::new(), (1, 3)).unwrap_err();
         assert!(error.0.contains("step \"charge\""), "{error}");
@@ -365,15 +368,18 @@ mod tests {
 
     #[test]
     fn a_started_child_step_keeps_its_name_and_workflow_and_a_wait_never_becomes_one() {
-        let child = |workflow: &str| Park::Child {
-            workflow: workflow.into(),
-            version: 1,
-            attributes: None,
+        let child = |workflow: &str| {
+            Kind::Child(ChildStep {
+                workflow: workflow.into(),
+                version: 1,
+                attributes: None,
+                on_failure: crate::OnFailure::Compensate,
+            })
         };
         let v1 = [
-            step("reserve", "inventory", Some("release"), None),
-            step("fulfil", "", Some("undo"), Some(child("fulfil"))),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("fulfil", child("fulfil")),
+            call("charge", "payment", Some("refund")),
         ];
         let now = chrono::Utc::now();
         let mut waiting =
@@ -383,26 +389,26 @@ mod tests {
         waiting.steps[1].state = StepState::Running;
         waiting.steps[1].attempt = 1;
         let renamed = [
-            step("reserve", "inventory", Some("release"), None),
-            step("fulfil_v2", "", Some("undo"), Some(child("fulfil"))),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("fulfil_v2", child("fulfil")),
+            call("charge", "payment", Some("refund")),
         ];
         let mapping = BTreeMap::from([("fulfil".to_owned(), "fulfil_v2".to_owned())]);
         let error = plan_move(&waiting, &renamed, &mapping, (1, 2)).unwrap_err();
         assert!(error.0.contains("must keep it as a child step"), "{error}");
         let other = [
-            step("reserve", "inventory", Some("release"), None),
-            step("fulfil", "", Some("undo"), Some(child("ship_only"))),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("fulfil", child("ship_only")),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&waiting, &other, &BTreeMap::new(), (1, 2)).unwrap_err();
         assert!(error.0.contains("child order of fulfil"), "{error}");
         // The same child step moves; a parked wait never becomes a child.
         assert!(plan_move(&waiting, &v1, &BTreeMap::new(), (1, 2)).is_ok());
         let waits_as_child = [
-            step("reserve", "inventory", Some("release"), None),
-            step("approval", "", Some("undo"), Some(child("fulfil"))),
-            step("charge", "payment", Some("refund"), None),
+            call("reserve", "inventory", Some("release")),
+            step("approval", child("fulfil")),
+            call("charge", "payment", Some("refund")),
         ];
         let error = plan_move(&parked(), &waits_as_child, &BTreeMap::new(), (1, 2)).unwrap_err();
         assert!(error.0.contains("waits at step \"approval\""), "{error}");

@@ -8,12 +8,21 @@ use sas_messages::{AttemptId, StatusEvent, StepKind, StepOutcome, StepReply, SCH
 use uuid::Uuid;
 
 use super::*;
+use crate::machine::kind::{CallStep, ChildStep, DelayStep, Kind, WaitStep};
 use crate::model::{NewStep, ProcessState, StepState};
 
 const SCHEDULER: &str = "scheduler-1";
 
 fn t(seconds: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_800_000_000 + seconds, 0).unwrap()
+}
+
+/// The call of a step known to be one, to change how it is called.
+fn call_mut(step: &mut NewStep) -> &mut CallStep {
+    match &mut step.kind {
+        Kind::Call(call) => call,
+        Kind::Wait(_) | Kind::Delay(_) | Kind::Child(_) => panic!("{} is no call step", step.name),
+    }
 }
 
 fn workflow() -> Vec<NewStep> {
@@ -25,12 +34,8 @@ fn workflow() -> Vec<NewStep> {
     .into_iter()
     .map(|(name, agent, action, compensation)| NewStep {
         name: name.into(),
-        agent: agent.into(),
-        action: action.into(),
-        compensation: compensation.map(str::to_owned),
+        kind: Kind::Call(CallStep::new(agent, action, compensation)),
         timeout: Duration::from_secs(5),
-        calls: None,
-        park: None,
         group: None,
     })
     .collect()
@@ -1257,36 +1262,32 @@ fn an_event_changes_no_order_that_waits_for_none() {
 fn waiting_workflow(on_timeout: park::OnTimeout) -> Vec<NewStep> {
     let mut steps = workflow();
     steps.truncate(2);
-    let wait = |name: &str, park| NewStep {
+    let wait = |name: &str, kind| NewStep {
         name: name.into(),
-        agent: String::new(),
-        action: "wait".into(),
-        compensation: None,
+        kind,
         timeout: Duration::from_secs(10),
-        calls: None,
-        park: Some(park),
         group: None,
     };
     steps.insert(
         1,
         wait(
             "approval",
-            park::Park::Event {
+            Kind::Wait(WaitStep {
                 event: "approved".into(),
                 on_timeout,
                 correlation_key: None,
                 senders: Vec::new(),
-            },
+            }),
         ),
     );
     steps.insert(
         2,
         wait(
             "cooling_off",
-            park::Park::Delay {
+            Kind::Delay(DelayStep {
                 delay_ms: 2000,
                 not_before: None,
-            },
+            }),
         ),
     );
     steps
@@ -1424,7 +1425,7 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
     assert_eq!(why, "waits for approved, not for rejected");
     // A wait that names its senders refuses everyone else, before and at
     // the wait.
-    snapshot.steps[1].park = Some(park::Park::Event {
+    snapshot.steps[1].kind = Kind::Wait(WaitStep {
         event: "approved".into(),
         on_timeout: park::OnTimeout::Compensate,
         correlation_key: None,
@@ -1482,15 +1483,15 @@ fn what_an_event_becomes_is_one_rule_for_every_front_end() {
 fn an_event_the_parked_wait_refuses_from_its_sender_is_kept_for_a_later_wait_that_takes_it() {
     use super::wait::{admission, EventAdmission};
     let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
-    let wait = |senders: Vec<String>| park::Park::Event {
+    let wait = |senders: Vec<String>| WaitStep {
         event: "approved".into(),
         on_timeout: park::OnTimeout::Compensate,
         correlation_key: None,
         senders,
     };
     // A second wait for the same event, in place of the delay, from anyone.
-    snapshot.steps[1].park = Some(wait(vec!["role:approver".into()]));
-    snapshot.steps[2].park = Some(wait(Vec::new()));
+    snapshot.steps[1].kind = Kind::Wait(wait(vec!["role:approver".into()]));
+    snapshot.steps[2].kind = Kind::Wait(wait(Vec::new()));
     snapshot.apply(&decide(&snapshot, &Event::Reply(&ok), &ctx(t(2))));
     let kim = vec!["console:kim".to_owned()];
     let admitted = admission(
@@ -1580,7 +1581,7 @@ fn a_cancelled_order_stops_waiting_and_its_undo_starts_at_once() {
 /// parallel group after the reservation.
 fn grouped() -> Snapshot {
     let mut steps = workflow();
-    steps[2].compensation = Some("cancel_shipment".into());
+    call_mut(&mut steps[2]).compensation = Some("cancel_shipment".into());
     steps[2].timeout = Duration::from_secs(8);
     for step in &mut steps[1..] {
         step.group = Some("pay_and_ship".into());
@@ -1792,7 +1793,7 @@ fn a_group_past_its_deadline_marks_every_member_in_flight() {
 fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
     let keyed = |pointer: &str| {
         let (mut snapshot, ok) = reserved(park::OnTimeout::Compensate);
-        snapshot.steps[1].park = Some(park::Park::Event {
+        snapshot.steps[1].kind = Kind::Wait(WaitStep {
             event: "approved".into(),
             on_timeout: park::OnTimeout::Compensate,
             correlation_key: Some(pointer.into()),
@@ -1837,7 +1838,7 @@ fn a_wait_reads_its_correlation_key_from_an_earlier_result_when_it_parks() {
 /// A new order of the workflow whose `charge_payment` is called as `calls` say.
 fn charging_with(calls: crate::machine::call::StepCalls) -> Snapshot {
     let mut steps = workflow();
-    steps[1].calls = Some(calls);
+    call_mut(&mut steps[1]).calls = Some(Box::new(calls));
     Snapshot::new_order(
         "o-1",
         serde_json::json!({ "order_id": "o-1" }),
@@ -2115,7 +2116,7 @@ fn limited_by_merchant() -> Snapshot {
 /// [`limited_by_merchant`], its limit `adaptive` or not.
 fn limited_by_merchant_learning(adaptive: bool) -> Snapshot {
     let mut steps = workflow();
-    steps[0].calls = Some(crate::StepCalls {
+    call_mut(&mut steps[0]).calls = Some(Box::new(crate::StepCalls {
         concurrency: Some(crate::Concurrency {
             key: "/attributes/merchant_id".into(),
             limit: 2,
@@ -2123,7 +2124,7 @@ fn limited_by_merchant_learning(adaptive: bool) -> Snapshot {
             adaptive,
         }),
         ..crate::StepCalls::default()
-    });
+    }));
     Snapshot::new_order(
         "o-1",
         serde_json::json!({ "order_id": "o-1", "attributes": { "merchant_id": "m-7" } }),
@@ -2361,16 +2362,13 @@ fn reserved_before_a_child() -> (Snapshot, StepReply) {
         1,
         NewStep {
             name: "fulfil".into(),
-            agent: String::new(),
-            action: "fulfil".into(),
-            compensation: Some("undo".into()),
-            timeout: Duration::from_secs(60),
-            calls: None,
-            park: Some(park::Park::Child {
+            kind: Kind::Child(ChildStep {
                 workflow: "fulfil".into(),
                 version: 3,
                 attributes: Some(serde_json::json!({ "who": "${/order/order_id}" })),
+                on_failure: crate::OnFailure::Compensate,
             }),
+            timeout: Duration::from_secs(60),
             group: None,
         },
     );

@@ -35,7 +35,7 @@ use crate::model::StepState;
 /// now, because no call of its action can still land.
 pub fn undo_not_before(step: &StepRow, grace: Duration) -> Option<DateTime<Utc>> {
     let unsettled = match step.state {
-        StepState::Running => step.kind().calls_out(),
+        StepState::Running => step.kind.calls_out(),
         // A step an operator resumed or resubmitted keeps "maybe applied"
         // and the deadline of the attempt that may have applied.
         StepState::Failed | StepState::NotStarted => step.maybe_applied,
@@ -54,17 +54,14 @@ mod tests {
     use chrono::TimeZone;
 
     use super::*;
+    use crate::machine::kind::{CallStep, Kind};
     use crate::model::NewStep;
 
     fn charge(state: StepState, maybe_applied: bool) -> StepRow {
         let definition = NewStep {
             name: "charge".into(),
-            agent: "payment".into(),
-            action: "charge".into(),
-            compensation: Some("refund".into()),
+            kind: Kind::Call(CallStep::new("payment", "charge", Some("refund"))),
             timeout: Duration::from_secs(5),
-            calls: None,
-            park: None,
             group: None,
         };
         let mut step = StepRow::new("o-1", 1, &definition);

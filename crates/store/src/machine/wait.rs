@@ -8,7 +8,8 @@
 //! rules (`rules/wait.rs`); what every parked kind shares is in
 //! [`super::park`].
 
-use crate::machine::park::{parked_at, Park};
+use crate::machine::kind::{Kind, WaitStep};
+use crate::machine::park::parked_at;
 use crate::machine::StepRow;
 use crate::model::{ProcessState, StepState};
 
@@ -19,18 +20,18 @@ use crate::model::{ProcessState, StepState};
 ///
 /// `waits` are the order's wait steps for `event` (name and spec), in any
 /// state; `principals` what the sender is known by (see
-/// [`Park::accepts`]); `tenant` the order's tenant.
+/// [`WaitStep::accepts`]); `tenant` the order's tenant.
 pub fn refusal<'a>(
-    waits: impl IntoIterator<Item = (&'a str, &'a Park)>,
+    waits: impl IntoIterator<Item = (&'a str, &'a WaitStep)>,
     principals: &[String],
     tenant: &str,
 ) -> Option<(&'a str, &'a [String])> {
     let mut first = None;
-    for (step, park) in waits {
-        if park.accepts(principals, tenant) {
+    for (step, wait) in waits {
+        if wait.accepts(principals, tenant) {
             return None;
         }
-        first.get_or_insert((step, park.senders()));
+        first.get_or_insert((step, wait.senders.as_slice()));
     }
     first
 }
@@ -119,13 +120,10 @@ pub fn admission(
     principals: &[String],
     tenant: &str,
 ) -> EventAdmission {
-    let waits: Vec<(usize, &Park)> = steps
+    let waits: Vec<(usize, &WaitStep)> = steps
         .iter()
         .enumerate()
-        .filter_map(|(index, step)| match &step.park {
-            Some(park @ Park::Event { event: name, .. }) if name == event => Some((index, park)),
-            Some(Park::Event { .. } | Park::Delay { .. } | Park::Child { .. }) | None => None,
-        })
+        .filter_map(|(index, step)| Some((index, step.kind.waits_for(event)?)))
         .collect();
     // The step states still to come: an order stopped in error before any
     // undo began may be resumed or resubmitted, which starts its failed
@@ -159,11 +157,11 @@ pub fn admission(
     if waits.is_empty() {
         let mut others: Vec<&str> = Vec::new();
         for step in steps.iter().filter(|step| ahead(step)) {
-            match &step.park {
-                Some(Park::Event { event, .. }) if !others.contains(&event.as_str()) => {
+            match &step.kind {
+                Kind::Wait(WaitStep { event, .. }) if !others.contains(&event.as_str()) => {
                     others.push(event);
                 }
-                Some(Park::Event { .. } | Park::Delay { .. } | Park::Child { .. }) | None => {}
+                Kind::Wait(_) | Kind::Delay(_) | Kind::Child(_) | Kind::Call(_) => {}
             }
         }
         return EventAdmission::Unused {
@@ -188,7 +186,7 @@ pub fn admission(
     let parked = parked_at(state, steps);
     match waits
         .iter()
-        .find(|(index, park)| ahead(&steps[*index]) && park.accepts(principals, tenant))
+        .find(|(index, wait)| ahead(&steps[*index]) && wait.accepts(principals, tenant))
     {
         Some((index, _)) if Some(*index) == parked => EventAdmission::Used {
             step: steps[*index].name.clone(),

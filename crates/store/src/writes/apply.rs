@@ -414,7 +414,7 @@ pub(crate) async fn load_snapshots(
     }
     // Only orders with a wait step read their mailbox: no cost for others.
     for snapshot in snapshots.values() {
-        if snapshot.steps.iter().any(|step| step.kind().parks()) {
+        if snapshot.steps.iter().any(|step| step.kind.parks()) {
             waiting.push(snapshot.order_id.as_str().to_owned());
         }
     }

@@ -9,7 +9,7 @@ use sas_messages::OrderEvent;
 
 use super::apply::{transition, Slots};
 use super::Writes;
-use crate::machine::park::Park;
+use crate::machine::kind::{Park, WaitStep};
 use crate::machine::wait;
 use crate::machine::{storable, Event, HistoryEvent, Verdict};
 use crate::model::Progress;
@@ -402,15 +402,18 @@ async fn refuse_unaccepted(
             }
             continue;
         }
-        let mine: Vec<(&str, Park)> = waits
+        let mine: Vec<(&str, WaitStep)> = waits
             .iter()
             .filter(|(id, _, _)| id == order_id)
-            .filter_map(|(_, step, park)| {
-                Some((step.as_str(), serde_json::from_value(park.clone()).ok()?))
-            })
+            .filter_map(
+                |(_, step, park)| match serde_json::from_value(park.clone()).ok()? {
+                    Park::Event(wait) => Some((step.as_str(), wait)),
+                    Park::Delay(_) | Park::Child(_) => None,
+                },
+            )
             .collect();
         let tenant = sas_messages::ids::tenant_of(order_id);
-        let named = mine.iter().map(|(step, park)| (*step, park));
+        let named = mine.iter().map(|(step, wait)| (*step, wait));
         let Some((step, senders)) = wait::refusal(named, sender.principals, tenant) else {
             continue;
         };

@@ -9,7 +9,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::Writes;
-use crate::machine::kind::Kind;
+use crate::machine::kind::{Kind, ParkRef, StoredKind};
 use crate::machine::{decide, Context, Event, Snapshot};
 use crate::model::{Dispatch, NewStep, Plan, Progress};
 use crate::StoreError;
@@ -152,7 +152,7 @@ impl Batch<'_> {
             max_request_bytes: self.max_request_bytes,
             // Not admitted: the first agent had no room, and the statement
             // put the order in its line.
-            closed: (!admitted).then(|| self.steps[0].agent.as_str()),
+            closed: (!admitted).then(|| self.steps[0].kind.agent()).flatten(),
             closed_key: None,
         };
         Intake::Accepted(decide(&snapshot, &Event::Submitted, &ctx).progress)
@@ -243,10 +243,10 @@ impl Writes<'_> {
         // an order its tenant's quota holds back, or a first request that
         // cannot be built (a template with a hole, a request too large),
         // takes the write kernel, where the machine decides.
-        let (fast, slow): (Vec<usize>, Vec<usize>) = match steps[0].kind() {
-            Kind::Wait { .. } | Kind::Delay | Kind::Child { .. } => (Vec::new(), distinct.clone()),
-            Kind::Call if starts_limited(steps) => (Vec::new(), distinct.clone()),
-            Kind::Call => distinct.iter().partition(|&&index| {
+        let (fast, slow): (Vec<usize>, Vec<usize>) = match &steps[0].kind {
+            Kind::Wait(_) | Kind::Delay(_) | Kind::Child(_) => (Vec::new(), distinct.clone()),
+            Kind::Call(_) if starts_limited(steps) => (Vec::new(), distinct.clone()),
+            Kind::Call(_) => distinct.iter().partition(|&&index| {
                 submissions[index].start_at.is_none() && batch.first_request_builds(index)
             }),
         };
@@ -386,17 +386,17 @@ impl Writes<'_> {
             .collect();
         let positions: Vec<i32> = (0..).take(steps.len()).collect();
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
-        let agents: Vec<&str> = steps.iter().map(|s| s.agent.as_str()).collect();
-        let actions: Vec<&str> = steps.iter().map(|s| s.action.as_str()).collect();
-        let compensations: Vec<Option<&str>> =
-            steps.iter().map(|s| s.compensation.as_deref()).collect();
-        let requests: Vec<Option<sqlx::types::Json<&crate::StepCalls>>> = steps
+        let kinds: Vec<StoredKind<'_>> = steps.iter().map(|s| s.kind.stored()).collect();
+        let agents: Vec<&str> = kinds.iter().map(|k| k.agent).collect();
+        let actions: Vec<&str> = kinds.iter().map(|k| k.action).collect();
+        let compensations: Vec<Option<&str>> = kinds.iter().map(|k| k.compensation).collect();
+        let requests: Vec<Option<sqlx::types::Json<&crate::StepCalls>>> = kinds
             .iter()
-            .map(|s| s.calls.as_ref().map(sqlx::types::Json))
+            .map(|k| k.calls.as_deref().map(sqlx::types::Json))
             .collect();
-        let parks: Vec<Option<sqlx::types::Json<&crate::machine::park::Park>>> = steps
+        let parks: Vec<Option<sqlx::types::Json<&ParkRef<'_>>>> = kinds
             .iter()
-            .map(|s| s.park.as_ref().map(sqlx::types::Json))
+            .map(|k| k.park.as_ref().map(sqlx::types::Json))
             .collect();
         let groups: Vec<Option<&str>> = steps.iter().map(|s| s.group.as_deref()).collect();
         let timeouts: Vec<i32> = steps
@@ -611,8 +611,8 @@ impl Writes<'_> {
 /// starts (see [`crate::machine::concurrency`]).
 fn starts_limited(steps: &[NewStep]) -> bool {
     let limited = |step: &NewStep| {
-        step.calls
-            .as_ref()
+        step.kind
+            .calls()
             .is_some_and(|calls| calls.key_limits().is_some())
     };
     match steps.first() {
@@ -688,6 +688,7 @@ pub(crate) async fn insert_pending(
     .await?;
     for (position, step) in (0..).zip(steps) {
         let row = crate::machine::StepRow::new(order_id, position, step);
+        let kind = row.kind.stored();
         sqlx::query(
             "INSERT INTO steps (order_id, position, name, agent, action, compensation,
                                 timeout_ms, idempotency_key, state, attempt, request, park,
@@ -697,13 +698,13 @@ pub(crate) async fn insert_pending(
         .bind(order_id)
         .bind(row.position)
         .bind(&row.name)
-        .bind(&row.agent)
-        .bind(&row.action)
-        .bind(&row.compensation)
+        .bind(kind.agent)
+        .bind(kind.action)
+        .bind(kind.compensation)
         .bind(row.timeout_ms)
         .bind(&row.idempotency_key)
-        .bind(row.calls.as_ref().map(sqlx::types::Json))
-        .bind(row.park.as_ref().map(sqlx::types::Json))
+        .bind(kind.calls.as_deref().map(sqlx::types::Json))
+        .bind(kind.park.as_ref().map(sqlx::types::Json))
         .bind(&row.group)
         .execute(&mut *conn)
         .await?;

@@ -414,6 +414,7 @@ struct LearntColumns<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::machine::kind::{CallStep, Kind};
     use crate::machine::Snapshot;
     use crate::NewStep;
 
@@ -458,12 +459,8 @@ mod tests {
         let t = |s: i64| DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap();
         let step = NewStep {
             name: "charge".into(),
-            agent: "payment".into(),
-            action: "charge".into(),
-            compensation: None,
+            kind: Kind::Call(CallStep::new("payment", "charge", None)),
             timeout: std::time::Duration::from_secs(5),
-            calls: None,
-            park: None,
             group: None,
         };
         let mut order =

@@ -26,7 +26,7 @@ pub(super) use reply::replied;
 /// line has no room, and otherwise its request is sent (or refused unsent
 /// when it cannot be built).
 pub(super) fn start(draft: &mut Draft<'_>, index: usize, kind: StepKind) {
-    if draft.ctx.closed == Some(draft.steps[index].agent.as_str()) {
+    if draft.ctx.closed.is_some() && draft.ctx.closed == draft.steps[index].kind.agent() {
         return draft.wait_for_slot(index, kind);
     }
     if let Some(line) = draft.closed_key_line(index) {
@@ -92,7 +92,11 @@ impl Draft<'_> {
             StepKind::Action => HistoryEvent::Dispatched,
             StepKind::Compensation => HistoryEvent::CompensationDispatched,
         };
-        let detail = attempt_detail(step.attempt, &step.agent, operation(step, kind));
+        let detail = attempt_detail(
+            step.attempt,
+            step.kind.agent().unwrap_or_default(),
+            operation(step, kind),
+        );
         let (name, attempt_id) = (step.name.clone(), step.attempt_id);
         self.progress.dispatches.push(dispatch);
         self.log(event, Some(&name), attempt_id, Some(detail));
@@ -160,7 +164,7 @@ impl Draft<'_> {
         why: &str,
     ) {
         let step = &self.steps[index];
-        let agent = step.agent.clone();
+        let agent = step.kind.agent().unwrap_or_default().to_owned();
         let name = step.name.clone();
         self.leave_held(kind, since);
         self.keep_place_from_key_line();
@@ -202,14 +206,16 @@ impl Draft<'_> {
     /// limits it by key ([`crate::machine::concurrency`]).
     pub(super) fn key_line(&self, index: usize) -> Option<String> {
         let step = &self.steps[index];
-        let calls = step.calls.as_ref()?;
+        let calls = step.kind.calls()?;
         calls.key_limits()?;
         let results = self
             .steps
             .iter()
             .filter_map(|s| s.result.as_ref().map(|r| (s.name.as_str(), r)));
         let context = crate::machine::call::context_of(&payload(&self.snapshot.body, results));
-        calls.key_line(&step.agent, &context).map(|(line, _)| line)
+        calls
+            .key_line(step.kind.agent()?, &context)
+            .map(|(line, _)| line)
     }
 
     /// Step `index`'s key line, when the store found it with no room for
@@ -224,8 +230,8 @@ impl Draft<'_> {
     /// from that line and put back keeps its place.
     pub(super) fn wait_for_key(&mut self, index: usize, kind: StepKind, line: String) {
         let limits = self.steps[index]
-            .calls
-            .as_ref()
+            .kind
+            .calls()
             .and_then(|calls| calls.key_limits())
             .map_or_else(String::new, |(limits, _, _)| limits.to_string());
         let why = format!(

@@ -9,7 +9,7 @@ use super::{Draft, Failure};
 use crate::machine::call::render_json;
 use crate::machine::child::{child_body, child_order_id, ChildCommand};
 use crate::machine::dispatch::{payload, Unbuilt};
-use crate::machine::park::Park;
+use crate::machine::kind::ChildStep;
 use crate::machine::{AlertKind, HistoryEvent, NewAlert};
 use crate::model::{ProcessState, StepState};
 
@@ -17,22 +17,20 @@ use crate::model::{ProcessState, StepState};
 /// forward, its child is started with this decision and the order parks
 /// until the child ends or the step's timeout passes; undoing, the child
 /// is asked to undo itself.
-pub(super) fn start(draft: &mut Draft<'_>, index: usize, kind: StepKind) {
+pub(super) fn start(draft: &mut Draft<'_>, index: usize, kind: StepKind, child: ChildStep) {
     match kind {
-        StepKind::Action => start_child(draft, index),
+        StepKind::Action => start_child(draft, index, child),
         StepKind::Compensation => undo_child(draft, index),
     }
 }
 
-fn start_child(draft: &mut Draft<'_>, index: usize) {
-    let Some(Park::Child {
+fn start_child(draft: &mut Draft<'_>, index: usize, child: ChildStep) {
+    let ChildStep {
         workflow,
         version,
         attributes,
-    }) = draft.steps[index].park.clone()
-    else {
-        return;
-    };
+        ..
+    } = child;
     let name = draft.steps[index].name.clone();
     let attributes = match attributes
         .map(|template| render(draft, &template))

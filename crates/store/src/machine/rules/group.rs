@@ -56,7 +56,7 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
         .collect();
     let closed = starting
         .iter()
-        .find(|&&i| draft.ctx.closed == Some(draft.steps[i].agent.as_str()));
+        .find(|&&i| draft.ctx.closed.is_some() && draft.ctx.closed == draft.steps[i].kind.agent());
     if let Some(&waits) = closed {
         return draft.wait_for_slot(waits, StepKind::Action);
     }

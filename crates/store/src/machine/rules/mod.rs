@@ -368,11 +368,13 @@ impl<'a> Draft<'a> {
     }
 
     fn start_attempt(&mut self, index: usize, kind: StepKind) {
-        match self.steps[index].kind() {
-            Kind::Call => call::start(self, index, kind),
-            Kind::Wait { .. } => wait::start(self, index),
-            Kind::Delay => delay::start(self, index),
-            Kind::Child { .. } => child::start(self, index, kind),
+        // Each kind's rule gets what its step holds (a call reads its own
+        // fields in place: the hot path copies nothing).
+        match &self.steps[index].kind {
+            Kind::Call(_) => call::start(self, index, kind),
+            Kind::Wait(wait) => wait::start(self, index, &wait.clone()),
+            Kind::Delay(delay) => delay::start(self, index, &delay.clone()),
+            Kind::Child(child) => child::start(self, index, kind, child.clone()),
         }
     }
 

@@ -43,14 +43,13 @@ pub(super) fn park(
 /// A claim of an order parked at step `index`, due: what its kind does when
 /// its time comes (a delay is over, a wait or a child step timed out).
 pub(super) fn wake(draft: &mut Draft<'_>, index: usize) {
-    let due: fn(&mut Draft<'_>, usize) = match draft.steps[index].kind() {
-        Kind::Wait { .. } => super::wait::timed_out,
-        Kind::Delay => super::delay::over,
-        Kind::Child { .. } => super::child::timed_out,
+    match &draft.steps[index].kind {
+        Kind::Wait(wait) => super::wait::timed_out(draft, index, &wait.clone()),
+        Kind::Delay(_) => super::delay::over(draft, index),
+        Kind::Child(_) => super::child::timed_out(draft, index),
         // A call never parks its order.
-        Kind::Call => return,
-    };
-    due(draft, index);
+        Kind::Call(_) => {}
+    }
 }
 
 /// Ends every wait in progress (an operator cancelled the order): the step
@@ -58,7 +57,7 @@ pub(super) fn wake(draft: &mut Draft<'_>, index: usize) {
 pub(super) fn end_waits(draft: &mut Draft<'_>, why: &str) {
     for index in 0..draft.steps.len() {
         let step = &draft.steps[index];
-        if step.kind().ends_on_cancel() && step.state == StepState::Running {
+        if step.kind.ends_on_cancel() && step.state == StepState::Running {
             fail_step(draft, index, why);
         }
     }

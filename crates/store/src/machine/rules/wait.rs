@@ -1,33 +1,28 @@
 //! Wait steps: the order parks until an event it waits for comes (by its
 //! id, or by a business key the step reads), or until the step's timeout,
 //! and `on_timeout` says what follows then (see
-//! [`crate::machine::park::Park::Event`]). What every parked kind shares is
+//! [`crate::machine::kind::WaitStep`]). What every parked kind shares is
 //! in [`super::park`].
 
 use super::park::{end_wait, fail_step, park};
 use super::{Draft, Failure};
 use crate::machine::call::context_of;
 use crate::machine::dispatch::payload;
-use crate::machine::park::{MailboxEvent, OnTimeout, Park, WaitKey};
+use crate::machine::kind::{Kind, WaitStep};
+use crate::machine::park::{MailboxEvent, OnTimeout, WaitKey};
 use crate::machine::{AlertKind, HistoryEvent};
 
-/// The order reaches wait step `index`: an event it waits for that is in
+/// The order reaches wait step `index` (`wait`): an event it waits for that is in
 /// the mailbox already is used at once (it arrived early); otherwise the
 /// order parks until the step's timeout, waiting with its business key if
 /// the step reads one.
-pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
-    let Some(park_spec) = draft.steps[index].park.clone() else {
-        return;
-    };
-    let Park::Event {
+pub(super) fn start(draft: &mut Draft<'_>, index: usize, wait: &WaitStep) {
+    let WaitStep {
         event,
         correlation_key,
         ..
-    } = &park_spec
-    else {
-        return;
-    };
-    if let Some(found) = usable_event(draft, &park_spec) {
+    } = wait;
+    if let Some(found) = usable_event(draft, wait) {
         let (data, id) = (found.data.clone(), found.event_id.clone());
         let detail = format!("event {event} ({id}){} was in the mailbox", from(found));
         return end_wait(draft, index, data, Some(id), &detail);
@@ -55,17 +50,15 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
     park(draft, index, until, &detail);
 }
 
-/// A claim of an order parked at wait step `index`, due: its event did not
-/// come in time, and the step's `on_timeout` says what follows.
-pub(super) fn timed_out(draft: &mut Draft<'_>, index: usize) {
+/// A claim of an order parked at wait step `index` (`wait`), due: its
+/// event did not come in time, and the step's `on_timeout` says what
+/// follows.
+pub(super) fn timed_out(draft: &mut Draft<'_>, index: usize, wait: &WaitStep) {
     let step = &draft.steps[index];
     let until = step.complete_by.unwrap_or(draft.ctx.now);
-    let Some(Park::Event {
+    let WaitStep {
         event, on_timeout, ..
-    }) = step.park.clone()
-    else {
-        return;
-    };
+    } = wait;
     let name = step.name.clone();
     let why = format!("no event {event} came by {until}");
     draft.log(
@@ -108,14 +101,14 @@ pub(super) fn event_arrived(draft: &mut Draft<'_>) {
     let Some(index) = super::park::parked_step(draft) else {
         return draft.unchanged("the order waits for no event now; the event stays in its mailbox");
     };
-    let Some(park_spec) = draft.steps[index].park.clone() else {
-        return draft.unchanged("the order waits for no event now; the event stays in its mailbox");
+    let wait = match &draft.steps[index].kind {
+        Kind::Wait(wait) => wait.clone(),
+        Kind::Delay(_) | Kind::Child(_) | Kind::Call(_) => {
+            return draft.unchanged("the order waits for a time or a child order, not an event");
+        }
     };
-    let Park::Event { event, .. } = &park_spec else {
-        return draft.unchanged("the order waits for a time or a child order, not an event");
-    };
-    let event = event.clone();
-    let Some(found) = usable_event(draft, &park_spec) else {
+    let event = wait.event.clone();
+    let Some(found) = usable_event(draft, &wait) else {
         return draft.unchanged("the order waits for another event (or one from an allowed sender); this one stays in its mailbox");
     };
     let (data, id) = (found.data.clone(), found.event_id.clone());
@@ -123,20 +116,17 @@ pub(super) fn event_arrived(draft: &mut Draft<'_>) {
     end_wait(draft, index, data, Some(id), &detail);
 }
 
-/// The first event in the mailbox that wait `park` waits for and accepts
+/// The first event in the mailbox that `wait` waits for and accepts
 /// from its sender (an event from a sender the wait does not accept stays
 /// unused: the scheduler refuses such events as they come, and this holds
 /// for one kept before the order existed).
-fn usable_event<'d>(draft: &'d Draft<'_>, park: &Park) -> Option<&'d MailboxEvent> {
-    let Park::Event { event, .. } = park else {
-        return None;
-    };
+fn usable_event<'d>(draft: &'d Draft<'_>, wait: &WaitStep) -> Option<&'d MailboxEvent> {
     let tenant = draft.snapshot.order_id.tenant();
     draft
         .snapshot
         .mailbox
         .iter()
-        .find(|e| &e.name == event && park.accepts(&e.principals, tenant))
+        .find(|e| e.name == wait.event && wait.accepts(&e.principals, tenant))
 }
 
 /// `" from <sender>"` for a mailbox event whose sender is known: the

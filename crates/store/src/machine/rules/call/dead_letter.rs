@@ -30,7 +30,7 @@ pub(in crate::machine::rules) fn dead_lettered(
     let state = draft.process.state;
     let current = |expected: StepState| {
         draft.steps.iter().position(|s| {
-            s.attempt_id == Some(attempt_id) && s.state == expected && s.kind().calls_out()
+            s.attempt_id == Some(attempt_id) && s.state == expected && s.kind.calls_out()
         })
     };
     let (index, given_up) = match state {

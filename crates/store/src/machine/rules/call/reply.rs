@@ -27,7 +27,7 @@ pub(in crate::machine::rules) fn replied(draft: &mut Draft<'_>, reply: &StepRepl
     // child's end settles.
     let current = |expected: StepState| {
         draft.steps.iter().position(|s| {
-            s.attempt_id == Some(reply.attempt_id) && s.state == expected && s.kind().calls_out()
+            s.attempt_id == Some(reply.attempt_id) && s.state == expected && s.kind.calls_out()
         })
     };
     if let Some(index) = current(expected) {
@@ -142,7 +142,10 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
     };
     let (queued_ms, slot_wait_ms) = (reported(reply.queued_ms), reported(reply.slot_wait_ms));
     draft.key_sample = key_sample(step, reply, in_flight_ms - queued_ms.max(slot_wait_ms));
-    draft.answered = Some((step.agent.clone(), in_flight_ms, queued_ms, slot_wait_ms));
+    draft.answered = step
+        .kind
+        .agent()
+        .map(|agent| (agent.to_owned(), in_flight_ms, queued_ms, slot_wait_ms));
     let by = format!("by {}", reply.agent_id);
     let expected = draft.steps[index].state;
     // "Maybe applied" is never read as "not applied": an action whose
@@ -197,8 +200,8 @@ fn answered(draft: &mut Draft<'_>, index: usize, reply: &StepReply) {
 fn key_sample(step: &StepRow, reply: &StepReply, unqueued_ms: i64) -> Option<KeySample> {
     let key = step.limit_key.clone()?;
     let ceiling = step
-        .calls
-        .as_ref()?
+        .kind
+        .calls()?
         .concurrency
         .as_ref()
         .filter(|c| c.adaptive)?
@@ -330,7 +333,7 @@ fn not_started(
             step.state = StepState::NotStarted;
         }
     });
-    draft.unstarted = Some(draft.steps[index].agent.clone());
+    draft.unstarted = draft.steps[index].kind.agent().map(str::to_owned);
     draft.log(
         HistoryEvent::NotStarted,
         Some(&name),
