@@ -174,8 +174,11 @@ const CLAIMER: &str = "scheduler-2";
 const SUPERVISOR: &str = "supervisor-1";
 const OPERATOR: &str = "operator";
 const SIGNALER: &str = "scheduler-3";
-/// The workflow a child step starts (the plain one, registered as such).
+/// The workflow a child step starts (the plain one, registered as such, or
+/// one with a child step of its own).
 const SUB: &str = "fulfilment";
+/// The workflow a child's child step starts (the plain one).
+const LEAF: &str = "packing";
 
 fn policy() -> RecoveryPolicy {
     RecoveryPolicy {
@@ -941,7 +944,7 @@ fn several(mut progress: Vec<Progress>) -> Returned {
 async fn run_case(
     store: &Store,
     db: &PgPool,
-    (workflow, sub): (&[NewStep], &[NewStep]),
+    (workflow, sub, leaf): (&[NewStep], &[NewStep], &[NewStep]),
     case: usize,
     (sequence, full): &(Vec<Step>, [bool; 3]),
     covered: &Mutex<HashSet<String>>,
@@ -988,13 +991,15 @@ async fn run_case(
         })
         .collect();
     let mapping = BTreeMap::from([("charge_payment".to_owned(), "charge".to_owned())]);
-    // The child's workflow, registered but in one family case in five:
-    // its child then cannot start.
+    // The children's workflows, registered but in one family case in
+    // five: its child then cannot start.
     let mut registered = vec![sas_store::Plan::new("order", 2, &version_2)];
     let mut plans = BTreeMap::new();
     if case % 40 != 5 {
-        registered.push(sas_store::Plan::new(SUB, 1, sub));
-        plans.insert((SUB.to_owned(), 1), sub.to_vec());
+        for (name, steps) in [(SUB, sub), (LEAF, leaf)] {
+            registered.push(sas_store::Plan::new(name, 1, steps));
+            plans.insert((name.to_owned(), 1), steps.to_vec());
+        }
     }
     store
         .writes()
@@ -1555,6 +1560,24 @@ fn cover(model: &Model, step: &Step, covered: &Mutex<HashSet<String>>) {
             covered.insert(path.into());
         }
     }
+    // Three generations: an order whose parent has a parent.
+    for order in model.orders.values() {
+        let grandparent = order
+            .snapshot
+            .parent
+            .as_ref()
+            .and_then(|link| model.orders[&link.order_id].snapshot.parent.as_ref());
+        if grandparent.is_some() {
+            covered.insert("a grandchild started".into());
+            if order
+                .history
+                .iter()
+                .any(|(_, line)| line.event == HistoryEvent::UndoneForParent)
+            {
+                covered.insert("a grandchild undone as a whole".into());
+            }
+        }
+    }
     let main = model.main();
     let running = main
         .snapshot
@@ -1731,7 +1754,11 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
         }
         // A child refused at its charge, which undoes itself, and then its
         // parent; or whose undo is dead-lettered, and stops in error while
-        // its parent waits; or the parent cancelled while its child runs.
+        // its parent waits. In three generations (see the runner): the
+        // grandchild runs whole, its parent's charge is refused and the
+        // grandchild is undone as a whole (its undo starts at a claim, then
+        // each of its three undos is answered); or the first order is
+        // cancelled while the grandchild runs.
         7 => {
             *full = [false; 3];
             let ok = answer(Answer::Succeeded);
@@ -1741,6 +1768,16 @@ fn seed(case: usize, (sequence, full): &mut (Vec<Step>, [bool; 3])) {
                 // would time out first).
                 0 => vec![answer(Answer::Refused), ok.clone()],
                 2 => vec![answer(Answer::Refused), dead_lettered],
+                1 => {
+                    let grandchild_runs = [ok.clone(), ok.clone(), ok.clone()];
+                    let claim = Step::Claimed { frees: false };
+                    [
+                        &grandchild_runs[..],
+                        &[answer(Answer::Refused), claim],
+                        &grandchild_runs[..],
+                    ]
+                    .concat()
+                }
                 _ => vec![Step::Cancelled { child: false }],
             };
             [vec![reserved, ok], last].concat()
@@ -1791,23 +1828,30 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         }
     }
     // The plain workflow with a child step after its first, which starts
-    // an order of the plain workflow (`SUB`): the same agents, one order
-    // after the other.
-    let mut family = plain.clone();
-    family.insert(
-        1,
-        NewStep {
-            name: "fulfil".into(),
-            kind: Kind::Child(ChildStep {
-                workflow: SUB.into(),
-                version: 1,
-                attributes: None,
-                on_failure: sas_store::OnFailure::Compensate,
-            }),
-            timeout: std::time::Duration::from_secs(600),
-            group: None,
-        },
-    );
+    // an order of `workflow`: the same agents, one order after the other.
+    let with_child = |workflow: &str| {
+        let mut steps = plain.clone();
+        steps.insert(
+            1,
+            NewStep {
+                name: "fulfil".into(),
+                kind: Kind::Child(ChildStep {
+                    workflow: workflow.into(),
+                    version: 1,
+                    attributes: None,
+                    on_failure: sas_store::OnFailure::Compensate,
+                }),
+                timeout: std::time::Duration::from_secs(600),
+                group: None,
+            },
+        );
+        steps
+    };
+    // The parent's child (`SUB`) is the plain workflow, or in one family
+    // case in four a workflow whose own child (`LEAF`) is: three
+    // generations, whose cancels and undos cascade two levels down.
+    let family = with_child(SUB);
+    let nested = with_child(LEAF);
     // The plain workflow with its last two steps (charge, ship) side by side.
     let mut grouped = plain.clone();
     for step in &mut grouped[1..] {
@@ -1843,6 +1887,8 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
                     5 | 7 => &family,
                     _ => &waiting[(case / 4) % waiting.len()],
                 },
+                // Three generations where the seed runs them (`seed`).
+                if case % 16 == 15 { &nested } else { &plain },
                 &plain,
             ),
             case,
@@ -1903,6 +1949,8 @@ fn every_sql_path_writes_what_the_state_machine_decides() {
         "a parent heard its child undone",
         "a parent heard its child stopped",
         "a parent's undo refused, its child stopped",
+        "a grandchild started",
+        "a grandchild undone as a whole",
     ] {
         assert!(
             reached.contains_key(path),
