@@ -752,6 +752,23 @@ async fn read_rows(store: &Store, pool: &PgPool, order_id: &str) -> Rows {
         .await
         .expect("read the steps")
         .expect("the order exists");
+    // What SQL reads besides (an agent's in-flight count, the fast path's
+    // "is it a call", a move's plan): the columns hold each kind's stored
+    // form, as the store writes it.
+    let columns: Vec<serde_json::Value> = sqlx::query_scalar(
+        "SELECT jsonb_build_object('agent', agent, 'action', action, 'compensation', compensation,
+                                   'calls', request, 'park', park)
+           FROM steps WHERE order_id = $1 ORDER BY position",
+    )
+    .bind(order_id)
+    .fetch_all(pool)
+    .await
+    .expect("read the steps' columns");
+    let stored: Vec<serde_json::Value> = steps
+        .iter()
+        .map(|step| serde_json::to_value(&step.kind).expect("a kind as JSON"))
+        .collect();
+    assert_eq!(columns, stored, "order {order_id}: the steps' kind columns");
     let history = sqlx::query(
         "SELECT actor, event, step, attempt_id, detail FROM history WHERE order_id = $1 ORDER BY id",
     )

@@ -93,7 +93,9 @@ pub struct DelayStep {
 
 /// An order of another workflow, started by the step (see
 /// [`crate::machine::child`]): the step waits for it to end, for at most
-/// the step's timeout, and takes its results.
+/// the step's timeout, and takes its results. Serialized alone, it is the
+/// `park` column's form, without `on_failure` (stored with the call
+/// settings): serialize the [`Kind`] to keep it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChildStep {

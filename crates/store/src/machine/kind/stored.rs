@@ -10,9 +10,14 @@
 //! | call  | agent | action    | its undo     | its templates   | null    |
 //! | wait  | `""`  | the event | null         | null            | `event` |
 //! | delay | `""`  | `delay`   | null         | null            | `delay` |
-//! | child | `""`  | workflow  | `undo`       | its `on_failure`| `child` |
+//! | child | `""`  | workflow  | `undo`       | `{"on_failure": "stop"}`, or null for the default | `child` |
 //!
-//! Nothing outside this file reads or writes that form field by field.
+//! Nothing outside this file decides what goes in those fields: the
+//! columns are read into [`Stored`] and written from [`StoredKind`]
+//! (`step_columns.rs`, the intake statements), and a move writes a plan's
+//! JSON, which is this form (migration 0016's `sas_replace_steps`).
+//! Reading trusts the form: a row with a `park` is its parked kind,
+//! whatever its other columns hold.
 
 use std::borrow::Cow;
 
@@ -46,9 +51,7 @@ pub(crate) enum ParkRef<'a> {
 /// A step's kind as read from its columns or a registered plan.
 #[derive(Debug, Deserialize)]
 pub(crate) struct Stored {
-    #[serde(default)]
     pub(crate) agent: String,
-    #[serde(default)]
     pub(crate) action: String,
     #[serde(default)]
     pub(crate) compensation: Option<String>,
