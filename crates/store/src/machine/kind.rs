@@ -312,7 +312,7 @@ impl DelayStep {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     fn wait(senders: &[&str]) -> WaitStep {
@@ -324,23 +324,31 @@ mod tests {
         }
     }
 
-    fn kinds() -> [Kind; 4] {
+    /// One step of each kind, each with every field it may hold set.
+    pub(super) fn kinds() -> [Kind; 4] {
         [
             Kind::Call(CallStep {
-                agent: "payment".into(),
-                action: "charge".into(),
-                compensation: Some("refund".into()),
-                calls: None,
+                calls: Some(Box::new(StepCalls {
+                    action: Some(crate::CallTemplate {
+                        method: Some("PUT".into()),
+                        ..crate::CallTemplate::default()
+                    }),
+                    ..StepCalls::default()
+                })),
+                ..CallStep::new("payment", "charge", Some("refund"))
             }),
-            Kind::Wait(wait(&[])),
+            Kind::Wait(WaitStep {
+                correlation_key: Some("/attributes/ref".into()),
+                ..wait(&["role:approver"])
+            }),
             Kind::Delay(DelayStep {
                 delay_ms: 5,
-                not_before: None,
+                not_before: Some("/attributes/ship_after".into()),
             }),
             Kind::Child(ChildStep {
                 workflow: "fulfil".into(),
                 version: 3,
-                attributes: None,
+                attributes: Some(serde_json::json!({"sku": "${/order/sku}"})),
                 on_failure: OnFailure::Stop,
             }),
         ]

@@ -136,34 +136,7 @@ mod tests {
 
     #[test]
     fn every_kind_reads_back_as_it_was_stored() {
-        let kinds = [
-            Kind::Call(CallStep {
-                agent: "payment".into(),
-                action: "charge".into(),
-                compensation: Some("refund".into()),
-                calls: Some(Box::new(StepCalls {
-                    on_failure: OnFailure::Stop,
-                    ..StepCalls::default()
-                })),
-            }),
-            Kind::Wait(WaitStep {
-                event: "approved".into(),
-                on_timeout: OnTimeout::Continue,
-                correlation_key: Some("/attributes/ref".into()),
-                senders: vec!["role:approver".into()],
-            }),
-            Kind::Delay(DelayStep {
-                delay_ms: 5,
-                not_before: None,
-            }),
-            Kind::Child(ChildStep {
-                workflow: "fulfil".into(),
-                version: 3,
-                attributes: Some(serde_json::json!({"sku": "${/order/sku}"})),
-                on_failure: OnFailure::Stop,
-            }),
-        ];
-        for kind in kinds {
+        for kind in super::super::tests::kinds() {
             let json = serde_json::to_value(&kind).unwrap();
             let back: Kind = serde_json::from_value(json.clone()).unwrap();
             assert_eq!(back, kind, "{json}");
