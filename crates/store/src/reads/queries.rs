@@ -224,33 +224,19 @@ impl Reads<'_> {
         self,
         order_id: &str,
     ) -> Result<Option<(OrderSummary, Vec<StepRow>)>, StoreError> {
-        let summary: Option<OrderSummary> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT {SUMMARY_COLUMNS} FROM order_process WHERE order_id = $1"
-        )))
-        .bind(order_id)
-        .fetch_optional(self.pool())
-        .await?;
-        let Some(summary) = summary else {
-            return Ok(None);
-        };
-        let steps = sqlx::query(concat!(
-            "SELECT ",
-            step_select!(),
-            " FROM steps s WHERE s.order_id = $1 ORDER BY s.position"
-        ))
-        .bind(order_id)
-        .fetch_all(self.pool())
-        .await?
-        .iter()
-        .map(|row| BESIDE_ORDER.read(row))
-        .collect::<Result<_, _>>()?;
-        Ok(Some((summary, steps)))
+        let mut conn = self.pool().acquire().await?;
+        status_of(&mut conn, order_id).await
     }
 
     /// What event `event` with id `event_id`, from a sender known by
     /// `principals`, would become
     /// in order `order_id` (its stored id) as it stands: what every front
     /// end checks before it sends one (see [`crate::machine::wait`]).
+    ///
+    /// Read in one snapshot: a webhook retried while the scheduler uses its
+    /// first delivery sees either the wait still ahead or the event kept,
+    /// never the wait passed without the event (which would refuse the
+    /// retry with 409 as if it were another event).
     ///
     /// # Errors
     /// When the database fails.
@@ -261,17 +247,27 @@ impl Reads<'_> {
         event_id: &str,
         principals: &[String],
     ) -> Result<EventAdmission, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await?;
         let seen: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM order_events WHERE order_id = $1 AND event_id = $2)",
         )
         .bind(order_id)
         .bind(event_id)
-        .fetch_one(self.pool())
+        .fetch_one(&mut *tx)
         .await?;
+        let status = if seen {
+            None
+        } else {
+            status_of(&mut tx, order_id).await?
+        };
+        tx.commit().await?;
         if seen {
             return Ok(EventAdmission::Duplicate);
         }
-        let Some((summary, steps)) = self.order_status(order_id).await? else {
+        let Some((summary, steps)) = status else {
             return Ok(EventAdmission::NoOrderYet);
         };
         Ok(crate::machine::wait::admission(
@@ -428,4 +424,33 @@ impl Reads<'_> {
                 .await?,
         )
     }
+}
+
+/// An order's process record and steps, read on `conn` (in its snapshot,
+/// when it is a transaction's); `None` if no such order exists.
+async fn status_of(
+    conn: &mut sqlx::PgConnection,
+    order_id: &str,
+) -> Result<Option<(OrderSummary, Vec<StepRow>)>, StoreError> {
+    let summary: Option<OrderSummary> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT {SUMMARY_COLUMNS} FROM order_process WHERE order_id = $1"
+    )))
+    .bind(order_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(summary) = summary else {
+        return Ok(None);
+    };
+    let steps = sqlx::query(concat!(
+        "SELECT ",
+        step_select!(),
+        " FROM steps s WHERE s.order_id = $1 ORDER BY s.position"
+    ))
+    .bind(order_id)
+    .fetch_all(&mut *conn)
+    .await?
+    .iter()
+    .map(|row| BESIDE_ORDER.read(row))
+    .collect::<Result<_, _>>()?;
+    Ok(Some((summary, steps)))
 }
