@@ -584,6 +584,22 @@ impl Model {
         (step, child, (workflow, version)): (&str, &str, (&str, i32)),
         body: &serde_json::Value,
     ) -> Result<Vec<Made>, String> {
+        let link = ParentLink {
+            order_id: parent.order_id.to_string(),
+            step: step.to_owned(),
+            waits: true,
+        };
+        let taken_in = self.orders.get(child).is_some_and(|order| {
+            order
+                .snapshot
+                .parent
+                .as_ref()
+                .is_some_and(|p| (&p.order_id, &p.step) == (&link.order_id, &link.step))
+        });
+        if taken_in {
+            // The same start, taken in already: checked first.
+            return Ok(Vec::new());
+        }
         let plan = (workflow.to_owned(), version);
         let refused = match self.plans.get(&plan) {
             None => Some(ToParent::not_registered(child, workflow, version)),
@@ -608,23 +624,11 @@ impl Model {
                 ToParent::too_deep(child, depth).or_else(|| ToParent::tree_full(child, &root, size))
             }
         };
-        let link = ParentLink {
-            order_id: parent.order_id.to_string(),
-            step: step.to_owned(),
-            waits: true,
-        };
-        let refused =
-            refused.or_else(|| match self.orders.get(child) {
-                Some(order)
-                    if order.snapshot.parent.as_ref().is_some_and(|p| {
-                        (&p.order_id, &p.step) == (&link.order_id, &link.step)
-                    }) =>
-                {
-                    None
-                }
-                Some(_) => Some(ToParent::squatted(child)),
-                None => None,
-            });
+        let refused = refused.or_else(|| {
+            self.orders
+                .contains_key(child)
+                .then(|| ToParent::squatted(child))
+        });
         if let Some(refused) = refused {
             let event = refused.event(step, child);
             return self.transition(
@@ -635,10 +639,6 @@ impl Model {
                 event,
                 false,
             );
-        }
-        if self.orders.contains_key(child) {
-            // The same start, taken in already.
-            return Ok(Vec::new());
         }
         let mut snapshot = Snapshot::new_order(
             child,

@@ -164,6 +164,13 @@ impl StepRow {
             }
     }
 
+    /// Whether its undo began: sent, done, or refused. An order stopped in
+    /// error with no such step may be resumed (its failed step starts
+    /// again) or cancelled; one with such a step may not.
+    pub fn undo_began(&self) -> bool {
+        matches!(self.state, StepState::Compensating | StepState::Compensated) || self.undo_refused
+    }
+
     /// Whether its workflow says to stop the order in `error` when this step
     /// fails for good, instead of undoing it (see [`call::OnFailure`]).
     pub fn stops_on_failure(&self) -> bool {

@@ -204,12 +204,11 @@ fn keeps_its_undo(old: &StepRow, new: &NewStep, to: i32) -> Result<(), Unsafe> {
         )));
     }
     if old.kind.agent() != new.kind.agent() {
-        let at = |kind: &Kind| kind.agent().unwrap_or("no agent").to_owned();
         return Err(Unsafe(format!(
             "step {:?} did (or may have done) its action at {}, and version {to} gives it to {}: its effect could not be undone (nor a late call of it known)",
             old.name,
-            at(&old.kind),
-            at(&new.kind)
+            old.kind.agent().unwrap_or("no agent"),
+            new.kind.agent().unwrap_or("no agent")
         )));
     }
     Ok(())

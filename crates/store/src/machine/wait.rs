@@ -128,20 +128,16 @@ pub fn admission(
     // The step states still to come: an order stopped in error before any
     // undo began may be resumed or resubmitted, which starts its failed
     // step (a wait that timed out with `on_timeout = "fail"`) again.
-    let undoing = steps
-        .iter()
-        .any(|step| matches!(step.state, StepState::Compensating | StepState::Compensated));
+    let undoing = steps.iter().any(StepRow::undo_began);
     let ahead = |step: &StepRow| match state {
         ProcessState::Pending | ProcessState::Processing => {
             matches!(step.state, StepState::NotStarted | StepState::Running)
         }
-        ProcessState::Error => {
-            !undoing
-                && matches!(
-                    step.state,
-                    StepState::NotStarted | StepState::Running | StepState::Failed
-                )
-        }
+        // Not reached once an undo began (the return below).
+        ProcessState::Error => matches!(
+            step.state,
+            StepState::NotStarted | StepState::Running | StepState::Failed
+        ),
         ProcessState::Processed | ProcessState::Compensating | ProcessState::Compensated => false,
     };
     if state == ProcessState::Error && undoing {

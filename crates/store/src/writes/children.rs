@@ -157,7 +157,8 @@ struct ChildStart<'a> {
 /// schema, the child would be deeper than [`MAX_DEPTH`] or its tree hold
 /// more than
 /// [`MAX_TREE_ORDERS`](crate::machine::child::MAX_TREE_ORDERS) orders, or an order with
-/// the child's id exists that the step did not start.
+/// the child's id exists that the step did not start. A start taken in
+/// already (its child linked to this step) changes nothing.
 ///
 /// # Errors
 /// When the database fails.
@@ -169,6 +170,21 @@ async fn start_child(
 ) -> Result<Vec<Decided>, StoreError> {
     let parent = start.parent;
     let at = (parent.order_id.as_str(), start.step);
+    // The same start, taken in already (a redelivery, a decision taken
+    // again): nothing to check or store. Checked first, so that no limit
+    // reached since refuses a child that runs.
+    let linked: Option<(String, String)> = sqlx::query_as(
+        "SELECT parent_order_id, step FROM order_children WHERE child_order_id = $1",
+    )
+    .bind(start.child)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let taken_in = linked
+        .as_ref()
+        .is_some_and(|(p, s)| (p.as_str(), s.as_str()) == at);
+    if taken_in {
+        return Ok(Vec::new());
+    }
     let plan: Option<(sqlx::types::Json<Vec<NewStep>>, Option<serde_json::Value>)> =
         sqlx::query_as(
             "SELECT steps, attributes_schema FROM workflow_plans WHERE name = $1 AND version = $2",
@@ -190,8 +206,7 @@ async fn start_child(
     // How deep the parent is (its chain of parents, as stored), the root of
     // its tree, and how many orders the tree holds: every order its root
     // started, at any depth and in every generation (an operator's
-    // put-back starts new children), but this child: the same start taken
-    // in again is no new order. Read without a lock: starts committed
+    // put-back starts new children). Read without a lock: starts committed
     // at the same instant in other branches of one tree may pass the bound
     // together.
     let (depth, root, size): (i32, String, i64) = sqlx::query_as(
@@ -208,11 +223,10 @@ async fn start_child(
              SELECT c.child_order_id, down.depth + 1
                FROM order_children c JOIN down ON c.parent_order_id = down.order_id
               WHERE down.depth <= $2)
-         SELECT top.depth, top.order_id, (SELECT count(*) FROM down WHERE order_id <> $3) FROM top",
+         SELECT top.depth, top.order_id, (SELECT count(*) FROM down) FROM top",
     )
     .bind(parent.order_id.as_str())
     .bind(i32::try_from(MAX_DEPTH).unwrap_or(i32::MAX))
-    .bind(start.child)
     .fetch_one(&mut *conn)
     .await?;
     if let Some(refused) =
@@ -245,19 +259,7 @@ async fn start_child(
     )
     .await?;
     if !inserted {
-        let linked: Option<(String, String)> = sqlx::query_as(
-            "SELECT parent_order_id, step FROM order_children WHERE child_order_id = $1",
-        )
-        .bind(start.child)
-        .fetch_optional(&mut *conn)
-        .await?;
-        if linked
-            .as_ref()
-            .is_some_and(|(p, s)| (p.as_str(), s.as_str()) == at)
-        {
-            // The same start, taken in already.
-            return Ok(Vec::new());
-        }
+        // An order with the child's id that this step did not start.
         let refused = ToParent::squatted(start.child);
         return tell(conn, store, actor, at, start.child, &refused).await;
     }

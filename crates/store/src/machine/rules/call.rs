@@ -26,7 +26,7 @@ pub(super) use reply::replied;
 /// line has no room, and otherwise its request is sent (or refused unsent
 /// when it cannot be built).
 pub(super) fn start(draft: &mut Draft<'_>, index: usize, kind: StepKind) {
-    if draft.ctx.closed.is_some() && draft.ctx.closed == draft.steps[index].kind.agent() {
+    if draft.agent_closed(index) {
         return draft.wait_for_slot(index, kind);
     }
     if let Some(line) = draft.closed_key_line(index) {
@@ -216,6 +216,15 @@ impl Draft<'_> {
         calls
             .key_line(step.kind.agent()?, &context)
             .map(|(line, _)| line)
+    }
+
+    /// Whether step `index` calls the agent the store found with no free
+    /// slot for this decision.
+    pub(super) fn agent_closed(&self, index: usize) -> bool {
+        self.steps[index]
+            .kind
+            .agent()
+            .is_some_and(|agent| self.ctx.closed == Some(agent))
     }
 
     /// Step `index`'s key line, when the store found it with no room for

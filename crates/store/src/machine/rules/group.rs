@@ -54,9 +54,7 @@ pub(super) fn start(draft: &mut Draft<'_>, index: usize) {
     let starting: Vec<usize> = members(&draft.steps, index)
         .filter(|&i| draft.steps[i].state != StepState::Completed)
         .collect();
-    let closed = starting
-        .iter()
-        .find(|&&i| draft.ctx.closed.is_some() && draft.ctx.closed == draft.steps[i].kind.agent());
+    let closed = starting.iter().find(|&&i| draft.agent_closed(i));
     if let Some(&waits) = closed {
         return draft.wait_for_slot(waits, StepKind::Action);
     }

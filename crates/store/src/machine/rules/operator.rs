@@ -118,7 +118,7 @@ pub(super) fn resumed(draft: &mut Draft<'_>, reason: &str, earlier: i64) {
         draft.verdict = Verdict::Refused(state);
         return;
     }
-    if let Some(step) = draft.steps.iter().find(|s| undo_began(s)) {
+    if let Some(step) = draft.steps.iter().find(|s| s.undo_began()) {
         draft.verdict = Verdict::NotResumable(format!(
             "its compensation began (step {} is {}{}): an action sent now could not be undone with certainty; resubmit it to finish the compensation, or fix the undo by hand",
             step.name,
@@ -183,11 +183,6 @@ pub(super) fn resumed(draft: &mut Draft<'_>, reason: &str, earlier: i64) {
     };
 }
 
-/// Whether a step's undo began: sent, done, or refused.
-fn undo_began(step: &StepRow) -> bool {
-    matches!(step.state, StepState::Compensating | StepState::Compensated) || step.undo_refused
-}
-
 /// An operator cancelled a running order, or one stopped in error before
 /// any undo began: it is compensated, by a claim. The undo of a step in flight waits for that attempt's deadline plus the
 /// grace period ([`crate::machine::undo`]), so it never reaches the remote
@@ -197,7 +192,7 @@ pub(super) fn cancelled(draft: &mut Draft<'_>, reason: &str) {
     // An order stopped in error before any undo began (a step that says
     // `on_failure = "stop"`, a wait that says `on_timeout = "fail"`) may be
     // cancelled too: that is how its operator has it undone.
-    let stopped = state == ProcessState::Error && !draft.steps.iter().any(undo_began);
+    let stopped = state == ProcessState::Error && !draft.steps.iter().any(StepRow::undo_began);
     if !(stopped || matches!(state, ProcessState::Pending | ProcessState::Processing)) {
         draft.verdict = Verdict::Refused(state);
         return;
